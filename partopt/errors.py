@@ -1,0 +1,38 @@
+"""Errors a user can cause: each carries a one-line cause, where it happened and what to do."""
+
+from __future__ import annotations
+
+
+class PartoptError(Exception):
+    """Base of every error the CLI reports without a traceback (exit code 2).
+
+    `where` names the place (file, JSON path, op or tensor name); `hint` says what to do.
+    """
+
+    def __init__(self, cause: str, where: str | None = None, hint: str | None = None):
+        self.cause = cause
+        self.where = where
+        self.hint = hint
+        super().__init__(self.line())
+
+    def line(self) -> str:
+        """The single line the CLI prints."""
+        text = f"{self.where}: {self.cause}" if self.where else self.cause
+        return f"{text} (hint: {self.hint})" if self.hint else text
+
+    def located(self, prefix: str) -> "PartoptError":
+        """The same error with `prefix` (usually a file name) put before its place."""
+        where = f"{prefix}: {self.where}" if self.where else prefix
+        return type(self)(self.cause, where, self.hint)
+
+
+class InstanceError(PartoptError):
+    """A graph, cluster or plan file (or object) that is malformed or inconsistent."""
+
+
+class InfeasibleError(PartoptError):
+    """A request that no plan can satisfy (memory, divisibility, cluster size)."""
+
+
+class SolverError(PartoptError):
+    """A solver that failed or ran out of time without a solution."""

@@ -1,0 +1,249 @@
+"""Graph IR: named dims, tensors over them, operators; validation and structural hashing.
+
+A `Graph` is valid by construction: building one checks every rule of DESIGN §2 and raises
+`InstanceError` naming the JSON path and the op or tensor at fault.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Iterable, Literal, Mapping, Sequence
+
+import networkx as nx
+
+from partopt import ops as opkinds
+from partopt.errors import InstanceError
+
+Role = Literal["input", "param", "activation", "output"]
+ROLES: tuple[str, ...] = ("input", "param", "activation", "output")
+DTYPE_BYTES: Mapping[str, int] = {
+    "fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int32": 4, "int64": 8, "bool": 1,
+}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A named tensor whose axes are named dims; `dtype` None means the graph's dtype."""
+
+    name: str
+    dims: tuple[str, ...]
+    role: Role = "activation"
+    dtype: str | None = None
+
+
+@dataclass(frozen=True, eq=True)
+class Op:
+    """One operator: a kind (see `partopt.ops`), input tensors, one output tensor."""
+
+    name: str
+    kind: str
+    inputs: tuple[str, ...]
+    output: str
+    layer: int | None = None
+    attrs: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+
+@dataclass
+class Graph:
+    """A validated operator graph over named dims."""
+
+    name: str
+    dims: dict[str, int]
+    tensors: dict[str, Tensor]
+    ops: list[Op]
+    batch_dim: str | None = None
+    dtype: str = "fp16"
+
+    def __post_init__(self) -> None:
+        self.dims = dict(self.dims)
+        self.tensors = dict(self.tensors)
+        self.ops = list(self.ops)
+        _validate(self)
+
+    # ------------------------------------------------------------ structure
+    @cached_property
+    def op_index(self) -> dict[str, Op]:
+        return {op.name: op for op in self.ops}
+
+    @cached_property
+    def producers(self) -> dict[str, Op]:
+        """Tensor name -> the op that produces it."""
+        return {op.output: op for op in self.ops}
+
+    @cached_property
+    def consumers(self) -> dict[str, list[Op]]:
+        """Tensor name -> ops reading it, in graph order (an op reading twice appears once)."""
+        result: dict[str, list[Op]] = {name: [] for name in self.tensors}
+        for op in self.ops:
+            for t in dict.fromkeys(op.inputs):
+                result[t].append(op)
+        return result
+
+    @cached_property
+    def order(self) -> list[Op]:
+        """Ops in a topological order, stable: the file's order wherever it is valid."""
+        position = {op.name: i for i, op in enumerate(self.ops)}
+        dag = _dependency_graph(self)
+        names = nx.lexicographical_topological_sort(dag, key=position.__getitem__)
+        return [self.op_index[n] for n in names]
+
+    @cached_property
+    def params(self) -> list[Tensor]:
+        return [t for t in self.tensors.values() if t.role == "param"]
+
+    @property
+    def num_params(self) -> int:
+        """Exact number of trainable parameters (elements of all `param` tensors)."""
+        return sum(self.numel(t.name) for t in self.params)
+
+    @cached_property
+    def layers(self) -> list[int | None]:
+        """The distinct layer tags in topological order (None for untagged ops)."""
+        return list(dict.fromkeys(op.layer for op in self.order))
+
+    # ------------------------------------------------------------ sizes and work
+    def dtype_of(self, tensor: str) -> str:
+        return self.tensors[tensor].dtype or self.dtype
+
+    def numel(self, tensor: str) -> int:
+        return math.prod(self.dims[d] for d in self.tensors[tensor].dims)
+
+    def nbytes(self, tensor: str) -> int:
+        return self.numel(tensor) * DTYPE_BYTES[self.dtype_of(tensor)]
+
+    def flops(self, op: Op) -> int:
+        """Forward FLOPs of `op` over the global batch."""
+        return opkinds.forward_flops(op, self)
+
+    def bytes_read(self, op: Op) -> int:
+        return sum(self.nbytes(t) for t in op.inputs)
+
+    def bytes_written(self, op: Op) -> int:
+        return self.nbytes(op.output)
+
+    def behaviours(self, op: Op) -> dict[str, opkinds.Behaviour]:
+        """Each dim of `op` and how sharding it behaves."""
+        return opkinds.behaviours(op, self)
+
+    @property
+    def forward_flops(self) -> int:
+        return sum(self.flops(op) for op in self.ops)
+
+    # ------------------------------------------------------------ hashing
+    def structural_hash(self, ops: Iterable[Op] | None = None) -> str:
+        """A hash of the ops' structure that ignores op, tensor and dim names.
+
+        Two subgraphs hash alike when they differ only in names: names are replaced by
+        their order of first appearance; sizes, dtypes, roles, kinds, attributes, the batch
+        dim and the wiring all count (two identical transformer blocks hash alike).
+        """
+        ops = list(self.order if ops is None else ops)
+        tensor_ids: dict[str, int] = {}
+        dim_ids: dict[str, int] = {}
+
+        def dim(d: str) -> tuple:
+            dim_ids.setdefault(d, len(dim_ids))
+            return (dim_ids[d], self.dims[d], d == self.batch_dim)
+
+        def tensor(name: str) -> tuple:
+            if name not in tensor_ids:
+                tensor_ids[name] = len(tensor_ids)
+            t = self.tensors[name]
+            return (tensor_ids[name], tuple(dim(d) for d in t.dims), t.role, self.dtype_of(name))
+
+        def attr(value: Any) -> Any:
+            if isinstance(value, str):
+                return ("dim", dim(value)) if value in self.dims else value
+            if isinstance(value, Mapping):
+                return tuple(sorted((str(attr(k)), attr(v)) for k, v in value.items()))
+            if isinstance(value, (list, tuple)):
+                return tuple(attr(v) for v in value)
+            return value
+
+        parts = [(op.kind, tuple(tensor(t) for t in op.inputs), tensor(op.output), attr(dict(op.attrs)))
+                 for op in ops]
+        return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+    def subgraph_ops(self, layers: Sequence[int | None]) -> list[Op]:
+        """Ops whose layer tag is in `layers`, in topological order."""
+        wanted = set(layers)
+        return [op for op in self.order if op.layer in wanted]
+
+
+# ---------------------------------------------------------------- validation
+
+def _dependency_graph(graph: Graph) -> nx.DiGraph:
+    dag = nx.DiGraph()
+    dag.add_nodes_from(op.name for op in graph.ops)
+    producers = {op.output: op.name for op in graph.ops}
+    for op in graph.ops:
+        for t in op.inputs:
+            if t in producers:
+                dag.add_edge(producers[t], op.name)
+    return dag
+
+
+def _fail(where: str, cause: str, hint: str | None = None) -> None:
+    raise InstanceError(cause, where, hint)
+
+
+def _validate(g: Graph) -> None:
+    """Check every rule of DESIGN §2; raise InstanceError at the first broken one."""
+    if g.dtype not in DTYPE_BYTES:
+        _fail("dtype", f"unknown dtype {g.dtype!r}", f"use one of {sorted(DTYPE_BYTES)}")
+    for name, size in g.dims.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            _fail(f"dims.{name}", f"size must be a positive integer, got {size!r}")
+    if g.batch_dim is not None and g.batch_dim not in g.dims:
+        _fail("batch_dim", f"batch dim {g.batch_dim!r} is not declared in dims")
+
+    for name, t in g.tensors.items():
+        where = f"tensors.{name}"
+        if t.name != name:
+            _fail(where, f"tensor is registered under another name {t.name!r}")
+        for d in t.dims:
+            if d not in g.dims:
+                _fail(where, f"unknown dim {d!r}", "declare it in `dims` with its size")
+        if len(set(t.dims)) != len(t.dims):
+            _fail(where, f"dim repeated in {list(t.dims)}", "two axes of one tensor need two dim names")
+        if t.role not in ROLES:
+            _fail(where, f"unknown role {t.role!r}", f"use one of {list(ROLES)}")
+        if t.dtype is not None and t.dtype not in DTYPE_BYTES:
+            _fail(where, f"unknown dtype {t.dtype!r}", f"use one of {sorted(DTYPE_BYTES)}")
+
+    produced_by: dict[str, str] = {}
+    seen_ops: set[str] = set()
+    for i, op in enumerate(g.ops):
+        where = f"ops[{i}] ({op.name})"
+        if op.name in seen_ops:
+            _fail(where, f"op name {op.name!r} is used twice")
+        seen_ops.add(op.name)
+        if op.kind not in opkinds.KINDS:
+            _fail(where, f"unknown kind {op.kind!r}", f"use one of {list(opkinds.KINDS)}")
+        for t in (*op.inputs, op.output):
+            if t not in g.tensors:
+                _fail(where, f"tensor {t!r} is not declared", "declare it under `tensors`")
+        out = g.tensors[op.output]
+        if out.role in ("input", "param"):
+            _fail(where, f"writes {op.output!r}, whose role is {out.role!r}", "inputs and params are never produced by an op")
+        if op.output in produced_by:
+            _fail(where, f"tensor {op.output!r} is produced twice (also by {produced_by[op.output]!r})")
+        if op.output in op.inputs:
+            _fail(where, f"op reads its own output {op.output!r}")
+        produced_by[op.output] = op.name
+        try:
+            opkinds.check(op, g)
+        except opkinds.OpShapeError as err:
+            _fail(where, f"{op.kind}: {err}")
+
+    for name, t in g.tensors.items():
+        if t.role in ("activation", "output") and name not in produced_by:
+            _fail(f"tensors.{name}", f"{t.role} tensor is produced by no op", "produce it with an op, or give it role 'input'")
+
+    dag = _dependency_graph(g)
+    if not nx.is_directed_acyclic_graph(dag):
+        cycle = [edge[0] for edge in nx.find_cycle(dag)]
+        _fail(f"ops ({' -> '.join(cycle)})", "the ops form a cycle", "a graph must be acyclic")
