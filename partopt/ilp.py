@@ -1,0 +1,228 @@
+"""The strategy-selection ILP on an abstract cost graph (DESIGN §5).
+
+A `CostGraph` has nodes (one strategy each to choose, a cost and a memory per strategy) and
+edges (a cost per pair of endpoint strategies). `solve` picks one strategy per node so that the
+total cost is least and the summed memory fits a budget. Before solving it removes dominated
+strategies and fixes nodes left with one choice — both exact: the optimum never changes.
+Edge pairs are linearised over classes of equal rows/columns (Alpa's `e` variables, fewer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from partopt import solvers
+from partopt.errors import InfeasibleError, SolverError
+
+
+@dataclass
+class CostGraph:
+    """Nodes with per-strategy cost and memory; edges with a cost matrix over strategy pairs."""
+
+    names: list[str] = field(default_factory=list)
+    costs: list[np.ndarray] = field(default_factory=list)
+    memory: list[np.ndarray] = field(default_factory=list)
+    edges: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+
+    def add_node(self, name: str, cost, memory=None) -> int:
+        cost = np.asarray(cost, dtype=float)
+        self.names.append(name)
+        self.costs.append(cost)
+        self.memory.append(np.zeros_like(cost) if memory is None else np.asarray(memory, dtype=float))
+        return len(self.names) - 1
+
+    def add_edge(self, u: int, v: int, cost) -> None:
+        """Add (or accumulate onto) the edge u-v; stored with u < v."""
+        cost = np.asarray(cost, dtype=float)
+        if u > v:
+            u, v, cost = v, u, cost.T
+        if (u, v) in self.edges:
+            self.edges[(u, v)] = self.edges[(u, v)] + cost
+        else:
+            self.edges[(u, v)] = cost
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def total(self, choice: list[int]) -> float:
+        """Objective of a full assignment (one strategy index per node)."""
+        value = sum(float(c[k]) for c, k in zip(self.costs, choice))
+        return value + sum(float(m[choice[u], choice[v]]) for (u, v), m in self.edges.items())
+
+    def peak_memory(self, choice: list[int]) -> float:
+        return sum(float(m[k]) for m, k in zip(self.memory, choice))
+
+
+@dataclass(frozen=True)
+class Solution:
+    choice: list[int]  # strategy index per node of the original graph
+    objective: float
+    bound: float | None  # best proven lower bound on the objective
+    result: solvers.Result  # the backend's report (status, bound, gap, time)
+    kept: int  # strategies left after reduction
+    total: int  # strategies before reduction
+    variables: int  # ILP variables
+
+
+# ---------------------------------------------------------------- exact reduction
+
+def _incident(graph: CostGraph) -> list[list[tuple[tuple[int, int], bool]]]:
+    incident: list[list[tuple[tuple[int, int], bool]]] = [[] for _ in graph.names]
+    for key in graph.edges:
+        u, v = key
+        incident[u].append((key, True))
+        incident[v].append((key, False))
+    return incident
+
+
+def _prune(graph: CostGraph, alive: list[np.ndarray]) -> bool:
+    """Drop strategies dominated in cost, memory and every edge; True when anything changed."""
+    changed = False
+    incident = _incident(graph)
+    for n in range(len(graph)):
+        idx = np.flatnonzero(alive[n])
+        if len(idx) <= 1:
+            continue
+        columns = [graph.costs[n][idx, None], graph.memory[n][idx, None]]
+        for (u, v), is_row in incident[n]:
+            m = graph.edges[(u, v)]
+            if is_row:
+                columns.append(m[np.ix_(idx, np.flatnonzero(alive[v]))])
+            else:
+                columns.append(m[np.ix_(np.flatnonzero(alive[u]), idx)].T)
+        f = np.hstack(columns)
+        leq = np.all(f[:, None, :] <= f[None, :, :] + 1e-15, axis=2)  # leq[a, b]: a no worse than b
+        lt = np.any(f[:, None, :] < f[None, :, :] - 1e-15, axis=2)
+        order = np.arange(len(idx))
+        # b is dropped when some a is no worse and (strictly better somewhere, or equal and earlier)
+        beaten = leq & (lt | (order[:, None] < order[None, :]))
+        np.fill_diagonal(beaten, False)
+        dead = beaten.any(axis=0)
+        if dead.any():
+            alive[n][idx[dead]] = False
+            changed = True
+    return changed
+
+
+def reduce(graph: CostGraph) -> list[np.ndarray]:
+    """Masks of the strategies that survive exact dominance pruning (run to a fixed point)."""
+    alive = [np.ones(len(c), dtype=bool) for c in graph.costs]
+    while _prune(graph, alive):
+        pass
+    return alive
+
+
+# ---------------------------------------------------------------- the 0-1 program
+
+def _classes(matrix: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Group equal rows (axis 0) or columns (axis 1): (class id per index, one representative each)."""
+    lines = matrix if axis == 0 else matrix.T
+    _, first, inverse = np.unique(lines, axis=0, return_index=True, return_inverse=True)
+    return inverse.reshape(-1), first
+
+
+def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None) -> tuple[solvers.Model, list[np.ndarray]]:
+    """The ILP over surviving strategies; returns it and, per node, its variable per strategy (-1 if fixed).
+
+    Nodes left with one strategy get no variables; their costs are constants the objective omits.
+    """
+    model = solvers.Model()
+    keep = [np.flatnonzero(a) for a in alive]
+    var = [np.full(len(c), -1) for c in graph.costs]
+    for n, idx in enumerate(keep):
+        if len(idx) > 1:
+            for k in idx:
+                var[n][k] = model.add_var(graph.costs[n][k], f"{graph.names[n]}#{k}")
+            model.add_row(list(var[n][idx]), [1.0] * len(idx), 1, 1)
+
+    extra_node_cost = [np.zeros(len(c)) for c in graph.costs]
+    for (u, v), m in graph.edges.items():
+        sub = m[np.ix_(keep[u], keep[v])]
+        if len(keep[u]) == 1 or len(keep[v]) == 1 or not sub.any():
+            # the cost depends on one endpoint only: fold it into that node's costs
+            if len(keep[u]) == 1:
+                extra_node_cost[v][keep[v]] += sub[0]
+            elif len(keep[v]) == 1:
+                extra_node_cost[u][keep[u]] += sub[:, 0]
+            continue
+        row_class, row_rep = _classes(sub, 0)
+        col_class, col_rep = _classes(sub, 1)
+        reduced = sub[np.ix_(row_rep, col_rep)]
+        if np.all(reduced == reduced[:, :1]):  # depends on u only
+            extra_node_cost[u][keep[u]] += sub[:, 0]
+            continue
+        if np.all(reduced == reduced[:1, :]):  # depends on v only
+            extra_node_cost[v][keep[v]] += sub[0]
+            continue
+        pair = np.empty(reduced.shape, dtype=int)
+        for a in range(reduced.shape[0]):
+            for b in range(reduced.shape[1]):
+                pair[a, b] = model.add_var(reduced[a, b], f"e{u}-{v}#{a},{b}")
+        for a in range(reduced.shape[0]):
+            members = var[u][keep[u][row_class == a]]
+            model.add_row(list(pair[a]) + list(members), [1.0] * reduced.shape[1] + [-1.0] * len(members), 0, 0)
+        for b in range(reduced.shape[1]):
+            members = var[v][keep[v][col_class == b]]
+            model.add_row(list(pair[:, b]) + list(members), [1.0] * reduced.shape[0] + [-1.0] * len(members), 0, 0)
+
+    for n, idx in enumerate(keep):
+        if len(idx) > 1:
+            for k in idx:
+                model.objective[var[n][k]] += float(extra_node_cost[n][k])
+
+    if budget is not None:
+        base = sum(float(graph.memory[n][idx[0]]) for n, idx in enumerate(keep) if len(idx) == 1)
+        index, coef = [], []
+        for n, idx in enumerate(keep):
+            if len(idx) > 1:
+                low = float(graph.memory[n][idx].min())  # subtract each node's least memory (exact)
+                base += low
+                for k in idx:
+                    if graph.memory[n][k] > low:
+                        index.append(int(var[n][k]))
+                        coef.append(float(graph.memory[n][k]) - low)
+        if index:
+            model.add_row(index, coef, float("-inf"), budget - base)
+    return model, var
+
+
+def min_memory(graph: CostGraph) -> float:
+    """The least memory any assignment needs (the memory row is a single knapsack)."""
+    return sum(float(m.min()) for m in graph.memory)
+
+
+def solve(graph: CostGraph, budget: float | None = None, backend: str = "cpsat",
+          time_limit_s: float = 60.0, seed: int = 0, reduce_first: bool = True) -> Solution:
+    """Choose one strategy per node: least total cost with summed memory ≤ budget."""
+    if budget is not None and min_memory(graph) > budget:
+        raise InfeasibleError(
+            f"needs at least {min_memory(graph):.4g} bytes per device, budget is {budget:.4g}",
+            "memory", "use more devices, fewer microbatches in flight, or a larger budget")
+    alive = reduce(graph) if reduce_first else [np.ones(len(c), dtype=bool) for c in graph.costs]
+    model, var = build_model(graph, alive, budget)
+    if model.num_vars == 0:
+        choice = [int(np.flatnonzero(a)[0]) for a in alive]
+        result = solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend)
+    else:
+        result = solvers.solve(model, backend, time_limit_s, seed)
+        if result.values is None:
+            if result.status == "infeasible":
+                raise InfeasibleError(f"no strategy assignment fits the memory budget of {budget:.4g} bytes",
+                                      "memory", "use more devices or a larger budget")
+            raise SolverError(f"{backend} found no solution within {time_limit_s:g} s",
+                              "solver", "raise --time-limit or try another --solver")
+        choice = []
+        for n, a in enumerate(alive):
+            idx = np.flatnonzero(a)
+            if len(idx) == 1:
+                choice.append(int(idx[0]))
+            else:
+                picked = [int(k) for k in idx if result.values[var[n][k]]]
+                choice.append(picked[0])
+    kept = int(sum(a.sum() for a in alive))
+    objective = graph.total(choice)
+    # the model leaves out the cost of fixed nodes and edges: shift the solver's bound by it
+    bound = None if result.bound is None else result.bound + (objective - (result.objective or 0.0))
+    return Solution(choice, objective, bound, result, kept, sum(len(c) for c in graph.costs), model.num_vars)

@@ -1,0 +1,87 @@
+"""0-1 linear programs and the backends that solve them, behind one interface.
+
+`Model` holds binary variables with objective costs and sparse rows `lo <= a·x <= hi`;
+`solve(model, backend=...)` hands it to OR-Tools CP-SAT (default), HiGHS or CBC (via PuLP)
+and returns a `Result` with status, objective, best bound, gap and time. Every backend is
+seeded and single-threaded or interleaved, so the same model gives the same answer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from partopt.errors import PartoptError
+
+STATUSES = ("optimal", "feasible", "infeasible", "timeout")
+
+
+@dataclass
+class Model:
+    """Minimise `objective · x` over binary x subject to `lo <= row · x <= hi` for every row."""
+
+    objective: list[float] = field(default_factory=list)
+    rows: list[tuple[list[int], list[float], float, float]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def num_vars(self) -> int:
+        return len(self.objective)
+
+    def add_var(self, cost: float, name: str = "") -> int:
+        self.objective.append(float(cost))
+        self.names.append(name)
+        return len(self.objective) - 1
+
+    def add_row(self, index: list[int], coef: list[float], lo: float, hi: float) -> None:
+        self.rows.append((list(index), [float(c) for c in coef], float(lo), float(hi)))
+
+    def value(self, x: list[int]) -> float:
+        """Objective of an assignment, in the model's own (unscaled) units."""
+        return math.fsum(c for c, v in zip(self.objective, x) if v)
+
+
+@dataclass(frozen=True)
+class Result:
+    status: str  # one of STATUSES
+    values: list[int] | None  # 0/1 per variable, None when no solution was found
+    objective: float | None
+    bound: float | None  # best proven lower bound on the objective
+    time_s: float
+    backend: str
+
+    @property
+    def gap(self) -> float | None:
+        """Relative optimality gap (0 when proven optimal)."""
+        if self.objective is None or self.bound is None:
+            return None
+        if self.status == "optimal":
+            return 0.0
+        return max(0.0, (self.objective - self.bound) / max(abs(self.objective), 1e-30))
+
+
+@dataclass(frozen=True)
+class Options:
+    time_limit_s: float = 60.0
+    seed: int = 0
+    threads: int = 1
+
+
+def _backends() -> dict[str, Callable[[Model, Options], Result]]:
+    from partopt.solvers import cbc, cpsat, highs
+
+    return {"cpsat": cpsat.solve, "highs": highs.solve, "cbc": cbc.solve}
+
+
+BACKENDS = ("cpsat", "highs", "cbc")
+
+
+def solve(model: Model, backend: str = "cpsat", time_limit_s: float = 60.0, seed: int = 0) -> Result:
+    """Solve `model` with the named backend."""
+    table = _backends()
+    if backend not in table:
+        raise PartoptError(f"unknown solver backend {backend!r}", "solver", f"use one of {list(BACKENDS)}")
+    if time_limit_s <= 0:
+        raise PartoptError(f"time limit must be positive, got {time_limit_s}", "time limit")
+    return table[backend](model, Options(time_limit_s=time_limit_s, seed=seed))

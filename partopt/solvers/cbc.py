@@ -1,0 +1,41 @@
+"""CBC backend through PuLP (the solver Alpa used)."""
+
+from __future__ import annotations
+
+import time
+
+import pulp
+
+from partopt.solvers import Model, Options, Result
+
+
+def solve(model: Model, options: Options) -> Result:
+    start = time.perf_counter()
+    prob = pulp.LpProblem("partopt", pulp.LpMinimize)
+    x = [pulp.LpVariable(f"x{i}", cat="Binary") for i in range(model.num_vars)]
+    prob += pulp.lpSum(c * v for c, v in zip(model.objective, x) if c)
+    for k, (index, coef, lo, hi) in enumerate(model.rows):
+        expr = pulp.lpSum(c * x[i] for i, c in zip(index, coef))
+        if lo == hi:
+            prob += expr == lo, f"r{k}"
+        else:
+            if hi < float("inf"):
+                prob += expr <= hi, f"u{k}"
+            if lo > float("-inf"):
+                prob += expr >= lo, f"l{k}"
+    cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=options.threads,
+                            options=[f"randomSeed {options.seed + 1}", "ratioGap 0", "allowableGap 0"])
+    prob.solve(cmd)
+    elapsed = time.perf_counter() - start
+    status = pulp.LpStatus[prob.status]
+    if status == "Infeasible":
+        return Result("infeasible", None, None, None, elapsed, "cbc")
+    values = [int(round(v.value() or 0)) for v in x]
+    solution_ok = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    if not solution_ok:
+        return Result("timeout", None, None, None, elapsed, "cbc")
+    objective = model.value(values)
+    optimal = prob.sol_status == pulp.LpSolutionOptimal
+    # PuLP does not expose CBC's dual bound; without proof of optimality the bound is unknown.
+    return Result("optimal" if optimal else "timeout", values, objective,
+                  objective if optimal else None, elapsed, "cbc")

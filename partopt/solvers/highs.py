@@ -1,0 +1,67 @@
+"""HiGHS backend (highspy): the model as a sparse MIP with binary columns."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import highspy
+import numpy as np
+
+from partopt.solvers import Model, Options, Result
+
+
+def _new_highs() -> highspy.Highs:
+    """A Highs instance, constructed with stdout muted: HiGHS prints a banner from C++ once."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            return highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def solve(model: Model, options: Options) -> Result:
+    start = time.perf_counter()
+    h = _new_highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(options.time_limit_s))
+    h.setOptionValue("random_seed", int(options.seed))
+    h.setOptionValue("threads", int(options.threads))
+    h.setOptionValue("mip_rel_gap", 0.0)
+    h.setOptionValue("mip_abs_gap", 0.0)
+    n = model.num_vars
+    inf = highspy.kHighsInf
+    h.addVars(n, np.zeros(n), np.ones(n))
+    h.changeColsCost(n, np.arange(n, dtype=np.int32), np.asarray(model.objective, dtype=float))
+    h.changeColsIntegrality(n, np.arange(n, dtype=np.int32),
+                            np.full(n, highspy.HighsVarType.kInteger))
+    if model.rows:
+        starts, index, value, lower, upper = [], [], [], [], []
+        for idx, coef, lo, hi in model.rows:
+            starts.append(len(index))
+            index.extend(idx)
+            value.extend(coef)
+            lower.append(max(lo, -inf))
+            upper.append(min(hi, inf))
+        h.addRows(len(model.rows), np.asarray(lower), np.asarray(upper), len(index),
+                  np.asarray(starts, dtype=np.int32), np.asarray(index, dtype=np.int32),
+                  np.asarray(value, dtype=float))
+    h.run()
+    elapsed = time.perf_counter() - start
+    status = h.getModelStatus()
+    info = h.getInfo()
+    has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return Result("infeasible", None, None, None, elapsed, "highs")
+    if not has_solution:
+        return Result("timeout", None, None, None, elapsed, "highs")
+    values = [int(round(v)) for v in h.getSolution().col_value]
+    objective = model.value(values)
+    optimal = status == highspy.HighsModelStatus.kOptimal
+    bound = objective if optimal else min(objective, info.mip_dual_bound)
+    return Result("optimal" if optimal else "timeout", values, objective, bound, elapsed, "highs")
