@@ -1,0 +1,313 @@
+"""Devices, links and clusters; presets; submesh shapes and logical meshes (DESIGN §2, §6).
+
+Everything is in SI units (bytes, bytes/s, FLOP/s, seconds). The cluster file uses GB/s,
+TFLOP/s, GiB and µs; `cluster_from_dict` / `cluster_to_dict` convert. docs/COSTMODEL.md
+explains the logical-mesh placement rule and how groups share a node's NIC.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Mapping
+
+from partopt.errors import InfeasibleError, InstanceError
+
+FORMAT = "partopt.cluster"
+VERSION = 1
+GB = 1e9  # the file's "gbps" fields are GIGABYTES per second (per direction)
+TERA = 1e12
+GIB = 2**30
+MICRO = 1e6  # µs per second
+DICT_DIGITS = 12  # significant digits of floats written by cluster_to_dict (so round trips are exact)
+
+PEAK_DTYPES: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8")
+# Where peak() looks when a dtype has no figure of its own; every chain ends at fp32 (required).
+PEAK_FALLBACK: Mapping[str, tuple[str, ...]] = {
+    "fp32": ("fp32",),
+    "tf32": ("tf32", "fp32"),
+    "fp16": ("fp16", "bf16", "fp32"),
+    "bf16": ("bf16", "fp16", "fp32"),
+    "fp8": ("fp8", "fp16", "bf16", "fp32"),
+    "int8": ("int8", "fp8", "fp16", "bf16", "fp32"),
+    "int32": ("fp32",),
+    "int64": ("fp32",),
+    "bool": ("fp32",),
+}
+SUBMESH_FAMILIES: tuple[str, ...] = ("alpa", "power_of_two")
+
+
+def _check(condition: bool, cause: str, hint: str) -> None:
+    if not condition:
+        raise InstanceError(cause, hint=hint)
+
+
+def _fraction_ok(x: float) -> bool:
+    return 0.0 < x <= 1.0
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator: peak FLOP/s per dtype, memory, HBM bandwidth and reachable fractions."""
+
+    name: str
+    peak_flops: Mapping[str, float] = field(hash=False)  # FLOP/s per dtype; "fp32" is required
+    memory_bytes: int
+    memory_bandwidth: float  # bytes/s (HBM)
+    matmul_efficiency: float = 0.75  # fraction of peak a large GEMM reaches (placeholder, see COSTMODEL.md)
+    memory_efficiency: float = 0.8  # fraction of HBM bandwidth streaming ops reach (placeholder)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peak_flops", dict(self.peak_flops))
+        who = f"device {self.name!r}"
+        for dtype, value in self.peak_flops.items():
+            _check(dtype in PEAK_DTYPES, f"{who}: peak for unknown dtype {dtype!r}", f"use {list(PEAK_DTYPES)}")
+            _check(value > 0, f"{who}: peak {dtype} must be > 0, got {value}", "give FLOP/s per device")
+        _check("fp32" in self.peak_flops, f"{who}: no fp32 peak",
+               "give the fp32 rate (it also prices non-matmul arithmetic)")
+        _check(self.memory_bytes > 0, f"{who}: memory must be > 0, got {self.memory_bytes}", "give the device memory")
+        _check(self.memory_bandwidth > 0, f"{who}: memory bandwidth must be > 0", "give the HBM bandwidth")
+        _check(_fraction_ok(self.matmul_efficiency), f"{who}: matmul_efficiency {self.matmul_efficiency} is not in (0, 1]",
+               "a fraction of peak, e.g. 0.75")
+        _check(_fraction_ok(self.memory_efficiency), f"{who}: memory_efficiency {self.memory_efficiency} is not in (0, 1]",
+               "a fraction of HBM bandwidth, e.g. 0.8")
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for `dtype`, falling back along PEAK_FALLBACK (fp16 <-> bf16, int8/fp8 -> 16-bit, -> fp32)."""
+        if dtype not in PEAK_FALLBACK:
+            raise InstanceError(f"unknown dtype {dtype!r}", f"device {self.name!r}", f"use one of {sorted(PEAK_FALLBACK)}")
+        return next(self.peak_flops[d] for d in PEAK_FALLBACK[dtype] if d in self.peak_flops)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network link: per-direction bandwidth and per-message latency."""
+
+    bandwidth: float  # bytes/s per direction
+    latency_s: float
+    shared_by_node: bool = False  # True: one NIC shared by all devices of a node (p3.16xlarge)
+
+    def __post_init__(self) -> None:
+        _check(self.bandwidth > 0, f"link bandwidth must be > 0, got {self.bandwidth}", "give bytes/s per direction")
+        _check(self.latency_s >= 0, f"link latency must be >= 0, got {self.latency_s}", "give seconds")
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    """One axis of a logical mesh: its size and the link one of its groups sees."""
+
+    size: int
+    bandwidth: float  # bytes/s per direction available to ONE group of this axis (after NIC sharing)
+    latency_s: float
+    crosses_nodes: bool
+
+
+@dataclass(frozen=True)
+class LogicalMesh:
+    """A 2-D logical view `shape` of a physical submesh (nodes, devices per node)."""
+
+    shape: tuple[int, int]
+    axes: tuple[MeshAxis, MeshAxis]
+    device: Device
+    submesh: tuple[int, int]
+
+    @property
+    def num_devices(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`nodes` identical nodes of `devices_per_node` devices, an intra-node and an inter-node link."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device: Device
+    intra_node: Link
+    inter_node: Link
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.nodes, int) and self.nodes >= 1, f"cluster {self.name!r}: nodes must be >= 1, got {self.nodes}",
+               "give a positive number of nodes")
+        _check(isinstance(self.devices_per_node, int) and self.devices_per_node >= 1,
+               f"cluster {self.name!r}: devices_per_node must be >= 1, got {self.devices_per_node}",
+               "give a positive number of devices per node")
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def resized(self, nodes: int) -> Cluster:
+        """The same machine type with `nodes` nodes (InstanceError when nodes < 1)."""
+        return replace(self, nodes=nodes)
+
+    def submesh_shapes(self, family: str = "alpa") -> list[tuple[int, int]]:
+        """Submesh shapes (nodes, devices per node) the stage DP may use, smallest first (DESIGN §6)."""
+        if family not in SUBMESH_FAMILIES:
+            raise InstanceError(f"unknown submesh family {family!r}", hint=f"use one of {list(SUBMESH_FAMILIES)}")
+        m = self.devices_per_node
+        within = [t for t in _powers_of_two(m) if m % t == 0]
+        if m not in within:
+            within.append(m)
+        ks = range(2, self.nodes + 1) if family == "alpa" else [k for k in _powers_of_two(self.nodes) if k >= 2]
+        return [(1, t) for t in within] + [(k, m) for k in ks]
+
+    def logical_shapes(self, submesh: tuple[int, int]) -> list[tuple[int, int]]:
+        """Logical meshes (D/t, t) of a submesh of D devices, for every divisor t of D ascending."""
+        self._check_submesh(submesh)
+        d = submesh[0] * submesh[1]
+        return [(d // t, t) for t in range(1, d + 1) if d % t == 0]
+
+    def logical_mesh(self, submesh: tuple[int, int], shape: tuple[int, int]) -> LogicalMesh:
+        """The logical mesh `shape` on `submesh`, each axis priced by the placement rule of COSTMODEL.md."""
+        self._check_submesh(submesh)
+        if len(shape) != 2 or shape[0] < 1 or shape[1] < 1 or shape[0] * shape[1] != submesh[0] * submesh[1]:
+            raise InfeasibleError(f"logical mesh {tuple(shape)} does not have the {submesh[0] * submesh[1]} devices "
+                                  f"of submesh {tuple(submesh)}", hint="use one of Cluster.logical_shapes(submesh)")
+        shape = (int(shape[0]), int(shape[1]))
+        axes = (self._axis(submesh, shape, 0), self._axis(submesh, shape, 1))
+        return LogicalMesh(shape=shape, axes=axes, device=self.device, submesh=(int(submesh[0]), int(submesh[1])))
+
+    def _check_submesh(self, submesh: tuple[int, int]) -> None:
+        n, m = submesh
+        if not (1 <= n <= self.nodes and 1 <= m <= self.devices_per_node):
+            raise InfeasibleError(f"submesh {tuple(submesh)} does not fit cluster {self.name!r} of "
+                                  f"{self.nodes} x {self.devices_per_node} devices",
+                                  hint="use one of Cluster.submesh_shapes()")
+
+    def _axis(self, submesh: tuple[int, int], shape: tuple[int, int], axis: int) -> MeshAxis:
+        """Price one axis: its groups' node spans decide the link; crossing groups share a node's NIC."""
+        m = submesh[1]
+        a, b = shape
+        if axis == 1:  # groups of b consecutive device ids
+            groups = [[i * b + j for j in range(b)] for i in range(a)]
+        else:  # groups of stride b
+            groups = [[i * b + j for i in range(a)] for j in range(b)]
+        node_sets = [[d // m for d in g] for g in groups]
+        crossing = [nodes for nodes in node_sets if len(set(nodes)) > 1]
+        size = shape[axis]
+        if not crossing:
+            return MeshAxis(size, self.intra_node.bandwidth, self.intra_node.latency_s, False)
+        share = 1
+        if self.inter_node.shared_by_node:
+            share = max(sum(node in nodes for nodes in crossing) for node in range(submesh[0]))
+        bandwidth = self.inter_node.bandwidth / share
+        if any(len(set(nodes)) < len(nodes) for nodes in crossing):  # the ring also hops inside a node
+            bandwidth = min(bandwidth, self.intra_node.bandwidth)
+        return MeshAxis(size, bandwidth, self.inter_node.latency_s, True)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, … up to `limit` inclusive."""
+    return [2**i for i in range(limit.bit_length())]
+
+
+# ---------------------------------------------------------------- presets (REFERENCE.md §1, COSTMODEL.md "Presets")
+
+NVLINK_LATENCY_S = 5e-6
+INFINIBAND_LATENCY_S = 10e-6
+ETHERNET_LATENCY_S = 20e-6
+ICI_LATENCY_S = 5e-6
+
+_PRESETS: dict[str, Cluster] = {
+    "p3.16xlarge": Cluster(
+        name="p3.16xlarge", nodes=8, devices_per_node=8,
+        device=Device("V100-SXM2-16GB", {"fp16": 125 * TERA, "fp32": 15.7 * TERA}, 16 * GIB, 900 * GB),
+        intra_node=Link(150 * GB, NVLINK_LATENCY_S),
+        inter_node=Link(3.125 * GB, ETHERNET_LATENCY_S, shared_by_node=True)),
+    "dgx-a100": Cluster(
+        name="dgx-a100", nodes=8, devices_per_node=8,
+        device=Device("A100-SXM4-80GB", {"bf16": 312 * TERA, "fp16": 312 * TERA, "tf32": 156 * TERA,
+                                         "fp32": 19.5 * TERA}, 80 * GIB, 2039 * GB),
+        intra_node=Link(300 * GB, NVLINK_LATENCY_S),
+        inter_node=Link(25 * GB, INFINIBAND_LATENCY_S)),
+    "dgx-h100": Cluster(
+        name="dgx-h100", nodes=8, devices_per_node=8,
+        device=Device("H100-SXM5-80GB", {"bf16": 989 * TERA, "fp16": 989 * TERA, "fp8": 1979 * TERA,
+                                         "tf32": 494.5 * TERA, "fp32": 67 * TERA}, 80 * GIB, 3350 * GB),
+        intra_node=Link(450 * GB, NVLINK_LATENCY_S),
+        inter_node=Link(50 * GB, INFINIBAND_LATENCY_S)),
+    "tpu-v4": Cluster(
+        name="tpu-v4", nodes=16, devices_per_node=4,
+        device=Device("TPU-v4", {"bf16": 275 * TERA, "int8": 275 * TERA, "fp32": 45.8 * TERA}, 32 * GIB, 1200 * GB),
+        intra_node=Link(45 * GB, ICI_LATENCY_S),
+        inter_node=Link(45 * GB, ICI_LATENCY_S)),
+}
+PRESETS: tuple[str, ...] = tuple(_PRESETS)
+
+
+def preset(name: str, nodes: int | None = None) -> Cluster:
+    """A preset cluster by name, resized to `nodes` nodes when given."""
+    if name not in _PRESETS:
+        raise InstanceError(f"unknown cluster preset {name!r}", hint=f"known presets: {', '.join(PRESETS)}")
+    cluster = _PRESETS[name]
+    return cluster if nodes is None else cluster.resized(nodes)
+
+
+# ---------------------------------------------------------------- cluster file <-> Cluster
+
+@contextmanager
+def _at(path: str) -> Iterator[None]:
+    """Re-raise an InstanceError from building one object with that object's JSON path as its place."""
+    try:
+        yield
+    except InstanceError as err:
+        raise err.located(path) from None
+
+
+def cluster_from_dict(data: dict[str, Any], where: str = "") -> Cluster:
+    """Build a Cluster from a schema-valid cluster dict; semantic errors name their JSON path.
+
+    `where` is the JSON path of the cluster object ("" for a whole file, i.e. "$").
+    """
+    root = where or "$"
+    dev = data["device"]
+    with _at(f"{root}.device"):
+        device = Device(
+            name=dev["name"],
+            peak_flops={k: v * TERA for k, v in dev["peak_tflops"].items()},
+            memory_bytes=round(dev["memory_gib"] * GIB),
+            memory_bandwidth=dev["memory_bandwidth_gbps"] * GB,
+            matmul_efficiency=dev.get("matmul_efficiency", Device.matmul_efficiency),
+            memory_efficiency=dev.get("memory_efficiency", Device.memory_efficiency))
+    links = {}
+    for key, default_latency in (("intra_node", NVLINK_LATENCY_S), ("inter_node", INFINIBAND_LATENCY_S)):
+        link = data[key]
+        with _at(f"{root}.{key}"):
+            links[key] = Link(bandwidth=link["bandwidth_gbps"] * GB,
+                              latency_s=link["latency_us"] / MICRO if "latency_us" in link else default_latency,
+                              shared_by_node=link.get("shared_by_node", False))
+    with _at(root):
+        return Cluster(name=data["name"], nodes=data["nodes"], devices_per_node=data["devices_per_node"],
+                       device=device, **links)
+
+
+def _num(x: float) -> float | int:
+    """A float rounded to DICT_DIGITS significant digits, as an int when whole (clean, exact JSON)."""
+    value = float(f"{x:.{DICT_DIGITS}g}")
+    return int(value) if value.is_integer() else value
+
+
+def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
+    """The cluster-file dict of `cluster` (all optional fields written); inverse of cluster_from_dict."""
+    dev = cluster.device
+
+    def link(l: Link) -> dict[str, Any]:
+        return {"bandwidth_gbps": _num(l.bandwidth / GB), "latency_us": _num(l.latency_s * MICRO),
+                "shared_by_node": l.shared_by_node}
+
+    return {
+        "format": FORMAT, "version": VERSION, "name": cluster.name,
+        "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
+        "device": {
+            "name": dev.name,
+            "peak_tflops": {k: _num(v / TERA) for k, v in dev.peak_flops.items()},
+            "memory_gib": _num(dev.memory_bytes / GIB),
+            "memory_bandwidth_gbps": _num(dev.memory_bandwidth / GB),
+            "matmul_efficiency": dev.matmul_efficiency,
+            "memory_efficiency": dev.memory_efficiency,
+        },
+        "intra_node": link(cluster.intra_node),
+        "inter_node": link(cluster.inter_node),
+    }

@@ -1,0 +1,124 @@
+"""The analytical cost model (DESIGN §3, docs/COSTMODEL.md): roofline compute, ring collectives, memory.
+
+One model for the ILP, the DP, `evaluate` and the simulator, so a plan's predicted time never
+depends on who computed it. All inputs and outputs are SI: bytes, FLOP, seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from partopt.cluster import Device, Link, MeshAxis
+from partopt.errors import InstanceError
+from partopt.graph import DTYPE_BYTES
+
+COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# Ring algorithms: each device sends FACTOR·(n-1)/n·S bytes in FACTOR·(n-1) latency steps.
+_RING_FACTOR: Mapping[str, float] = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
+
+VECTOR_DTYPE = "fp32"  # non-matmul arithmetic is priced at the device's fp32 (vector-unit / CUDA-core) peak
+BACKWARD_FACTOR: Mapping[str, float] = {"matmul": 2.0, "other": 1.0}  # backward FLOPs / forward FLOPs
+
+# Mixed-precision Adam (bytes per parameter): 16-bit weights and grads + fp32 master, m, v.
+LOW_PRECISION_STATE = (2, 2, 12)
+FP32_STATE = (4, 4, 8)  # fp32 weights and grads + fp32 m, v
+TRAINABLE_DTYPES: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")
+
+DEFAULT_MEMORY_RESERVE = 0.1  # fraction of device memory kept for CUDA context, NCCL buffers, fragmentation
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in _RING_FACTOR:
+        raise InstanceError(f"unknown collective {kind!r}", hint=f"use one of {list(COLLECTIVES)}")
+
+
+def _check_nonnegative(name: str, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def collective_bytes(kind: str, nbytes: float, n: int) -> float:
+    """Bytes each of `n` devices sends in a ring `kind` over a full buffer of `nbytes` (2(n-1)/n·S for all-reduce)."""
+    _check_kind(kind)
+    _check_nonnegative("nbytes", nbytes)
+    if n <= 1:
+        return 0.0
+    return _RING_FACTOR[kind] * (n - 1) / n * nbytes
+
+
+def collective_time(kind: str, nbytes: float, axis: MeshAxis) -> float:
+    """Seconds of a ring `kind` on one mesh axis; `nbytes` is the full (gathered/reduced) buffer per device.
+
+    all-reduce 2(n-1)/n·S/bw + 2(n-1)·a; all-gather, reduce-scatter, all-to-all (n-1)/n·S/bw + (n-1)·a.
+    """
+    sent = collective_bytes(kind, nbytes, axis.size)
+    if sent == 0.0:
+        return 0.0
+    steps = _RING_FACTOR[kind] * (axis.size - 1)
+    return sent / axis.bandwidth + steps * axis.latency_s
+
+
+def p2p_time(nbytes: float, link: Link) -> float:
+    """Seconds to send `nbytes` point to point over `link`: S/bw + a (0 for nothing to send)."""
+    _check_nonnegative("nbytes", nbytes)
+    if nbytes == 0:
+        return 0.0
+    return nbytes / link.bandwidth + link.latency_s
+
+
+def compute_time(flops: float, nbytes: float, device: Device, dtype: str, matmul: bool) -> float:
+    """Roofline seconds: max(FLOPs / (peak · eff), bytes / (HBM bw · mem eff)).
+
+    Matmuls run at peak(dtype) × matmul_efficiency; other arithmetic at the fp32 (vector) peak, unscaled.
+    """
+    _check_nonnegative("flops", flops)
+    _check_nonnegative("nbytes", nbytes)
+    rate = device.peak(dtype) * device.matmul_efficiency if matmul else device.peak(VECTOR_DTYPE)
+    return max(flops / rate, nbytes / (device.memory_bandwidth * device.memory_efficiency))
+
+
+def training_flops(forward_flops: float, matmul: bool) -> float:
+    """FLOPs of forward plus backward: ×3 for matmuls (two backward GEMMs), ×2 for the rest."""
+    return forward_flops * (1.0 + BACKWARD_FACTOR["matmul" if matmul else "other"])
+
+
+@dataclass(frozen=True)
+class ParamMemory:
+    """Bytes a set of parameters needs for training: weights, gradients, optimizer state."""
+
+    weights: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def param_memory(numel: float, dtype: str) -> ParamMemory:
+    """Adam training state of `numel` parameters stored in `dtype` (16 bytes/param for fp16, bf16 and fp32)."""
+    if dtype not in TRAINABLE_DTYPES:
+        raise InstanceError(f"parameters of dtype {dtype!r} cannot be trained",
+                            hint=f"give parameters one of {list(TRAINABLE_DTYPES)}")
+    _check_nonnegative("numel", numel)
+    width = DTYPE_BYTES[dtype]
+    weights, grads, optimizer = FP32_STATE if width == 4 else LOW_PRECISION_STATE
+    if width < 2:  # fp8 weights and grads; optimizer state still fp32 master + m + v
+        weights, grads = width, width
+    return ParamMemory(weights=numel * weights, grads=numel * grads, optimizer=numel * optimizer)
+
+
+def memory_budget(device: Device, reserve_fraction: float = DEFAULT_MEMORY_RESERVE) -> float:
+    """Bytes a plan may use on `device`: its memory minus a reserve (runtime context, buffers, fragmentation)."""
+    if not 0.0 <= reserve_fraction < 1.0:
+        raise InstanceError(f"memory reserve {reserve_fraction} is not in [0, 1)",
+                            hint="give the fraction of device memory to keep free, e.g. 0.1")
+    return device.memory_bytes * (1.0 - reserve_fraction)
+
+
+def inflight_microbatches(stage: int, num_stages: int, microbatches: int) -> int:
+    """Microbatches whose activations stage `stage` (0-based) of `num_stages` holds at once under 1F1B."""
+    if not 0 <= stage < num_stages or microbatches < 1:
+        raise ValueError(f"stage {stage} of {num_stages} with {microbatches} microbatches")
+    return min(num_stages - stage, microbatches)

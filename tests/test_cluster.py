@@ -1,0 +1,303 @@
+"""Cluster model: presets, file round trips, submesh families, logical-mesh axis pricing."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from partopt.cluster import (
+    PRESETS, Cluster, Device, Link, cluster_from_dict, cluster_to_dict, preset,
+)
+from partopt.errors import InfeasibleError, InstanceError
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = json.loads((ROOT / "partopt" / "schemas" / "cluster.schema.json").read_text())
+
+# The example of DESIGN §2 / the brief, optional fields left out.
+EXAMPLE = {
+    "format": "partopt.cluster", "version": 1, "name": "p3.16xlarge",
+    "nodes": 8, "devices_per_node": 8,
+    "device": {"name": "V100-SXM2-16GB", "peak_tflops": {"fp16": 125, "fp32": 15.7},
+               "memory_gib": 16, "memory_bandwidth_gbps": 900},
+    "intra_node": {"bandwidth_gbps": 150, "latency_us": 5},
+    "inter_node": {"bandwidth_gbps": 3.125, "latency_us": 20, "shared_by_node": True},
+}
+
+
+def _toy(devices_per_node: int, intra: float, inter: float, shared: bool, nodes: int = 2) -> Cluster:
+    device = Device("toy", {"fp32": 1e12}, 2**30, 1e11)
+    return Cluster("toy", nodes, devices_per_node, device, Link(intra, 1e-6), Link(inter, 1e-5, shared))
+
+
+# ---------------------------------------------------------------- submesh shapes
+
+
+def test_alpa_submesh_family_8x8():
+    assert preset("p3.16xlarge").submesh_shapes() == [
+        (1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (3, 8), (4, 8), (5, 8), (6, 8), (7, 8), (8, 8)]
+
+
+def test_power_of_two_submesh_family_8x8():
+    assert preset("p3.16xlarge").submesh_shapes("power_of_two") == [
+        (1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8), (8, 8)]
+
+
+def test_submesh_families_2x4():
+    cluster = preset("tpu-v4", nodes=2)  # hosts of 4 chips
+    assert cluster.submesh_shapes() == [(1, 1), (1, 2), (1, 4), (2, 4)]
+    assert cluster.submesh_shapes("power_of_two") == [(1, 1), (1, 2), (1, 4), (2, 4)]
+
+
+def test_submesh_family_keeps_a_non_power_of_two_node_whole():
+    assert _toy(6, 1e11, 1e10, True, nodes=3).submesh_shapes() == [(1, 1), (1, 2), (1, 6), (2, 6), (3, 6)]
+
+
+def test_unknown_submesh_family():
+    with pytest.raises(InstanceError, match="alpa"):
+        preset("p3.16xlarge").submesh_shapes("hexagonal")
+
+
+def test_logical_shapes_of_2x8():
+    assert preset("p3.16xlarge").logical_shapes((2, 8)) == [(16, 1), (8, 2), (4, 4), (2, 8), (1, 16)]
+
+
+def test_submesh_larger_than_cluster_is_infeasible():
+    with pytest.raises(InfeasibleError, match="does not fit"):
+        preset("p3.16xlarge", nodes=2).logical_shapes((3, 8))
+
+
+def test_logical_shape_with_wrong_device_count_is_infeasible():
+    with pytest.raises(InfeasibleError, match="logical_shapes"):
+        preset("p3.16xlarge").logical_mesh((1, 8), (2, 8))
+
+
+# ---------------------------------------------------------------- axis pricing (placement rule)
+
+P3_NIC = 3.125e9  # 25 Gbit/s per node
+NVLINK = 150e9
+
+
+def test_p3_2x8_as_2x8_axis0_shares_the_nic_among_8_groups():
+    # Axis 0 groups are {j, j+8} for j = 0..7: each has one device in node 0 and one in node 1,
+    # so all 8 groups cross and all 8 use node 0's NIC at once: 3.125e9 / 8 each.
+    mesh = preset("p3.16xlarge").logical_mesh((2, 8), (2, 8))
+    a0, a1 = mesh.axes
+    assert (a0.size, a0.crosses_nodes) == (2, True)
+    assert a0.bandwidth == pytest.approx(P3_NIC / 8)
+    assert a0.latency_s == pytest.approx(20e-6)
+    # Axis 1 groups are devices 0..7 and 8..15: each inside one node, on NVLink.
+    assert (a1.size, a1.crosses_nodes, a1.bandwidth, a1.latency_s) == (8, False, NVLINK, 5e-6)
+
+
+def test_p3_2x8_as_16x1_one_ring_gets_the_whole_nic():
+    a0, a1 = preset("p3.16xlarge").logical_mesh((2, 8), (16, 1)).axes
+    assert (a0.size, a0.crosses_nodes) == (16, True)
+    assert a0.bandwidth == pytest.approx(P3_NIC)
+    assert a1.size == 1 and not a1.crosses_nodes
+
+
+def test_p3_2x8_as_4x4_axis0_four_groups_share_the_nic():
+    # Axis 0 groups {j, j+4, j+8, j+12}, j = 0..3: devices j, j+4 on node 0 and j+8, j+12 on node 1.
+    a0, a1 = preset("p3.16xlarge").logical_mesh((2, 8), (4, 4)).axes
+    assert a0.crosses_nodes and a0.bandwidth == pytest.approx(P3_NIC / 4)
+    assert not a1.crosses_nodes and a1.bandwidth == NVLINK  # groups 0-3, 4-7, 8-11, 12-15
+
+
+def test_p3_4x8_as_8x4_axis0_groups_span_four_nodes():
+    # 32 devices; axis 0 groups {j, j+4, ..., j+28}, j = 0..3; node 0 holds members of all 4 groups.
+    a0, _ = preset("p3.16xlarge").logical_mesh((4, 8), (8, 4)).axes
+    assert a0.bandwidth == pytest.approx(P3_NIC / 4)
+
+
+def test_axes_inside_one_node_use_nvlink():
+    for shape in [(8, 1), (4, 2), (2, 4), (1, 8)]:
+        for axis in preset("p3.16xlarge").logical_mesh((1, 8), shape).axes:
+            assert (axis.bandwidth, axis.latency_s, axis.crosses_nodes) == (NVLINK, 5e-6, False)
+
+
+def test_dgx_crossing_axis_gets_the_per_gpu_link():
+    a0, a1 = preset("dgx-a100").logical_mesh((2, 8), (2, 8)).axes
+    assert a0.crosses_nodes and a0.bandwidth == pytest.approx(25e9) and a0.latency_s == pytest.approx(10e-6)
+    assert a1.bandwidth == pytest.approx(300e9)
+
+
+def test_axis_is_priced_by_its_slowest_group():
+    # 2 nodes x 6 devices as (3, 4): axis 1 groups 0-3 | 4-7 | 8-11; only 4-7 crosses (4,5 | 6,7),
+    # alone at the NIC, and it also hops inside a node: min(10e9, 100e9) = 10e9.
+    # Axis 0 groups {j, j+4, j+8}, j = 0..3: all 4 cross and all 4 have members in node 0: 10e9 / 4.
+    a0, a1 = _toy(6, 100e9, 10e9, True).logical_mesh((2, 6), (3, 4)).axes
+    assert a1.crosses_nodes and a1.bandwidth == pytest.approx(10e9)
+    assert a0.crosses_nodes and a0.bandwidth == pytest.approx(2.5e9)
+
+
+def test_crossing_ring_with_intra_hops_is_capped_by_the_intra_link():
+    cluster = _toy(8, 100e9, 200e9, False)  # a (hypothetical) network faster than the node's link
+    a0, _ = cluster.logical_mesh((2, 8), (4, 4)).axes  # groups have 2 members per node
+    assert a0.bandwidth == pytest.approx(100e9)
+    a0, _ = cluster.logical_mesh((2, 8), (2, 8)).axes  # one member per node: network only
+    assert a0.bandwidth == pytest.approx(200e9)
+
+
+def test_logical_mesh_is_hashable_and_picklable():
+    cluster = preset("p3.16xlarge")
+    a, b = cluster.logical_mesh((1, 8), (2, 4)), cluster.logical_mesh((1, 8), (2, 4))
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert pickle.loads(pickle.dumps(a)) == a
+    assert a.num_devices == 8 and a.submesh == (1, 8)
+
+
+# ---------------------------------------------------------------- devices
+
+
+def test_peak_fallbacks():
+    v100 = preset("p3.16xlarge").device
+    assert v100.peak("fp16") == 125e12
+    assert v100.peak("bf16") == 125e12  # no bf16 on V100: the 16-bit figure
+    assert v100.peak("fp8") == 125e12 and v100.peak("int8") == 125e12
+    assert v100.peak("tf32") == pytest.approx(15.7e12)  # no TF32 cores: fp32
+    assert v100.peak("int32") == pytest.approx(15.7e12)
+    assert preset("dgx-h100").device.peak("fp8") == pytest.approx(1979e12)
+    with pytest.raises(InstanceError, match="fp64"):
+        v100.peak("fp64")
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"matmul_efficiency": 1.5}, "matmul_efficiency"),
+    ({"memory_efficiency": 0.0}, "memory_efficiency"),
+    ({"peak_flops": {"fp16": 1e12}}, "fp32"),
+    ({"peak_flops": {"fp32": 1e12, "fp64": 1e12}}, "fp64"),
+    ({"memory_bytes": 0}, "memory"),
+])
+def test_device_rejects_bad_values(change, match):
+    base = dict(name="d", peak_flops={"fp32": 1e12}, memory_bytes=1, memory_bandwidth=1e9)
+    with pytest.raises(InstanceError, match=match):
+        Device(**{**base, **change})
+
+
+# ---------------------------------------------------------------- presets
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_default_to_64_devices_and_round_trip(name):
+    cluster = preset(name)
+    assert cluster.name == name and cluster.num_devices == 64
+    assert cluster_from_dict(cluster_to_dict(cluster)) == cluster
+    jsonschema.validate(cluster_to_dict(cluster), SCHEMA)
+
+
+def test_preset_figures_match_reference():
+    p3 = preset("p3.16xlarge")
+    assert (p3.nodes, p3.devices_per_node, p3.device.memory_bytes) == (8, 8, 16 * 2**30)
+    assert p3.inter_node.bandwidth == 3.125e9 and p3.inter_node.shared_by_node
+    assert p3.intra_node.bandwidth == 150e9
+    a100 = preset("dgx-a100")
+    assert a100.device.peak("bf16") == 312e12 and a100.intra_node.bandwidth == 300e9
+    assert a100.inter_node.bandwidth == 25e9 and not a100.inter_node.shared_by_node
+    h100 = preset("dgx-h100")
+    assert h100.device.peak("bf16") == 989e12 and h100.intra_node.bandwidth == 450e9 and h100.inter_node.bandwidth == 50e9
+    tpu = preset("tpu-v4")
+    assert tpu.devices_per_node == 4 and tpu.device.peak("bf16") == 275e12 and tpu.device.memory_bytes == 32 * 2**30
+
+
+def test_preset_resize():
+    small = preset("p3.16xlarge", nodes=2)
+    assert small.num_devices == 16
+    assert small == Cluster(**{**preset("p3.16xlarge").__dict__, "nodes": 2})
+
+
+@pytest.mark.parametrize("nodes", [0, -3])
+def test_preset_rejects_nonpositive_nodes(nodes):
+    with pytest.raises(InstanceError, match="nodes"):
+        preset("dgx-a100", nodes=nodes)
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(InstanceError) as err:
+        preset("p4d.24xlarge")
+    assert "p4d.24xlarge" in err.value.line()
+    for name in PRESETS:
+        assert name in err.value.line()
+
+
+def test_written_preset_files_are_current():
+    for name in PRESETS:
+        path = ROOT / "instances" / "clusters" / f"{name}.json"
+        assert json.loads(path.read_text()) == cluster_to_dict(preset(name)), f"rerun scripts/write_cluster_presets.py ({name})"
+        assert path.read_text().endswith("}\n")
+
+
+# ---------------------------------------------------------------- cluster files
+
+
+def test_cluster_from_dict_converts_units_and_fills_defaults():
+    jsonschema.validate(EXAMPLE, SCHEMA)
+    cluster = cluster_from_dict(EXAMPLE)
+    assert cluster.device.peak_flops == {"fp16": 125e12, "fp32": 15.7e12}
+    assert cluster.device.memory_bytes == 17_179_869_184
+    assert cluster.device.memory_bandwidth == 900e9
+    assert (cluster.device.matmul_efficiency, cluster.device.memory_efficiency) == (0.75, 0.8)
+    assert cluster.intra_node == Link(150e9, 5e-6, False)
+    assert cluster.inter_node == Link(3.125e9, 20e-6, True)
+    assert cluster == preset("p3.16xlarge")
+
+
+def test_latency_defaults_when_omitted():
+    data = copy.deepcopy(EXAMPLE)
+    del data["intra_node"]["latency_us"], data["inter_node"]["latency_us"]
+    cluster = cluster_from_dict(data)
+    assert cluster.intra_node.latency_s == 5e-6 and cluster.inter_node.latency_s == 10e-6
+
+
+def test_dict_round_trip_is_exact():
+    data = cluster_to_dict(cluster_from_dict(EXAMPLE))
+    data["device"]["peak_tflops"]["bf16"] = 12.3  # decimals that binary floats cannot hold exactly
+    data["inter_node"]["bandwidth_gbps"] = 1.1
+    data["intra_node"]["latency_us"] = 0.7
+    data["device"]["memory_gib"] = 15.5
+    cluster = cluster_from_dict(data)
+    assert cluster_to_dict(cluster) == data
+    assert cluster_from_dict(cluster_to_dict(cluster)) == cluster
+
+
+def test_semantic_error_names_the_json_path():
+    data = copy.deepcopy(EXAMPLE)
+    data["device"]["matmul_efficiency"] = 2.0
+    with pytest.raises(InstanceError) as err:
+        cluster_from_dict(data, where="$.cluster")
+    assert err.value.where == "$.cluster.device"
+    assert "matmul_efficiency" in err.value.cause and err.value.hint
+    data = copy.deepcopy(EXAMPLE)
+    data["nodes"] = 0
+    with pytest.raises(InstanceError) as err:
+        cluster_from_dict(data)
+    assert err.value.where == "$" and "nodes" in err.value.cause
+
+
+@pytest.mark.parametrize("path, value", [
+    (("device", "peak_tflops", "fp64"), 10),
+    (("device", "memory_gib"), 0),
+    (("inter_node", "bandwidth_gbps"), -1),
+    (("nodes",), 1.5),
+    (("intra_node", "speed"), 1),
+    (("version",), 2),
+])
+def test_schema_rejects_bad_files(path, value):
+    data = copy.deepcopy(EXAMPLE)
+    target = data
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(data, SCHEMA)
+
+
+def test_schema_requires_fp32_peak():
+    data = copy.deepcopy(EXAMPLE)
+    del data["device"]["peak_tflops"]["fp32"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(data, SCHEMA)
