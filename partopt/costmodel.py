@@ -25,6 +25,11 @@ LOW_PRECISION_STATE = (2, 2, 12)
 FP32_STATE = (4, 4, 8)  # fp32 weights and grads + fp32 m, v
 TRAINABLE_DTYPES: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
+# Fixed cost of one collective call (kernel launch and group synchronisation), on top of the
+# ring's per-step latency. It makes one all-reduce cheaper than the reduce-scatter + all-gather
+# pair that moves the same bytes, as it is in NCCL.
+COLLECTIVE_LAUNCH_S = 5e-6
+
 DEFAULT_MEMORY_RESERVE = 0.1  # fraction of device memory kept for CUDA context, NCCL buffers, fragmentation
 
 
@@ -50,13 +55,14 @@ def collective_bytes(kind: str, nbytes: float, n: int) -> float:
 def collective_time(kind: str, nbytes: float, axis: MeshAxis) -> float:
     """Seconds of a ring `kind` on one mesh axis; `nbytes` is the full (gathered/reduced) buffer per device.
 
-    all-reduce 2(n-1)/n·S/bw + 2(n-1)·a; all-gather, reduce-scatter, all-to-all (n-1)/n·S/bw + (n-1)·a.
+    all-reduce 2(n-1)/n·S/bw + 2(n-1)·a; all-gather, reduce-scatter, all-to-all (n-1)/n·S/bw + (n-1)·a;
+    each call adds COLLECTIVE_LAUNCH_S.
     """
     sent = collective_bytes(kind, nbytes, axis.size)
     if sent == 0.0:
         return 0.0
     steps = _RING_FACTOR[kind] * (axis.size - 1)
-    return sent / axis.bandwidth + steps * axis.latency_s
+    return COLLECTIVE_LAUNCH_S + sent / axis.bandwidth + steps * axis.latency_s
 
 
 def p2p_time(nbytes: float, link: Link) -> float:

@@ -23,7 +23,7 @@ def _axis(n: int, bw: float = 1e10, latency: float = 0.0) -> MeshAxis:
 def test_ring_all_reduce_moves_2_n_minus_1_over_n(n, fraction):
     s = 1e9
     assert cm.collective_bytes("all_reduce", s, n) == pytest.approx(fraction * s)
-    assert cm.collective_time("all_reduce", s, _axis(n, bw=1e10)) == pytest.approx(fraction * s / 1e10)
+    assert cm.collective_time("all_reduce", s, _axis(n, bw=1e10)) == pytest.approx(cm.COLLECTIVE_LAUNCH_S + fraction * s / 1e10)
 
 
 def _ring_all_reduce_bytes_sent(n: int, chunk: int = 3) -> tuple[int, np.ndarray, np.ndarray]:
@@ -61,9 +61,9 @@ def test_collective_bytes_matches_a_brute_force_ring(n):
 def test_latency_terms():
     s, bw, a = 1e6, 1e9, 1e-5
     axis = _axis(4, bw, a)
-    assert cm.collective_time("all_reduce", s, axis) == pytest.approx(1.5e-3 + 6 * a)
+    assert cm.collective_time("all_reduce", s, axis) == pytest.approx(cm.COLLECTIVE_LAUNCH_S + 1.5e-3 + 6 * a)
     for kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        assert cm.collective_time(kind, s, axis) == pytest.approx(0.75e-3 + 3 * a)
+        assert cm.collective_time(kind, s, axis) == pytest.approx(cm.COLLECTIVE_LAUNCH_S + 0.75e-3 + 3 * a)
 
 
 def test_size_one_axis_and_empty_buffer_cost_nothing():
@@ -84,8 +84,8 @@ def test_all_reduce_across_p3_nodes_uses_the_shared_nic():
     # (2, 8) submesh as logical (2, 8): 8 pairs cross the two nodes at once, each gets 3.125e9 / 8 B/s.
     axis0, axis1 = preset("p3.16xlarge").logical_mesh((2, 8), (2, 8)).axes
     s = 1e9
-    assert cm.collective_time("all_reduce", s, axis0) == pytest.approx(s / (3.125e9 / 8) + 2 * 20e-6)
-    assert cm.collective_time("all_reduce", s, axis1) == pytest.approx(1.75 * s / 150e9 + 14 * 5e-6)
+    assert cm.collective_time("all_reduce", s, axis0) == pytest.approx(cm.COLLECTIVE_LAUNCH_S + s / (3.125e9 / 8) + 2 * 20e-6)
+    assert cm.collective_time("all_reduce", s, axis1) == pytest.approx(cm.COLLECTIVE_LAUNCH_S + 1.75 * s / 150e9 + 14 * 5e-6)
 
 
 def test_p2p_time():
