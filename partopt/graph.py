@@ -196,9 +196,9 @@ def _validate(g: Graph) -> None:
         _fail("dtype", f"unknown dtype {g.dtype!r}", f"use one of {sorted(DTYPE_BYTES)}")
     for name, size in g.dims.items():
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-            _fail(f"dims.{name}", f"size must be a positive integer, got {size!r}")
+            _fail(f"dims.{name}", f"size must be a positive integer, got {size!r}", "give every dim a size of at least 1")
     if g.batch_dim is not None and g.batch_dim not in g.dims:
-        _fail("batch_dim", f"batch dim {g.batch_dim!r} is not declared in dims")
+        _fail("batch_dim", f"batch dim {g.batch_dim!r} is not declared in dims", "declare it in `dims` with its size")
 
     for name, t in g.tensors.items():
         where = f"tensors.{name}"
@@ -219,7 +219,7 @@ def _validate(g: Graph) -> None:
     for i, op in enumerate(g.ops):
         where = f"ops[{i}] ({op.name})"
         if op.name in seen_ops:
-            _fail(where, f"op name {op.name!r} is used twice")
+            _fail(where, f"op name {op.name!r} is used twice", "give every op a unique name")
         seen_ops.add(op.name)
         if op.kind not in opkinds.KINDS:
             _fail(where, f"unknown kind {op.kind!r}", f"use one of {list(opkinds.KINDS)}")
@@ -230,14 +230,15 @@ def _validate(g: Graph) -> None:
         if out.role in ("input", "param"):
             _fail(where, f"writes {op.output!r}, whose role is {out.role!r}", "inputs and params are never produced by an op")
         if op.output in produced_by:
-            _fail(where, f"tensor {op.output!r} is produced twice (also by {produced_by[op.output]!r})")
+            _fail(where, f"tensor {op.output!r} is produced twice (also by {produced_by[op.output]!r})",
+                  "every tensor is written by exactly one op: give one of them a new output tensor")
         if op.output in op.inputs:
-            _fail(where, f"op reads its own output {op.output!r}")
+            _fail(where, f"op reads its own output {op.output!r}", "write the result to a new tensor")
         produced_by[op.output] = op.name
         try:
             opkinds.check(op, g)
         except opkinds.OpShapeError as err:
-            _fail(where, f"{op.kind}: {err}")
+            _fail(where, f"{op.kind}: {err}", f"see the tensor rules of kind {op.kind!r} in docs/FORMAT.md")
 
     for name, t in g.tensors.items():
         if t.role in ("activation", "output") and name not in produced_by:
