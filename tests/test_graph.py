@@ -1,0 +1,157 @@
+"""Graph IR behaviours: stable topological order, exact parameter counts, structural hashing,
+FLOPs of einsum and conv — every expected value derived by hand from the sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from partopt.errors import InstanceError
+from partopt.graph import Graph, Op, Tensor
+
+
+def make(dims: dict[str, int], tensors: dict[str, tuple], ops: list[tuple], batch_dim: str | None = None) -> Graph:
+    """A Graph from compact specs: tensors name -> (dims, role='activation'); ops (name, kind, inputs, output[, attrs])."""
+    ts = {name: Tensor(name, tuple(spec[0]), *spec[1:]) for name, spec in tensors.items()}
+    os = [Op(o[0], o[1], tuple(o[2]), o[3], attrs=o[4] if len(o) > 4 else {}) for o in ops]
+    return Graph("g", dims, ts, os, batch_dim)
+
+
+# ---------------------------------------------------------------- topological order
+
+def test_order_keeps_file_order_when_it_is_topological():
+    g = make({"b": 2, "h": 3},
+             {"x": (["b", "h"], "input"), "p": (["b", "h"],), "q": (["b", "h"],), "r": (["b", "h"],)},
+             [("c", "elementwise", ["x"], "p"), ("a", "elementwise", ["x"], "q"), ("b", "elementwise", ["p", "q"], "r")])
+    assert [op.name for op in g.order] == ["c", "a", "b"]  # not alphabetical: the file's order
+
+
+def test_order_moves_only_what_must_move():
+    # "use" is listed before its producer "make"; the independent "side" ops keep their relative order.
+    g = make({"b": 2},
+             {"x": (["b"], "input"), "m": (["b"],), "u": (["b"],), "s1": (["b"],), "s2": (["b"],)},
+             [("side1", "elementwise", ["x"], "s1"), ("use", "elementwise", ["m"], "u"),
+              ("make", "elementwise", ["x"], "m"), ("side2", "elementwise", ["x"], "s2")])
+    assert [op.name for op in g.order] == ["side1", "make", "use", "side2"]
+    again = make(g.dims, {n: (t.dims, t.role) for n, t in g.tensors.items()},
+                 [(op.name, op.kind, op.inputs, op.output) for op in g.ops])
+    assert [op.name for op in again.order] == ["side1", "make", "use", "side2"]
+
+
+# ---------------------------------------------------------------- parameter counts
+
+def test_mlp_with_biases_counts_weights_and_biases():
+    h, f = 6, 10
+    g = make({"b": 4, "h": h, "f": f},
+             {"x": (["b", "h"], "input"), "w1": (["h", "f"], "param"), "b1": (["f"], "param"),
+              "w2": (["f", "h"], "param"), "b2": (["h"], "param"),
+              "y1": (["b", "f"],), "z1": (["b", "f"],), "y2": (["b", "h"],), "z2": (["b", "h"], "output")},
+             [("fc1", "einsum", ["x", "w1"], "y1"), ("bias1", "elementwise", ["y1", "b1"], "z1"),
+              ("fc2", "einsum", ["z1", "w2"], "y2"), ("bias2", "elementwise", ["y2", "b2"], "z2")])
+    assert g.num_params == 6 * 10 + 10 + 10 * 6 + 6 == 136
+
+
+def test_layernorm_scale_and_shift_count_twice_the_hidden_size():
+    g = make({"b": 3, "h": 7},
+             {"x": (["b", "h"], "input"), "g": (["h"], "param"), "s": (["h"], "param"), "y": (["b", "h"], "output")},
+             [("ln", "layernorm", ["x", "g", "s"], "y")])
+    assert g.num_params == 2 * 7
+
+
+def test_conv_kernel_counts_out_in_kh_kw():
+    g = make({"n": 2, "c": 3, "o": 5, "kh": 3, "kw": 2, "hh": 8, "ww": 8},
+             {"x": (["n", "c", "hh", "ww"], "input"), "w": (["o", "c", "kh", "kw"], "param"),
+              "y": (["n", "o", "hh", "ww"], "output")},
+             [("conv", "conv2d", ["x", "w"], "y")])
+    assert g.num_params == 5 * 3 * 3 * 2 == 90
+
+
+def test_tied_embedding_used_twice_is_counted_once():
+    v, h = 11, 4
+    g = make({"b": 2, "s": 3, "v": v, "h": h},
+             {"ids": (["b", "s"], "input", "int32"), "labels": (["b", "s"], "input", "int32"),
+              "wte": (["v", "h"], "param"), "x": (["b", "s", "h"],), "logits": (["b", "s", "v"],),
+              "loss": ([], "output")},
+             [("embed", "embedding", ["ids", "wte"], "x"), ("head", "einsum", ["x", "wte"], "logits"),
+              ("loss", "cross_entropy", ["logits", "labels"], "loss")])
+    assert len(g.consumers["wte"]) == 2
+    assert g.num_params == v * h == 44
+
+
+# ---------------------------------------------------------------- structural hash
+
+def block(prefix: str, dim_names: tuple[str, str, str], h: int = 8, f: int = 32, kind: str = "elementwise",
+          swap: bool = False) -> Graph:
+    """An MLP block x -> fc1 -> act -> fc2 with the given name prefix and dim names.
+
+    `swap` rewires fc2 to read the pre-activation tensor instead of the activation."""
+    b, hd, fd = dim_names
+    p = prefix
+    act_out = f"{p}a"
+    return make({b: 4, hd: h, fd: f},
+                {f"{p}x": ([b, hd], "input"), f"{p}w1": ([hd, fd], "param"), f"{p}w2": ([fd, hd], "param"),
+                 f"{p}y": ([b, fd],), act_out: ([b, fd],), f"{p}z": ([b, hd], "output")},
+                [(f"{p}fc1", "einsum", [f"{p}x", f"{p}w1"], f"{p}y"),
+                 (f"{p}act", kind, [f"{p}y"], act_out),
+                 (f"{p}fc2", "einsum", [f"{p}y" if swap else act_out, f"{p}w2"], f"{p}z")],
+                batch_dim=b)
+
+
+def test_hash_ignores_op_tensor_and_dim_names():
+    assert block("l0.", ("b", "h", "f")).structural_hash() == block("blk7/", ("batch", "hid", "ffn")).structural_hash()
+
+
+@pytest.mark.parametrize("changed", [
+    block("l0.", ("b", "h", "f"), f=64),              # a size
+    block("l0.", ("b", "h", "f"), kind="softmax"),    # a kind
+    block("l0.", ("b", "h", "f"), swap=True),         # the wiring
+])
+def test_hash_changes_with_size_kind_or_wiring(changed):
+    assert changed.structural_hash() != block("l0.", ("b", "h", "f")).structural_hash()
+
+
+def test_hash_of_two_identical_layers_inside_one_graph():
+    layers = []
+    tensors = {"x": (["b", "h"], "input")}
+    prev = "x"
+    for i in range(3):
+        tensors |= {f"l{i}.w": (["h", "h2"], "param"), f"l{i}.v": (["h2", "h"], "param"),
+                    f"l{i}.m": (["b", "h2"],), f"l{i}.o": (["b", "h"],)}
+        layers += [(f"l{i}.up", "einsum", [prev, f"l{i}.w"], f"l{i}.m"), (f"l{i}.down", "einsum", [f"l{i}.m", f"l{i}.v"], f"l{i}.o")]
+        prev = f"l{i}.o"
+    g = make({"b": 4, "h": 8, "h2": 16}, tensors, layers, batch_dim="b")
+    ops = g.order
+    assert g.structural_hash(ops[2:4]) == g.structural_hash(ops[4:6])
+    assert g.structural_hash(ops[0:2]) != g.structural_hash(ops[2:4])  # layer 0 reads the input x, not an activation
+
+
+# ---------------------------------------------------------------- FLOPs
+
+def test_einsum_flops_are_two_times_the_product_of_all_its_dims():
+    b, s, h, f = 3, 5, 7, 11
+    g = make({"b": b, "s": s, "h": h, "f": f},
+             {"x": (["b", "s", "h"], "input"), "w": (["h", "f"], "param"), "y": (["b", "s", "f"], "output")},
+             [("fc", "einsum", ["x", "w"], "y")])
+    assert g.flops(g.ops[0]) == 2 * b * s * h * f == 2310
+
+
+def test_attention_scores_flops_count_the_contracted_head_dim():
+    b, s, t, d = 2, 4, 4, 8
+    g = make({"b": b, "s": s, "t": t, "d": d},
+             {"q": (["b", "s", "d"], "input"), "k": (["b", "t", "d"], "input"), "sc": (["b", "s", "t"], "output")},
+             [("scores", "einsum", ["q", "k"], "sc")])
+    assert g.flops(g.ops[0]) == 2 * b * s * t * d == 512
+
+
+def test_conv_flops_are_two_times_output_times_in_channels_times_kernel():
+    n, c, o, kh, kw, ho, wo = 2, 3, 4, 3, 3, 6, 5
+    g = make({"n": n, "c": c, "o": o, "kh": kh, "kw": kw, "hi": 8, "wi": 7, "ho": ho, "wo": wo},
+             {"x": (["n", "c", "hi", "wi"], "input"), "w": (["o", "c", "kh", "kw"], "param"),
+              "y": (["n", "o", "ho", "wo"], "output")},
+             [("conv", "conv2d", ["x", "w"], "y")])
+    assert g.flops(g.ops[0]) == 2 * (n * o * ho * wo) * (c * kh * kw) == 12960
+
+
+def test_graph_rejects_a_dim_repeated_in_one_tensor():
+    with pytest.raises(InstanceError, match="dim repeated"):
+        make({"s": 4}, {"x": (["s", "s"], "input"), "y": (["s", "s"], "output")},
+             [("op", "elementwise", ["x"], "y")])
