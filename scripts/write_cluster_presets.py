@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from partopt.cluster import PRESETS, cluster_to_dict, preset
+from partopt.cluster import PRESETS, preset
+from partopt.io import write_cluster
 
 OUT = Path(__file__).resolve().parent.parent / "instances" / "clusters"
 
 
 def main() -> None:
-    """Write one JSON file per preset, indented, with a trailing newline."""
+    """Write one canonical cluster file per preset."""
     OUT.mkdir(parents=True, exist_ok=True)
     for name in PRESETS:
-        with open(OUT / f"{name}.json", "w") as f:
-            json.dump(cluster_to_dict(preset(name)), f, indent=2)
-            f.write("\n")
+        write_cluster(preset(name), OUT / f"{name}.json")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from partopt.cluster import (
     PRESETS, Cluster, Device, Link, cluster_from_dict, cluster_to_dict, preset,
 )
 from partopt.errors import InfeasibleError, InstanceError
+from partopt.io import read_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "partopt" / "schemas" / "cluster.schema.json").read_text())
@@ -228,7 +229,7 @@ def test_written_preset_files_are_current():
     for name in PRESETS:
         path = ROOT / "instances" / "clusters" / f"{name}.json"
         assert json.loads(path.read_text()) == cluster_to_dict(preset(name)), f"rerun scripts/write_cluster_presets.py ({name})"
-        assert path.read_text().endswith("}\n")
+        assert read_cluster(path) == preset(name)  # schema-valid through partopt.io, and the same cluster
 
 
 # ---------------------------------------------------------------- cluster files
