@@ -1,0 +1,207 @@
+"""The `partopt` command line: one click command per function, sharing file loading and error
+printing. Any PartoptError a command raises becomes one `error: …` line on stderr, exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from partopt import io
+from partopt.cluster import PRESETS, Cluster, preset
+from partopt.costmodel import training_flops
+from partopt.errors import InstanceError, PartoptError
+from partopt.graph import Graph
+from partopt.ops import KINDS, is_matmul
+
+EXIT_USER_ERROR = 2  # bad input: a file, a preset name or an impossible request
+PEAK_DTYPES_SHOWN = ("fp16", "fp32")
+
+
+class PartoptGroup(click.Group):
+    """A click group that reports PartoptError as one line, without a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except PartoptError as err:
+            click.echo(f"error: {err.line()}", err=True)
+            ctx.exit(EXIT_USER_ERROR)
+
+
+@click.group(cls=PartoptGroup)
+@click.version_option(package_name="partopt")
+def main() -> None:
+    """Plan inter- and intra-operator parallel training of a neural network on a cluster."""
+
+
+# ---------------------------------------------------------------- shared helpers
+
+def load_instance(source: str, nodes: int | None = None) -> Graph | Cluster:
+    """A graph or cluster file, or else a cluster preset by name; `nodes` resizes a cluster."""
+    if Path(source).exists():
+        instance = io.read(source)
+    elif source in PRESETS:
+        instance = preset(source)
+    else:
+        raise InstanceError(f"no such file or cluster preset {source!r} (presets: {', '.join(PRESETS)})",
+                            hint="give the path of a graph or cluster file, or a preset name")
+    if nodes is None:
+        return instance
+    if isinstance(instance, Graph):
+        raise InstanceError("--nodes resizes a cluster, but this is a graph", source, "drop --nodes")
+    return instance.resized(nodes)
+
+
+def print_json(facts: dict[str, Any]) -> None:
+    """The facts as one JSON object on stdout (keys in a fixed order, numbers unformatted)."""
+    click.echo(json.dumps(facts, indent=2))
+
+
+def _scaled(value: float, unit: str, binary: bool = False) -> str:
+    """`value` with an SI (or binary, for bytes) prefix: 3.2e12 FLOP -> '3.2 TFLOP'."""
+    base, prefixes = (1024, ("", "Ki", "Mi", "Gi", "Ti", "Pi")) if binary else (1000, ("", "k", "M", "G", "T", "P", "E"))
+    i = 0
+    while abs(value) >= base and i < len(prefixes) - 1:
+        value /= base
+        i += 1
+    return f"{value:.4g} {prefixes[i]}{unit}"
+
+
+def _facts_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for label, value in rows:
+        table.add_row(Text(label), Text(value))  # Text: no markup, tensor dims print as [b, s]
+    return table
+
+
+# ---------------------------------------------------------------- inspect
+
+def graph_facts(graph: Graph) -> dict[str, Any]:
+    """What `inspect` reports about a graph, in SI units (FLOP, bytes)."""
+    batch = graph.dims[graph.batch_dim] if graph.batch_dim else None
+    forward = graph.forward_flops
+    training = sum(training_flops(graph.flops(op), is_matmul(op)) for op in graph.ops)
+    by_kind = {}
+    for kind in KINDS:
+        flops = [graph.flops(op) for op in graph.ops if op.kind == kind]
+        if flops:
+            by_kind[kind] = {"count": len(flops), "forward_flops": sum(flops),
+                             "forward_flops_share": sum(flops) / forward if forward else 0.0}
+    activations = [t for t in graph.tensors.values() if t.role in ("activation", "output")]
+    largest = max(activations, key=lambda t: graph.nbytes(t.name), default=None)
+    return {
+        "kind": "graph",
+        "name": graph.name,
+        "dtype": graph.dtype,
+        "batch_dim": graph.batch_dim,
+        "batch_size": batch,
+        "ops": len(graph.ops),
+        "ops_by_kind": by_kind,
+        "layers": sum(1 for layer in graph.layers if layer is not None),
+        "params": graph.num_params,
+        "params_billions": graph.num_params / 1e9,
+        "param_bytes": sum(graph.nbytes(t.name) for t in graph.params),
+        "forward_flops": forward,
+        "forward_flops_per_sample": forward / batch if batch else None,
+        "training_flops": training,
+        "training_flops_per_sample": training / batch if batch else None,
+        "largest_activation": None if largest is None else {
+            "name": largest.name, "dims": list(largest.dims), "bytes": graph.nbytes(largest.name)},
+    }
+
+
+def cluster_facts(cluster: Cluster) -> dict[str, Any]:
+    """What `inspect` reports about a cluster, in SI units (FLOP/s, bytes, bytes/s, seconds)."""
+    device, n = cluster.device, cluster.num_devices
+
+    def link(l: Any) -> dict[str, Any]:
+        return {"bandwidth_bytes_per_s": l.bandwidth, "latency_s": l.latency_s}
+
+    return {
+        "kind": "cluster",
+        "name": cluster.name,
+        "nodes": cluster.nodes,
+        "devices_per_node": cluster.devices_per_node,
+        "devices": n,
+        "device": device.name,
+        "peak_flops_per_s": {dtype: device.peak(dtype) * n for dtype in PEAK_DTYPES_SHOWN},
+        "memory_bytes_per_device": device.memory_bytes,
+        "memory_bytes_total": device.memory_bytes * n,
+        "memory_bandwidth_bytes_per_s": device.memory_bandwidth,
+        "matmul_efficiency": device.matmul_efficiency,
+        "memory_efficiency": device.memory_efficiency,
+        "intra_node": link(cluster.intra_node),
+        "inter_node": {**link(cluster.inter_node), "shared_by_node": cluster.inter_node.shared_by_node},
+    }
+
+
+def _per_sample(total: float, per_sample: float | None) -> str:
+    text = _scaled(total, "FLOP")
+    return text if per_sample is None else f"{_scaled(per_sample, 'FLOP')} per sample ({text} per batch)"
+
+
+def _render_graph(f: dict[str, Any]) -> list[Table]:
+    largest = f["largest_activation"]
+    summary = _facts_table(f"graph {f['name']}", [
+        ("dtype", f["dtype"]),
+        ("batch", f"{f['batch_dim']} = {f['batch_size']}" if f["batch_dim"] else "none"),
+        ("ops", str(f["ops"])),
+        ("layers", str(f["layers"])),
+        ("parameters", f"{f['params']:,} ({f['params_billions']:.4g} B)"),
+        ("parameter bytes", _scaled(f["param_bytes"], "B", binary=True)),
+        ("forward", _per_sample(f["forward_flops"], f["forward_flops_per_sample"])),
+        ("training (fwd + bwd)", _per_sample(f["training_flops"], f["training_flops_per_sample"])),
+        ("largest activation", "none" if largest is None else
+         f"{largest['name']} [{', '.join(largest['dims'])}] {_scaled(largest['bytes'], 'B', binary=True)}"),
+    ])
+    kinds = Table(title="ops by kind", title_justify="left")
+    for column in ("kind", "ops", "forward GFLOP", "share"):
+        kinds.add_column(column, justify="left" if column == "kind" else "right")
+    for kind, row in f["ops_by_kind"].items():
+        kinds.add_row(kind, str(row["count"]), f"{row['forward_flops'] / 1e9:,.3f}",
+                      f"{100 * row['forward_flops_share']:.1f} %")
+    return [summary, kinds]
+
+
+def _render_cluster(f: dict[str, Any]) -> list[Table]:
+    def link(l: dict[str, Any]) -> str:
+        return f"{l['bandwidth_bytes_per_s'] / 1e9:.4g} GB/s per direction, {l['latency_s'] * 1e6:.3g} µs"
+
+    peaks = ", ".join(f"{v / 1e15:.4g} ({dtype})" for dtype, v in f["peak_flops_per_s"].items())
+    nic = (f"shared by the node's {f['devices_per_node']} devices" if f["inter_node"]["shared_by_node"]
+           else "one per device")
+    return [_facts_table(f"cluster {f['name']}", [
+        ("devices", f"{f['nodes']} nodes × {f['devices_per_node']} = {f['devices']} × {f['device']}"),
+        ("peak PFLOP/s (cluster)", peaks),
+        ("memory", f"{_scaled(f['memory_bytes_per_device'], 'B', binary=True)} per device, "
+                   f"{_scaled(f['memory_bytes_total'], 'B', binary=True)} total"),
+        ("HBM bandwidth", f"{f['memory_bandwidth_bytes_per_s'] / 1e9:.4g} GB/s per device"),
+        ("efficiency", f"matmul {f['matmul_efficiency']:.0%} of peak, memory {f['memory_efficiency']:.0%} of HBM"),
+        ("intra-node link", link(f["intra_node"])),
+        ("inter-node link", link(f["inter_node"])),
+        ("inter-node NIC", nic),
+    ])]
+
+
+@main.command()
+@click.argument("source", metavar="FILE")
+@click.option("--nodes", type=click.IntRange(min=1), help="Resize a cluster to this many nodes.")
+@click.option("--json", "as_json", is_flag=True, help="Print the facts as one JSON object.")
+def inspect(source: str, nodes: int | None, as_json: bool) -> None:
+    """Summarise a graph or cluster FILE (or a cluster preset by name)."""
+    instance = load_instance(source, nodes)
+    facts = graph_facts(instance) if isinstance(instance, Graph) else cluster_facts(instance)
+    if as_json:
+        print_json(facts)
+        return
+    console = Console()
+    for table in (_render_graph if isinstance(instance, Graph) else _render_cluster)(facts):
+        console.print(table)

@@ -1,0 +1,153 @@
+"""`partopt inspect`: every bundled instance and preset, --json against the library and hand
+counts, and bad input reported as one `error:` line on stderr with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from partopt import io
+from partopt.cli import main
+from partopt.cluster import PRESETS, preset
+from partopt.graph import Graph
+from partopt.ops import is_matmul
+
+ROOT = Path(__file__).resolve().parent.parent
+INSTANCES = sorted((ROOT / "instances").rglob("*.json"))
+BAD = sorted((ROOT / "tests" / "bad").glob("*.json"))
+
+# Parameter counts of the hand-written instances, from their sizes (see each file).
+HAND_PARAMS = {
+    "mlp-2layer.json": 128 * 512 + 512 + 512 * 128 + 128,                      # h=128 <-> f=512, biases
+    "mlp-4layer.json": 4 * 256 * 1024 + 2 * 1024 + 2 * 256,                    # h=256 <-> f=1024, biases
+    "attention-block.json": (1000 * 256 + 128 * 256                            # tied wte, wpe
+                             + 3 * 2 * 256 + 3 * 256 * 64 + 64 * 256            # 3 layernorms; q, k, v, out
+                             + 256 * 1024 + 1024 + 1024 * 256),                 # MLP with one bias
+    "cnn-tiny.json": 16 * 3 * 3 * 3 + 2 * 16 + 32 * 16 * 3 * 3 + 2 * 32 + 32 * 10 + 10,
+}
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_hand_counts_are_what_the_sizes_say():
+    assert HAND_PARAMS == {"mlp-2layer.json": 131712, "mlp-4layer.json": 1051136,
+                           "attention-block.json": 881152, "cnn-tiny.json": 5466}
+
+
+@pytest.mark.parametrize("path", INSTANCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_inspect_every_instance(path):
+    result = run("inspect", str(path))
+    assert result.exit_code == 0, result.output
+    instance = io.read(path)
+    if isinstance(instance, Graph):
+        expected = HAND_PARAMS.get(path.name, instance.num_params)
+        assert f"{expected:,}" in result.stdout
+        assert f"graph {instance.name}" in result.stdout
+    else:
+        assert instance.device.name in result.stdout
+        assert f"{instance.nodes} nodes × {instance.devices_per_node} = {instance.num_devices}" in result.stdout
+
+
+def test_main_job_command_prints_the_mlp_summary(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the README's command: partopt inspect instances/mlp-2layer.json
+    result = run("inspect", "instances/mlp-2layer.json")
+    assert result.exit_code == 0
+    assert "131,712" in result.stdout and "einsum" in result.stdout
+    assert "h1 [b, f] 2 MiB" in result.stdout  # 1024 × 512 fp32 = 2 MiB, dims printed literally
+
+
+def test_console_script_is_the_click_group():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["partopt"] == "partopt.cli:main"
+
+
+def test_graph_json_equals_the_library_and_hand_derivations():
+    path = ROOT / "instances" / "mlp-2layer.json"
+    result = run("inspect", str(path), "--json")
+    assert result.exit_code == 0
+    facts = json.loads(result.stdout)  # nothing but one JSON object on stdout
+    g = io.read_graph(path)
+    b, h, f = 1024, 128, 512
+    matmul = 2 * (2 * b * h * f)            # fc1 and fc2
+    other = b * f + b * f + b * h           # bias1, gelu, bias2: one FLOP per output element
+    assert facts["params"] == g.num_params == HAND_PARAMS["mlp-2layer.json"]
+    assert facts["params_billions"] == pytest.approx(131712 / 1e9)
+    assert facts["param_bytes"] == 4 * 131712
+    assert facts["forward_flops"] == g.forward_flops == matmul + other
+    assert facts["forward_flops_per_sample"] == pytest.approx((matmul + other) / b)
+    assert facts["training_flops"] == pytest.approx(3 * matmul + 2 * other)
+    assert facts["training_flops"] == pytest.approx(sum(g.flops(op) * (3 if is_matmul(op) else 2) for op in g.ops))
+    assert facts["training_flops_per_sample"] == pytest.approx((3 * matmul + 2 * other) / b)
+    assert facts["batch_dim"] == "b" and facts["batch_size"] == b
+    assert facts["layers"] == 2 and facts["ops"] == 5
+    assert facts["ops_by_kind"] == {
+        "einsum": {"count": 2, "forward_flops": matmul, "forward_flops_share": pytest.approx(matmul / (matmul + other))},
+        "elementwise": {"count": 3, "forward_flops": other, "forward_flops_share": pytest.approx(other / (matmul + other))},
+    }
+    assert facts["largest_activation"] == {"name": "h1", "dims": ["b", "f"], "bytes": 4 * b * f}
+
+
+def test_cluster_json_equals_the_preset_and_its_datasheet():
+    result = run("inspect", "p3.16xlarge", "--json")
+    assert result.exit_code == 0
+    facts = json.loads(result.stdout)
+    c = preset("p3.16xlarge")
+    assert facts["devices"] == c.num_devices == 64
+    assert facts["peak_flops_per_s"] == {"fp16": pytest.approx(64 * 125e12), "fp32": pytest.approx(64 * 15.7e12)}
+    assert facts["memory_bytes_per_device"] == 16 * 2**30
+    assert facts["memory_bytes_total"] == 64 * 16 * 2**30
+    assert facts["memory_bandwidth_bytes_per_s"] == pytest.approx(900e9)
+    assert facts["intra_node"]["bandwidth_bytes_per_s"] == pytest.approx(150e9)
+    assert facts["inter_node"] == {"bandwidth_bytes_per_s": pytest.approx(3.125e9),
+                                   "latency_s": c.inter_node.latency_s, "shared_by_node": True}
+
+
+def test_nodes_resizes_a_preset_and_a_cluster_file(tmp_path):
+    facts = json.loads(run("inspect", "dgx-a100", "--nodes", "2", "--json").stdout)
+    assert (facts["nodes"], facts["devices"]) == (2, 16)
+    io.write_cluster(preset("dgx-h100"), tmp_path / "h.json")
+    facts = json.loads(run("inspect", str(tmp_path / "h.json"), "--nodes", "3", "--json").stdout)
+    assert (facts["nodes"], facts["devices"], facts["memory_bytes_total"]) == (3, 24, 24 * 80 * 2**30)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_inspect_every_preset(name):
+    result = run("inspect", name)
+    assert result.exit_code == 0
+    assert preset(name).device.name in result.stdout
+
+
+def assert_one_error_line(result, *needles: str) -> None:
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+@pytest.mark.parametrize("path", BAD, ids=lambda p: p.name)
+def test_each_bad_file_is_one_error_line(path):
+    for extra in ([], ["--json"]):
+        assert_one_error_line(run("inspect", str(path), *extra), str(path))
+
+
+def test_unknown_preset_lists_the_presets():
+    assert_one_error_line(run("inspect", "p4d.24xlarge"), "no such file or cluster preset 'p4d.24xlarge'", *PRESETS)
+
+
+def test_nodes_zero_is_refused():
+    result = run("inspect", "p3.16xlarge", "--nodes", "0")
+    assert result.exit_code == 2 and "Traceback" not in result.output + result.stderr
+
+
+def test_nodes_on_a_graph_is_refused():
+    path = str(ROOT / "instances" / "mlp-2layer.json")
+    assert_one_error_line(run("inspect", path, "--nodes", "2"), path, "--nodes resizes a cluster")
