@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import pulp
 
@@ -23,9 +24,11 @@ def solve(model: Model, options: Options) -> Result:
                 prob += expr <= hi, f"u{k}"
             if lo > float("-inf"):
                 prob += expr >= lo, f"l{k}"
-    cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=options.threads,
-                            options=[f"randomSeed {options.seed + 1}", "ratioGap 0", "allowableGap 0"])
-    prob.solve(cmd)
+    with warnings.catch_warnings():  # PuLP 3 deprecates its bundled CBC binary; it still ships it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=options.threads,
+                                options=[f"randomSeed {options.seed + 1}", "ratioGap 0", "allowableGap 0"])
+        prob.solve(cmd)
     elapsed = time.perf_counter() - start
     status = pulp.LpStatus[prob.status]
     if status == "Infeasible":
