@@ -11,6 +11,12 @@ from partopt.solvers import Model, Options, Result
 
 
 def solve(model: Model, options: Options) -> Result:
+    with warnings.catch_warnings():  # PuLP 3 deprecates the API and bundled CBC that it still ships
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _solve(model, options)
+
+
+def _solve(model: Model, options: Options) -> Result:
     start = time.perf_counter()
     prob = pulp.LpProblem("partopt", pulp.LpMinimize)
     x = [pulp.LpVariable(f"x{i}", cat="Binary") for i in range(model.num_vars)]
@@ -24,11 +30,9 @@ def solve(model: Model, options: Options) -> Result:
                 prob += expr <= hi, f"u{k}"
             if lo > float("-inf"):
                 prob += expr >= lo, f"l{k}"
-    with warnings.catch_warnings():  # PuLP 3 deprecates its bundled CBC binary; it still ships it
-        warnings.simplefilter("ignore", DeprecationWarning)
-        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=options.threads,
-                                options=[f"randomSeed {options.seed + 1}", "ratioGap 0", "allowableGap 0"])
-        prob.solve(cmd)
+    cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=options.threads,
+                            options=[f"randomSeed {options.seed + 1}", "ratioGap 0", "allowableGap 0"])
+    prob.solve(cmd)
     elapsed = time.perf_counter() - start
     status = pulp.LpStatus[prob.status]
     if status == "Infeasible":
