@@ -1,0 +1,271 @@
+"""Placements on a logical mesh, sharding strategies per op and parameter, resharding costs.
+
+Vocabulary of PyTorch DTensor / GSPMD: each mesh axis of a tensor's placement is `Shard(dim)`,
+`Replicate()` or `Partial()` (a pending sum). A strategy assigns each mesh axis to at most one
+of an op's dims (DESIGN §4); its placements, work and memory follow from the dims' behaviour,
+so one rule covers every op kind.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from partopt import costmodel
+from partopt import ops as opkinds
+from partopt.cluster import LogicalMesh
+from partopt.graph import Graph, Op, Tensor
+from partopt.ops import Behaviour
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: str
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Partial:
+    def __str__(self) -> str:
+        return "P"
+
+
+R = Replicate()
+P = Partial()
+AxisPlacement = Shard | Replicate | Partial
+Placement = tuple[AxisPlacement, ...]  # one entry per mesh axis
+
+
+def fmt(placement: Placement) -> str:
+    """`[S(b), R]` style text of a placement."""
+    return "[" + ", ".join(str(p) for p in placement) + "]"
+
+
+def shards(placement: Placement, mesh: LogicalMesh, skip_axis: int | None = None) -> int:
+    """How many pieces a placement cuts a tensor into (optionally ignoring one axis)."""
+    return math.prod(mesh.shape[i] for i, p in enumerate(placement)
+                     if isinstance(p, Shard) and i != skip_axis)
+
+
+def local_bytes(nbytes: float, placement: Placement, mesh: LogicalMesh) -> float:
+    """Bytes one device holds of a tensor under `placement` (Partial holds the full size)."""
+    return nbytes / shards(placement, mesh)
+
+
+# ---------------------------------------------------------------- resharding (DESIGN §4 table)
+
+def axis_collective(src: AxisPlacement, dst: AxisPlacement) -> str | None:
+    """The collective that turns `src` into `dst` on one mesh axis, or None when free."""
+    if src == dst or isinstance(src, Replicate) or isinstance(dst, Partial):
+        return None  # same; local slice; a Partial target takes anything for free
+    if isinstance(src, Partial):
+        return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter"
+    return "all_gather" if isinstance(dst, Replicate) else "all_to_all"
+
+
+def reshard_collectives(src: Placement, dst: Placement, nbytes: float,
+                        mesh: LogicalMesh) -> list[tuple[str, int, float]]:
+    """(collective, mesh axis, full buffer bytes) needed to move a tensor from src to dst.
+
+    Per axis, the buffer is the tensor's bytes divided by the source's shards on the other axes.
+    """
+    steps = []
+    for axis, (s, d) in enumerate(zip(src, dst)):
+        kind = axis_collective(s, d)
+        if kind is not None and mesh.shape[axis] > 1:
+            steps.append((kind, axis, nbytes / shards(src, mesh, skip_axis=axis)))
+    return steps
+
+
+def collectives_time(steps: Sequence[tuple[str, int, float]], mesh: LogicalMesh) -> float:
+    return sum(costmodel.collective_time(kind, size, mesh.axes[axis]) for kind, axis, size in steps)
+
+
+def reshard_time(src: Placement, dst: Placement, nbytes: float, mesh: LogicalMesh) -> float:
+    """Seconds to move a tensor of `nbytes` from placement src to dst on `mesh`."""
+    return collectives_time(reshard_collectives(src, dst, nbytes, mesh), mesh)
+
+
+def gradient_placement(required: Placement, assigned: Sequence[str | None]) -> Placement:
+    """Placement of the gradient a consumer sends back for one of its inputs.
+
+    Where the consumer split a dim the input lacks (the input is Replicate there), each device
+    holds a partial sum (Megatron's `f`); elsewhere the gradient has the input's placement.
+    """
+    return tuple(P if (d is not None and isinstance(q, Replicate)) else q for q, d in zip(required, assigned))
+
+
+def as_gradient_target(output: Placement) -> Placement:
+    """The placement a producer needs its output's gradient in: Partial read as Replicate."""
+    return tuple(R if isinstance(p, Partial) else p for p in output)
+
+
+# ---------------------------------------------------------------- op strategies
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an op on a mesh: a dim (or None) per mesh axis and what follows from it."""
+
+    axes: tuple[str | None, ...]
+    inputs: tuple[Placement, ...]
+    output: Placement
+    compute_s: float  # forward + backward compute per microbatch
+    comm: Mapping[str, float] = field(default_factory=dict)  # in-op collectives per microbatch
+    memory_bytes: float = 0.0  # output activation kept for backward, per device
+
+    @property
+    def comm_s(self) -> float:
+        return sum(self.comm.values())
+
+    @property
+    def name(self) -> str:
+        return "{" + ", ".join(f"{d or '-'}@{i}" for i, d in enumerate(self.axes)) + "}"
+
+
+STATS_BYTES = 4  # norm/softmax statistics are fp32
+
+
+def _axis_choices(graph: Graph, op: Op, mesh: LogicalMesh) -> list[list[str | None]]:
+    behaviour = graph.behaviours(op)
+    if op.kind == "reshape":  # shardings live on the outermost part of a split/merge
+        dims = [d for d in graph.tensors[op.output].dims if behaviour[d] != Behaviour.WINDOWED]
+    else:
+        dims = [d for d, b in behaviour.items() if b != Behaviour.WINDOWED]
+    return [[None] + (dims if size > 1 else []) for size in mesh.shape]
+
+
+def _divisible(graph: Graph, axes: Sequence[str | None], mesh: LogicalMesh) -> bool:
+    split: dict[str, int] = {}
+    for d, size in zip(axes, mesh.shape):
+        if d is not None:
+            split[d] = split.get(d, 1) * size
+    return all(graph.dims[d] % n == 0 for d, n in split.items())
+
+
+def _input_placement(tensor: Tensor, axes: Sequence[str | None], rename: Mapping[str, str]) -> Placement:
+    placement = []
+    for d in axes:
+        d = rename.get(d, d) if d is not None and d not in tensor.dims else d
+        placement.append(Shard(d) if d is not None and d in tensor.dims else R)
+    return tuple(placement)
+
+
+def op_strategies(graph: Graph, op: Op, mesh: LogicalMesh) -> list[Strategy]:
+    """Every valid strategy of `op` on `mesh` (divisible splits only), in a stable order."""
+    behaviour = graph.behaviours(op)
+    out_tensor = graph.tensors[op.output]
+    rename = opkinds.reshape_outer(op) if op.kind == "reshape" else {}
+    dtype = graph.dtype_of(op.output)
+    matmul = opkinds.is_matmul(op)
+    flops = costmodel.training_flops(graph.flops(op), matmul)
+    strategies = []
+    for axes in itertools.product(*_axis_choices(graph, op, mesh)):
+        if not _divisible(graph, axes, mesh):
+            continue
+        inputs = tuple(_input_placement(graph.tensors[t], axes, rename) for t in op.inputs)
+        output = []
+        comm: dict[str, float] = {}
+        for axis, d in enumerate(axes):
+            if d is None:
+                output.append(R)
+            elif d in out_tensor.dims:
+                output.append(Shard(d))
+                if behaviour[d] == Behaviour.NORMALISED:  # statistics all-reduce, forward and backward
+                    stats = STATS_BYTES * graph.numel(op.output) / graph.dims[d] / _split(axes, mesh)
+                    t = 2 * costmodel.collective_time("all_reduce", stats, mesh.axes[axis])
+                    comm["all_reduce"] = comm.get("all_reduce", 0.0) + t
+            elif behaviour[d] == Behaviour.NORMALISED:  # vocab-parallel loss: output complete after stats
+                output.append(R)
+                stats = STATS_BYTES * 3 * graph.numel(op.inputs[0]) / graph.dims[d] / _split(axes, mesh)
+                t = 2 * costmodel.collective_time("all_reduce", stats, mesh.axes[axis])
+                comm["all_reduce"] = comm.get("all_reduce", 0.0) + t
+            else:  # contracted, reduced, gathered: a pending sum
+                output.append(P)
+        output_t = tuple(output)
+        split = _split(axes, mesh)
+        moved = (sum(local_bytes(graph.nbytes(t), p, mesh) for t, p in zip(op.inputs, inputs))
+                 + local_bytes(graph.nbytes(op.output), output_t, mesh))
+        compute = 0.0 if op.kind == "reshape" else costmodel.compute_time(
+            flops / split, 2 * moved, mesh.device, dtype, matmul)
+        strategies.append(Strategy(
+            axes=tuple(axes), inputs=inputs, output=output_t, compute_s=compute, comm=comm,
+            memory_bytes=local_bytes(graph.nbytes(op.output), output_t, mesh)))
+    return strategies
+
+
+def _split(axes: Sequence[str | None], mesh: LogicalMesh) -> int:
+    """How many ways the op's work is divided: the product of the assigned axes' sizes."""
+    return math.prod(size for d, size in zip(axes, mesh.shape) if d is not None)
+
+
+# ---------------------------------------------------------------- parameter strategies
+
+@dataclass(frozen=True)
+class ParamStrategy:
+    """Where a parameter lives: its placement, and the axes its optimizer state is sharded over."""
+
+    placement: Placement
+    zero_axes: tuple[int, ...]  # ZeRO: optimizer state split over these replicated axes
+    memory_bytes: float  # weights + gradients + optimizer state per device
+
+    @property
+    def name(self) -> str:
+        zero = f" zero@{','.join(map(str, self.zero_axes))}" if self.zero_axes else ""
+        return fmt(self.placement) + zero
+
+
+def param_strategies(graph: Graph, tensor: Tensor, mesh: LogicalMesh, allow_zero: bool = True) -> list[ParamStrategy]:
+    """Every placement of a parameter (Shard on a divisible dim or Replicate per axis) × ZeRO choice."""
+    per_axis = [[R] + ([Shard(d) for d in tensor.dims] if size > 1 else []) for size in mesh.shape]
+    memory = costmodel.param_memory(graph.numel(tensor.name), graph.dtype_of(tensor.name))
+    result = []
+    for placement in itertools.product(*per_axis):
+        axes = [p.dim if isinstance(p, Shard) else None for p in placement]
+        if not _divisible(graph, axes, mesh):
+            continue
+        replicated = [i for i, p in enumerate(placement) if isinstance(p, Replicate) and mesh.shape[i] > 1]
+        zero_choices = [()]
+        if allow_zero:
+            zero_choices = [c for k in range(len(replicated) + 1) for c in itertools.combinations(replicated, k)]
+        n = shards(placement, mesh)
+        for zero in zero_choices:
+            z = math.prod(mesh.shape[i] for i in zero)
+            result.append(ParamStrategy(
+                placement=tuple(placement), zero_axes=tuple(zero),
+                memory_bytes=(memory.weights + memory.grads) / n + memory.optimizer / (n * z)))
+    return result
+
+
+def param_sync_collectives(grad: Placement, param: ParamStrategy, nbytes: float,
+                           mesh: LogicalMesh) -> list[tuple[str, int, float]]:
+    """Per-iteration gradient synchronisation of one parameter (DESIGN §4 "Parameters").
+
+    Gradients accumulate over microbatches in the consumer's layout `grad`; once per iteration
+    they are reduced into the parameter's placement. On a ZeRO axis the all-reduce becomes a
+    reduce-scatter plus an all-gather of the updated weights (and a complete gradient needs
+    only that all-gather).
+    """
+    steps = []
+    for axis, (g, p) in enumerate(zip(grad, param.placement)):
+        if mesh.shape[axis] == 1:
+            continue
+        size = nbytes / shards(grad, mesh, skip_axis=axis)
+        if axis in param.zero_axes:
+            if isinstance(g, Partial):
+                steps.append(("reduce_scatter", axis, size))
+            steps.append(("all_gather", axis, size))
+            continue
+        kind = axis_collective(g, p)
+        if kind is not None:
+            steps.append((kind, axis, size))
+    return steps

@@ -1,0 +1,151 @@
+"""Intra-op sharding: the closed forms of REFERENCE §4, derived by hand for this cost model.
+
+The test device is compute bound (HBM bandwidth unbounded) and the links have no per-step
+latency, so every cost is a product of FLOPs or bytes with a rate, plus one launch cost per
+collective call: the expected objectives below are written out from the formulas of
+docs/COSTMODEL.md, not read from the code.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from partopt import costmodel, intra
+from partopt.cluster import Cluster, Device, Link, preset
+from partopt.errors import InfeasibleError
+from partopt.graph import Graph, Op, Tensor
+from partopt.io import read_graph
+from partopt.sharding import P, R, Shard
+from partopt.solvers import BACKENDS
+
+PEAK = 1e12  # FLOP/s of the test device, matmul efficiency 1
+LAUNCH = costmodel.COLLECTIVE_LAUNCH_S
+FAST = Device("test-device", {"fp32": PEAK}, 2**40, 1e30, matmul_efficiency=1.0)
+INSTANCES = Path(__file__).parent.parent / "instances"
+
+
+def mlp(layers: int, batch: int, hidden: int) -> Graph:
+    """x[b,h0] -> fc0 -> ... -> fc{n-1}: square fp32 weights, no bias (REFERENCE §4's MLP)."""
+    dims = {"b": batch, **{f"h{i}": hidden for i in range(layers + 1)}}
+    tensors = {"x": Tensor("x", ("b", "h0"), "input")}
+    ops, prev = [], "x"
+    for i in range(layers):
+        tensors[f"w{i}"] = Tensor(f"w{i}", (f"h{i}", f"h{i + 1}"), "param")
+        tensors[f"y{i}"] = Tensor(f"y{i}", ("b", f"h{i + 1}"))
+        ops.append(Op(f"fc{i}", "einsum", (prev, f"w{i}"), f"y{i}", i))
+        prev = f"y{i}"
+    return Graph(f"mlp{layers}", dims, tensors, ops, "b", "fp32")
+
+
+def row_mesh(n=4, bw=10e9):
+    """n devices in a row (one node), links with bandwidth `bw` and no per-step latency."""
+    return Cluster("row", 1, n, FAST, Link(bw, 0.0), Link(bw, 0.0)).logical_mesh((1, n), (1, n))
+
+
+def all_reduce(nbytes, n, bw):
+    return LAUNCH + 2 * (n - 1) / n * nbytes / bw
+
+
+def matmul_time(batch, hidden, split):
+    return 3 * 2 * batch * hidden * hidden / split / PEAK  # forward + backward (2x)
+
+
+def axes_of(stage):
+    return {c.op: c.strategy.axes for c in stage.ops}
+
+
+def test_two_layer_mlp_large_batch_is_data_parallel():
+    b, h, bw = 1024, 128, 10e9
+    stage = intra.shard_stage(mlp(2, b, h), row_mesh(bw=bw))
+    assert axes_of(stage) == {"fc0": (None, "b"), "fc1": (None, "b")}
+    assert all(p.strategy.placement == (R, R) for p in stage.params)
+    # the two weight-gradient all-reduces, once per iteration
+    expected = 2 * matmul_time(b, h, 4) + 2 * all_reduce(h * h * 4, 4, bw)
+    assert stage.objective == pytest.approx(expected, rel=1e-9)
+    assert stage.breakdown.sync_s["all_reduce"] == pytest.approx(2 * all_reduce(h * h * 4, 4, bw), rel=1e-9)
+
+
+def test_two_layer_mlp_small_batch_is_megatron_column_then_row():
+    b, h, bw = 128, 1024, 10e9
+    stage = intra.shard_stage(mlp(2, b, h), row_mesh(bw=bw))
+    assert axes_of(stage) == {"fc0": (None, "h1"), "fc1": (None, "h1")}
+    by_op = {c.op: c.strategy for c in stage.ops}
+    assert by_op["fc0"].output == (R, Shard("h1"))  # column parallel
+    assert by_op["fc1"].inputs[1] == (R, Shard("h1")) and by_op["fc1"].output == (R, P)  # row parallel
+    expected = 2 * matmul_time(b, h, 4) + all_reduce(b * h * 4, 4, bw)  # one activation all-reduce
+    assert stage.objective == pytest.approx(expected, rel=1e-9)
+    assert "all-reduce" in stage.ops[1].explanation
+
+
+@pytest.mark.parametrize("layers", [4, 6])
+def test_n_layer_mlp_alternates_column_and_row(layers):
+    b, h, bw = 128, 1024, 10e9
+    stage = intra.shard_stage(mlp(layers, b, h), row_mesh(bw=bw), backend="highs")
+    for i, choice in enumerate(stage.ops):
+        assert choice.strategy.axes == (None, f"h{i + 1 - i % 2}")  # fc0 splits its output, fc1 its input, …
+    # forward: one all-reduce after every row layer; backward: one before every column layer but the first
+    expected = layers * matmul_time(b, h, 4) + (layers - 1) * all_reduce(b * h * 4, 4, bw)
+    assert stage.objective == pytest.approx(expected, rel=1e-9)
+
+
+def test_n_layer_mlp_large_batch_pays_one_gradient_all_reduce_per_weight():
+    b, h, bw, layers = 1024, 128, 10e9, 4
+    stage = intra.shard_stage(mlp(layers, b, h), row_mesh(bw=bw))
+    expected = layers * matmul_time(b, h, 4) + layers * all_reduce(h * h * 4, 4, bw)
+    assert stage.objective == pytest.approx(expected, rel=1e-9)
+
+
+def test_2d_mesh_puts_batch_on_the_slow_axis_and_megatron_on_the_fast_one():
+    b, h, fast_bw, slow_bw = 1024, 128, 10e9, 5e9
+    cluster = Cluster("two", 2, 2, FAST, Link(fast_bw, 0.0), Link(slow_bw, 0.0))
+    mesh = cluster.logical_mesh((2, 2), (2, 2))
+    assert mesh.axes[0].crosses_nodes and not mesh.axes[1].crosses_nodes
+    stage = intra.shard_stage(mlp(2, b, h), mesh)
+    assert axes_of(stage) == {"fc0": ("b", "h1"), "fc1": ("b", "h1")}
+    activation = all_reduce(b // 2 * h * 4, 2, fast_bw)  # row-parallel output, half the batch per device
+    gradients = 2 * all_reduce(h * h * 4 / 2, 2, slow_bw)  # each weight half-sharded, summed over the batch axis
+    assert stage.objective == pytest.approx(2 * matmul_time(b, h, 4) + activation + gradients, rel=1e-9)
+
+
+def test_memory_budget_below_data_parallel_footprint_shards_weights_or_optimizer_state():
+    b, h = 1024, 128
+    graph, mesh = mlp(2, b, h), row_mesh()
+    free = intra.shard_stage(graph, mesh)
+    dp_bytes = 2 * 16 * h * h + 2 * (b // 4) * h * 4  # replicated fp32 Adam state + batch-split activations
+    assert free.memory_bytes == pytest.approx(dp_bytes)
+    budget = 0.8 * dp_bytes
+    tight = intra.shard_stage(graph, mesh, memory_budget=budget)
+    assert tight.memory_bytes <= budget
+    assert all(p.strategy.zero_axes or any(isinstance(x, Shard) for x in p.strategy.placement) for p in tight.params)
+    assert tight.objective > free.objective
+
+
+def test_budget_below_the_smallest_footprint_names_the_point_tensors_bytes_and_budget():
+    graph, mesh = mlp(2, 1024, 128), row_mesh()
+    with pytest.raises(InfeasibleError) as err:
+        intra.shard_stage(graph, mesh, memory_budget=2**16)
+    line = err.value.line()
+    assert "end of the forward pass" in line and "budget is 64 KiB" in line
+    # the least footprint: each weight's Adam state split 4 ways, each output split 4 ways
+    need = 2 * 16 * 128 * 128 / 4 + 2 * 1024 * 128 * 4 / 4
+    assert f"at least {need / 1024:.3g} KiB" in line
+    assert "largest: y1 (activation) 128 KiB, y0 (activation) 128 KiB, w1 (parameter state) 64 KiB" in line
+
+
+def test_merging_never_changes_the_optimum_on_instances():
+    mesh = preset("p3.16xlarge", 1).logical_mesh((1, 4), (2, 2))
+    for name in ("mlp-2layer.json", "attention-block.json"):
+        graph = read_graph(INSTANCES / name)
+        merged = intra.shard_stage(graph, mesh, backend="highs")
+        plain = intra.shard_stage(graph, mesh, backend="highs", reduce_first=False)
+        assert merged.objective == pytest.approx(plain.objective, rel=1e-9)
+
+
+def test_backends_agree_on_small_instances():
+    mesh = preset("p3.16xlarge", 1).logical_mesh((1, 4), (1, 4))
+    for path in sorted(INSTANCES.glob("*.json")):
+        graph = read_graph(path)
+        if len(graph.ops) > 40:
+            continue
+        objectives = {b: intra.shard_stage(graph, mesh, backend=b).objective for b in BACKENDS}
+        assert max(objectives.values()) == pytest.approx(min(objectives.values()), rel=1e-6), (path.name, objectives)
