@@ -1,0 +1,83 @@
+"""Dense transformer generators: GPT-3/Megatron decoder, Llama decoder, BERT encoder layers.
+
+Dims: b batch, s query positions, t key positions (= s), h hidden, n heads, d head dim,
+f feed-forward width, v vocabulary; Llama adds g (kv-head groups) and r (query heads per group).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from partopt.graph import Graph
+from partopt.models.builder import GraphBuilder, require_divisible, require_positive
+from partopt.models.transformer import (attention, block, embed_tokens, gelu_mlp, lm_head, swiglu_mlp,
+                                        tokens_dims)
+
+
+def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, batch: int,
+        dtype: str = "fp16", tied: bool = True, name: str | None = None) -> Graph:
+    """GPT-3 / Megatron-LM decoder: learned positions, pre-LayerNorm blocks with biases, 4h MLP.
+
+    Parameters: 12·l·h² + 13·l·h + (V + s)·h + 2h (the final LayerNorm), + V·h when untied.
+    """
+    require_positive("gpt", hidden=hidden, layers=layers, heads=heads, seq=seq, vocab=vocab, batch=batch)
+    require_divisible("gpt", "hidden", hidden, "heads", heads)
+    b = GraphBuilder(name or f"gpt-h{hidden}-l{layers}", dtype, "b",
+                     dict(b=batch, s=seq, t=seq, h=hidden, n=heads, d=hidden // heads, f=4 * hidden, v=vocab))
+    attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False)
+    tokens, labels = b.input("tokens", ("b", "s"), "int32"), b.input("labels", ("b", "s"), "int32")
+    with b.scope("embed", 0):
+        x = embed_tokens(b, tokens, positions=True)
+    for k in range(layers):
+        with b.scope(f"l{k}", k):
+            x = block(b, x, "layernorm", attn, gelu_mlp)
+    with b.scope("head", layers - 1):
+        lm_head(b, x, labels, "layernorm", "embed.wte" if tied else None)
+    return b.build()
+
+
+def llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, seq: int, vocab: int, batch: int,
+          dtype: str = "bf16", name: str | None = None) -> Graph:
+    """Llama decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, no biases,
+    untied head.
+
+    Query heads are dims (g, r): `g` = kv_heads groups of `r` = heads / kv_heads query heads that
+    share one key/value head. Parameters: l·(2h² + 2h·g·d + 3h·f + 2h) + 2V·h + h.
+    """
+    require_positive("llama", hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, ffn=ffn,
+                     seq=seq, vocab=vocab, batch=batch)
+    require_divisible("llama", "hidden", hidden, "heads", heads)
+    require_divisible("llama", "heads", heads, "kv_heads", kv_heads)
+    b = GraphBuilder(name or f"llama-h{hidden}-l{layers}", dtype, "b",
+                     dict(b=batch, s=seq, t=seq, h=hidden, g=kv_heads, r=heads // kv_heads,
+                          d=hidden // heads, f=ffn, v=vocab))
+    attn = partial(attention, q_heads=("g", "r"), kv_heads=("g",), bias=False, rotary=True)
+    tokens, labels = b.input("tokens", ("b", "s"), "int32"), b.input("labels", ("b", "s"), "int32")
+    with b.scope("embed", 0):
+        x = embed_tokens(b, tokens, positions=False)
+    for k in range(layers):
+        with b.scope(f"l{k}", k):
+            x = block(b, x, "rmsnorm", attn, swiglu_mlp)
+    with b.scope("head", layers - 1):
+        lm_head(b, x, labels, "rmsnorm", tied_table=None)
+    return b.build()
+
+
+def bert(hidden: int, layers: int, heads: int, seq: int, batch: int, dtype: str = "fp16",
+         name: str | None = None) -> Graph:
+    """A stack of BERT encoder layers (post-LayerNorm, biases, 4h gelu MLP) from an input
+    x[b,s,h] to an output y[b,s,h]; no embeddings or loss (the intra-op test pattern).
+
+    Parameters: l·(12h² + 13h).
+    """
+    require_positive("bert", hidden=hidden, layers=layers, heads=heads, seq=seq, batch=batch)
+    require_divisible("bert", "hidden", hidden, "heads", heads)
+    b = GraphBuilder(name or f"bert-h{hidden}-l{layers}", dtype, "b",
+                     dict(b=batch, s=seq, t=seq, h=hidden, n=heads, d=hidden // heads, f=4 * hidden))
+    attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False)
+    x = b.input("x", tokens_dims(b, "h"))
+    for k in range(layers):
+        with b.scope(f"l{k}", k):
+            x = block(b, x, "layernorm", attn, gelu_mlp, pre_norm=False)
+    b.mark_output(x)
+    return b.build()
