@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from partopt import io
+from partopt import io, models
 from partopt.cluster import PRESETS, Cluster, preset
 from partopt.costmodel import training_flops
 from partopt.errors import InstanceError, PartoptError
@@ -205,3 +205,35 @@ def inspect(source: str, nodes: int | None, as_json: bool) -> None:
     console = Console()
     for table in (_render_graph if isinstance(instance, Graph) else _render_cluster)(facts):
         console.print(table)
+
+
+# ---------------------------------------------------------------- generate
+
+@main.command()
+@click.argument("model")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Graph file to write.")
+@click.option("--name", help="Name of the graph (default: the named model, or one made from the sizes).")
+@click.option("--hidden", type=int, help="Hidden size h (gpt, llama, bert, moe, moe-layer).")
+@click.option("--layers", type=int, help="Transformer blocks (gpt, llama, bert, moe).")
+@click.option("--heads", type=int, help="Attention heads (gpt, llama, bert, moe).")
+@click.option("--kv-heads", type=int, help="Key/value heads for grouped-query attention (llama).")
+@click.option("--ffn", type=int, help="Feed-forward width (llama; moe and moe-layer, default 8h and 4h).")
+@click.option("--seq", type=int, help="Sequence length.")
+@click.option("--vocab", type=int, help="Vocabulary size (gpt, llama, moe).")
+@click.option("--batch", type=int, help="Global batch size (sequences or images).")
+@click.option("--experts", type=int, help="Experts per MoE layer (moe, moe-layer).")
+@click.option("--group-size", type=int, help="Tokens per routing group (moe, moe-layer; default 2048).")
+@click.option("--tied/--untied", default=None, help="Tie the LM head to the embedding table (gpt; default tied).")
+@click.option("--depth", type=int, help="50 or 101 (wresnet).")
+@click.option("--base-channels", type=int, help="Channels of the first stage (wresnet).")
+@click.option("--width-factor", type=int, help="Widening of the 3x3 convolutions (wresnet).")
+@click.option("--image", type=int, help="Image height and width (wresnet; default 224).")
+@click.option("--classes", type=int, help="Output classes (wresnet; default 1024).")
+@click.option("--dtype", help="Element type (default per model: fp16, bf16 for llama, fp32 for wresnet).")
+def generate(model: str, output: str, **params: Any) -> None:
+    """Write the graph of MODEL to a file: a generator (gpt, llama, bert, moe, moe-layer, wresnet) with
+    its sizes, or a named model of the corpus (gpt-39b, moe-70b, …) whose sizes the options override."""
+    given = {key: value for key, value in params.items() if value is not None}
+    graph = models.preset(model, **given) if model in models.PRESETS else models.generate(model, **given)
+    io.write_graph(graph, output)
+    click.echo(f"wrote {output}: {graph.name}, {len(graph.ops)} ops, {graph.num_params:,} parameters")

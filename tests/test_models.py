@@ -7,9 +7,11 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from partopt.cli import main
 from partopt.errors import InstanceError
-from partopt.io import graph_from_dict, graph_to_dict
+from partopt.io import graph_from_dict, graph_to_dict, read_graph
 from partopt.models import (PRESETS, bert, expert_capacity, flop_split, generate, gpt, llama, moe, moe_layer,
                             preset, wresnet)
 from partopt.ops import is_matmul
@@ -313,3 +315,32 @@ def test_bad_generator_arguments_are_instance_errors(kwargs, match):
     args = dict(hidden=64, layers=1, heads=4, seq=8, vocab=10, batch=1) | kwargs
     with pytest.raises(InstanceError, match=match):
         gpt(**args)
+
+
+# ---------------------------------------------------------------- partopt generate
+
+def test_cli_generate_writes_a_generator_and_a_named_model(tmp_path):
+    out = tmp_path / "g.json"
+    args = ["generate", "gpt", "--hidden", "64", "--layers", "2", "--heads", "4", "--seq", "16", "--vocab", "100",
+            "--batch", "2", "--untied", "-o", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert graph_to_dict(read_graph(out)) == graph_to_dict(gpt(64, 2, 4, 16, 100, 2, tied=False))
+    result = CliRunner().invoke(main, ["generate", "moe-380m", "--batch", "4", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert graph_to_dict(read_graph(out)) == graph_to_dict(preset("moe-380m", batch=4))
+
+
+@pytest.mark.parametrize("args, words", [
+    (["generate", "resnet"], ["unknown model 'resnet'", "wresnet", "gpt-39b"]),
+    (["generate", "gpt", "--hidden", "64", "--experts", "2"], ["takes no parameter experts"]),
+    (["generate", "wresnet", "--depth", "34", "--base-channels", "8", "--width-factor", "1", "--batch", "1"],
+     ["depth 34"]),
+])
+def test_cli_generate_errors_are_one_line(tmp_path, args, words):
+    result = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "x.json")])
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output and result.output.count("\n") == 1
+    for word in words:
+        assert word in result.output
+    assert not (tmp_path / "x.json").exists()
