@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from partopt import io, models
-from partopt.cluster import PRESETS, Cluster, preset
+from partopt.cluster import PRESETS, Cluster, Link, preset
 from partopt.costmodel import training_flops
 from partopt.errors import InstanceError, PartoptError
 from partopt.graph import Graph
@@ -122,7 +122,7 @@ def cluster_facts(cluster: Cluster) -> dict[str, Any]:
     """What `inspect` reports about a cluster, in SI units (FLOP/s, bytes, bytes/s, seconds)."""
     device, n = cluster.device, cluster.num_devices
 
-    def link(l: Any) -> dict[str, Any]:
+    def link(l: Link) -> dict[str, Any]:
         return {"bandwidth_bytes_per_s": l.bandwidth, "latency_s": l.latency_s}
 
     return {

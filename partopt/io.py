@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from importlib import resources
 from os import PathLike
@@ -27,7 +27,7 @@ GRAPH_FORMAT = "partopt.graph"
 CLUSTER_FORMAT = "partopt.cluster"
 VERSION = 1
 
-Path = str | PathLike[str]
+FilePath = str | PathLike[str]
 _GRAPH_ROWS = ("tensors", "ops")  # graph fields written one entry per line
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -67,11 +67,13 @@ def _named_place(data: Any, parts: list[str | int]) -> str:
 
 # ---------------------------------------------------------------- JSON parsing
 
+@dataclass(frozen=True)
 class _DuplicateKey:
     """Stands in for a JSON object that names a key twice, so the parse can report where."""
 
-    def __init__(self, key: str, first: Any, second: Any):
-        self.key, self.first, self.second = key, first, second
+    key: str
+    first: Any
+    second: Any
 
 
 def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict | _DuplicateKey:
@@ -95,7 +97,7 @@ def _find_duplicate(node: Any, parts: list[str | int]) -> tuple[list[str | int],
     return None
 
 
-def load_json(path: Path) -> dict:
+def load_json(path: FilePath) -> dict:
     """Parse a JSON file into a dict; syntax errors and duplicate keys (a dim given two sizes,
     a tensor declared twice) are InstanceErrors naming the line or the JSON path."""
     name = str(path)
@@ -148,9 +150,24 @@ def load_schema(schema_name: str) -> dict:
     return json.loads(text)
 
 
+def _inline_refs(node: Any, defs: Mapping[str, Any]) -> Any:
+    """`node` with each `{"$ref": "#/$defs/x", ...}` replaced by definition x plus the sibling
+    keywords: the same (non-recursive) schema, validated about twice as fast because nothing
+    is resolved per instance node (a 1500-op graph: 0.25 s -> 0.11 s)."""
+    if isinstance(node, Mapping):
+        inlined = {k: _inline_refs(v, defs) for k, v in node.items() if k not in ("$ref", "$defs")}
+        if "$ref" in node:
+            return {**_inline_refs(defs[node["$ref"].removeprefix("#/$defs/")], defs), **inlined}
+        return inlined
+    if isinstance(node, list):
+        return [_inline_refs(v, defs) for v in node]
+    return node
+
+
 @cache
 def _validator(schema_name: str) -> jsonschema.protocols.Validator:
-    return _Validator(load_schema(schema_name))
+    schema = load_schema(schema_name)
+    return _Validator(_inline_refs(schema, schema.get("$defs", {})))
 
 
 def _explain(error: ValidationError) -> tuple[list[str | int], str, str | None]:
@@ -164,7 +181,7 @@ def _explain(error: ValidationError) -> tuple[list[str | int], str, str | None]:
         return [*parts, unknown], "unknown field", f"allowed fields here: {', '.join(allowed)}"
     if error.validator == "required":
         missing = next(k for k in rule if k not in value)
-        described = schema["properties"][missing].get("description")
+        described = schema.get("properties", {}).get(missing, {}).get("description")
         return parts, f"missing required field {missing!r}", described
     if error.validator == "enum":
         return parts, f"unknown value {value!r}", f"use one of: {', '.join(map(str, rule))}"
@@ -282,7 +299,7 @@ def dumps(data: Mapping[str, Any], rows: tuple[str, ...] = ()) -> str:
     return "{\n" + "\n".join(lines) + "\n}\n"
 
 
-def write_json(data: Mapping[str, Any], path: Path, rows: tuple[str, ...] = ()) -> None:
+def write_json(data: Mapping[str, Any], path: FilePath, rows: tuple[str, ...] = ()) -> None:
     """Write `data` in the layout of `dumps`; an unwritable path is an InstanceError."""
     try:
         with open(path, "w", encoding="utf-8") as f:
@@ -292,22 +309,22 @@ def write_json(data: Mapping[str, Any], path: Path, rows: tuple[str, ...] = ()) 
                             "check that the directory exists and is writable") from None
 
 
-def read_graph(path: Path) -> Graph:
+def read_graph(path: FilePath) -> Graph:
     """Load and validate a graph file."""
     return graph_from_dict(load_json(path), str(path))
 
 
-def write_graph(graph: Graph, path: Path) -> None:
+def write_graph(graph: Graph, path: FilePath) -> None:
     """Write `graph` canonically, one tensor and one op per line."""
     write_json(graph_to_dict(graph), path, _GRAPH_ROWS)
 
 
-def read_cluster(path: Path) -> Cluster:
+def read_cluster(path: FilePath) -> Cluster:
     """Load and validate a cluster file."""
     return cluster_from_file_dict(load_json(path), str(path))
 
 
-def write_cluster(cluster: Cluster, path: Path) -> None:
+def write_cluster(cluster: Cluster, path: FilePath) -> None:
     """Write `cluster` canonically."""
     write_json(cluster_to_dict(cluster), path)
 
@@ -318,7 +335,7 @@ _READERS: dict[str, Callable[[Any, str], Graph | Cluster]] = {
 }
 
 
-def read(path: Path) -> Graph | Cluster:
+def read(path: FilePath) -> Graph | Cluster:
     """Load a graph or cluster file, whichever its "format" field names."""
     data = load_json(path)
     name = str(path)

@@ -36,10 +36,9 @@ def test_every_instance_round_trips(path, tmp_path):
     instance = io.read(path)
     copy = tmp_path / path.name
     if isinstance(instance, Graph):
-        assert io.graph_to_dict(io.graph_from_dict(data)) == data  # files are canonical
+        assert io.graph_to_dict(instance) == data  # files are canonical
         io.write_graph(instance, copy)
         assert copy.read_text() == path.read_text()  # and written in the canonical layout
-        assert io.graph_to_dict(io.read_graph(copy)) == data
     else:
         assert isinstance(instance, Cluster)
         io.write_cluster(instance, copy)
