@@ -1,0 +1,69 @@
+"""Layers: the units the stage DP cuts between (DESIGN §6 step 1).
+
+A graph's `layer` tags give its natural layers (a transformer block, a residual block). When a
+graph has no tags, or more layers than asked for, consecutive layers are grouped so that each
+group carries about the same FLOPs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from partopt.errors import InstanceError
+from partopt.graph import Graph, Op
+
+
+@dataclass(frozen=True)
+class Layering:
+    """Base layers (each priced by its own ILP) and the DP's layers: [first, last] base-layer ranges."""
+
+    base: list[list[Op]]
+    groups: list[tuple[int, int]]
+
+    def ops(self, group: int) -> list[Op]:
+        first, last = self.groups[group]
+        return [op for layer in self.base[first:last + 1] for op in layer]
+
+
+def tagged_layers(graph: Graph) -> list[list[Op]]:
+    """Ops grouped by their `layer` tag, in topological order; an untagged graph is one op per layer."""
+    if all(op.layer is None for op in graph.ops):
+        return [[op] for op in graph.order]
+    groups: dict[int | None, list[Op]] = {}
+    for op in graph.order:
+        groups.setdefault(op.layer, []).append(op)
+    return list(groups.values())
+
+
+def balanced_groups(weights: list[float], count: int) -> list[tuple[int, int]]:
+    """Cut a sequence into `count` contiguous [first, last] groups of nearly equal weight.
+
+    Cuts fall where the running total crosses multiples of total/count, so the groups differ
+    by at most one item's weight from the ideal share.
+    """
+    n = len(weights)
+    count = max(1, min(count, n))
+    cumulative = np.cumsum(weights, dtype=float)
+    total = cumulative[-1] if n else 0.0
+    cuts, start = [], 0
+    for k in range(1, count):
+        target = total * k / count
+        end = int(np.searchsorted(cumulative, target, side="left"))
+        end = min(max(end, start), n - (count - k) - 1)  # leave at least one item per later group
+        cuts.append((start, end))
+        start = end + 1
+    cuts.append((start, n - 1))
+    return cuts
+
+
+def build_layers(graph: Graph, max_layers: int | None = None) -> Layering:
+    """The graph's tagged layers, grouped to at most `max_layers` DP layers by balanced FLOPs."""
+    if max_layers is not None and max_layers < 1:
+        raise InstanceError(f"layers must be at least 1, got {max_layers}", "--layers", "give a positive count")
+    base = tagged_layers(graph)
+    if max_layers is None or len(base) <= max_layers:
+        return Layering(base, [(i, i) for i in range(len(base))])
+    weights = [float(sum(graph.flops(op) for op in ops)) or 1.0 for ops in base]
+    return Layering(base, balanced_groups(weights, max_layers))
