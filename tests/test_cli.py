@@ -14,7 +14,6 @@ from click.testing import CliRunner
 from partopt import io
 from partopt.cli import main
 from partopt.cluster import PRESETS, preset
-from partopt.graph import Graph
 from partopt.ops import is_matmul
 
 ROOT = Path(__file__).resolve().parent.parent
