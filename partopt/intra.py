@@ -113,15 +113,19 @@ def optimizer_step_time(graph: Graph, tensor: str, strategy: ParamStrategy, mesh
 
 
 def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, microbatches: int = 1,
-          inflight: int = 1, allow_zero: bool = True) -> StageModel:
-    """The stage's cost graph; `graph` must already be at microbatch size (see `with_batch`)."""
+          inflight: int = 1, allow_zero: bool = True, data_parallel: bool = False) -> StageModel:
+    """The stage's cost graph; `graph` must already be at microbatch size (see `with_batch`).
+
+    `data_parallel` restricts every op to splitting the batch dim and every parameter to copies.
+    """
+    force_dim = graph.batch_dim if data_parallel else None
     ops = list(graph.order if ops is None else ops)
     costs = ilp.CostGraph()
     strategies: list[list] = []
     node_of_op: dict[str, int] = {}
     inside = {op.name for op in ops}
     for op in ops:
-        options = op_strategies(graph, op, mesh)
+        options = op_strategies(graph, op, mesh, force_dim)
         leaves = not any(c.name in inside for c in graph.consumers[op.output])
         node_of_op[op.output] = costs.add_node(
             op.name, [s.compute_s + s.comm_s + (collectives_time(_leaving(graph, op, s, mesh), mesh) if leaves else 0.0)
@@ -136,7 +140,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
         for slot, tensor in enumerate(op.inputs):
             if graph.tensors[tensor].role == "param":
                 if tensor not in node_of_param:
-                    options = param_strategies(graph, graph.tensors[tensor], mesh, allow_zero)
+                    options = param_strategies(graph, graph.tensors[tensor], mesh, allow_zero, data_parallel)
                     node_of_param[tensor] = costs.add_node(
                         tensor, [optimizer_step_time(graph, tensor, s, mesh) / microbatches for s in options],
                         [s.memory_bytes for s in options])
@@ -290,12 +294,13 @@ def mesh_text(mesh: LogicalMesh) -> str:
 def shard_stage(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, *,
                 microbatch: int | None = None, microbatches: int = 1, inflight: int = 1,
                 memory_budget: float | None = None, backend: str = "cpsat", time_limit_s: float = 60.0,
-                seed: int = 0, allow_zero: bool = True, reduce_first: bool = True) -> StageSharding:
+                seed: int = 0, allow_zero: bool = True, data_parallel: bool = False,
+                reduce_first: bool = True) -> StageSharding:
     """The optimal sharding of `ops` (default: the whole graph) on `mesh` for one microbatch."""
     g = with_batch(graph, microbatch) if microbatch is not None else graph
     if ops is not None and g is not graph:
         ops = [g.op_index[op.name] for op in ops]
-    model = build(g, mesh, ops, microbatches, inflight, allow_zero)
+    model = build(g, mesh, ops, microbatches, inflight, allow_zero, data_parallel)
     if memory_budget is not None and ilp.min_memory(model.costs) > memory_budget:
         raise _memory_error(model, memory_budget)
     solution = ilp.solve(model.costs, memory_budget, backend, time_limit_s, seed, reduce_first)

@@ -135,8 +135,11 @@ class Strategy:
 STATS_BYTES = 4  # norm/softmax statistics are fp32
 
 
-def _axis_choices(graph: Graph, op: Op, mesh: LogicalMesh) -> list[list[str | None]]:
+def _axis_choices(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None) -> list[list[str | None]]:
     behaviour = graph.behaviours(op)
+    if force_dim is not None:  # every axis splits this dim where the op has it (data parallelism)
+        has = force_dim in behaviour and behaviour[force_dim] != Behaviour.WINDOWED
+        return [[force_dim] if size > 1 and has else [None] for size in mesh.shape]
     if op.kind == "reshape":  # shardings live on the outermost part of a split/merge
         dims = [d for d in graph.tensors[op.output].dims if behaviour[d] != Behaviour.WINDOWED]
     else:
@@ -160,8 +163,11 @@ def _input_placement(tensor: Tensor, axes: Sequence[str | None], rename: Mapping
     return tuple(placement)
 
 
-def op_strategies(graph: Graph, op: Op, mesh: LogicalMesh) -> list[Strategy]:
-    """Every valid strategy of `op` on `mesh` (divisible splits only), in a stable order."""
+def op_strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None = None) -> list[Strategy]:
+    """Every valid strategy of `op` on `mesh` (divisible splits only), in a stable order.
+
+    `force_dim` restricts the op to splitting that dim on every axis (data parallelism).
+    """
     behaviour = graph.behaviours(op)
     out_tensor = graph.tensors[op.output]
     rename = opkinds.reshape_outer(op) if op.kind == "reshape" else {}
@@ -169,7 +175,7 @@ def op_strategies(graph: Graph, op: Op, mesh: LogicalMesh) -> list[Strategy]:
     matmul = opkinds.is_matmul(op)
     flops = costmodel.training_flops(graph.flops(op), matmul)
     strategies = []
-    for axes in itertools.product(*_axis_choices(graph, op, mesh)):
+    for axes in itertools.product(*_axis_choices(graph, op, mesh, force_dim)):
         if not _divisible(graph, axes, mesh):
             continue
         inputs = tuple(_input_placement(graph.tensors[t], axes, rename) for t in op.inputs)
@@ -224,9 +230,13 @@ class ParamStrategy:
         return fmt(self.placement) + zero
 
 
-def param_strategies(graph: Graph, tensor: Tensor, mesh: LogicalMesh, allow_zero: bool = True) -> list[ParamStrategy]:
-    """Every placement of a parameter (Shard on a divisible dim or Replicate per axis) × ZeRO choice."""
-    per_axis = [[R] + ([Shard(d) for d in tensor.dims] if size > 1 else []) for size in mesh.shape]
+def param_strategies(graph: Graph, tensor: Tensor, mesh: LogicalMesh, allow_zero: bool = True,
+                     replicated: bool = False) -> list[ParamStrategy]:
+    """Every placement of a parameter (Shard on a divisible dim or Replicate per axis) × ZeRO choice.
+
+    `replicated` keeps only whole copies (data parallelism; ZeRO still allowed).
+    """
+    per_axis = [[R] + ([Shard(d) for d in tensor.dims] if size > 1 and not replicated else []) for size in mesh.shape]
     memory = costmodel.param_memory(graph.numel(tensor.name), graph.dtype_of(tensor.name))
     result = []
     for placement in itertools.product(*per_axis):

@@ -3,7 +3,7 @@
 Pure arithmetic on arrays, so it can be checked against brute force: `t[k, i, j, s]` is the
 per-microbatch latency of a stage of layers i..j on submesh shape s when k stages (itself
 included) run from it to the end of the pipeline — k sets its 1F1B in-flight microbatches and
-so its memory; infeasible entries are inf. `extra[i, j, s]` is per-iteration work of the stage
+so its memory; infeasible entries are inf. `extra[k, i, j, s]` is per-iteration work of the stage
 (gradient synchronisation, optimizer step). The DP minimises
 
     sum_i (t_i + extra_i) + (B - 1) * max_i t_i
@@ -54,7 +54,7 @@ def _inner(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, t_m
                 ok = cost <= t_max
                 if not ok.any():
                     continue
-                total = cost + extra[i, i:, s]
+                total = cost + extra[k, i, i:, s]
                 rest = f[k - 1, i + 1:L + 1, :devices + 1 - size]  # suffix after j, devices left
                 cand = np.where(ok[:, None], rest + total[:, None], INF)  # (J, D - size + 1)
                 j_best = cand.argmin(axis=0)

@@ -32,7 +32,7 @@ def brute_force(t, extra, sizes, devices, microbatches):
             lat = [t[k - p, i, j, s] for p, ((i, j), s) in enumerate(zip(stages, subs))]
             if not np.all(np.isfinite(lat)):
                 continue
-            total = sum(lat) + sum(extra[i, j, s] for (i, j), s in zip(stages, subs)) + (microbatches - 1) * max(lat)
+            total = sum(lat) + sum(extra[k - p, i, j, s] for p, ((i, j), s) in enumerate(zip(stages, subs))) + (microbatches - 1) * max(lat)
             best = total if best is None else min(best, total)
     return best
 
@@ -43,14 +43,14 @@ def random_instance(rng):
     sizes = sorted({2**e for e in range(per_node.bit_length()) if 2**e <= per_node} | {k * per_node for k in range(2, nodes + 1)})
     S = len(sizes)
     t = np.full((L + 1, L, L, S), np.inf)
-    extra = np.zeros((L, L, S))
+    extra = np.zeros((L + 1, L, L, S))
     for i in range(L):
         for j in range(i, L):
             for s in range(S):
                 base = (j - i + 1) * rng.uniform(0.5, 2) / sizes[s] ** rng.uniform(0.3, 1)
-                extra[i, j, s] = rng.uniform(0, 0.2)
                 memory_limit = rng.randint(0, L + 1)  # most in-flight microbatches that fit
                 for k in range(1, L + 1):
+                    extra[k, i, j, s] = rng.uniform(0, 0.2)
                     if k <= memory_limit:
                         t[k, i, j, s] = round(base, 3)
     return t, extra, sizes, nodes * per_node
@@ -73,5 +73,5 @@ def test_dp_equals_brute_force(seed):
         assert [c.inflight for c in got.stages] == list(range(k, 0, -1))
         assert sum(sizes[c.submesh] for c in got.stages) == devices
         assert got.stages[0].first == 0 and got.stages[-1].last == t.shape[1] - 1
-        realised = sum(lat) + sum(extra[c.first, c.last, c.submesh] for c in got.stages) + (microbatches - 1) * max(lat)
+        realised = sum(lat) + sum(extra[c.inflight, c.first, c.last, c.submesh] for c in got.stages) + (microbatches - 1) * max(lat)
         assert realised == pytest.approx(got.total, rel=1e-12)

@@ -1,0 +1,312 @@
+"""Inter-operator parallelism: stage candidates, the stage DP per microbatch count, the plan.
+
+Every base layer (a layer tag) is priced by the intra-op ILP on every logical mesh of every
+submesh shape, once per structure: layers that hash alike share one solve. A stage's cost is
+the sum of its layers' costs plus the point-to-point send of its boundary activations; the
+resharding between two layers of one stage is priced inside each layer's ILP as free input
+layout (see docs/COSTMODEL.md, "Stage composition"). The stage DP (`stagedp`) then cuts the DP
+layers into stages for each candidate microbatch count, and the best plan wins.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from partopt import costmodel, intra, stagedp
+from partopt.cluster import Cluster, LogicalMesh
+from partopt.errors import InfeasibleError, InstanceError, PartoptError
+from partopt.graph import Graph, Op
+from partopt.layering import Layering, build_layers
+from partopt.ops import is_matmul
+from partopt.plan import Plan, StagePlan
+from partopt.sharding import fmt
+
+DEFAULT_MAX_LAYERS = 16
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Options:
+    """Search options of `optimize` (see its docstring)."""
+
+    microbatches: int | str = "auto"
+    layers: int | None = DEFAULT_MAX_LAYERS
+    submesh_family: str = "alpa"
+    logical_shapes: Sequence[tuple[int, int]] | None = None
+    backend: str = "highs"
+    time_limit_s: float = 60.0
+    memory_reserve: float = costmodel.DEFAULT_MEMORY_RESERVE
+    intra_only: bool = False
+    inter_only: bool = False
+    data_parallel_only: bool = False
+    seed: int = 0
+
+
+def microbatch_counts(batch: int, requested: int | str) -> list[int]:
+    """Candidate microbatch counts: the requested one, or the powers of two dividing the batch."""
+    if requested == "auto":
+        return [b for b in (2**e for e in range(batch.bit_length())) if batch % b == 0]
+    count = int(requested)
+    if count < 1 or batch % count:
+        raise InfeasibleError(f"batch {batch} is not divisible into {count} microbatches", "--microbatches",
+                              f"use a divisor of {batch}, or auto")
+    return [count]
+
+
+def _submeshes(cluster: Cluster, options: Options) -> list[tuple[int, int]]:
+    whole = (cluster.nodes, cluster.devices_per_node)
+    if options.intra_only or options.data_parallel_only:
+        return [whole]
+    if options.inter_only:
+        return [(1, 1)]
+    return cluster.submesh_shapes(options.submesh_family)
+
+
+def _shapes(cluster: Cluster, submesh: tuple[int, int], options: Options) -> list[tuple[int, int]]:
+    devices = submesh[0] * submesh[1]
+    if options.data_parallel_only:
+        return [(devices, 1)]
+    shapes = cluster.logical_shapes(submesh)
+    if options.logical_shapes is not None:
+        shapes = [s for s in shapes if tuple(s) in {tuple(x) for x in options.logical_shapes}]
+    return shapes
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    time_s: float
+    sync_s: float
+    param_bytes: float
+    activation_bytes: float
+    sharding: intra.StageSharding
+
+
+def _boundary_bytes(graph: Graph, layering: Layering) -> list[float]:
+    """Bytes leaving each DP layer for later layers (activations at the graph's batch size)."""
+    position = {}
+    for g in range(len(layering.groups)):
+        for op in layering.ops(g):
+            position[op.name] = g
+    sent = [0.0] * len(layering.groups)
+    for op in graph.ops:
+        later = [position[c.name] for c in graph.consumers[op.output] if position[c.name] > position[op.name]]
+        if later:
+            for g in range(position[op.name], max(later)):
+                sent[g] += graph.nbytes(op.output)
+    return sent
+
+
+def _devices_of(cluster: Cluster, submeshes: list[tuple[int, int]]) -> list[list[int]]:
+    """Alpa's placement: whole-node submeshes take nodes in order, then (1, m) pieces pack the rest."""
+    m = cluster.devices_per_node
+    order = sorted(range(len(submeshes)), key=lambda s: (-submeshes[s][0] * submeshes[s][1], s))
+    free = [m] * cluster.nodes  # free devices per node, filled left to right
+    result: list[list[int]] = [[] for _ in submeshes]
+    for s in order:
+        n, k = submeshes[s]
+        if k == m:
+            nodes = [i for i, f in enumerate(free) if f == m][:n]
+            for node in nodes:
+                free[node] = 0
+                result[s].extend(range(node * m, node * m + m))
+        else:
+            node = next(i for i, f in enumerate(free) if f >= k)
+            start = node * m + (m - free[node])
+            result[s] = list(range(start, start + k))
+            free[node] -= k
+    return result
+
+
+def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, **kwargs) -> Plan:
+    """The best pipeline + sharding plan of `graph` on `cluster` under the cost model.
+
+    Options (keywords): microbatches ("auto" or a count), layers (most DP layers, default 16),
+    submesh_family ("alpa" | "power_of_two"), logical_shapes (allowed (a, b) shapes), backend
+    ("highs" | "cpsat" | "cbc"), time_limit_s (per ILP), memory_reserve (fraction of device
+    memory kept free), intra_only / inter_only / data_parallel_only (restricted searches, the
+    benchmarks' baselines), seed.
+    """
+    try:
+        options = Options(**kwargs)
+    except TypeError as err:
+        raise PartoptError(f"unknown option: {err}", "optimize", f"use one of {list(Options.__dataclass_fields__)}") from None
+    start = time.perf_counter()
+    if graph.batch_dim is None:
+        raise InstanceError("the graph names no batch dim", "batch_dim", "set `batch_dim` to plan data parallelism and microbatches")
+    batch = graph.dims[graph.batch_dim]
+    counts = microbatch_counts(batch, options.microbatches)
+    layering = build_layers(graph, options.layers)
+    L = len(layering.groups)
+    budget = costmodel.memory_budget(cluster.device, options.memory_reserve)
+    submeshes = _submeshes(cluster, options)
+    meshes = {(s, shape): cluster.logical_mesh(s, shape) for s in submeshes for shape in _shapes(cluster, s, options)}
+    link = cluster.intra_node if cluster.nodes == 1 else cluster.inter_node
+    boundary = _boundary_bytes(graph, layering)
+
+    total_work = len(counts) * len(meshes) * len(layering.base)
+    done = 0
+    cache: dict[tuple, LayerCost | None] = {}
+    ilp_stats = {"ilps": 0, "status": "optimal", "gap": 0.0, "solve_time_s": 0.0}
+    best: tuple[float, int, stagedp.DPResult, dict] | None = None
+    for count in counts:
+        mb = batch // count
+        g_mb = intra.with_batch(graph, mb)
+        base_ops = [[g_mb.op_index[op.name] for op in ops] for ops in layering.base]
+        hashes = [g_mb.structural_hash(ops) for ops in base_ops]
+        costs: dict[tuple, list[LayerCost | None]] = {}
+        for key, mesh in meshes.items():
+            row = []
+            for b, ops in enumerate(base_ops):
+                ck = (hashes[b], mesh, mb, count)
+                if ck not in cache:
+                    cache[ck] = _price(g_mb, ops, mesh, count, budget, options, ilp_stats)
+                row.append(cache[ck])
+                done += 1
+                if progress:
+                    progress(done, total_work)
+            costs[key] = row
+        t, extra, chosen = _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch, link, budget)
+        sizes = [n * m for n, m in submeshes]
+        result = stagedp.solve(t, extra, sizes, cluster.num_devices, count)
+        if result is None:
+            continue
+        # the true iteration time: stages synchronise gradients in parallel, after their last backward
+        syncs = [extra[c.inflight, c.first, c.last, c.submesh] for c in result.stages]
+        lat = [t[c.inflight, c.first, c.last, c.submesh] for c in result.stages]
+        iteration = sum(lat) + (count - 1) * max(lat) + max(syncs)
+        if best is None or iteration < best[0] - 1e-15:
+            best = (iteration, count, result, {"costs": costs, "chosen": chosen, "t": t, "extra": extra})
+    if best is None:
+        raise _no_plan(graph, cluster, budget)
+    iteration, count, result, tables = best
+    return _assemble(graph, cluster, layering, options, iteration, count, result, tables, submeshes, meshes,
+                     boundary, link, batch, ilp_stats, time.perf_counter() - start)
+
+
+def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, budget: float, options: Options,
+           stats: dict) -> LayerCost | None:
+    try:
+        sharding = intra.shard_stage(g_mb, mesh, ops, microbatches=count, inflight=1, memory_budget=budget,
+                                     backend=options.backend, time_limit_s=options.time_limit_s, seed=options.seed,
+                                     data_parallel=options.data_parallel_only)
+    except InfeasibleError:
+        return None
+    stats["ilps"] += 1
+    stats["solve_time_s"] += sharding.solution.result.time_s
+    if sharding.solution.result.status != "optimal":
+        stats["status"] = sharding.solution.result.status
+        stats["gap"] = max(stats["gap"], sharding.solution.result.gap or 0.0)
+    b = sharding.breakdown
+    return LayerCost(b.per_microbatch_s, b.per_iteration_s, b.param_bytes, b.activation_bytes, sharding)
+
+
+def _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch, link, budget):
+    """t[k, i, j, s] and extra[k, i, j, s] for the stage DP, and the logical shape behind each entry.
+
+    Among a submesh's logical shapes the entry keeps the one with the least latency plus its
+    share of the per-iteration work, among those whose memory fits k in-flight microbatches.
+    """
+    L, S = len(layering.groups), len(submeshes)
+    t = np.full((L + 1, L, L, S), np.inf)
+    extra = np.zeros((L + 1, L, L, S))
+    score = np.full((L + 1, L, L, S), np.inf)
+    chosen: dict[tuple, tuple[int, int]] = {}
+    groups = layering.groups
+    for s, sub in enumerate(submeshes):
+        for shape in [shape for (x, shape) in meshes if x == sub]:
+            row = costs[(sub, shape)]
+            for i in range(L):
+                time_s = sync_s = params = acts = 0.0
+                for j in range(i, L):
+                    parts = row[groups[j][0]:groups[j][1] + 1]
+                    if any(c is None for c in parts):
+                        break
+                    time_s += sum(c.time_s for c in parts)
+                    sync_s += sum(c.sync_s for c in parts)
+                    params += sum(c.param_bytes for c in parts)
+                    acts += sum(c.activation_bytes for c in parts)
+                    send = 2 * costmodel.p2p_time(boundary[j] * mb / batch, link) if j < L - 1 else 0.0
+                    latency = time_s + send
+                    for k in range(1, L + 1):
+                        if params + min(k, count) * acts > budget:
+                            break
+                        if latency + sync_s / count < score[k, i, j, s]:
+                            score[k, i, j, s] = latency + sync_s / count
+                            t[k, i, j, s], extra[k, i, j, s] = latency, sync_s
+                            chosen[(k, i, j, s)] = shape
+    return t, extra, chosen
+
+
+def _no_plan(graph: Graph, cluster: Cluster, budget: float) -> InfeasibleError:
+    state = costmodel.param_memory(graph.num_params, graph.dtype).total
+    total = budget * cluster.num_devices
+    return InfeasibleError(
+        f"no plan fits: the model's parameter state alone is {state / 2**30:.1f} GiB against "
+        f"{total / 2**30:.1f} GiB usable on {cluster.num_devices} devices "
+        f"({'short by ' + format((state - total) / 2**30, '.1f') + ' GiB' if state > total else 'activations do not fit'})",
+        f"{graph.name} on {cluster.name}",
+        "use more nodes (--nodes), a smaller batch, or more microbatches")
+
+
+def _training_flops(graph: Graph) -> float:
+    return sum(costmodel.training_flops(graph.flops(op), is_matmul(op)) for op in graph.ops)
+
+
+def _assemble(graph, cluster, layering, options, iteration, count, result, tables, submeshes, meshes,
+              boundary, link, batch, ilp_stats, elapsed) -> Plan:
+    mb = batch // count
+    placed = _devices_of(cluster, [submeshes[c.submesh] for c in result.stages])
+    stages = []
+    t, extra, chosen, costs = tables["t"], tables["extra"], tables["chosen"], tables["costs"]
+    for c, devices in zip(result.stages, placed):
+        sub = submeshes[c.submesh]
+        shape = chosen[(c.inflight, c.first, c.last, c.submesh)]
+        row = costs[(sub, shape)]
+        first, last = layering.groups[c.first][0], layering.groups[c.last][1]
+        parts = [row[b] for b in range(first, last + 1)]
+        inflight = min(c.inflight, count)
+        params = sum(p.param_bytes for p in parts)
+        acts = sum(p.activation_bytes for p in parts)
+        comm: dict[str, float] = {}
+        sync: dict[str, float] = {}
+        ops, param_info = {}, {}
+        for p in parts:
+            for k, v in p.sharding.breakdown.comm_s.items():
+                comm[k] = comm.get(k, 0.0) + v
+            for k, v in p.sharding.breakdown.sync_s.items():
+                sync[k] = sync.get(k, 0.0) + v
+            for oc in p.sharding.ops:
+                ops[oc.op] = {"axes": list(oc.strategy.axes), "inputs": [fmt(x) for x in oc.strategy.inputs],
+                              "output": fmt(oc.strategy.output), "explanation": oc.explanation}
+            for pc in p.sharding.params:
+                param_info[pc.tensor] = {"placement": fmt(pc.strategy.placement), "zero_axes": list(pc.strategy.zero_axes)}
+        send = 2 * costmodel.p2p_time(boundary[c.last] * mb / batch, link) if c.last < len(layering.groups) - 1 else 0.0
+        tags = [op.layer for op in layering.ops(c.first)[:1]] + [op.layer for op in layering.ops(c.last)[-1:]]
+        stages.append(StagePlan(
+            layers=[c.first, c.last], graph_layers=tags, submesh=list(sub), logical_mesh=list(shape),
+            devices=devices, stage_time_s=float(t[c.inflight, c.first, c.last, c.submesh]), send_time_s=send,
+            sync_time_s=float(extra[c.inflight, c.first, c.last, c.submesh]), memory_bytes=float(params + inflight * acts),
+            inflight_microbatches=inflight,
+            breakdown={"compute_s": sum(p.sharding.breakdown.compute_s for p in parts), "comm_s": comm,
+                       "sync_s": sync, "optimizer_s": sum(p.sharding.breakdown.optimizer_s for p in parts),
+                       "param_bytes": params, "activation_bytes": acts},
+            ops=ops, params=param_info))
+    flops = _training_flops(graph)
+    return Plan(
+        graph=graph.name, cluster=cluster.name, nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,
+        iteration_time_s=float(iteration), num_microbatches=count, microbatch_size=mb, stages=stages,
+        memory_peak_bytes=float(max(s.memory_bytes for s in stages)),
+        throughput={"samples_per_s": float(batch / iteration),
+                    "tflops_per_device": float(flops / iteration / cluster.num_devices / 1e12)},
+        solver={"backend": options.backend, "status": ilp_stats["status"], "gap": ilp_stats["gap"],
+                "ilps": ilp_stats["ilps"], "ilp_time_s": ilp_stats["solve_time_s"], "time_s": elapsed,
+                "dp_rounds": result.rounds},
+        options={"microbatches": options.microbatches, "layers": options.layers,
+                 "submesh_family": options.submesh_family, "memory_reserve": options.memory_reserve,
+                 "intra_only": options.intra_only, "inter_only": options.inter_only,
+                 "data_parallel_only": options.data_parallel_only})
