@@ -12,8 +12,19 @@ from click.testing import CliRunner
 from partopt.cli import main
 from partopt.errors import InstanceError
 from partopt.io import graph_from_dict, graph_to_dict, read_graph
-from partopt.models import (PRESETS, bert, expert_capacity, flop_split, generate, gpt, llama, moe, moe_layer,
-                            preset, wresnet)
+from partopt.models import (
+    PRESETS,
+    bert,
+    expert_capacity,
+    flop_split,
+    generate,
+    gpt,
+    llama,
+    moe,
+    moe_layer,
+    preset,
+    wresnet,
+)
 from partopt.ops import is_matmul
 
 INSTANCES = Path(__file__).resolve().parent.parent / "instances"
@@ -268,9 +279,11 @@ def test_middle_blocks_hash_alike(corpus, name, first, second):
 
 
 def test_different_blocks_hash_differently(corpus):
-    moe_graph, wide = corpus["moe-70b"], corpus["wresnet-13b"]
-    assert moe_graph.structural_hash(moe_graph.subgraph_ops([1])) != moe_graph.structural_hash(moe_graph.subgraph_ops([2]))
-    assert wide.structural_hash(wide.subgraph_ops([8])) != wide.structural_hash(wide.subgraph_ops([7]))
+    def block_hash(name: str, layer: int) -> str:
+        return corpus[name].structural_hash(corpus[name].subgraph_ops([layer]))
+
+    assert block_hash("moe-70b", 1) != block_hash("moe-70b", 2)  # expert vs dense block
+    assert block_hash("wresnet-13b", 7) != block_hash("wresnet-13b", 8)  # first block of stage 3 projects
 
 
 def test_instance_files_are_up_to_date(corpus):

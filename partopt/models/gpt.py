@@ -10,8 +10,7 @@ from functools import partial
 
 from partopt.graph import Graph
 from partopt.models.builder import GraphBuilder, require_divisible, require_positive
-from partopt.models.transformer import (attention, block, embed_tokens, gelu_mlp, lm_head, swiglu_mlp,
-                                        tokens_dims)
+from partopt.models.transformer import attention, block, embed_tokens, gelu_mlp, lm_head, swiglu_mlp, tokens_dims
 
 
 def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, batch: int,

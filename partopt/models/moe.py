@@ -11,7 +11,7 @@ from functools import partial
 from partopt.errors import InstanceError
 from partopt.graph import Graph
 from partopt.models.builder import GraphBuilder, require_divisible, require_positive
-from partopt.models.transformer import (attention, block, embed_tokens, gelu_mlp, lm_head, tokens_dims)
+from partopt.models.transformer import attention, block, embed_tokens, gelu_mlp, lm_head, tokens_dims
 
 
 def expert_capacity(group_size: int, experts: int) -> int:
@@ -27,8 +27,7 @@ def expert_capacity(group_size: int, experts: int) -> int:
     return capacity
 
 
-def _moe_dims(b: GraphBuilder, batch: int, seq: int, experts: int, group_size: int) -> None:
-    model = b.name
+def _moe_dims(b: GraphBuilder, model: str, batch: int, seq: int, experts: int, group_size: int) -> None:
     require_divisible(model, "batch·seq", batch * seq, "group_size", group_size)
     b.dim("e", experts)
     b.dim("bs", batch * seq)
@@ -75,7 +74,7 @@ def moe(hidden: int, layers: int, heads: int, experts: int, seq: int, vocab: int
     require_divisible("moe", "hidden", hidden, "heads", heads)
     b = GraphBuilder(name or f"moe-h{hidden}-l{layers}-e{experts}", dtype, "b",
                      dict(b=batch, s=seq, t=seq, h=hidden, n=heads, d=hidden // heads, f=ffn, v=vocab))
-    _moe_dims(b, batch, seq, experts, group_size)
+    _moe_dims(b, "moe", batch, seq, experts, group_size)
     attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False)
     tokens, labels = b.input("tokens", ("b", "s"), "int32"), b.input("labels", ("b", "s"), "int32")
     with b.scope("embed", 0):
@@ -98,7 +97,7 @@ def moe_layer(hidden: int, experts: int, seq: int, batch: int, group_size: int =
     require_positive("moe_layer", hidden=hidden, experts=experts, seq=seq, batch=batch, group_size=group_size,
                      ffn=ffn)
     b = GraphBuilder(name or f"moe-layer-h{hidden}-e{experts}", dtype, "b", dict(b=batch, s=seq, h=hidden, f=ffn))
-    _moe_dims(b, batch, seq, experts, group_size)
+    _moe_dims(b, "moe_layer", batch, seq, experts, group_size)
     x = b.input("x", tokens_dims(b, "h"))
     with b.scope("l0", 0):
         b.mark_output(moe_ffn(b, x))

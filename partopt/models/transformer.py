@@ -11,7 +11,6 @@ from typing import Callable, Sequence
 from partopt.models.builder import GraphBuilder
 
 Sublayer = Callable[[GraphBuilder, str], str]
-RENAME_S_TO_T = {"t": ["s"]}
 
 
 def tokens_dims(b: GraphBuilder, *rest: str) -> tuple[str, ...]:
@@ -37,7 +36,7 @@ def attention(b: GraphBuilder, x: str, q_heads: Sequence[str], kv_heads: Sequenc
     (causal in decoders) belong to the softmax, as in Megatron's fused kernel: no separate ops.
     """
     q = b.linear("q", x, ("h", *q_heads, "d"), tokens_dims(b, *q_heads, "d"), bias)
-    x_t = b.op("reshape", "x_t", [x], (b.batch_dim, "t", "h"), merge=RENAME_S_TO_T)
+    x_t = b.op("reshape", "x_t", [x], (b.batch_dim, "t", "h"), merge={"t": ["s"]})
     kv_dims = (b.batch_dim, "t", *kv_heads, "d")
     k = b.linear("k", x_t, ("h", *kv_heads, "d"), kv_dims, bias)
     v = b.linear("v", x_t, ("h", *kv_heads, "d"), kv_dims, bias)
