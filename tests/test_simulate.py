@@ -1,0 +1,291 @@
+"""Pipeline simulation: hand-traced schedules, closed forms (uniform, GPipe flow shop), bounds, memory, errors.
+
+Random instances use multiples of 1/4 s so that float sums are exact and equalities can be asserted exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from partopt.errors import InstanceError
+from partopt.simulate import Event, StageTimes, closed_form, simulate
+
+QUARTERS = st.integers(0, 40).map(lambda q: q / 4)
+FAST = settings(max_examples=40, deadline=None)
+
+
+@st.composite
+def pipelines(draw, max_stages: int = 6, max_microbatches: int = 16, sends: bool = True):
+    """A random pipeline (with sends on all but the last stage, if asked) and a microbatch count."""
+    n = draw(st.integers(1, max_stages))
+    stages = [StageTimes(draw(QUARTERS), draw(QUARTERS), draw(QUARTERS) if sends and i < n - 1 else 0.0,
+                         activation_bytes=draw(st.integers(0, 100)), static_bytes=draw(st.integers(0, 1000)))
+              for i in range(n)]
+    return stages, draw(st.integers(1, max_microbatches))
+
+
+def _times(sim, stage: int) -> list[tuple[str, int, float, float]]:
+    """One stage's events in execution order."""
+    return [(e.kind, e.microbatch, e.start_s, e.end_s) for e in sim.events if e.stage == stage]
+
+
+def _lower_bound(stages: list[StageTimes], b: int) -> float:
+    """max_k sum_{j<k} t_j + B (f_k + b_k): reach stage k, do its work, send the last gradient home."""
+    return max(sum(s.latency_s for s in stages[:k]) + b * (stages[k].forward_s + stages[k].backward_s)
+               for k in range(len(stages)))
+
+
+# ---------------------------------------------------------------- closed forms
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("f, b, microbatches", [(1.0, 2.0, 1), (0.5, 1.5, 7), (3.0, 0.0, 4)])
+def test_single_stage_runs_every_microbatch_back_to_back(schedule, f, b, microbatches):
+    sim = simulate([StageTimes(f, b)], microbatches, schedule)
+    assert sim.iteration_time_s == microbatches * (f + b)
+    assert closed_form([StageTimes(f, b)], microbatches) == microbatches * (f + b)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("num_stages, microbatches", [(2, 1), (4, 4), (4, 9), (6, 3)])
+def test_uniform_stages_take_s_plus_b_minus_1_slots(schedule, num_stages, microbatches):
+    # sum t_i + (B-1) max t_i = S t + (B-1) t = (S + B - 1)(f + b)
+    stages = [StageTimes(1.25, 2.5)] * num_stages
+    expected = (num_stages + microbatches - 1) * 3.75
+    assert closed_form(stages, microbatches) == expected
+    assert simulate(stages, microbatches, schedule).iteration_time_s == expected
+
+
+def test_closed_form_counts_each_send_twice():
+    stages = [StageTimes(1.0, 2.0, 0.5), StageTimes(3.0, 1.0)]  # t = (4, 4)
+    assert closed_form(stages, 3) == 4 + 4 + 2 * 4
+
+
+@FAST
+@given(pipelines(), st.sampled_from(["1f1b", "gpipe"]))
+def test_one_microbatch_takes_the_sum_of_stage_latencies(case, schedule):
+    stages, _ = case
+    assert simulate(stages, 1, schedule).iteration_time_s == sum(s.latency_s for s in stages)
+
+
+@FAST
+@given(pipelines())
+def test_gpipe_is_two_flow_shops(case):
+    # forward phase: B identical jobs through stages and links: sum + (B-1) * largest machine; backward alike
+    stages, b = case
+    sends = [s.send_s for s in stages[:-1]]
+    expected = (sum(s.latency_s for s in stages)
+                + (b - 1) * (max([s.forward_s for s in stages] + sends) + max([s.backward_s for s in stages] + sends)))
+    assert simulate(stages, b, "gpipe").iteration_time_s == expected
+
+
+# ---------------------------------------------------------------- how 1F1B compares with the closed form
+
+
+@FAST
+@given(pipelines(sends=False), st.integers(1, 4))
+def test_1f1b_with_equal_backward_forward_ratio_is_bounded_by_the_closed_form(case, ratio):
+    stages, b = case
+    stages = [StageTimes(s.forward_s, ratio * s.forward_s) for s in stages]
+    sim = simulate(stages, b).iteration_time_s
+    assert _lower_bound(stages, b) <= sim <= closed_form(stages, b)
+
+
+@FAST
+@given(pipelines(sends=False), st.integers(1, 4))
+def test_1f1b_equals_closed_form_when_the_last_stage_is_the_bottleneck(case, ratio):
+    stages, b = case
+    slowest = max(s.forward_s for s in stages)
+    stages = [StageTimes(s.forward_s, ratio * s.forward_s) for s in stages[:-1]] + [StageTimes(slowest, ratio * slowest)]
+    assert simulate(stages, b).iteration_time_s == closed_form(stages, b)
+
+
+@FAST
+@given(pipelines(), st.data())
+def test_1f1b_never_exceeds_closed_form_when_one_machine_is_slowest_both_ways(case, data):
+    stages, b = case
+    k = data.draw(st.integers(0, len(stages) - 1))
+    sends = [s.send_s for s in stages]
+    slow = StageTimes(max([s.forward_s for s in stages] + sends), max([s.backward_s for s in stages] + sends),
+                      stages[k].send_s)
+    stages = stages[:k] + [slow] + stages[k + 1:]
+    assert simulate(stages, b).iteration_time_s <= closed_form(stages, b)
+
+
+@FAST
+@given(pipelines(), st.sampled_from(["1f1b", "gpipe"]))
+def test_no_schedule_beats_the_per_stage_lower_bound(case, schedule):
+    stages, b = case
+    assert simulate(stages, b, schedule).iteration_time_s >= _lower_bound(stages, b)
+
+
+@FAST
+@given(pipelines(sends=False))
+def test_without_sends_1f1b_is_never_slower_than_gpipe(case):
+    stages, b = case
+    assert simulate(stages, b, "1f1b").iteration_time_s <= simulate(stages, b, "gpipe").iteration_time_s
+
+
+def test_early_bottleneck_hides_downstream_latency():
+    # f = (2, 1), b = (4, 2), B = 2, by hand. Stage 0: F0 0-2, F1 2-4, then waits for B0 from stage 1.
+    # Stage 1: F0 2-3, B0 3-5, F1 5-6, B1 6-8. Stage 0: B0 5-9, B1 9-13. Closed form 9 + 6 = 15.
+    stages = [StageTimes(2.0, 4.0), StageTimes(1.0, 2.0)]
+    sim = simulate(stages, 2)
+    assert _times(sim, 0) == [("forward", 0, 0, 2), ("forward", 1, 2, 4), ("backward", 0, 5, 9), ("backward", 1, 9, 13)]
+    assert _times(sim, 1) == [("forward", 0, 2, 3), ("backward", 0, 3, 5), ("forward", 1, 5, 6), ("backward", 1, 6, 8)]
+    assert sim.iteration_time_s == 13.0
+    assert closed_form(stages, 2) == 15.0
+
+
+def test_1f1b_can_exceed_closed_form_when_forward_and_backward_bottlenecks_differ():
+    # f = (0, 1, 0), b = (3, 1, 0), B = 2: stage 1 runs F0 0-1, F1 1-2, B0 2-3, B1 3-4; stage 0 then
+    # B0 3-6, B1 6-9. Closed form: t = (3, 2, 0) -> 5 + 3 = 8.
+    stages = [StageTimes(0.0, 3.0), StageTimes(1.0, 1.0), StageTimes(0.0, 0.0)]
+    sim = simulate(stages, 2)
+    assert _times(sim, 0)[2:] == [("backward", 0, 3, 6), ("backward", 1, 6, 9)]
+    assert sim.iteration_time_s == 9.0
+    assert closed_form(stages, 2) == 8.0
+
+
+def test_sends_serialise_on_their_link_and_can_make_1f1b_slower_than_gpipe():
+    # f = (0, 1), b = (1, 1), send 1, B = 3, traced by hand. The forward link is busy 0-1 with
+    # microbatch 0, so microbatch 1 (ready at 0) arrives at 2, not 1.
+    stages = [StageTimes(0.0, 1.0, 1.0), StageTimes(1.0, 1.0)]
+    pipelined = simulate(stages, 3, "1f1b")
+    assert _times(pipelined, 0) == [("forward", 0, 0, 0), ("forward", 1, 0, 0), ("backward", 0, 4, 5),
+                                    ("forward", 2, 5, 5), ("backward", 1, 6, 7), ("backward", 2, 9, 10)]
+    assert _times(pipelined, 1) == [("forward", 0, 1, 2), ("backward", 0, 2, 3), ("forward", 1, 3, 4),
+                                    ("backward", 1, 4, 5), ("forward", 2, 6, 7), ("backward", 2, 7, 8)]
+    flushed = simulate(stages, 3, "gpipe")
+    assert _times(flushed, 1) == [("forward", 0, 1, 2), ("forward", 1, 2, 3), ("forward", 2, 3, 4),
+                                  ("backward", 0, 4, 5), ("backward", 1, 5, 6), ("backward", 2, 6, 7)]
+    assert _times(flushed, 0)[3:] == [("backward", 0, 6, 7), ("backward", 1, 7, 8), ("backward", 2, 8, 9)]
+    assert (pipelined.iteration_time_s, flushed.iteration_time_s) == (10.0, 9.0)
+
+
+# ---------------------------------------------------------------- schedule structure and dependencies
+
+
+@settings(max_examples=60, deadline=None)
+@given(pipelines(), st.sampled_from(["1f1b", "gpipe"]))
+def test_events_respect_stages_and_dependencies(case, schedule):
+    stages, b = case
+    n = len(stages)
+    sim = simulate(stages, b, schedule)
+    by_task = {(e.stage, e.kind, e.microbatch): e for e in sim.events}
+    assert len(by_task) == len(sim.events) == 2 * n * b
+    assert [e.start_s for e in sim.events] == sorted(e.start_s for e in sim.events)
+    for i, stage in enumerate(stages):
+        mine = [e for e in sim.events if e.stage == i]
+        for e in mine:
+            assert e.end_s - e.start_s == (stage.forward_s if e.kind == "forward" else stage.backward_s)
+        for before, after in itertools.pairwise(mine):
+            assert after.start_s >= before.end_s  # one task at a time
+        for m in range(b):
+            fwd, bwd = by_task[i, "forward", m], by_task[i, "backward", m]
+            assert bwd.start_s >= fwd.end_s
+            if i > 0:
+                assert fwd.start_s >= by_task[i - 1, "forward", m].end_s + stages[i - 1].send_s
+            if i < n - 1:
+                assert bwd.start_s >= by_task[i + 1, "backward", m].end_s + stage.send_s
+    assert sim.iteration_time_s == max(e.end_s for e in sim.events)
+
+
+@pytest.mark.parametrize("num_stages, microbatches", [(4, 6), (4, 2), (1, 3)])
+def test_1f1b_order_is_warmup_then_alternate_then_drain(num_stages, microbatches):
+    sim = simulate([StageTimes(1.0, 2.0)] * num_stages, microbatches)
+    for i in range(num_stages):
+        order = [(kind[0], m) for kind, m, _, _ in _times(sim, i)]
+        w = min(num_stages - i, microbatches)
+        expected = [("f", m) for m in range(w)]
+        for m in range(microbatches - w):
+            expected += [("b", m), ("f", w + m)]
+        expected += [("b", m) for m in range(microbatches - w, microbatches)]
+        assert order == expected
+
+
+def test_gpipe_order_is_all_forwards_then_backwards_in_microbatch_order():
+    sim = simulate([StageTimes(1.0, 2.0)] * 3, 4, "gpipe")
+    for i in range(3):
+        assert [(kind, m) for kind, m, _, _ in _times(sim, i)] == [("forward", m) for m in range(4)] + [
+            ("backward", m) for m in range(4)]
+
+
+def test_events_are_the_documented_dataclass():
+    event = simulate([StageTimes(1.0, 2.0)], 1).events[0]
+    assert event == Event(stage=0, microbatch=0, kind="forward", start_s=0.0, end_s=1.0)
+
+
+# ---------------------------------------------------------------- memory
+
+
+@FAST
+@given(pipelines())
+def test_inflight_is_s_minus_i_for_1f1b_and_b_for_gpipe(case):
+    stages, b = case
+    n = len(stages)
+    pipelined, flushed = simulate(stages, b, "1f1b"), simulate(stages, b, "gpipe")
+    assert pipelined.max_inflight == [min(n - i, b) for i in range(n)]
+    assert flushed.max_inflight == [b] * n
+    for i, stage in enumerate(stages):
+        assert pipelined.peak_memory_bytes[i] == stage.static_bytes + min(n - i, b) * stage.activation_bytes
+        assert flushed.peak_memory_bytes[i] == stage.static_bytes + b * stage.activation_bytes
+        assert flushed.peak_memory_bytes[i] >= pipelined.peak_memory_bytes[i]
+        if b > n and stage.activation_bytes > 0:
+            assert flushed.peak_memory_bytes[i] > pipelined.peak_memory_bytes[i]
+        for sim in (pipelined, flushed):
+            assert sim.memory[i][0] == (0.0, stage.static_bytes)
+            assert sim.memory[i][-1][1] == stage.static_bytes  # every activation freed by the end
+
+
+def test_memory_trace_by_hand():
+    # Schedule of test_early_bottleneck_hides_downstream_latency; +10 bytes at each forward's end,
+    # -10 at each backward's end.
+    stages = [StageTimes(2.0, 4.0, activation_bytes=10, static_bytes=100),
+              StageTimes(1.0, 2.0, activation_bytes=10, static_bytes=50)]
+    sim = simulate(stages, 2)
+    assert sim.memory[0] == [(0.0, 100), (2.0, 110), (4.0, 120), (9.0, 110), (13.0, 100)]
+    assert sim.memory[1] == [(0.0, 50), (3.0, 60), (5.0, 50), (6.0, 60), (8.0, 50)]
+    assert sim.peak_memory_bytes == [120, 60]
+    assert sim.schedule == "1f1b"
+
+
+# ---------------------------------------------------------------- errors and speed
+
+
+@pytest.mark.parametrize("stages, microbatches, schedule, where", [
+    ([StageTimes(1.0, 1.0)], 0, "1f1b", "microbatches"),
+    ([StageTimes(1.0, 1.0)], 2.5, "1f1b", "microbatches"),
+    ([StageTimes(1.0, 1.0)], True, "1f1b", "microbatches"),
+    ([], 2, "1f1b", "stages"),
+    ([StageTimes(1.0, -1.0)], 2, "1f1b", "stages[0].backward_s"),
+    ([StageTimes(1.0, 1.0), StageTimes(math.nan, 1.0)], 2, "1f1b", "stages[1].forward_s"),
+    ([StageTimes(1.0, 1.0, activation_bytes=math.inf)], 2, "1f1b", "stages[0].activation_bytes"),
+    ([StageTimes(1.0, 1.0), StageTimes(1.0, 1.0, send_s=0.5)], 2, "1f1b", "stages[1].send_s"),
+    ([StageTimes(1.0, 1.0)], 2, "interleaved", "schedule"),
+])
+def test_bad_input_is_an_instance_error_naming_the_place(stages, microbatches, schedule, where):
+    with pytest.raises(InstanceError) as caught:
+        simulate(stages, microbatches, schedule)
+    assert caught.value.where == where
+    assert caught.value.hint
+    assert "\n" not in caught.value.line()
+
+
+def test_closed_form_rejects_bad_input_too():
+    with pytest.raises(InstanceError):
+        closed_form([StageTimes(1.0, 1.0)], 0)
+
+
+def test_sixteen_stages_and_1024_microbatches_take_well_under_a_second():
+    stages = [StageTimes(1e-3 * (1 + i % 3), 2e-3 * (1 + i % 3), 1e-4 if i < 15 else 0.0, 1e8, 1e9) for i in range(16)]
+    began = time.perf_counter()
+    sim = simulate(stages, 1024)
+    assert time.perf_counter() - began < 1.0
+    assert len(sim.events) == 2 * 16 * 1024
