@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -17,7 +18,11 @@ from partopt.cluster import PRESETS, Cluster, Link, preset
 from partopt.costmodel import training_flops
 from partopt.errors import InstanceError, PartoptError
 from partopt.graph import Graph
+from partopt.inter import DEFAULT_MAX_LAYERS, optimize
 from partopt.ops import KINDS, is_matmul
+from partopt.plan import Plan, plan_to_dict, write_plan
+from partopt.solvers import BACKENDS
+from partopt.units import fmt_bytes, fmt_seconds
 
 EXIT_USER_ERROR = 2  # bad input: a file, a preset name or an impossible request
 PEAK_DTYPES_SHOWN = ("fp16", "fp32")
@@ -237,3 +242,74 @@ def generate(model: str, output: str, **params: Any) -> None:
     graph = models.preset(model, **given) if model in models.PRESETS else models.generate(model, **given)
     io.write_graph(graph, output)
     click.echo(f"wrote {output}: {graph.name}, {len(graph.ops)} ops, {graph.num_params:,} parameters")
+
+
+# ---------------------------------------------------------------- solve
+
+def _render_plan(plan: Plan) -> list[Table]:
+    stages = Table(title=f"Plan for {plan.graph} on {plan.cluster} ({plan.nodes} × {plan.devices_per_node})")
+    for column in ("stage", "layers", "submesh", "logical mesh", "devices", "time / microbatch",
+                   "grad sync / iter", "memory / device", "in flight"):
+        stages.add_column(column, justify="right")
+    for i, s in enumerate(plan.stages):
+        devices = f"{s.devices[0]}–{s.devices[-1]}" if len(s.devices) > 1 else str(s.devices[0])
+        stages.add_row(str(i), f"{s.layers[0]}–{s.layers[1]}", f"({s.submesh[0]}, {s.submesh[1]})",
+                       f"({s.logical_mesh[0]}, {s.logical_mesh[1]})", devices, fmt_seconds(s.stage_time_s),
+                       fmt_seconds(s.sync_time_s), fmt_bytes(s.memory_bytes), str(s.inflight_microbatches))
+    totals = _facts_table("Totals", [
+        ("iteration time", fmt_seconds(plan.iteration_time_s)),
+        ("microbatches", f"{plan.num_microbatches} × {plan.microbatch_size} samples"),
+        ("throughput", f"{plan.throughput['samples_per_s']:.4g} samples/s, "
+                       f"{plan.throughput['tflops_per_device']:.3g} TFLOP/s per device"),
+        ("peak memory per device", fmt_bytes(plan.memory_peak_bytes)),
+        ("solver", f"{plan.solver['backend']}: {plan.solver['status']}, gap {plan.solver['gap']:.2g}, "
+                   f"{plan.solver['ilps']} ILPs, planning {fmt_seconds(plan.solver['time_s'])}"),
+    ])
+    return [stages, totals]
+
+
+@main.command()
+@click.argument("graph_file", metavar="GRAPH")
+@click.option("--cluster", "cluster_source", required=True, help="Cluster file or preset name.")
+@click.option("--nodes", type=click.IntRange(min=1), help="Resize the cluster to this many nodes.")
+@click.option("--microbatches", default="auto", show_default=True, help="Microbatch count, or auto.")
+@click.option("--layers", type=click.IntRange(min=1), default=DEFAULT_MAX_LAYERS, show_default=True,
+              help="Most layers the stage DP cuts between (tagged layers are grouped by FLOPs).")
+@click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
+@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              help="Seconds per ILP.")
+@click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
+              help="Fraction of device memory kept free.")
+@click.option("--search", type=click.Choice(["full", "intra-only", "inter-only", "data-parallel-only"]),
+              default="full", show_default=True, help="Restrict the search (baselines).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the plan file here.")
+@click.option("--json", "as_json", is_flag=True, help="Print exactly the plan file to stdout.")
+def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches: str, layers: int, solver: str,
+          time_limit: float, memory_reserve: float, search: str, output: str | None, as_json: bool) -> None:
+    """Plan GRAPH on a cluster: pipeline stages, submeshes, logical meshes and per-op shardings."""
+    graph = io.read_graph(graph_file)
+    cluster = load_instance(cluster_source, nodes)
+    if not isinstance(cluster, Cluster):
+        raise InstanceError("--cluster must name a cluster file or preset, not a graph", cluster_source)
+    if microbatches != "auto" and not microbatches.isdigit():
+        raise InstanceError(f"--microbatches must be a positive count or auto, got {microbatches!r}", "--microbatches")
+    restrict = {"intra-only": {"intra_only": True}, "inter-only": {"inter_only": True},
+                "data-parallel-only": {"data_parallel_only": True}}.get(search, {})
+    console = Console(stderr=True)
+    with Progress(TextColumn("pricing stage candidates"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("price", total=None)
+        plan = optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
+                        microbatches=microbatches if microbatches == "auto" else int(microbatches),
+                        layers=layers, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
+                        **restrict)
+    if output:
+        write_plan(plan, output)
+    if as_json:
+        click.echo(json.dumps(plan_to_dict(plan), indent=1))
+        return
+    out = Console()
+    for table in _render_plan(plan):
+        out.print(table)
+    if output:
+        out.print(f"plan written to {output}")

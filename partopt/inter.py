@@ -253,6 +253,11 @@ def _no_plan(graph: Graph, cluster: Cluster, budget: float) -> InfeasibleError:
         "use more nodes (--nodes), a smaller batch, or more microbatches")
 
 
+def _params_of(graph: Graph, ops: Sequence[Op]) -> list[str]:
+    """Parameters in order of first use by `ops` (the order `intra.build` gives them nodes)."""
+    return list(dict.fromkeys(t for op in ops for t in op.inputs if graph.tensors[t].role == "param"))
+
+
 def _training_flops(graph: Graph) -> float:
     return sum(costmodel.training_flops(graph.flops(op), is_matmul(op)) for op in graph.ops)
 
@@ -275,16 +280,18 @@ def _assemble(graph, cluster, layering, options, iteration, count, result, table
         comm: dict[str, float] = {}
         sync: dict[str, float] = {}
         ops, param_info = {}, {}
-        for p in parts:
+        for b, p in zip(range(first, last + 1), parts):
             for k, v in p.sharding.breakdown.comm_s.items():
                 comm[k] = comm.get(k, 0.0) + v
             for k, v in p.sharding.breakdown.sync_s.items():
                 sync[k] = sync.get(k, 0.0) + v
-            for oc in p.sharding.ops:
-                ops[oc.op] = {"axes": list(oc.strategy.axes), "inputs": [fmt(x) for x in oc.strategy.inputs],
-                              "output": fmt(oc.strategy.output), "explanation": oc.explanation}
-            for pc in p.sharding.params:
-                param_info[pc.tensor] = {"placement": fmt(pc.strategy.placement), "zero_axes": list(pc.strategy.zero_axes)}
+            # a structurally identical layer shares the solve: its choices apply position by position
+            for op, oc in zip(layering.base[b], p.sharding.ops):
+                ops[op.name] = {"axes": list(oc.strategy.axes), "inputs": [fmt(x) for x in oc.strategy.inputs],
+                                "output": fmt(oc.strategy.output),
+                                "explanation": op.name + oc.explanation[len(oc.op):]}
+            for tensor, pc in zip(_params_of(graph, layering.base[b]), p.sharding.params):
+                param_info[tensor] = {"placement": fmt(pc.strategy.placement), "zero_axes": list(pc.strategy.zero_axes)}
         send = 2 * costmodel.p2p_time(boundary[c.last] * mb / batch, link) if c.last < len(layering.groups) - 1 else 0.0
         tags = [op.layer for op in layering.ops(c.first)[:1]] + [op.layer for op in layering.ops(c.last)[-1:]]
         stages.append(StagePlan(

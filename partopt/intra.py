@@ -24,7 +24,7 @@ from partopt.units import fmt_bytes, fmt_seconds
 from partopt.sharding import (
     ParamStrategy, Placement, Strategy, as_gradient_target, collectives_time, fmt,
     gradient_placement, op_strategies, param_strategies, param_sync_collectives,
-    reshard_collectives, shards,
+    Shard, reshard_collectives, shards, tensor_placements,
 )
 
 def with_batch(graph: Graph, batch: int) -> Graph:
@@ -84,6 +84,32 @@ def _use_collectives(model_graph: Graph, use: Use, src_strategy, dst_strategy: S
     return per_mb, []
 
 
+def _sizes(graph: Graph, tensor: str) -> tuple[int, ...]:
+    return tuple(graph.dims[d] for d in graph.tensors[tensor].dims)
+
+
+def _boundary_pairs(graph: Graph, ops: Sequence[Op], inside: set[str]) -> dict[str, str]:
+    """Outputs leaving the ops paired with an incoming activation of the same shape (in order).
+
+    A layer of a repeated block hands its output to the next copy of itself: pricing the pair
+    as one tensor whose layout the ILP chooses makes a layer's cost include its boundary
+    resharding exactly once, so per-layer costs add up to a stage's.
+    """
+    incoming = [t for op in ops for t in op.inputs
+                if graph.tensors[t].role == "activation" and t in graph.producers
+                and graph.producers[t].name not in inside and _is_float(graph, t)]
+    incoming = list(dict.fromkeys(incoming))
+    pairs: dict[str, str] = {}
+    for op in ops:
+        consumers = graph.consumers[op.output]
+        if consumers and not any(c.name in inside for c in consumers):
+            match = next((t for t in incoming if _sizes(graph, t) == _sizes(graph, op.output)), None)
+            if match is not None:
+                pairs[op.output] = match
+                incoming.remove(match)
+    return pairs
+
+
 def _leaving(graph: Graph, op: Op, strategy: Strategy, mesh: LogicalMesh) -> list[tuple[str, int, float]]:
     """Collectives that complete an output leaving the stage (or the graph): pending sums are reduced."""
     out = strategy.output
@@ -124,9 +150,10 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     strategies: list[list] = []
     node_of_op: dict[str, int] = {}
     inside = {op.name for op in ops}
+    boundary = _boundary_pairs(graph, ops, inside)
     for op in ops:
         options = op_strategies(graph, op, mesh, force_dim)
-        leaves = not any(c.name in inside for c in graph.consumers[op.output])
+        leaves = op.output not in boundary and not any(c.name in inside for c in graph.consumers[op.output])
         node_of_op[op.output] = costs.add_node(
             op.name, [s.compute_s + s.comm_s + (collectives_time(_leaving(graph, op, s, mesh), mesh) if leaves else 0.0)
                       for s in options],
@@ -149,7 +176,22 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
                 uses.append(Use(tensor, node_of_param[tensor], node_of_op[op.output], slot, True))
             elif tensor in node_of_op:
                 uses.append(Use(tensor, node_of_op[tensor], node_of_op[op.output], slot, False))
-            # stage inputs (data, or activations from an earlier stage) arrive in any layout for free
+            # other stage inputs (data, activations of an earlier stage) arrive in any layout for free
+
+    for output, incoming in boundary.items():
+        # the layout the next copy of this layer receives, and this layer received: one shared choice
+        # dims correspond by position: a layout of the incoming tensor is the same layout of the output
+        rename = dict(zip(graph.tensors[incoming].dims, graph.tensors[output].dims))
+        options = [Strategy(tuple(None for _ in mesh.shape), (tuple(Shard(rename[x.dim]) if isinstance(x, Shard) else x
+                                                                    for x in p),), p, 0.0)
+                   for p in tensor_placements(graph, incoming, mesh)]
+        node = costs.add_node(f"{incoming} ~ {output}", [0.0] * len(options))
+        strategies.append(options)
+        uses.append(Use(output, node_of_op[output], node, 0, False))
+        for op in ops:
+            for slot, tensor in enumerate(op.inputs):
+                if tensor == incoming:
+                    uses.append(Use(incoming, node, node_of_op[op.output], slot, False))
 
     for use in uses:
         costs.add_edge(use.src, use.dst, _edge_cost(graph, use, strategies[use.src], strategies[use.dst],

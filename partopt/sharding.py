@@ -214,6 +214,14 @@ def _split(axes: Sequence[str | None], mesh: LogicalMesh) -> int:
     return math.prod(size for d, size in zip(axes, mesh.shape) if d is not None)
 
 
+def tensor_placements(graph: Graph, tensor: str, mesh: LogicalMesh) -> list[Placement]:
+    """Every complete placement of a tensor: Replicate or a divisible Shard on each axis."""
+    dims = graph.tensors[tensor].dims
+    per_axis = [[R] + ([Shard(d) for d in dims] if size > 1 else []) for size in mesh.shape]
+    return [tuple(p) for p in itertools.product(*per_axis)
+            if _divisible(graph, [x.dim if isinstance(x, Shard) else None for x in p], mesh)]
+
+
 # ---------------------------------------------------------------- parameter strategies
 
 @dataclass(frozen=True)

@@ -1,0 +1,67 @@
+"""optimize() and `partopt solve`: end-to-end plans, infeasible requests, the plan file."""
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from partopt import costmodel
+from partopt.cli import main
+from partopt.cluster import preset
+from partopt.errors import InfeasibleError
+from partopt.inter import microbatch_counts, optimize
+from partopt.plan import plan_to_dict, read_plan
+from partopt.simulate import StageTimes, closed_form
+from test_intra import mlp
+
+INSTANCES = Path(__file__).parent.parent / "instances"
+
+
+def test_microbatch_candidates_are_the_power_of_two_divisors():
+    assert microbatch_counts(24, "auto") == [1, 2, 4, 8]
+    assert microbatch_counts(1024, 16) == [16]
+    with pytest.raises(InfeasibleError, match="not divisible into 3"):
+        microbatch_counts(1024, 3)
+
+
+def test_model_larger_than_the_cluster_says_by_how_much():
+    graph = mlp(2, 8, 65536)  # 2 × 2^32 fp32 weights: 16 B each of Adam state = 128 GiB
+    cluster = preset("p3.16xlarge", 1)
+    usable = costmodel.memory_budget(cluster.device) * 8 / 2**30
+    with pytest.raises(InfeasibleError) as err:
+        optimize(graph, cluster, microbatches=1)
+    line = err.value.line()
+    assert "parameter state alone is 128.0 GiB" in line
+    assert f"short by {128 - usable:.1f} GiB" in line
+
+
+def test_plan_iteration_time_is_the_pipeline_closed_form_of_its_stages():
+    graph = mlp(4, 4096, 1024)
+    plan = optimize(graph, preset("p3.16xlarge", 1), microbatches=4)
+    stages = [StageTimes(s.stage_time_s / 3, 2 * s.stage_time_s / 3) for s in plan.stages]
+    sync = max(s.sync_time_s for s in plan.stages)
+    assert plan.iteration_time_s == pytest.approx(closed_form(stages, 4) + sync, rel=1e-12)
+    assert sum(len(s.devices) for s in plan.stages) == 8
+    assert sorted(d for s in plan.stages for d in s.devices) == list(range(8))
+    covered = [layer for s in plan.stages for layer in range(s.layers[0], s.layers[1] + 1)]
+    assert covered == list(range(4))
+
+
+def test_solve_json_is_exactly_the_plan_file(tmp_path):
+    out = tmp_path / "plan.json"
+    args = ["solve", str(INSTANCES / "mlp-2layer.json"), "--cluster", "p3.16xlarge", "--nodes", "1",
+            "--microbatches", "2", "-o", str(out), "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == json.loads(out.read_text())
+    plan = read_plan(out)
+    assert plan.num_microbatches == 2 and plan.graph == "mlp-2layer"
+    assert json.loads(result.stdout) == plan_to_dict(plan)
+
+
+def test_solve_with_indivisible_microbatches_is_a_one_line_error():
+    args = ["solve", str(INSTANCES / "mlp-2layer.json"), "--cluster", "p3.16xlarge", "--microbatches", "3"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert "not divisible into 3 microbatches" in result.stderr and "Traceback" not in result.output
