@@ -38,7 +38,7 @@ class Options:
     layers: int | None = DEFAULT_MAX_LAYERS
     submesh_family: str = "alpa"
     logical_shapes: Sequence[tuple[int, int]] | None = None
-    backend: str = "highs"
+    backend: str = "highs"  # fastest in docs/benchmarks.md
     time_limit_s: float = 60.0
     memory_reserve: float = costmodel.DEFAULT_MEMORY_RESERVE
     intra_only: bool = False

@@ -28,10 +28,34 @@ from partopt.sharding import (
 )
 
 def with_batch(graph: Graph, batch: int) -> Graph:
-    """The same graph with its batch dim resized (a microbatch's view of the model)."""
+    """The same graph with its batch dim resized (a microbatch's view of the model).
+
+    Dims a reshape derives from the batch (MoE's tokens `bs = b·s`, its groups `g`) scale with
+    it: a whole dim scales with a scaled part, and an outermost part with a scaled whole.
+    """
     if graph.batch_dim is None or graph.dims[graph.batch_dim] == batch:
         return graph
-    return dataclasses.replace(graph, dims={**graph.dims, graph.batch_dim: batch})
+    old = graph.dims[graph.batch_dim]
+    scaled = {graph.batch_dim}
+    changed = True
+    while changed:
+        changed = False
+        for op in graph.ops:
+            for direction in ("split", "merge"):
+                for whole, parts in (op.attrs.get(direction) or {}).items():
+                    if whole not in scaled and any(p in scaled for p in parts):
+                        scaled.add(whole)
+                        changed = True
+                    elif whole in scaled and not any(p in scaled for p in parts):
+                        scaled.add(parts[0])
+                        changed = True
+    dims = dict(graph.dims)
+    for d in scaled:
+        if dims[d] * batch % old:
+            raise InfeasibleError(f"dim {d!r} ({dims[d]}) does not scale with a microbatch of {batch}",
+                                  graph.name, "use a microbatch count that keeps derived dims whole")
+        dims[d] = dims[d] * batch // old
+    return dataclasses.replace(graph, dims=dims)
 
 
 @dataclass(frozen=True)

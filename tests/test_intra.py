@@ -149,3 +149,10 @@ def test_backends_agree_on_small_instances():
             continue
         objectives = {b: intra.shard_stage(graph, mesh, backend=b).objective for b in BACKENDS}
         assert max(objectives.values()) == pytest.approx(min(objectives.values()), rel=1e-6), (path.name, objectives)
+
+
+def test_microbatch_view_scales_dims_derived_from_the_batch():
+    graph = read_graph(INSTANCES / "moe-380m.json")  # tokens bs = b·s, groups g = b·s / 2048
+    small = intra.with_batch(graph, 8)
+    assert (small.dims["b"], small.dims["bs"], small.dims["g"]) == (8, 8 * 1024, 8 * 1024 // 2048)
+    assert small.dims["s"] == graph.dims["s"]
