@@ -89,7 +89,7 @@ def _is_float(graph: Graph, tensor: str) -> bool:
 
 
 def _use_collectives(model_graph: Graph, use: Use, src_strategy, dst_strategy: Strategy,
-                     mesh: LogicalMesh, microbatches: int) -> tuple[list, list]:
+                     mesh: LogicalMesh) -> tuple[list, list]:
     """(collectives per microbatch, collectives per iteration) of one tensor use."""
     nbytes = model_graph.nbytes(use.tensor)
     required = dst_strategy.inputs[use.slot]
@@ -149,7 +149,7 @@ def _edge_cost(model_graph: Graph, use: Use, src_list: list, dst_list: list[Stra
         for b, d in enumerate(dst_list):
             key = (skey, d.inputs[use.slot], d.axes)
             if key not in cache:
-                per_mb, per_it = _use_collectives(model_graph, use, s, d, mesh, microbatches)
+                per_mb, per_it = _use_collectives(model_graph, use, s, d, mesh)
                 cache[key] = collectives_time(per_mb, mesh) + collectives_time(per_it, mesh) / microbatches
             matrix[a, b] = cache[key]
     return matrix
@@ -305,7 +305,7 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
     breakdown = Breakdown()
     outgoing: dict[int, list] = defaultdict(list)
     for use in model.uses:
-        per_mb, per_it = _use_collectives(g, use, chosen[use.src], chosen[use.dst], mesh, model.microbatches)
+        per_mb, per_it = _use_collectives(g, use, chosen[use.src], chosen[use.dst], mesh)
         for kind, axis, size in per_mb:
             breakdown.comm_s[kind] += costmodel.collective_time(kind, size, mesh.axes[axis])
         for kind, axis, size in per_it:
