@@ -258,8 +258,8 @@ def _params_of(graph: Graph, ops: Sequence[Op]) -> list[str]:
     return list(dict.fromkeys(t for op in ops for t in op.inputs if graph.tensors[t].role == "param"))
 
 
-def _training_flops(graph: Graph) -> float:
-    return sum(costmodel.training_flops(graph.flops(op), is_matmul(op)) for op in graph.ops)
+def _training_flops(graph: Graph, ops: Sequence[Op] | None = None) -> float:
+    return sum(costmodel.training_flops(graph.flops(op), is_matmul(op)) for op in (graph.ops if ops is None else ops))
 
 
 def _assemble(graph, cluster, layering, options, iteration, count, result, tables, submeshes, meshes,
@@ -287,16 +287,19 @@ def _assemble(graph, cluster, layering, options, iteration, count, result, table
                 sync[k] = sync.get(k, 0.0) + v
             # a structurally identical layer shares the solve: its choices apply position by position
             for op, oc in zip(layering.base[b], p.sharding.ops):
-                ops[op.name] = {"axes": list(oc.strategy.axes), "inputs": [fmt(x) for x in oc.strategy.inputs],
-                                "output": fmt(oc.strategy.output),
+                ops[op.name] = {"kind": op.kind, "tensor": op.output, "axes": list(oc.strategy.axes),
+                                "inputs": [fmt(x) for x in oc.strategy.inputs], "output": fmt(oc.strategy.output),
                                 "explanation": op.name + oc.explanation[len(oc.op):]}
             for tensor, pc in zip(_params_of(graph, layering.base[b]), p.sharding.params):
                 param_info[tensor] = {"placement": fmt(pc.strategy.placement), "zero_axes": list(pc.strategy.zero_axes)}
         send = 2 * costmodel.p2p_time(boundary[c.last] * mb / batch, link) if c.last < len(layering.groups) - 1 else 0.0
+        stage_ops = [op for g in range(c.first, c.last + 1) for op in layering.ops(g)]
+        forward = sum(graph.flops(op) for op in stage_ops) / max(_training_flops(graph, stage_ops), 1e-300)
+        stage_time = float(t[c.inflight, c.first, c.last, c.submesh])
         tags = [op.layer for op in layering.ops(c.first)[:1]] + [op.layer for op in layering.ops(c.last)[-1:]]
         stages.append(StagePlan(
             layers=[c.first, c.last], graph_layers=tags, submesh=list(sub), logical_mesh=list(shape),
-            devices=devices, stage_time_s=float(t[c.inflight, c.first, c.last, c.submesh]), send_time_s=send,
+            devices=devices, stage_time_s=stage_time, forward_s=stage_time * forward, send_time_s=send,
             sync_time_s=float(extra[c.inflight, c.first, c.last, c.submesh]), memory_bytes=float(params + inflight * acts),
             inflight_microbatches=inflight,
             breakdown={"compute_s": sum(p.sharding.breakdown.compute_s for p in parts), "comm_s": comm,
@@ -304,6 +307,9 @@ def _assemble(graph, cluster, layering, options, iteration, count, result, table
                        "param_bytes": params, "activation_bytes": acts},
             ops=ops, params=param_info))
     flops = _training_flops(graph)
+    g_mb = intra.with_batch(graph, mb)
+    tensors = {name: {"dims": list(t.dims), "shape": [g_mb.dims[d] for d in t.dims], "role": t.role}
+               for name, t in g_mb.tensors.items()}
     return Plan(
         graph=graph.name, cluster=cluster.name, nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,
         iteration_time_s=float(iteration), num_microbatches=count, microbatch_size=mb, stages=stages,
@@ -316,4 +322,5 @@ def _assemble(graph, cluster, layering, options, iteration, count, result, table
         options={"microbatches": options.microbatches, "layers": options.layers,
                  "submesh_family": options.submesh_family, "memory_reserve": options.memory_reserve,
                  "intra_only": options.intra_only, "inter_only": options.inter_only,
-                 "data_parallel_only": options.data_parallel_only})
+                 "data_parallel_only": options.data_parallel_only},
+        batch_dim=graph.batch_dim, tensors=tensors)

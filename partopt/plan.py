@@ -23,12 +23,13 @@ class StagePlan:
     logical_mesh: list[int]  # [a, b]
     devices: list[int]  # global device ids, node-major
     stage_time_s: float  # forward + backward of one microbatch, sends included
+    forward_s: float  # the forward's share of stage_time_s (split by FLOPs), for schedules and drawings
     send_time_s: float  # point-to-point of boundary activations and their gradients, per microbatch
     sync_time_s: float  # per iteration: gradient synchronisation + optimizer step
     memory_bytes: float  # per device, with its in-flight microbatches
     inflight_microbatches: int
     breakdown: dict[str, Any]  # compute_s, comm_s by kind, sync_s by kind, optimizer_s, param/activation bytes
-    ops: dict[str, dict[str, Any]]  # op -> {"axes", "inputs", "output", "explanation"}
+    ops: dict[str, dict[str, Any]]  # op -> {"kind", "tensor", "axes", "inputs", "output", "explanation"}
     params: dict[str, dict[str, Any]]  # param -> {"placement", "zero_axes"}
 
 
@@ -48,6 +49,8 @@ class Plan:
     format: str = FORMAT
     version: int = VERSION
     options: dict[str, Any] = field(default_factory=dict)
+    batch_dim: str | None = None
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"dims", "shape" (one microbatch), "role"}
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
