@@ -1,0 +1,184 @@
+"""A picture of a plan: the simulated pipeline schedule of one iteration and memory per stage (SVG or PNG).
+
+The schedule comes from `partopt.simulate` run on the plan's stage times (`stage_times`), so
+the drawing shows what the simulator computes; the title also gives the plan's closed-form time.
+Layout is fixed in inches (no pyplot, no automatic layout): rows keep their height however many
+stages there are, and the output is byte-for-byte deterministic for a given matplotlib.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from partopt.cluster import PRESETS, preset
+from partopt.costmodel import DEFAULT_MEMORY_RESERVE, memory_budget
+from partopt.errors import InstanceError
+from partopt.plan import Plan
+from partopt.simulate import Simulation, StageTimes, simulate
+from partopt.units import fmt_bytes, fmt_seconds
+
+FORMATS: tuple[str, ...] = (".svg", ".png")
+GIB = 2.0**30
+COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "sync": "#55a868", "idle": "#ececec",
+           "params": "#8172b3", "activations": "#ccb974", "budget": "#c44e52"}
+
+# figure geometry, inches
+_WIDTH, _LEFT, _TIMELINE, _GAP, _MEMORY = 13.0, 2.9, 7.2, 0.35, 2.25
+_TOP, _BOTTOM, _ROW, _MIN_PANEL = 0.8, 0.9, 0.42, 1.0
+_BAR = 0.7  # bar height, in rows
+_FONT = 6.5  # microbatch numbers, points
+_DPI = 150
+
+
+def stage_times(plan: Plan) -> list[StageTimes]:
+    """The plan's stages as simulator input, keeping each stage's latency t_i = stage_time_s.
+
+    A plan's `send_time_s` is the round trip (activations out, gradients back: 2 × one p2p) and its
+    `forward_s` is the forward's FLOP share of `stage_time_s`, sends included. So per stage:
+    send_s = send_time_s / 2, compute = stage_time_s - send_time_s split by the same share,
+    activation_bytes and static_bytes (parameter state) from the breakdown.
+    """
+    result = []
+    for i, stage in enumerate(plan.stages):
+        where = f"stages[{i}]"
+        for name in ("param_bytes", "activation_bytes"):
+            if name not in stage.breakdown:
+                raise InstanceError(f"the breakdown has no {name}", f"{where}.breakdown", "write plans with `partopt solve -o`")
+        if not 0 <= stage.send_time_s <= stage.stage_time_s:
+            raise InstanceError(f"send_time_s {stage.send_time_s!r} is not within [0, stage_time_s = {stage.stage_time_s!r}]",
+                                f"{where}.send_time_s", "stage_time_s includes the send; see docs/FORMAT.md")
+        if not 0 <= stage.forward_s <= stage.stage_time_s:
+            raise InstanceError(f"forward_s {stage.forward_s!r} is not within [0, stage_time_s = {stage.stage_time_s!r}]",
+                                f"{where}.forward_s", "forward_s is the forward's share of stage_time_s")
+        compute = stage.stage_time_s - stage.send_time_s
+        share = stage.forward_s / stage.stage_time_s if stage.stage_time_s > 0 else 0.0
+        forward = compute * share
+        result.append(StageTimes(forward_s=forward, backward_s=compute - forward, send_s=stage.send_time_s / 2,
+                                 activation_bytes=float(stage.breakdown["activation_bytes"]),
+                                 static_bytes=float(stage.breakdown["param_bytes"])))
+    return result
+
+
+def plan_budget(plan: Plan) -> float | None:
+    """Per-device memory budget when the plan's cluster is a preset (its device and the plan's reserve), else None."""
+    if plan.cluster not in PRESETS:
+        return None
+    return memory_budget(preset(plan.cluster).device, plan.options.get("memory_reserve", DEFAULT_MEMORY_RESERVE))
+
+
+def draw(plan: Plan, path: str | Path, schedule: str = "1f1b", memory_budget_bytes: float | None = None) -> None:
+    """Write the plan's pipeline timeline and per-stage memory as SVG or PNG (format from the suffix).
+
+    `memory_budget_bytes` draws the budget line; by default it is derived for preset clusters.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in FORMATS:
+        raise InstanceError(f"cannot draw to {suffix or 'a file without suffix'!r}", str(path),
+                            "name the output *.svg or *.png")
+    simulation = simulate(stage_times(plan), plan.num_microbatches, schedule)
+    budget = plan_budget(plan) if memory_budget_bytes is None else memory_budget_bytes
+    figure = _figure(plan, simulation, budget)
+    with matplotlib.rc_context({"svg.hashsalt": "partopt", "svg.fonttype": "path"}):
+        metadata = {"Date": None} if suffix == ".svg" else {"Software": None}
+        try:
+            figure.savefig(path, format=suffix[1:], dpi=_DPI, metadata=metadata)
+        except OSError as err:
+            raise InstanceError(f"cannot write: {err.strerror}", str(path), "check that the directory exists") from None
+
+
+def _figure(plan: Plan, simulation: Simulation, budget: float | None) -> Figure:
+    """The two panels side by side, sharing one row per stage."""
+    rows = len(plan.stages)
+    panel = max(_MIN_PANEL, _ROW * rows)
+    height = _TOP + panel + _BOTTOM
+    figure = Figure(figsize=(_WIDTH, height))
+    FigureCanvasAgg(figure)
+    box = (_BOTTOM / height, panel / height)
+    timeline = figure.add_axes((_LEFT / _WIDTH, box[0], _TIMELINE / _WIDTH, box[1]))
+    memory = figure.add_axes(((_LEFT + _TIMELINE + _GAP) / _WIDTH, box[0], _MEMORY / _WIDTH, box[1]), sharey=timeline)
+    end = _timeline(timeline, plan, simulation)
+    handles = _memory(memory, plan, simulation, budget)
+    figure.suptitle(f"{plan.graph} on {plan.cluster} ({plan.nodes} × {plan.devices_per_node} devices) · "
+                    f"{plan.num_microbatches} microbatches of {plan.microbatch_size} · {simulation.schedule}\n"
+                    f"iteration {fmt_seconds(plan.iteration_time_s)} (plan, closed form) · "
+                    f"{fmt_seconds(end)} ({simulation.schedule} simulation)",
+                    y=1 - 0.12 / height, va="top", fontsize=10)
+    figure.legend(handles=[Patch(color=COLOURS["forward"], label="forward"),
+                           Patch(color=COLOURS["backward"], label="backward"),
+                           Patch(color=COLOURS["sync"], label="gradient sync + optimizer"),
+                           Patch(color=COLOURS["idle"], label="idle (bubble)"), *handles],
+                  loc="lower center", bbox_to_anchor=(0.5, 0.02 / height), ncols=7, fontsize=8, frameon=False)
+    return figure
+
+
+def _timeline(ax, plan: Plan, simulation: Simulation) -> float:
+    """Forward/backward blocks per stage row, the sync after each last backward; returns the iteration's end (s)."""
+    rows = len(plan.stages)
+    done = [0.0] * rows
+    for event in simulation.events:
+        done[event.stage] = max(done[event.stage], event.end_s)
+    end = max(done[i] + stage.sync_time_s for i, stage in enumerate(plan.stages))
+    scale, unit = (1e3, "ms") if end < 1 else (1.0, "s")
+    span = end * scale * 1.01 if end > 0 else 1.0
+    points_per_unit = _TIMELINE * 72 / span
+    labels = []
+    for i, stage in enumerate(plan.stages):
+        y = (i - _BAR / 2, _BAR)
+        ax.broken_barh([(0, (done[i] + stage.sync_time_s) * scale)], y, facecolors=COLOURS["idle"], gid=f"idle-{i}")
+        for kind in ("forward", "backward"):
+            events = [e for e in simulation.events if e.stage == i and e.kind == kind]
+            blocks = [(e.start_s * scale, (e.end_s - e.start_s) * scale) for e in events]
+            thin = any(w * points_per_unit < 3 for _, w in blocks)
+            ax.broken_barh(blocks, y, facecolors=COLOURS[kind], edgecolors="white",
+                           linewidth=0 if thin else 0.4, gid=f"{kind}-{i}")
+            for e, (x, w) in zip(events, blocks):
+                text = str(e.microbatch)
+                if w * points_per_unit >= 0.62 * _FONT * len(text) + 2:
+                    ax.text(x + w / 2, i, text, ha="center", va="center", fontsize=_FONT,
+                            color="white" if kind == "forward" else "black", gid=f"label-{kind}-{i}-{e.microbatch}")
+        if stage.sync_time_s > 0:
+            ax.broken_barh([(done[i] * scale, stage.sync_time_s * scale)], y, facecolors=COLOURS["sync"], gid=f"sync-{i}")
+        busy = sum(e.end_s - e.start_s for e in simulation.events if e.stage == i) + stage.sync_time_s
+        first, last = stage.layers
+        labels.append(f"stage {i} · layers {first}–{last} · mesh ({stage.logical_mesh[0]}, {stage.logical_mesh[1]})\n"
+                      f"{stage.submesh[0]}×{stage.submesh[1]} devices · busy {100 * busy / end if end > 0 else 0:.0f} %")
+    ax.set_yticks(range(rows), labels, fontsize=8)
+    ax.set_ylim(rows - 0.5, -0.5)
+    ax.set_xlim(0, span)
+    ax.set_xlabel(f"time ({unit})")
+    ax.grid(axis="x", color="#dddddd", linewidth=0.5)
+    ax.set_axisbelow(True)
+    ax.set_title("pipeline schedule of one iteration", fontsize=9)
+    return end
+
+
+def _memory(ax, plan: Plan, simulation: Simulation, budget: float | None) -> list:
+    """Stacked bars per stage: parameter state, activations × in-flight microbatches (GiB); legend handles."""
+    params, acts = [], []
+    for stage, inflight in zip(plan.stages, simulation.max_inflight):
+        params.append(stage.breakdown["param_bytes"] / GIB)
+        acts.append(stage.breakdown["activation_bytes"] * inflight / GIB)
+    rows = range(len(plan.stages))
+    ax.barh(rows, params, height=_BAR, color=COLOURS["params"], gid="memory-params")
+    ax.barh(rows, acts, height=_BAR, left=params, color=COLOURS["activations"], gid="memory-activations")
+    top = max(p + a for p, a in zip(params, acts))
+    handles = [Patch(color=COLOURS["params"], label="parameter state"),
+               Patch(color=COLOURS["activations"], label="activations × in-flight")]
+    if budget is not None:
+        handles.append(ax.axvline(budget / GIB, color=COLOURS["budget"], linestyle="--", linewidth=1,
+                                  label=f"memory budget {fmt_bytes(budget)}", gid="memory-budget"))
+        top = max(top, budget / GIB)
+    for i, inflight in zip(rows, simulation.max_inflight):
+        ax.text(params[i] + acts[i] + top * 0.02, i, f"{params[i] + acts[i]:.3g} (×{inflight})", va="center", fontsize=7,
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
+    ax.set_xlim(0, top * 1.45 if top > 0 else 1.0)
+    ax.tick_params(axis="y", labelleft=False)
+    ax.set_xlabel("GiB (× in-flight microbatches)")
+    ax.set_title("memory per device", fontsize=9)
+    return handles
