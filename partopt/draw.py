@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+from matplotlib.artist import Artist
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -117,7 +119,7 @@ def _figure(plan: Plan, simulation: Simulation, budget: float | None) -> Figure:
     return figure
 
 
-def _timeline(ax, plan: Plan, simulation: Simulation) -> float:
+def _timeline(ax: Axes, plan: Plan, simulation: Simulation) -> float:
     """Forward/backward blocks per stage row, the sync after each last backward; returns the iteration's end (s)."""
     rows = len(plan.stages)
     done = [0.0] * rows
@@ -158,7 +160,7 @@ def _timeline(ax, plan: Plan, simulation: Simulation) -> float:
     return end
 
 
-def _memory(ax, plan: Plan, simulation: Simulation, budget: float | None) -> list:
+def _memory(ax: Axes, plan: Plan, simulation: Simulation, budget: float | None) -> list[Artist]:
     """Stacked bars per stage: parameter state, activations × in-flight microbatches (GiB); legend handles."""
     params, acts = [], []
     for stage, inflight in zip(plan.stages, simulation.max_inflight):
@@ -168,7 +170,7 @@ def _memory(ax, plan: Plan, simulation: Simulation, budget: float | None) -> lis
     ax.barh(rows, params, height=_BAR, color=COLOURS["params"], gid="memory-params")
     ax.barh(rows, acts, height=_BAR, left=params, color=COLOURS["activations"], gid="memory-activations")
     top = max(p + a for p, a in zip(params, acts))
-    handles = [Patch(color=COLOURS["params"], label="parameter state"),
+    handles: list[Artist] = [Patch(color=COLOURS["params"], label="parameter state"),
                Patch(color=COLOURS["activations"], label="activations × in-flight")]
     if budget is not None:
         handles.append(ax.axvline(budget / GIB, color=COLOURS["budget"], linestyle="--", linewidth=1,

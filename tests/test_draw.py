@@ -179,3 +179,8 @@ def test_bad_suffix_is_an_instance_error(tmp_path, name):
 def test_missing_directory_is_an_instance_error(tmp_path):
     with pytest.raises(InstanceError, match="cannot write"):
         draw(_one_stage(), tmp_path / "no" / "such" / "t.png")
+
+
+def test_unknown_schedule_is_an_instance_error(tmp_path):
+    with pytest.raises(InstanceError, match="unknown pipeline schedule"):
+        draw(_one_stage(), tmp_path / "t.svg", schedule="interleaved")
