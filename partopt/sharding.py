@@ -73,17 +73,24 @@ def axis_collective(src: AxisPlacement, dst: AxisPlacement) -> str | None:
     return "all_gather" if isinstance(dst, Replicate) else "all_to_all"
 
 
+def buffer_bytes(kind: str, nbytes: float, src: Placement, mesh: LogicalMesh, axis: int) -> float:
+    """The buffer `costmodel.collective_time` prices for `kind` on `axis` of a tensor placed `src`.
+
+    All-gather, reduce-scatter and all-reduce act on the buffer gathered along the axis (the
+    tensor's bytes over the source's shards on the other axes); an all-to-all exchanges the
+    device's local shard, so its buffer is also divided by this axis.
+    """
+    return nbytes / shards(src, mesh, skip_axis=None if kind == "all_to_all" else axis)
+
+
 def reshard_collectives(src: Placement, dst: Placement, nbytes: float,
                         mesh: LogicalMesh) -> list[tuple[str, int, float]]:
-    """(collective, mesh axis, full buffer bytes) needed to move a tensor from src to dst.
-
-    Per axis, the buffer is the tensor's bytes divided by the source's shards on the other axes.
-    """
+    """(collective, mesh axis, buffer bytes) needed to move a tensor from src to dst (see `buffer_bytes`)."""
     steps = []
     for axis, (s, d) in enumerate(zip(src, dst)):
         kind = axis_collective(s, d)
         if kind is not None and mesh.shape[axis] > 1:
-            steps.append((kind, axis, nbytes / shards(src, mesh, skip_axis=axis)))
+            steps.append((kind, axis, buffer_bytes(kind, nbytes, src, mesh, axis)))
     return steps
 
 
@@ -277,13 +284,13 @@ def param_sync_collectives(grad: Placement, param: ParamStrategy, nbytes: float,
     for axis, (g, p) in enumerate(zip(grad, param.placement)):
         if mesh.shape[axis] == 1:
             continue
-        size = nbytes / shards(grad, mesh, skip_axis=axis)
         if axis in param.zero_axes:
+            size = nbytes / shards(grad, mesh, skip_axis=axis)
             if isinstance(g, Partial):
                 steps.append(("reduce_scatter", axis, size))
             steps.append(("all_gather", axis, size))
             continue
         kind = axis_collective(g, p)
         if kind is not None:
-            steps.append((kind, axis, size))
+            steps.append((kind, axis, buffer_bytes(kind, nbytes, grad, mesh, axis)))
     return steps
