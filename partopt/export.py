@@ -1,0 +1,470 @@
+"""Exports of a plan for runtimes: JAX PartitionSpecs, PyTorch DTensor placements, Megatron-LM arguments.
+
+Mesh axis k of a stage's logical mesh is named AXIS_NAMES[k] ("x" = axis 0, "y" = axis 1, whose
+devices are consecutive). docs/FORMAT.md "Exports" documents every field and the Megatron rules.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from partopt.errors import InstanceError, PartoptError
+from partopt.plan import Plan, StagePlan
+from partopt.sharding import P, Partial, Placement, R, Replicate, Shard, fmt
+
+AXIS_NAMES = ("x", "y")
+TARGETS = ("jax", "dtensor", "megatron")
+NORM_KINDS = ("layernorm", "rmsnorm")
+UNSUPPORTED_BY_MEGATRON = ("conv2d", "pool")  # Megatron-LM trains transformers
+
+
+class NotExpressibleError(PartoptError):
+    """A plan that Megatron-LM's uniform (tp, pp, dp) form cannot express; the cause names why."""
+
+
+# ---------------------------------------------------------------- reading placements
+
+_AXIS_TEXT = re.compile(r"^(?:S\((?P<dim>[^()\s,]+)\)|(?P<r>R)|(?P<p>P))$")
+
+
+def parse_placement(text: str, where: str = "placement") -> Placement:
+    """The inverse of `partopt.sharding.fmt`: "[S(b), R]" -> (Shard("b"), R); InstanceError if malformed."""
+    body = text.strip()
+    if not (body.startswith("[") and body.endswith("]")):
+        raise InstanceError(f"malformed placement {text!r}", where, "write it like [S(b), R] (S(dim), R or P per mesh axis)")
+    result = []
+    for part in body[1:-1].split(","):
+        match = _AXIS_TEXT.match(part.strip())
+        if match is None:
+            raise InstanceError(f"malformed placement {text!r}: {part.strip()!r}", where,
+                                "each mesh axis is S(dim), R or P")
+        result.append(Shard(match["dim"]) if match["dim"] else (R if match["r"] else P))
+    return tuple(result)
+
+
+@dataclass(frozen=True)
+class TensorPlacement:
+    """One tensor of one stage, resolved: its dims, microbatch shape and placement per mesh axis."""
+
+    name: str
+    role: str  # "param" or "activation" (an op's output)
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    placement: Placement
+    zero_axes: tuple[int, ...] = ()  # params: mesh axes their optimizer state is sharded over
+
+
+def _mesh(stage: StagePlan, where: str) -> tuple[int, ...]:
+    shape = tuple(stage.logical_mesh)
+    if len(shape) != len(AXIS_NAMES) or any(n < 1 for n in shape):
+        raise InstanceError(f"logical mesh {list(shape)} is not a 2-D mesh", f"{where}.logical_mesh")
+    if len(stage.devices) != shape[0] * shape[1]:
+        raise InstanceError(f"{len(stage.devices)} devices for a {shape[0]} x {shape[1]} mesh", f"{where}.devices")
+    return shape
+
+
+def _tensor_info(plan: Plan, name: str, where: str) -> dict[str, Any]:
+    info = plan.tensors.get(name)
+    if info is None:
+        raise InstanceError(f"tensor {name!r} is missing from the plan's tensors", where,
+                            "write the plan with a partopt that records tensors (partopt solve -o)")
+    return info
+
+
+def _resolve(plan: Plan, name: str, role: str, text: str, where: str, ndims: int,
+             zero_axes: Sequence[int] = ()) -> TensorPlacement:
+    info = _tensor_info(plan, name, where)
+    placement = parse_placement(text, where)
+    if len(placement) != ndims:
+        raise InstanceError(f"placement {text} has {len(placement)} entries for a {ndims}-axis mesh", where)
+    dims = tuple(info["dims"])
+    for p in placement:
+        if isinstance(p, Shard) and p.dim not in dims:
+            raise InstanceError(f"placement {text} splits {p.dim!r}, which {name!r} {list(dims)} lacks", where)
+    return TensorPlacement(name, role, dims, tuple(info["shape"]), placement, tuple(zero_axes))
+
+
+def stage_tensors(plan: Plan, index: int) -> Iterator[TensorPlacement]:
+    """The parameters (first) and op outputs of stage `index`, with their placements resolved."""
+    stage = plan.stages[index]
+    where = f"stages[{index}]"
+    ndims = len(_mesh(stage, where))
+    for name, info in stage.params.items():
+        yield _resolve(plan, name, "param", info["placement"], f"{where}.params.{name}", ndims, info.get("zero_axes", ()))
+    for op, info in stage.ops.items():
+        yield _resolve(plan, info["tensor"], "activation", info["output"], f"{where}.ops.{op}", ndims)
+
+
+def dim_axes(t: TensorPlacement) -> list[tuple[int, ...]]:
+    """Per tensor dim, the mesh axes splitting it, in mesh-axis order (the first is the major split)."""
+    return [tuple(k for k, p in enumerate(t.placement) if p == Shard(d)) for d in t.dims]
+
+
+def optimizer_placement(t: TensorPlacement, mesh: Sequence[int]) -> tuple[Placement, tuple[int, ...]]:
+    """Placement of a parameter's optimizer state (ZeRO), and the zero axes no dim could take.
+
+    Each zero axis shards the first dim whose local size it divides and that no later mesh axis
+    already splits (so that mesh order stays major-to-minor in JAX and DTensor alike); a zero axis
+    that fits no dim is returned as flat (the runtime shards the flattened buffer, as ZeRO does).
+    """
+    placement = list(t.placement)
+    flat = []
+    for axis in t.zero_axes:
+        if not isinstance(placement[axis], Replicate):
+            raise InstanceError(f"optimizer state of {t.name!r} is sharded over axis {axis}, where the parameter "
+                                f"is {placement[axis]}, not replicated", "zero_axes")
+        for i, d in enumerate(t.dims):
+            splits = [k for k, p in enumerate(placement) if p == Shard(d)]
+            local = t.shape[i] // max(1, math.prod(mesh[k] for k in splits))
+            if local % mesh[axis] == 0 and all(k < axis for k in splits):
+                placement[axis] = Shard(d)
+                break
+        else:
+            flat.append(axis)
+    return tuple(placement), tuple(flat)
+
+
+def _devices_grid(stage: StagePlan) -> list[list[int]]:
+    a, b = stage.logical_mesh
+    return [stage.devices[i * b:(i + 1) * b] for i in range(a)]
+
+
+# ---------------------------------------------------------------- JAX
+
+def jax_spec(t: TensorPlacement) -> list[str | list[str] | None]:
+    """PartitionSpec entries, one per tensor dim: None, an axis name, or a list of names (major first).
+
+    Partial axes are ignored: call it on a Partial tensor only for its spec after the reduction.
+    """
+    entries: list[str | list[str] | None] = []
+    for axes in dim_axes(t):
+        names = [AXIS_NAMES[k] for k in axes]
+        entries.append(None if not names else names[0] if len(names) == 1 else names)
+    return entries
+
+
+def jax_spec_text(spec: Sequence[str | list[str] | None]) -> str:
+    """`PartitionSpec('x', None, ('x', 'y'))`, the form people paste into JAX code."""
+    def one(e: str | list[str] | None) -> str:
+        if e is None:
+            return "None"
+        if isinstance(e, str):
+            return repr(e)
+        return "(" + ", ".join(repr(n) for n in e) + ")"
+    return "PartitionSpec(" + ", ".join(one(e) for e in spec) + ")"
+
+
+def _jax_entry(t: TensorPlacement, mesh: Sequence[int]) -> dict[str, Any]:
+    partial = [AXIS_NAMES[k] for k, p in enumerate(t.placement) if isinstance(p, Partial)]
+    spec = jax_spec(t)
+    entry: dict[str, Any] = {"placement": fmt(t.placement)}
+    if partial:  # a pending sum has no PartitionSpec; give the spec it has once summed (psum)
+        entry.update(spec=None, text=None, pending_reduction={"axes": partial, "spec": spec, "text": jax_spec_text(spec)})
+    else:
+        entry.update(spec=spec, text=jax_spec_text(spec))
+    if t.role == "param" and t.zero_axes:
+        placement, flat = optimizer_placement(t, mesh)
+        opt = jax_spec(TensorPlacement(t.name, t.role, t.dims, t.shape, placement))
+        entry["optimizer_state"] = {"spec": opt, "text": jax_spec_text(opt), "flat_axes": [AXIS_NAMES[k] for k in flat]}
+    return entry
+
+
+def to_jax(plan: Plan) -> dict[str, Any]:
+    """Per stage: the JAX Mesh (axis names, shape, device ids) and a PartitionSpec per parameter and
+    per op output, with pending sums and optimizer-state sharding reported separately."""
+    stages = []
+    for i, stage in enumerate(plan.stages):
+        mesh = _mesh(stage, f"stages[{i}]")
+        params: dict[str, Any] = {}
+        activations: dict[str, Any] = {}
+        for t in stage_tensors(plan, i):
+            (params if t.role == "param" else activations)[t.name] = _jax_entry(t, mesh)
+        stages.append({"stage": i, "mesh": {"axis_names": list(AXIS_NAMES), "shape": list(mesh),
+                                            "devices": _devices_grid(stage)},
+                       "params": params, "activations": activations})
+    return {"format": "partopt.export.jax", "version": 1, "graph": plan.graph, "stages": stages}
+
+
+# ---------------------------------------------------------------- PyTorch DTensor
+
+def dtensor_placements(t: TensorPlacement) -> list[dict[str, Any]]:
+    """DTensor placements, one per MESH dim: Shard holds the tensor dim's index."""
+    result: list[dict[str, Any]] = []
+    for p in t.placement:
+        if isinstance(p, Shard):
+            result.append({"type": "Shard", "dim": t.dims.index(p.dim)})
+        else:
+            result.append({"type": "Partial" if isinstance(p, Partial) else "Replicate"})
+    return result
+
+
+def dtensor_text(placements: Sequence[dict[str, Any]]) -> str:
+    """`[Shard(0), Replicate()]`, the Python text of a placements list."""
+    return "[" + ", ".join(f"Shard({p['dim']})" if p["type"] == "Shard" else f"{p['type']}()" for p in placements) + "]"
+
+
+def _dtensor_entry(t: TensorPlacement, mesh: Sequence[int]) -> dict[str, Any]:
+    placements = dtensor_placements(t)
+    entry: dict[str, Any] = {"placement": fmt(t.placement), "placements": placements, "text": dtensor_text(placements)}
+    if t.role == "param" and t.zero_axes:
+        placement, flat = optimizer_placement(t, mesh)
+        opt = dtensor_placements(TensorPlacement(t.name, t.role, t.dims, t.shape, placement))
+        entry["optimizer_state"] = {"placements": opt, "text": dtensor_text(opt), "flat_axes": [AXIS_NAMES[k] for k in flat]}
+    return entry
+
+
+def to_dtensor(plan: Plan) -> dict[str, Any]:
+    """Per stage: a DeviceMesh (shape, nested device ids, dim names) and DTensor placements per
+    parameter and per op output (Shard(k) with k the tensor dim index, Replicate(), Partial())."""
+    stages = []
+    for i, stage in enumerate(plan.stages):
+        mesh = _mesh(stage, f"stages[{i}]")
+        params: dict[str, Any] = {}
+        activations: dict[str, Any] = {}
+        for t in stage_tensors(plan, i):
+            (params if t.role == "param" else activations)[t.name] = _dtensor_entry(t, mesh)
+        stages.append({"stage": i, "device_mesh": {"device_type": "cuda", "shape": list(mesh),
+                                                   "mesh": _devices_grid(stage), "mesh_dim_names": list(AXIS_NAMES)},
+                       "params": params, "activations": activations})
+    return {"format": "partopt.export.dtensor", "version": 1, "graph": plan.graph, "stages": stages}
+
+
+# ---------------------------------------------------------------- Megatron-LM
+
+@dataclass(frozen=True)
+class _StageRoles:
+    dp_axes: tuple[int, ...]  # mesh axes (size > 1) that split only the batch dim
+    tp_axes: tuple[int, ...]  # mesh axes (size > 1) that together form the tensor-parallel group
+    sequence_parallel: bool
+
+
+def _not_expressible(cause: str, where: str, hint: str = "export it with --to jax or --to dtensor") -> NotExpressibleError:
+    return NotExpressibleError(cause, where, hint)
+
+
+def _axis_role(plan: Plan, i: int, stage: StagePlan, axis: int) -> str:
+    """"dp" when every op splits the batch dim over `axis` (ops without it may run replicated), else "tp"."""
+    batch = plan.batch_dim
+    where = f"stage {i}"
+    splits_batch = [op for op, info in stage.ops.items() if info["axes"][axis] == batch]
+    splits_other = [(op, info["axes"][axis]) for op, info in stage.ops.items()
+                    if info["axes"][axis] not in (None, batch)]
+    if splits_batch and splits_other:
+        op, dim = splits_other[0]
+        raise _not_expressible(f"axis {axis} mixes data and tensor parallelism: op {op} splits {dim} over it, "
+                               f"op {splits_batch[0]} splits the batch dim {batch}", where)
+    if splits_batch:
+        idle = [op for op, info in stage.ops.items()
+                if info["axes"][axis] is None and batch in _tensor_info(plan, info["tensor"], f"{where} op {op}")["dims"]]
+        if idle:
+            raise _not_expressible(f"op {idle[0]} runs replicated over data-parallel axis {axis}; Megatron gives "
+                                   f"every data-parallel rank its own samples", where)
+        return "dp"
+    if not splits_other:
+        raise _not_expressible(f"no op splits anything over axis {axis} ({stage.logical_mesh[axis]} devices): every op "
+                               f"runs replicated over it, which Megatron cannot express", where)
+    return "tp"
+
+
+def _is_feature_dim(info: dict[str, Any], dims: Sequence[str], axis: int, dim: str, where: str) -> bool:
+    """Whether a norm's split dim is one of its feature dims (those its scale/shift carry, else its last dim)."""
+    params = [parse_placement(text, where) for text in info["inputs"][1:]]
+    if params:
+        return any(p[axis] == Shard(dim) for p in params)
+    return dim == dims[-1]
+
+
+def _tensor_parallel_axes(stage: StagePlan, mesh: Sequence[int], tp: list[int], where: str) -> tuple[int, ...]:
+    """The tensor-parallel axes: one, or both when every op and parameter treats them alike (one group of a*b)."""
+    if len(tp) > 1:
+        for op, info in stage.ops.items():
+            if len(set(info["axes"])) > 1:
+                what = [f"splits {d} over axis {k}" if d else f"runs replicated over axis {k}"
+                        for k, d in enumerate(info["axes"])]
+                raise _not_expressible(f"op {op} {' but '.join(what)}: Megatron has a single tensor-parallel group, "
+                                       f"not a 2-D one", where)
+        for name, info in stage.params.items():
+            placement = parse_placement(info["placement"], f"{where} param {name}")
+            if len(set(placement)) > 1:
+                raise _not_expressible(f"param {name} is {info['placement']}: Megatron has a single tensor-parallel "
+                                       f"group, not a 2-D one", where)
+    if tp and tp[0] != len(mesh) - 1 and mesh[-1] > 1 and len(tp) == 1:
+        raise _not_expressible(f"tensor parallelism runs over axis {tp[0]}, whose devices are {mesh[-1]} apart; "
+                               f"Megatron's tensor-parallel ranks are consecutive", where)
+    return tuple(tp)
+
+
+def _sequence_parallel(plan: Plan, i: int, stage: StagePlan, axis: int) -> bool:
+    """Whether the norms split the sequence over tensor-parallel `axis`: all of them (True) or none (False)."""
+    where = f"stage {i}"
+    sequence_split, replicated = [], []
+    for op, info in stage.ops.items():
+        if info["kind"] not in NORM_KINDS:
+            continue
+        dim = info["axes"][axis]
+        dims = _tensor_info(plan, info["tensor"], f"{where} op {op}")["dims"]
+        if dim is None:
+            replicated.append(op)
+        elif _is_feature_dim(info, dims, axis, dim, f"stages[{i}].ops.{op}"):
+            raise _not_expressible(f"op {op} splits its feature dim {dim} over the tensor-parallel axis {axis}; "
+                                   f"Megatron's norms split only the sequence (sequence parallelism)", where)
+        else:
+            sequence_split.append((op, dim))
+    if sequence_split and replicated:
+        op, dim = sequence_split[0]
+        raise _not_expressible(f"op {op} splits {dim} over the tensor-parallel axis (sequence parallelism) but op "
+                               f"{replicated[0]} runs replicated; Megatron's --sequence-parallel splits every norm",
+                               where)
+    return bool(sequence_split)
+
+
+def _stage_roles(plan: Plan, i: int, stage: StagePlan) -> _StageRoles:
+    """Which mesh axes are data parallel and which tensor parallel, checked against Megatron's rules."""
+    where = f"stage {i}"
+    mesh = _mesh(stage, f"stages[{i}]")
+    for op, info in stage.ops.items():
+        if info["kind"] in UNSUPPORTED_BY_MEGATRON:
+            raise _not_expressible(f"op {op} is a {info['kind']}: Megatron-LM trains transformers, without "
+                                   f"convolution or pooling layers", where)
+    roles = {k: _axis_role(plan, i, stage, k) for k in range(len(mesh)) if mesh[k] > 1}
+    tp_axes = _tensor_parallel_axes(stage, mesh, [k for k, r in roles.items() if r == "tp"], where)
+    dp_axes = tuple(k for k, r in roles.items() if r == "dp")
+    for name, info in stage.params.items():
+        placement = parse_placement(info["placement"], f"stages[{i}].params.{name}")
+        split = [k for k in dp_axes if not isinstance(placement[k], Replicate)]
+        if split:
+            raise _not_expressible(f"param {name} is {info['placement']}, split over data-parallel axis {split[0]}; "
+                                   f"Megatron replicates weights across data-parallel ranks (its distributed "
+                                   f"optimizer shards only optimizer state)", where)
+    sequence_parallel = bool(tp_axes) and _sequence_parallel(plan, i, stage, tp_axes[0])
+    return _StageRoles(dp_axes, tp_axes, sequence_parallel)
+
+
+def _layer_counts(plan: Plan) -> list[int]:
+    counts = []
+    previous = None
+    for i, stage in enumerate(plan.stages):
+        first, last = stage.graph_layers
+        if not (isinstance(first, int) and isinstance(last, int)):
+            raise _not_expressible("the graph's ops carry no integer layer tags; Megatron assigns whole transformer "
+                                   "layers to pipeline stages", f"stage {i}", "tag ops with their layer (the model "
+                                   "zoo does)")
+        if previous is not None and first != previous + 1:
+            cause = (f"stages {i - 1} and {i} both hold part of graph layer {first}" if first <= previous else
+                     f"stage {i} starts at graph layer {first} but stage {i - 1} ends at {previous}")
+            raise _not_expressible(f"{cause}; Megatron cuts pipelines between whole transformer layers", f"stage {i}")
+        counts.append(last - first + 1)
+        previous = last
+    return counts
+
+
+def _uneven_ends(counts: Sequence[int]) -> tuple[int | None, int | None]:
+    """Megatron's --decoder-first/last-pipeline-num-layers for these per-stage layer counts (None: even)."""
+    if len(set(counts)) == 1:
+        return None, None
+    if len(counts) == 2:
+        return counts[0], None  # the last stage takes the rest
+    middle = counts[1:-1]
+    if len(set(middle)) > 1:
+        k = next(j for j in range(2, len(counts) - 1) if counts[j] != counts[1])
+        raise _not_expressible(f"stage {k} holds {counts[k]} transformer layers but stage 1 holds {counts[1]}; "
+                               f"Megatron splits layers evenly (only the first and last stage may differ)",
+                               f"stage {k}")
+    m = middle[0]
+    return (counts[0] if counts[0] != m else None), (counts[-1] if counts[-1] != m else None)
+
+
+def megatron_config(plan: Plan) -> dict[str, Any]:
+    """Megatron-LM's numbers for `plan` (tp, pp, dp, micro/global batch, microbatches, layers, sequence
+    parallelism, distributed optimizer), or NotExpressibleError naming what its uniform form cannot hold."""
+    if not plan.stages:
+        raise InstanceError("the plan has no stages", "stages")
+    if plan.batch_dim is None:
+        raise _not_expressible("the plan names no batch dim", "batch_dim", "re-solve with a graph that sets batch_dim")
+    head = plan.stages[0]
+    for i, stage in enumerate(plan.stages[1:], start=1):
+        if stage.logical_mesh != head.logical_mesh:
+            raise _not_expressible(f"stage {i} uses logical mesh {tuple(stage.logical_mesh)} but stage 0 uses "
+                                   f"{tuple(head.logical_mesh)}", f"stage {i}",
+                                   "Megatron runs every pipeline stage on the same (tp, dp) grid")
+        if stage.submesh != head.submesh:
+            raise _not_expressible(f"stage {i} runs on submesh {tuple(stage.submesh)} but stage 0 on "
+                                   f"{tuple(head.submesh)}", f"stage {i}")
+    roles = [_stage_roles(plan, i, stage) for i, stage in enumerate(plan.stages)]
+    for i, r in enumerate(roles[1:], start=1):
+        if (r.dp_axes, r.tp_axes) != (roles[0].dp_axes, roles[0].tp_axes):
+            raise _not_expressible(f"stage {i} uses data-parallel axes {list(r.dp_axes)} and tensor-parallel axes "
+                                   f"{list(r.tp_axes)} but stage 0 uses {list(roles[0].dp_axes)} and "
+                                   f"{list(roles[0].tp_axes)}", f"stage {i}")
+        if r.sequence_parallel != roles[0].sequence_parallel:
+            on, off = (i, 0) if r.sequence_parallel else (0, i)
+            raise _not_expressible(f"stage {on} splits its norms along the sequence but stage {off} does not; "
+                                   f"--sequence-parallel holds for every stage", f"stage {i}")
+    mesh = head.logical_mesh
+    tp = math.prod(mesh[k] for k in roles[0].tp_axes)
+    dp = math.prod(mesh[k] for k in roles[0].dp_axes)
+    size = tp * dp
+    for i, stage in enumerate(plan.stages):
+        expected = list(range(i * size, (i + 1) * size))
+        if list(stage.devices) != expected:
+            raise _not_expressible(f"stage {i} runs on devices {_span(stage.devices)} but Megatron's pipeline rank {i} "
+                                   f"holds global ranks {_span(expected)}", f"stage {i}",
+                                   "launch ranks in the plan's device order")
+    if plan.microbatch_size % dp:
+        raise _not_expressible(f"a microbatch of {plan.microbatch_size} samples does not split over {dp} "
+                               f"data-parallel ranks", "microbatch_size")
+    counts = _layer_counts(plan)
+    first, last = _uneven_ends(counts)
+    zero = any(k in roles[0].dp_axes for s in plan.stages for info in s.params.values()
+               for k in info.get("zero_axes", ()))
+    return {"tp": tp, "pp": len(plan.stages), "dp": dp,
+            "micro_batch_size": plan.microbatch_size // dp,
+            "global_batch_size": plan.microbatch_size * plan.num_microbatches,
+            "num_microbatches": plan.num_microbatches,
+            "num_layers": sum(counts), "layers_per_stage": counts,
+            "first_stage_layers": first, "last_stage_layers": last,
+            "sequence_parallel": roles[0].sequence_parallel and tp > 1,
+            "distributed_optimizer": zero}
+
+
+def _span(ids: Sequence[int]) -> str:
+    ids = list(ids)
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return f"{ids[0]}–{ids[-1]}"
+    return str(ids)
+
+
+def to_megatron(plan: Plan) -> list[str]:
+    """Megatron-LM command-line arguments for `plan` (see `megatron_config` for when it raises)."""
+    c = megatron_config(plan)
+    args = ["--tensor-model-parallel-size", str(c["tp"]), "--pipeline-model-parallel-size", str(c["pp"]),
+            "--num-layers", str(c["num_layers"])]
+    if c["first_stage_layers"] is not None:
+        args += ["--decoder-first-pipeline-num-layers", str(c["first_stage_layers"])]
+    if c["last_stage_layers"] is not None:
+        args += ["--decoder-last-pipeline-num-layers", str(c["last_stage_layers"])]
+    args += ["--micro-batch-size", str(c["micro_batch_size"]), "--global-batch-size", str(c["global_batch_size"])]
+    if c["sequence_parallel"]:
+        args.append("--sequence-parallel")
+    if c["distributed_optimizer"]:
+        args.append("--use-distributed-optimizer")
+    return args
+
+
+# ---------------------------------------------------------------- the CLI's text
+
+def export(plan: Plan, target: str) -> str:
+    """The text `partopt export` prints: JSON for jax/dtensor, one shell-quoted argument line for megatron."""
+    if target == "jax":
+        return json.dumps(to_jax(plan), indent=1)
+    if target == "dtensor":
+        return json.dumps(to_dtensor(plan), indent=1)
+    if target == "megatron":
+        return shlex.join(to_megatron(plan))
+    raise PartoptError(f"unknown export target {target!r}", "export", f"targets: {', '.join(TARGETS)}")

@@ -1,0 +1,338 @@
+"""Exports: JAX PartitionSpecs, DTensor placements and Megatron-LM arguments, on hand-made plans with
+answers derived by hand and on real solves checked for consistency."""
+
+import json
+import math
+import shlex
+from pathlib import Path
+
+import pytest
+
+from partopt import export as ex
+from partopt.cluster import preset
+from partopt.errors import InstanceError, PartoptError
+from partopt.inter import optimize
+from partopt.io import read_graph
+from partopt.models import gpt
+from partopt.plan import Plan, StagePlan
+from partopt.sharding import P, R, Shard, fmt
+
+INSTANCES = Path(__file__).parent.parent / "instances"
+
+
+# ---------------------------------------------------------------- hand-made plans
+
+def op(kind, tensor, axes, inputs, output):
+    return {"kind": kind, "tensor": tensor, "axes": list(axes), "inputs": list(inputs), "output": output}
+
+
+def stage(mesh, devices, ops, params, graph_layers=(0, 0)):
+    return StagePlan(layers=[0, 0], graph_layers=list(graph_layers), submesh=[1, len(devices)],
+                     logical_mesh=list(mesh), devices=list(devices), stage_time_s=1.0, forward_s=0.3,
+                     send_time_s=0.0, sync_time_s=0.0, memory_bytes=0.0, inflight_microbatches=1,
+                     breakdown={}, ops=ops, params=params)
+
+
+def plan(stages, tensors, microbatch_size=16, num_microbatches=8):
+    return Plan(graph="hand", cluster="test", nodes=1, devices_per_node=8, iteration_time_s=1.0,
+                num_microbatches=num_microbatches, microbatch_size=microbatch_size, stages=stages,
+                memory_peak_bytes=0.0, throughput={}, solver={}, batch_dim="b", tensors=tensors)
+
+
+def tensor(dims, shape, role="activation"):
+    return {"dims": list(dims), "shape": list(shape), "role": role}
+
+
+# A pre-norm MLP block x[b,s,h] -> ln -> fc1 (h->f) -> gelu -> fc2 (f->h); b=16 per microbatch.
+MLP_TENSORS = {
+    "x": tensor("bsh", [16, 8, 64], "input"),
+    "ln.scale": tensor("h", [64], "param"),
+    "w1": tensor("hf", [64, 256], "param"),
+    "w2": tensor("fh", [256, 64], "param"),
+    "ln": tensor("bsh", [16, 8, 64]),
+    "h1": tensor("bsf", [16, 8, 256]),
+    "a1": tensor("bsf", [16, 8, 256]),
+    "y": tensor("bsh", [16, 8, 64]),
+}
+
+
+def data_parallel_stage(devices=range(8), zero=()):
+    """Mesh (8, 1): every op splits the batch dim over axis 0; weights replicated."""
+    ops = {
+        "ln": op("layernorm", "ln", ["b", None], ["[S(b), R]", "[R, R]"], "[S(b), R]"),
+        "fc1": op("einsum", "h1", ["b", None], ["[S(b), R]", "[R, R]"], "[S(b), R]"),
+        "gelu": op("elementwise", "a1", ["b", None], ["[S(b), R]"], "[S(b), R]"),
+        "fc2": op("einsum", "y", ["b", None], ["[S(b), R]", "[R, R]"], "[S(b), R]"),
+    }
+    params = {p: {"placement": "[R, R]", "zero_axes": list(zero)} for p in ("ln.scale", "w1", "w2")}
+    return stage((8, 1), devices, ops, params)
+
+
+def megatron_stage(mesh=(2, 4), norm_axes=("b", "s"), norm_scale="[R, R]", devices=range(8), graph_layers=(0, 0)):
+    """Axis 0 data parallel, axis 1 Megatron's column (fc1 splits f) then row (fc2 contracts f) MLP;
+    the norm splits the sequence over axis 1 (sequence parallelism) unless told otherwise."""
+    norm_out = fmt(tuple(Shard(d) if d else R for d in norm_axes))
+    ops = {
+        "ln": op("layernorm", "ln", norm_axes, [norm_out, norm_scale], norm_out),
+        "fc1": op("einsum", "h1", ["b", "f"], ["[S(b), R]", "[R, S(f)]"], "[S(b), S(f)]"),
+        "gelu": op("elementwise", "a1", ["b", "f"], ["[S(b), S(f)]"], "[S(b), S(f)]"),
+        "fc2": op("einsum", "y", ["b", "f"], ["[S(b), S(f)]", "[R, S(f)]"], "[S(b), P]"),
+    }
+    params = {"ln.scale": {"placement": norm_scale, "zero_axes": [0]},
+              "w1": {"placement": "[R, S(f)]", "zero_axes": [0]},
+              "w2": {"placement": "[R, S(f)]", "zero_axes": [0]}}
+    return stage(mesh, devices, ops, params, graph_layers)
+
+
+def test_placement_text_parses_back_to_what_fmt_printed():
+    for placement in [(Shard("b"), R), (P, Shard("h")), (R, R), (Shard("h"), Shard("h"))]:
+        assert ex.parse_placement(fmt(placement)) == placement
+    for bad in ["S(b), R", "[S(b) R]", "[X, R]", "[S(), R]"]:
+        with pytest.raises(InstanceError, match="malformed placement"):
+            ex.parse_placement(bad, "ops.fc1")
+
+
+def test_jax_spec_of_a_bh_tensor_by_hand():
+    # [S(b), S(h)]: b over x, h over y. [S(h), S(h)]: h over both, x the major split; b whole.
+    both = ex.TensorPlacement("t", "activation", ("b", "h"), (16, 64), (Shard("b"), Shard("h")))
+    assert ex.jax_spec(both) == ["x", "y"]
+    assert ex.jax_spec_text(ex.jax_spec(both)) == "PartitionSpec('x', 'y')"
+    h_twice = ex.TensorPlacement("t", "activation", ("b", "h"), (16, 64), (Shard("h"), Shard("h")))
+    assert ex.jax_spec(h_twice) == [None, ["x", "y"]]
+    assert ex.jax_spec_text(ex.jax_spec(h_twice)) == "PartitionSpec(None, ('x', 'y'))"
+    # DTensor: one placement per MESH dim, Shard holding the tensor dim's index
+    assert ex.dtensor_text(ex.dtensor_placements(both)) == "[Shard(0), Shard(1)]"
+    assert ex.dtensor_text(ex.dtensor_placements(h_twice)) == "[Shard(1), Shard(1)]"
+
+
+def test_partial_outputs_have_no_partition_spec_only_a_pending_reduction():
+    jax = ex.to_jax(plan([megatron_stage()], MLP_TENSORS))["stages"][0]
+    y = jax["activations"]["y"]  # fc2's output [S(b), P]: a pending sum over y
+    assert y["spec"] is None and y["text"] is None
+    assert y["pending_reduction"] == {"axes": ["y"], "spec": ["x", None, None], "text": "PartitionSpec('x', None, None)"}
+    assert "pending_reduction" not in jax["activations"]["h1"]
+    dt = ex.to_dtensor(plan([megatron_stage()], MLP_TENSORS))["stages"][0]
+    assert dt["activations"]["y"]["text"] == "[Shard(0), Partial()]"
+    assert dt["activations"]["h1"]["text"] == "[Shard(0), Shard(2)]"  # h1[b, s, f]: f is dim 2
+
+
+def test_meshes_name_their_axes_and_lay_devices_out_row_major():
+    data = ex.to_jax(plan([megatron_stage(devices=range(8, 16))], MLP_TENSORS))["stages"][0]["mesh"]
+    assert data == {"axis_names": ["x", "y"], "shape": [2, 4], "devices": [[8, 9, 10, 11], [12, 13, 14, 15]]}
+    mesh = ex.to_dtensor(plan([megatron_stage(devices=range(8, 16))], MLP_TENSORS))["stages"][0]["device_mesh"]
+    assert mesh["mesh"] == [[8, 9, 10, 11], [12, 13, 14, 15]] and mesh["mesh_dim_names"] == ["x", "y"]
+
+
+def test_optimizer_state_takes_the_zero_axes_on_the_first_dim_they_divide():
+    # w1[h=64, f=256] as [R, S(f)] with ZeRO over axis 0 (size 2): h (64 % 2 == 0) takes x.
+    w1 = ex.TensorPlacement("w1", "param", ("h", "f"), (64, 256), (R, Shard("f")), (0,))
+    assert ex.optimizer_placement(w1, (2, 4)) == ((Shard("h"), Shard("f")), ())
+    # b1[f=256] as [R, S(f)]: f is split by the later axis 1, so x cannot go inside it: flat.
+    b1 = ex.TensorPlacement("b1", "param", ("f",), (256,), (R, Shard("f")), (0,))
+    assert ex.optimizer_placement(b1, (2, 4)) == ((R, Shard("f")), (0,))
+    # s[h=8] as [S(h), R], ZeRO over axis 1 (size 2): local h = 4, divisible: h over (x, y).
+    s = ex.TensorPlacement("s", "param", ("h",), (8,), (Shard("h"), R), (1,))
+    assert ex.optimizer_placement(s, (2, 2)) == ((Shard("h"), Shard("h")), ())
+    # v[h=6] as [S(h), R], ZeRO over axis 1 (size 4): local h = 3, not divisible by 4: flat.
+    v = ex.TensorPlacement("v", "param", ("h",), (6,), (Shard("h"), R), (1,))
+    assert ex.optimizer_placement(v, (2, 4)) == ((Shard("h"), R), (1,))
+    jax = ex.to_jax(plan([megatron_stage()], MLP_TENSORS))["stages"][0]["params"]
+    assert jax["w1"]["optimizer_state"]["text"] == "PartitionSpec('x', 'y')"
+    dt = ex.to_dtensor(plan([megatron_stage()], MLP_TENSORS))["stages"][0]["params"]
+    assert dt["w1"]["optimizer_state"]["text"] == "[Shard(0), Shard(1)]"
+
+
+def test_pure_data_parallel_plan_is_megatron_tp1_pp1_dp8():
+    p = plan([data_parallel_stage()], MLP_TENSORS, microbatch_size=16, num_microbatches=8)
+    c = ex.megatron_config(p)
+    assert (c["tp"], c["pp"], c["dp"]) == (1, 1, 8)
+    assert c["micro_batch_size"] == 16 // 8  # Megatron's is per data-parallel rank
+    assert c["global_batch_size"] == 16 * 8 and c["num_microbatches"] == 8
+    assert not c["sequence_parallel"] and not c["distributed_optimizer"]
+    assert ex.to_megatron(p) == ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                                 "--num-layers", "1", "--micro-batch-size", "2", "--global-batch-size", "128"]
+    zero = plan([data_parallel_stage(zero=[0])], MLP_TENSORS)
+    assert ex.megatron_config(zero)["distributed_optimizer"]
+    assert ex.to_megatron(zero)[-1] == "--use-distributed-optimizer"
+
+
+def test_column_then_row_plan_is_megatron_tensor_parallel_with_sequence_parallelism():
+    c = ex.megatron_config(plan([megatron_stage()], MLP_TENSORS, microbatch_size=16, num_microbatches=4))
+    assert (c["tp"], c["dp"], c["pp"], c["micro_batch_size"], c["global_batch_size"]) == (4, 2, 1, 8, 64)
+    assert c["sequence_parallel"] and c["distributed_optimizer"]
+    # the norm replicated over the tensor-parallel axis: no sequence parallelism
+    plain = ex.megatron_config(plan([megatron_stage(norm_axes=("b", None))], MLP_TENSORS))
+    assert plain["tp"] == 4 and not plain["sequence_parallel"]
+    # (4, 2) mesh: tp on axis 1 of size 2
+    assert ex.megatron_config(plan([megatron_stage(mesh=(4, 2))], MLP_TENSORS))["tp"] == 2
+
+
+def test_norm_split_on_its_feature_dim_is_not_expressible():
+    bad = plan([megatron_stage(norm_axes=("b", "h"), norm_scale="[R, S(h)]")], MLP_TENSORS)
+    with pytest.raises(ex.NotExpressibleError, match="op ln splits its feature dim h over the tensor-parallel axis 1"):
+        ex.megatron_config(bad)
+
+
+def test_stages_on_different_meshes_are_not_expressible_and_both_are_named():
+    first = megatron_stage(mesh=(1, 8), devices=range(8), graph_layers=(0, 0))
+    second = megatron_stage(mesh=(2, 4), devices=range(8, 16), graph_layers=(1, 1))
+    with pytest.raises(ex.NotExpressibleError) as err:
+        ex.megatron_config(plan([first, second], MLP_TENSORS))
+    assert "stage 1 uses logical mesh (2, 4) but stage 0 uses (1, 8)" in err.value.line()
+
+
+def test_an_axis_mixing_batch_and_model_splits_names_both_ops():
+    s = megatron_stage()
+    s.ops["gelu"]["axes"] = ["b", "b"]  # gelu splits the batch over the tensor-parallel axis
+    with pytest.raises(ex.NotExpressibleError, match="axis 1 mixes data and tensor parallelism: op ln splits s "
+                                                     "over it, op gelu splits the batch dim b"):
+        ex.megatron_config(plan([s], MLP_TENSORS))
+
+
+def test_other_shapes_megatron_cannot_hold():
+    strided = megatron_stage(mesh=(4, 2))
+    for info in strided.ops.values():  # tensor parallel on axis 0 (devices 2 apart), data parallel on axis 1
+        info["axes"] = info["axes"][::-1]
+    with pytest.raises(ex.NotExpressibleError, match="tensor parallelism runs over axis 0, whose devices are 2 apart"):
+        ex.megatron_config(plan([strided], MLP_TENSORS))
+    weights_split = data_parallel_stage()
+    weights_split.params["w1"]["placement"] = "[S(f), R]"
+    with pytest.raises(ex.NotExpressibleError, match="param w1 is \\[S\\(f\\), R\\], split over data-parallel axis 0"):
+        ex.megatron_config(plan([weights_split], MLP_TENSORS))
+    with pytest.raises(ex.NotExpressibleError, match="microbatch of 12 samples does not split over 8"):
+        ex.megatron_config(plan([data_parallel_stage()], MLP_TENSORS, microbatch_size=12))
+    idle = data_parallel_stage()
+    idle.ops["gelu"]["axes"] = [None, None]
+    with pytest.raises(ex.NotExpressibleError, match="op gelu runs replicated over data-parallel axis 0"):
+        ex.megatron_config(plan([idle], MLP_TENSORS))
+
+
+def test_pipeline_layers_even_or_uneven_only_at_the_ends():
+    def pipeline(*counts):
+        stages, first = [], 0
+        for i, n in enumerate(counts):
+            stages.append(megatron_stage(devices=range(8 * i, 8 * i + 8), graph_layers=(first, first + n - 1)))
+            first += n
+        return plan(stages, MLP_TENSORS)
+
+    even = ex.megatron_config(pipeline(4, 4, 4))
+    assert (even["pp"], even["num_layers"], even["first_stage_layers"], even["last_stage_layers"]) == (3, 12, None, None)
+    ends = pipeline(5, 6, 6, 4)
+    c = ex.megatron_config(ends)
+    assert (c["num_layers"], c["first_stage_layers"], c["last_stage_layers"]) == (21, 5, 4)
+    args = ex.to_megatron(ends)
+    assert args[args.index("--decoder-first-pipeline-num-layers") + 1] == "5"
+    assert args[args.index("--decoder-last-pipeline-num-layers") + 1] == "4"
+    two = ex.megatron_config(pipeline(3, 5))  # the last stage takes what the first leaves
+    assert (two["first_stage_layers"], two["last_stage_layers"]) == (3, None)
+    with pytest.raises(ex.NotExpressibleError, match="stage 2 holds 7 transformer layers but stage 1 holds 6"):
+        ex.megatron_config(pipeline(5, 6, 7, 6))
+    misplaced = pipeline(4, 4)
+    misplaced.stages[1].devices = list(range(16, 24))
+    with pytest.raises(ex.NotExpressibleError, match="stage 1 runs on devices 16–23 but Megatron's pipeline rank 1 "
+                                                     "holds global ranks 8–15"):
+        ex.megatron_config(misplaced)
+
+
+def test_export_text_per_target_and_unknown_target():
+    p = plan([megatron_stage()], MLP_TENSORS)
+    assert json.loads(ex.export(p, "jax")) == ex.to_jax(p)
+    assert json.loads(ex.export(p, "dtensor")) == ex.to_dtensor(p)
+    assert shlex.split(ex.export(p, "megatron")) == ex.to_megatron(p)
+    with pytest.raises(PartoptError, match="unknown export target 'xla'.*jax, dtensor, megatron"):
+        ex.export(p, "xla")
+
+
+def test_a_plan_naming_an_unknown_tensor_or_dim_is_an_instance_error():
+    missing = megatron_stage()
+    missing.ops["fc1"]["tensor"] = "nowhere"
+    with pytest.raises(InstanceError, match="tensor 'nowhere' is missing"):
+        ex.to_jax(plan([missing], MLP_TENSORS))
+    wrong_dim = megatron_stage()
+    wrong_dim.params["w1"]["placement"] = "[R, S(s)]"
+    with pytest.raises(InstanceError, match="splits 's', which 'w1'"):
+        ex.to_dtensor(plan([wrong_dim], MLP_TENSORS))
+
+
+# ---------------------------------------------------------------- real solves: consistency
+
+SMALL_GPT = {"hidden": 1024, "layers": 2, "heads": 16, "seq": 512, "vocab": 4096, "batch": 32}
+
+
+@pytest.fixture(scope="module")
+def solved():
+    """Small real plans: a 2-layer GPT pipelined on (2, 2) meshes, and an MLP sharded over 8 devices."""
+    cluster = preset("p3.16xlarge", 1)
+    graph = gpt(**SMALL_GPT)
+    pipelined = optimize(graph, cluster, microbatches=2, layers=2, logical_shapes=[(2, 2)])
+    mlp = read_graph(INSTANCES / "mlp-2layer.json")
+    sharded = optimize(mlp, cluster, intra_only=True)
+    return [(graph, pipelined), (mlp, sharded)]
+
+
+def assert_valid(t_dims, t_shape, per_dim_axes, mesh):
+    for dim, size, axes in zip(t_dims, t_shape, per_dim_axes):
+        assert size % math.prod(mesh[k] for k in axes) == 0, (dim, size, axes)
+
+
+def test_every_parameter_is_exported_with_a_placement_valid_for_its_shape(solved):
+    for graph, p in solved:
+        jax, dt = ex.to_jax(p), ex.to_dtensor(p)
+        assert set().union(*(s["params"] for s in jax["stages"])) == {t.name for t in graph.params}
+        assert set().union(*(s["params"] for s in dt["stages"])) == {t.name for t in graph.params}
+        for i, (js, ds) in enumerate(zip(jax["stages"], dt["stages"])):
+            mesh = js["mesh"]["shape"]
+            assert mesh == list(p.stages[i].logical_mesh) == ds["device_mesh"]["shape"]
+            assert sorted(d for row in js["mesh"]["devices"] for d in row) == sorted(p.stages[i].devices)
+            for kind in ("params", "activations"):
+                assert set(js[kind]) == set(ds[kind])
+                for name, entry in js[kind].items():
+                    dims, shape = p.tensors[name]["dims"], p.tensors[name]["shape"]
+                    spec = entry["spec"] if entry["spec"] is not None else entry["pending_reduction"]["spec"]
+                    assert len(spec) == len(dims)  # one JAX entry per TENSOR dim
+                    names = [[] if e is None else [e] if isinstance(e, str) else e for e in spec]
+                    per_dim = [[ex.AXIS_NAMES.index(n) for n in ns] for ns in names]
+                    assert_valid(dims, shape, per_dim, mesh)
+                    placements = ds[kind][name]["placements"]
+                    assert len(placements) == len(mesh)  # one DTensor placement per MESH dim
+                    for k, pl in enumerate(placements):  # the two exports agree axis by axis
+                        if pl["type"] == "Shard":
+                            assert 0 <= pl["dim"] < len(dims) and k in per_dim[pl["dim"]]
+                        else:
+                            assert all(k not in axes for axes in per_dim)
+                        assert (pl["type"] == "Partial") == (ex.AXIS_NAMES[k] in
+                                                             (entry.get("pending_reduction") or {}).get("axes", []))
+                    if "optimizer_state" in entry:
+                        opt = entry["optimizer_state"]["spec"]
+                        opt_axes = [[] if e is None else [e] if isinstance(e, str) else e for e in opt]
+                        assert_valid(dims, shape, [[ex.AXIS_NAMES.index(n) for n in ns] for ns in opt_axes], mesh)
+
+
+def assert_megatron_consistent(p):
+    try:
+        c = ex.megatron_config(p)
+    except ex.NotExpressibleError as err:
+        assert "\n" not in err.line()
+        return None
+    devices = sum(len(s.devices) for s in p.stages)
+    assert c["tp"] * c["dp"] * c["pp"] == devices
+    assert c["pp"] == len(p.stages)
+    assert c["micro_batch_size"] * c["dp"] == p.microbatch_size
+    assert c["global_batch_size"] == c["micro_batch_size"] * c["dp"] * c["num_microbatches"]
+    assert sum(c["layers_per_stage"]) == c["num_layers"]
+    return c
+
+
+def test_megatron_numbers_are_consistent_with_real_plans(solved):
+    for _, p in solved:
+        assert_megatron_consistent(p)
+
+
+def test_data_parallel_only_solves_export_as_pure_data_parallelism():
+    cluster = preset("p3.16xlarge", 1)
+    graph = gpt(**SMALL_GPT)
+    p = optimize(graph, cluster, microbatches=2, layers=2, data_parallel_only=True)
+    c = assert_megatron_consistent(p)
+    devices = len(p.stages[0].devices)
+    assert c is not None and c["tp"] == 1 and c["dp"] == devices
+    assert c["global_batch_size"] == SMALL_GPT["batch"] and c["num_layers"] == SMALL_GPT["layers"]
