@@ -69,6 +69,20 @@ def _mesh(stage: StagePlan, where: str) -> tuple[int, ...]:
     return shape
 
 
+OP_FIELDS = ("kind", "tensor", "axes", "inputs", "output")
+
+
+def _check_ops(stage: StagePlan, ndims: int, where: str) -> None:
+    """InstanceError unless every op records the fields exporters read, with one axis entry per mesh axis."""
+    for op, info in stage.ops.items():
+        missing = [f for f in OP_FIELDS if f not in info]
+        if missing:
+            raise InstanceError(f"op {op} lacks {', '.join(missing)}", f"{where}.ops.{op}", "compare with docs/FORMAT.md")
+        if len(info["axes"]) != ndims:
+            raise InstanceError(f"op {op} has {len(info['axes'])} axis entries for a {ndims}-axis mesh",
+                                f"{where}.ops.{op}.axes")
+
+
 def _tensor_info(plan: Plan, name: str, where: str) -> dict[str, Any]:
     info = plan.tensors.get(name)
     if info is None:
@@ -95,6 +109,7 @@ def stage_tensors(plan: Plan, index: int) -> Iterator[TensorPlacement]:
     stage = plan.stages[index]
     where = f"stages[{index}]"
     ndims = len(_mesh(stage, where))
+    _check_ops(stage, ndims, where)
     for name, info in stage.params.items():
         yield _resolve(plan, name, "param", info["placement"], f"{where}.params.{name}", ndims, info.get("zero_axes", ()))
     for op, info in stage.ops.items():
@@ -116,6 +131,9 @@ def optimizer_placement(t: TensorPlacement, mesh: Sequence[int]) -> tuple[Placem
     placement = list(t.placement)
     flat = []
     for axis in t.zero_axes:
+        if not 0 <= axis < len(mesh):
+            raise InstanceError(f"optimizer state of {t.name!r} is sharded over axis {axis}, which the "
+                                f"{len(mesh)}-axis mesh lacks", "zero_axes")
         if not isinstance(placement[axis], Replicate):
             raise InstanceError(f"optimizer state of {t.name!r} is sharded over axis {axis}, where the parameter "
                                 f"is {placement[axis]}, not replicated", "zero_axes")
@@ -328,6 +346,7 @@ def _stage_roles(plan: Plan, i: int, stage: StagePlan) -> _StageRoles:
     """Which mesh axes are data parallel and which tensor parallel, checked against Megatron's rules."""
     where = f"stage {i}"
     mesh = _mesh(stage, f"stages[{i}]")
+    _check_ops(stage, len(mesh), f"stages[{i}]")
     for op, info in stage.ops.items():
         if info["kind"] in UNSUPPORTED_BY_MEGATRON:
             raise _not_expressible(f"op {op} is a {info['kind']}: Megatron-LM trains transformers, without "

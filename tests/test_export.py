@@ -252,6 +252,10 @@ def test_a_plan_naming_an_unknown_tensor_or_dim_is_an_instance_error():
     wrong_dim.params["w1"]["placement"] = "[R, S(s)]"
     with pytest.raises(InstanceError, match="splits 's', which 'w1'"):
         ex.to_dtensor(plan([wrong_dim], MLP_TENSORS))
+    short = megatron_stage()
+    short.ops["gelu"]["axes"] = ["b"]
+    with pytest.raises(InstanceError, match="op gelu has 1 axis entries for a 2-axis mesh"):
+        ex.megatron_config(plan([short], MLP_TENSORS))
 
 
 # ---------------------------------------------------------------- real solves: consistency
