@@ -22,6 +22,7 @@ AXIS_NAMES = ("x", "y")
 TARGETS = ("jax", "dtensor", "megatron")
 NORM_KINDS = ("layernorm", "rmsnorm")
 UNSUPPORTED_BY_MEGATRON = ("conv2d", "pool")  # Megatron-LM trains transformers
+OP_FIELDS = ("kind", "tensor", "axes", "inputs", "output")  # what exporters read of a plan's op
 
 
 class NotExpressibleError(PartoptError):
@@ -67,9 +68,6 @@ def _mesh(stage: StagePlan, where: str) -> tuple[int, ...]:
     if len(stage.devices) != shape[0] * shape[1]:
         raise InstanceError(f"{len(stage.devices)} devices for a {shape[0]} x {shape[1]} mesh", f"{where}.devices")
     return shape
-
-
-OP_FIELDS = ("kind", "tensor", "axes", "inputs", "output")
 
 
 def _check_ops(stage: StagePlan, ndims: int, where: str) -> None:
@@ -133,10 +131,10 @@ def optimizer_placement(t: TensorPlacement, mesh: Sequence[int]) -> tuple[Placem
     for axis in t.zero_axes:
         if not 0 <= axis < len(mesh):
             raise InstanceError(f"optimizer state of {t.name!r} is sharded over axis {axis}, which the "
-                                f"{len(mesh)}-axis mesh lacks", "zero_axes")
+                                f"{len(mesh)}-axis mesh lacks", f"params.{t.name}.zero_axes")
         if not isinstance(placement[axis], Replicate):
             raise InstanceError(f"optimizer state of {t.name!r} is sharded over axis {axis}, where the parameter "
-                                f"is {placement[axis]}, not replicated", "zero_axes")
+                                f"is {placement[axis]}, not replicated", f"params.{t.name}.zero_axes")
         for i, d in enumerate(t.dims):
             splits = [k for k, p in enumerate(placement) if p == Shard(d)]
             local = t.shape[i] // max(1, math.prod(mesh[k] for k in splits))
