@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from partopt import costmodel, ilp
+from partopt import costmodel, gradients, ilp
 from partopt.cluster import LogicalMesh
 from partopt.errors import InfeasibleError
 from partopt.graph import Graph, Op
@@ -67,6 +67,7 @@ class Use:
     dst: int
     slot: int
     param: bool
+    gradient: bool = True  # False: the gradient travels through the tensor's gradient-sum node
 
 
 @dataclass
@@ -82,6 +83,7 @@ class StageModel:
     costs: ilp.CostGraph
     microbatches: int
     inflight: int
+    flows: list[gradients.Flow] = field(default_factory=list)  # gradients into and out of sum nodes
 
 
 def _is_float(graph: Graph, tensor: str) -> bool:
@@ -103,7 +105,7 @@ def _use_collectives(model_graph: Graph, use: Use, src_strategy, dst_strategy: S
         return per_mb, per_it
     out: Placement = src_strategy.output
     per_mb = reshard_collectives(out, required, nbytes, mesh)
-    if differentiable:
+    if differentiable and use.gradient:
         per_mb = per_mb + reshard_collectives(grad, as_gradient_target(out), nbytes, mesh)
     return per_mb, []
 
@@ -202,6 +204,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
                 uses.append(Use(tensor, node_of_op[tensor], node_of_op[op.output], slot, False))
             # other stage inputs (data, activations of an earlier stage) arrive in any layout for free
 
+    producer = dict(node_of_op)  # tensor -> the node that makes it inside the stage
     for output, incoming in boundary.items():
         # the layout the next copy of this layer receives, and this layer received: one shared choice
         # dims correspond by position: a layout of the incoming tensor is the same layout of the output
@@ -210,6 +213,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
                                                                     for x in p),), p, 0.0)
                    for p in tensor_placements(graph, incoming, mesh)]
         node = costs.add_node(f"{incoming} ~ {output}", [0.0] * len(options))
+        producer[incoming] = node
         strategies.append(options)
         uses.append(Use(output, node_of_op[output], node, 0, False))
         for op in ops:
@@ -217,10 +221,19 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
                 if tensor == incoming:
                     uses.append(Use(incoming, node, node_of_op[op.output], slot, False))
 
+    sums = gradients.plan(graph, uses, {n: op for n, op in enumerate(ops)}, producer, len(costs), mesh)
+    uses = [dataclasses.replace(u, gradient=False) if i in sums.forward_only else u for i, u in enumerate(uses)]
+    for tensor, options in sums.nodes:
+        costs.add_node(f"gradient of {tensor}", [0.0] * len(options))
+        strategies.append(options)
     for use in uses:
         costs.add_edge(use.src, use.dst, _edge_cost(graph, use, strategies[use.src], strategies[use.dst],
                                                      mesh, microbatches))
-    return StageModel(graph, mesh, ops, params, strategies, uses, costs, microbatches, inflight)
+    for flow in sums.flows:
+        costs.add_edge(flow.src, flow.dst, np.array([[
+            collectives_time(gradients.collectives(graph, flow, a, b, mesh), mesh) for b in strategies[flow.dst]]
+            for a in strategies[flow.src]]))
+    return StageModel(graph, mesh, ops, params, strategies, uses, costs, microbatches, inflight, sums.flows)
 
 
 # ---------------------------------------------------------------- decoding
@@ -312,6 +325,12 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
             breakdown.sync_s[kind] += costmodel.collective_time(kind, size, mesh.axes[axis])
         if not use.param:
             outgoing[use.src].extend(per_mb)
+    for flow in model.flows:
+        steps = gradients.collectives(g, flow, chosen[flow.src], chosen[flow.dst], mesh)
+        for kind, axis, size in steps:
+            breakdown.comm_s[kind] += costmodel.collective_time(kind, size, mesh.axes[axis])
+        if flow.owner is not None:
+            outgoing[flow.owner].extend(steps)
     op_choices = []
     inside = {op.name for op in model.ops}
     for n, op in enumerate(model.ops):
