@@ -11,14 +11,22 @@ its output's gradient sum passes on to its input's sum, renamed, Partial or not.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol
 
 from partopt.cluster import LogicalMesh
 from partopt.graph import Graph, Op
 from partopt.ops import reshape_outer
 from partopt.sharding import (
-    P, R, Placement, Shard, Strategy, as_gradient_target, gradient_placement, reshard_collectives,
+    P,
+    Placement,
+    R,
+    Shard,
+    Strategy,
+    as_gradient_target,
+    gradient_placement,
+    reshard_collectives,
 )
 
 Step = tuple[str, int, float]  # (collective, mesh axis, buffer bytes)

@@ -8,12 +8,12 @@ of docs/COSTMODEL.md: FLOPs of each op over the devices that split it, plus ring
 from pathlib import Path
 
 import pytest
+from test_intra import LAUNCH, PEAK, row_mesh
 
-from partopt import costmodel, intra
+from partopt import intra
 from partopt.io import read_graph
 from partopt.models import bert
 from partopt.sharding import P, R, Shard
-from test_intra import LAUNCH, PEAK, row_mesh
 
 INSTANCES = Path(__file__).parent.parent / "instances"
 BW = 10e9
