@@ -13,14 +13,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from partopt import io, models
+from partopt import evaluate, io, models
 from partopt.cluster import PRESETS, Cluster, Link, preset
 from partopt.costmodel import training_flops
 from partopt.errors import InstanceError, PartoptError
 from partopt.graph import Graph
 from partopt.inter import DEFAULT_MAX_LAYERS, optimize
 from partopt.ops import KINDS, is_matmul
-from partopt.plan import Plan, plan_to_dict, write_plan
+from partopt.plan import Plan, plan_to_dict, read_plan, write_plan
 from partopt.solvers import BACKENDS
 from partopt.units import fmt_bytes, fmt_seconds
 
@@ -287,10 +287,7 @@ def _render_plan(plan: Plan) -> list[Table]:
 def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches: str, layers: int, solver: str,
           time_limit: float, memory_reserve: float, search: str, output: str | None, as_json: bool) -> None:
     """Plan GRAPH on a cluster: pipeline stages, submeshes, logical meshes and per-op shardings."""
-    graph = io.read_graph(graph_file)
-    cluster = load_instance(cluster_source, nodes)
-    if not isinstance(cluster, Cluster):
-        raise InstanceError("--cluster must name a cluster file or preset, not a graph", cluster_source)
+    graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
     if microbatches != "auto" and not microbatches.isdigit():
         raise InstanceError(f"--microbatches must be a positive count or auto, got {microbatches!r}", "--microbatches")
     restrict = {"intra-only": {"intra_only": True}, "inter-only": {"inter_only": True},
@@ -303,6 +300,19 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
                         microbatches=microbatches if microbatches == "auto" else int(microbatches),
                         layers=layers, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
                         **restrict)
+    _emit(plan, output, as_json)
+
+
+def _graph_and_cluster(graph_file: str, cluster_source: str, nodes: int | None) -> tuple[Graph, Cluster]:
+    graph = io.read_graph(graph_file)
+    cluster = load_instance(cluster_source, nodes)
+    if not isinstance(cluster, Cluster):
+        raise InstanceError("--cluster must name a cluster file or preset, not a graph", cluster_source)
+    return graph, cluster
+
+
+def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
+    """Write the plan file if asked, then print it as JSON or as the stage table and totals."""
     if output:
         write_plan(plan, output)
     if as_json:
@@ -313,3 +323,41 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
         out.print(table)
     if output:
         out.print(f"plan written to {output}")
+
+
+# ---------------------------------------------------------------- evaluate
+
+@main.command("evaluate")
+@click.argument("graph_file", metavar="GRAPH")
+@click.option("--cluster", "cluster_source", required=True, help="Cluster file or preset name.")
+@click.option("--nodes", type=click.IntRange(min=1), help="Resize the cluster to this many nodes.")
+@click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="A plan file to price as written.")
+@click.option("--tp", type=click.IntRange(min=1), help="Tensor-parallel degree of a Megatron-style plan.")
+@click.option("--pp", type=click.IntRange(min=1), help="Pipeline stages of a Megatron-style plan.")
+@click.option("--dp", type=click.IntRange(min=1), help="Data-parallel degree of a Megatron-style plan.")
+@click.option("--microbatches", type=click.IntRange(min=1), help="Microbatch count (Megatron-style; default pp).")
+@click.option("--zero", is_flag=True, help="Shard optimizer state over the data-parallel axis (Megatron-style).")
+@click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
+@click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
+              help="Fraction of device memory kept free.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the priced plan file here.")
+@click.option("--json", "as_json", is_flag=True, help="Print exactly the priced plan file to stdout.")
+def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, plan_file: str | None,
+                     tp: int | None, pp: int | None, dp: int | None, microbatches: int | None, zero: bool,
+                     solver: str, memory_reserve: float, output: str | None, as_json: bool) -> None:
+    """Price a plan of GRAPH under the cost model: a plan file (--plan) or a Megatron-style uniform
+    plan (--tp T --pp P --dp D): P equal stages, each on a (D, T) mesh, batch over D."""
+    graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
+    degrees = (tp, pp, dp)
+    if (plan_file is None) == all(d is None for d in degrees) or (plan_file is None and None in degrees):
+        raise InstanceError("give either --plan FILE or all of --tp, --pp and --dp", "partopt evaluate",
+                            "for example --plan plan.json, or --tp 8 --pp 2 --dp 4")
+    if plan_file is not None and (microbatches is not None or zero):
+        raise InstanceError("--microbatches and --zero describe a Megatron-style plan, not a plan file",
+                            "partopt evaluate", "edit the plan file instead")
+    options = {"backend": solver, "memory_reserve": memory_reserve}
+    if plan_file is not None:
+        plan = evaluate.evaluate(graph, cluster, read_plan(plan_file), where=plan_file, **options)
+    else:
+        plan = evaluate.uniform(graph, cluster, tp, pp, dp, microbatches, zero, **options)
+    _emit(plan, output, as_json)

@@ -170,22 +170,20 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, *
                 if progress:
                     progress(done, total_work)
             costs[key] = row
-        t, extra, chosen = _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch, link, budget)
+        t, extra, shapes = _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch, link, budget)
         sizes = [n * m for n, m in submeshes]
         result = stagedp.solve(t, extra, sizes, cluster.num_devices, count)
         if result is None:
             continue
-        # the true iteration time: stages synchronise gradients in parallel, after their last backward
-        syncs = [extra[c.inflight, c.first, c.last, c.submesh] for c in result.stages]
-        lat = [t[c.inflight, c.first, c.last, c.submesh] for c in result.stages]
-        iteration = sum(lat) + (count - 1) * max(lat) + max(syncs)
-        if best is None or iteration < best[0] - 1e-15:
-            best = (iteration, count, result, {"costs": costs, "chosen": chosen, "t": t, "extra": extra})
+        ilp_stats["dp_rounds"] = ilp_stats.get("dp_rounds", 0) + result.rounds
+        if best is None or result.total < best[0] - 1e-15:
+            specs = [StageSpec(c.first, c.last, submeshes[c.submesh], shapes[c.submesh][c.option],
+                               min(c.inflight, count)) for c in result.stages]
+            best = (result.total, count, specs, [costs[(spec.submesh, spec.shape)] for spec in specs])
     if best is None:
         raise _no_plan(graph, cluster, budget)
-    iteration, count, result, tables = best
-    return _assemble(graph, cluster, layering, options, iteration, count, result, tables, submeshes, meshes,
-                     boundary, link, batch, ilp_stats, time.perf_counter() - start)
+    _, count, specs, rows = best
+    return assemble(graph, cluster, layering, options, count, specs, rows, ilp_stats, time.perf_counter() - start)
 
 
 def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, budget: float, options: Options,
@@ -205,41 +203,58 @@ def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, budget: fl
     return LayerCost(b.per_microbatch_s, b.per_iteration_s, b.param_bytes, b.activation_bytes, sharding)
 
 
-def _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch, link, budget):
-    """t[k, i, j, s] and extra[k, i, j, s] for the stage DP, and the logical shape behind each entry.
+@dataclass(frozen=True)
+class StageSpec:
+    """A stage as the plan fixes it: DP layers [first, last], submesh, logical shape, in-flight microbatches."""
 
-    Among a submesh's logical shapes the entry keeps the one with the least latency plus its
-    share of the per-iteration work, among those whose memory fits k in-flight microbatches.
+    first: int
+    last: int
+    submesh: tuple[int, int]
+    shape: tuple[int, int]
+    inflight: int
+
+
+def _group_sums(row: list[LayerCost | None], group: tuple[int, int]) -> tuple[float, float, float, float] | None:
+    """time, sync, parameter bytes and activation bytes of one DP layer's base layers (None if one cannot run)."""
+    parts = row[group[0]:group[1] + 1]
+    if any(c is None for c in parts):
+        return None
+    return (sum(c.time_s for c in parts), sum(c.sync_s for c in parts),
+            sum(c.param_bytes for c in parts), sum(c.activation_bytes for c in parts))
+
+
+def _send(boundary: list[float], last: int, mb: int, batch: int, link) -> float:
+    """Point-to-point time of a stage's boundary activations out and their gradients back, per microbatch."""
+    return 2 * costmodel.p2p_time(boundary[last] * mb / batch, link) if last < len(boundary) - 1 else 0.0
+
+
+def _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch, link, budget):
+    """t[h, k, i, j, s] and extra[h, k, i, j, s] for the stage DP: option h is the submesh's h-th logical shape.
+
+    An entry is inf when the stage's memory does not fit k in-flight microbatches (1F1B).
+    Returns the tables and, per submesh, its shapes in option order.
     """
     L, S = len(layering.groups), len(submeshes)
-    t = np.full((L + 1, L, L, S), np.inf)
-    extra = np.zeros((L + 1, L, L, S))
-    score = np.full((L + 1, L, L, S), np.inf)
-    chosen: dict[tuple, tuple[int, int]] = {}
-    groups = layering.groups
+    shapes = [[shape for (x, shape) in meshes if x == sub] for sub in submeshes]
+    H = max(len(x) for x in shapes)
+    t = np.full((H, L + 1, L, L, S), np.inf)
+    extra = np.zeros((H, L + 1, L, L, S))
     for s, sub in enumerate(submeshes):
-        for shape in [shape for (x, shape) in meshes if x == sub]:
+        for h, shape in enumerate(shapes[s]):
             row = costs[(sub, shape)]
             for i in range(L):
                 time_s = sync_s = params = acts = 0.0
                 for j in range(i, L):
-                    parts = row[groups[j][0]:groups[j][1] + 1]
-                    if any(c is None for c in parts):
+                    sums = _group_sums(row, layering.groups[j])
+                    if sums is None:
                         break
-                    time_s += sum(c.time_s for c in parts)
-                    sync_s += sum(c.sync_s for c in parts)
-                    params += sum(c.param_bytes for c in parts)
-                    acts += sum(c.activation_bytes for c in parts)
-                    send = 2 * costmodel.p2p_time(boundary[j] * mb / batch, link) if j < L - 1 else 0.0
-                    latency = time_s + send
+                    time_s, sync_s, params, acts = time_s + sums[0], sync_s + sums[1], params + sums[2], acts + sums[3]
+                    latency = time_s + _send(boundary, j, mb, batch, link)
                     for k in range(1, L + 1):
                         if params + min(k, count) * acts > budget:
                             break
-                        if latency + sync_s / count < score[k, i, j, s]:
-                            score[k, i, j, s] = latency + sync_s / count
-                            t[k, i, j, s], extra[k, i, j, s] = latency, sync_s
-                            chosen[(k, i, j, s)] = shape
-    return t, extra, chosen
+                        t[h, k, i, j, s], extra[h, k, i, j, s] = latency, sync_s
+    return t, extra, shapes
 
 
 def _no_plan(graph: Graph, cluster: Cluster, budget: float) -> InfeasibleError:
@@ -253,7 +268,7 @@ def _no_plan(graph: Graph, cluster: Cluster, budget: float) -> InfeasibleError:
         "use more nodes (--nodes), a smaller batch, or more microbatches")
 
 
-def _params_of(graph: Graph, ops: Sequence[Op]) -> list[str]:
+def params_of(graph: Graph, ops: Sequence[Op]) -> list[str]:
     """Parameters in order of first use by `ops` (the order `intra.build` gives them nodes)."""
     return list(dict.fromkeys(t for op in ops for t in op.inputs if graph.tensors[t].role == "param"))
 
@@ -262,50 +277,58 @@ def _training_flops(graph: Graph, ops: Sequence[Op] | None = None) -> float:
     return sum(costmodel.training_flops(graph.flops(op), is_matmul(op)) for op in (graph.ops if ops is None else ops))
 
 
-def _assemble(graph, cluster, layering, options, iteration, count, result, tables, submeshes, meshes,
-              boundary, link, batch, ilp_stats, elapsed) -> Plan:
+def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Options, count: int,
+             specs: list[StageSpec], rows: list[list[LayerCost]], ilp_stats: dict, elapsed: float) -> Plan:
+    """The plan of fixed stages, each with its base layers' costs (`rows[i]`, on the stage's mesh).
+
+    Stage latency, memory and the iteration time are summed here, in the same order as the stage
+    DP's table, so a plan evaluated again prices to the same number.
+    """
+    batch = graph.dims[graph.batch_dim]
     mb = batch // count
-    placed = _devices_of(cluster, [submeshes[c.submesh] for c in result.stages])
+    link = cluster.intra_node if cluster.nodes == 1 else cluster.inter_node
+    boundary = _boundary_bytes(graph, layering)
+    placed = _devices_of(cluster, [spec.submesh for spec in specs])
     stages = []
-    t, extra, chosen, costs = tables["t"], tables["extra"], tables["chosen"], tables["costs"]
-    for c, devices in zip(result.stages, placed):
-        sub = submeshes[c.submesh]
-        shape = chosen[(c.inflight, c.first, c.last, c.submesh)]
-        row = costs[(sub, shape)]
-        first, last = layering.groups[c.first][0], layering.groups[c.last][1]
-        parts = [row[b] for b in range(first, last + 1)]
-        inflight = min(c.inflight, count)
-        params = sum(p.param_bytes for p in parts)
-        acts = sum(p.activation_bytes for p in parts)
+    for spec, row, devices in zip(specs, rows, placed):
+        time_s = sync_s = params = acts = 0.0
+        for j in range(spec.first, spec.last + 1):
+            sums = _group_sums(row, layering.groups[j])
+            time_s, sync_s, params, acts = time_s + sums[0], sync_s + sums[1], params + sums[2], acts + sums[3]
+        send = _send(boundary, spec.last, mb, batch, link)
+        first, last = layering.groups[spec.first][0], layering.groups[spec.last][1]
         comm: dict[str, float] = {}
         sync: dict[str, float] = {}
         ops, param_info = {}, {}
-        for b, p in zip(range(first, last + 1), parts):
-            for k, v in p.sharding.breakdown.comm_s.items():
+        for b in range(first, last + 1):
+            sharding = row[b].sharding
+            for k, v in sharding.breakdown.comm_s.items():
                 comm[k] = comm.get(k, 0.0) + v
-            for k, v in p.sharding.breakdown.sync_s.items():
+            for k, v in sharding.breakdown.sync_s.items():
                 sync[k] = sync.get(k, 0.0) + v
             # a structurally identical layer shares the solve: its choices apply position by position
-            for op, oc in zip(layering.base[b], p.sharding.ops):
+            for op, oc in zip(layering.base[b], sharding.ops):
                 ops[op.name] = {"kind": op.kind, "tensor": op.output, "axes": list(oc.strategy.axes),
                                 "inputs": [fmt(x) for x in oc.strategy.inputs], "output": fmt(oc.strategy.output),
-                                "explanation": op.name + oc.explanation[len(oc.op):]}
-            for tensor, pc in zip(_params_of(graph, layering.base[b]), p.sharding.params):
+                                "explanation": intra.describe(graph, op, oc.strategy, oc.collectives, sharding.mesh)}
+            for tensor, pc in zip(params_of(graph, layering.base[b]), sharding.params):
                 param_info[tensor] = {"placement": fmt(pc.strategy.placement), "zero_axes": list(pc.strategy.zero_axes)}
-        send = 2 * costmodel.p2p_time(boundary[c.last] * mb / batch, link) if c.last < len(layering.groups) - 1 else 0.0
-        stage_ops = [op for g in range(c.first, c.last + 1) for op in layering.ops(g)]
+        stage_ops = [op for j in range(spec.first, spec.last + 1) for op in layering.ops(j)]
         forward = sum(graph.flops(op) for op in stage_ops) / max(_training_flops(graph, stage_ops), 1e-300)
-        stage_time = float(t[c.inflight, c.first, c.last, c.submesh])
-        tags = [op.layer for op in layering.ops(c.first)[:1]] + [op.layer for op in layering.ops(c.last)[-1:]]
+        latency = time_s + send
+        tags = [stage_ops[0].layer, stage_ops[-1].layer]
         stages.append(StagePlan(
-            layers=[c.first, c.last], graph_layers=tags, submesh=list(sub), logical_mesh=list(shape),
-            devices=devices, stage_time_s=stage_time, forward_s=stage_time * forward, send_time_s=send,
-            sync_time_s=float(extra[c.inflight, c.first, c.last, c.submesh]), memory_bytes=float(params + inflight * acts),
-            inflight_microbatches=inflight,
-            breakdown={"compute_s": sum(p.sharding.breakdown.compute_s for p in parts), "comm_s": comm,
-                       "sync_s": sync, "optimizer_s": sum(p.sharding.breakdown.optimizer_s for p in parts),
+            layers=[spec.first, spec.last], graph_layers=tags, submesh=list(spec.submesh),
+            logical_mesh=list(spec.shape), devices=devices, stage_time_s=latency, forward_s=latency * forward,
+            send_time_s=send, sync_time_s=sync_s, memory_bytes=float(params + spec.inflight * acts),
+            inflight_microbatches=spec.inflight,
+            breakdown={"compute_s": sum(row[b].sharding.breakdown.compute_s for b in range(first, last + 1)),
+                       "comm_s": comm, "sync_s": sync,
+                       "optimizer_s": sum(row[b].sharding.breakdown.optimizer_s for b in range(first, last + 1)),
                        "param_bytes": params, "activation_bytes": acts},
             ops=ops, params=param_info))
+    latencies = [s.stage_time_s for s in stages]
+    iteration = sum(latencies) + (count - 1) * max(latencies) + max(s.sync_time_s for s in stages)
     flops = _training_flops(graph)
     g_mb = intra.with_batch(graph, mb)
     tensors = {name: {"dims": list(t.dims), "shape": [g_mb.dims[d] for d in t.dims], "role": t.role}
@@ -318,7 +341,7 @@ def _assemble(graph, cluster, layering, options, iteration, count, result, table
                     "tflops_per_device": float(flops / iteration / cluster.num_devices / 1e12)},
         solver={"backend": options.backend, "status": ilp_stats["status"], "gap": ilp_stats["gap"],
                 "ilps": ilp_stats["ilps"], "ilp_time_s": ilp_stats["solve_time_s"], "time_s": elapsed,
-                "dp_rounds": result.rounds},
+                "dp_rounds": ilp_stats.get("dp_rounds", 0)},
         options={"microbatches": options.microbatches, "layers": options.layers,
                  "submesh_family": options.submesh_family, "memory_reserve": options.memory_reserve,
                  "intra_only": options.intra_only, "inter_only": options.inter_only,

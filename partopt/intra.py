@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -164,12 +164,36 @@ def optimizer_step_time(graph: Graph, tensor: str, strategy: ParamStrategy, mesh
     return costmodel.compute_time(0.0, 2 * local, mesh.device, graph.dtype_of(tensor), matmul=False)
 
 
+@dataclass(frozen=True)
+class Restriction:
+    """Which strategies a stage may use: a predicate per op and per parameter (default: all).
+
+    Evaluating a given plan pins each op to one strategy; a Megatron-style plan fixes one axis to
+    data parallelism. A node left with no strategy is an error that names it.
+    """
+
+    op: Callable[[Op, Strategy], bool] = lambda op, strategy: True
+    param: Callable[[str, ParamStrategy], bool] = lambda tensor, strategy: True
+    reason: str = "the requested strategy"
+
+
+def _kept(options: list, keep, name: str, restriction: Restriction) -> list:
+    options = [s for s in options if keep(s)]
+    if not options:
+        raise InfeasibleError(f"{name} has no strategy allowed by {restriction.reason}", name,
+                              "check the plan's placements against the op's dims and the mesh")
+    return options
+
+
 def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, microbatches: int = 1,
-          inflight: int = 1, allow_zero: bool = True, data_parallel: bool = False) -> StageModel:
+          inflight: int = 1, allow_zero: bool = True, data_parallel: bool = False,
+          restriction: Restriction | None = None) -> StageModel:
     """The stage's cost graph; `graph` must already be at microbatch size (see `with_batch`).
 
-    `data_parallel` restricts every op to splitting the batch dim and every parameter to copies.
+    `data_parallel` restricts every op to splitting the batch dim and every parameter to copies;
+    `restriction` filters strategies further.
     """
+    restriction = restriction or Restriction()
     force_dim = graph.batch_dim if data_parallel else None
     ops = list(graph.order if ops is None else ops)
     costs = ilp.CostGraph()
@@ -178,7 +202,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     inside = {op.name for op in ops}
     boundary = _boundary_pairs(graph, ops, inside)
     for op in ops:
-        options = op_strategies(graph, op, mesh, force_dim)
+        options = _kept(op_strategies(graph, op, mesh, force_dim), lambda s: restriction.op(op, s), op.name, restriction)
         leaves = op.output not in boundary and not any(c.name in inside for c in graph.consumers[op.output])
         node_of_op[op.output] = costs.add_node(
             op.name, [s.compute_s + s.comm_s + (collectives_time(_leaving(graph, op, s, mesh), mesh) if leaves else 0.0)
@@ -193,7 +217,8 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
         for slot, tensor in enumerate(op.inputs):
             if graph.tensors[tensor].role == "param":
                 if tensor not in node_of_param:
-                    options = param_strategies(graph, graph.tensors[tensor], mesh, allow_zero, data_parallel)
+                    options = _kept(param_strategies(graph, graph.tensors[tensor], mesh, allow_zero, data_parallel),
+                                    lambda s: restriction.param(tensor, s), tensor, restriction)
                     node_of_param[tensor] = costs.add_node(
                         tensor, [optimizer_step_time(graph, tensor, s, mesh) / microbatches for s in options],
                         [s.memory_bytes for s in options])
@@ -266,6 +291,7 @@ class OpChoice:
     op: str
     strategy: Strategy
     explanation: str
+    collectives: tuple[tuple[str, int, float], ...] = ()  # (kind, axis, bytes) its output costs, per microbatch
 
 
 @dataclass(frozen=True)
@@ -295,8 +321,9 @@ def _axis_label(mesh: LogicalMesh, axis: int) -> str:
     return f"axis {axis} ({'inter-node' if mesh.axes[axis].crosses_nodes else 'intra-node'})"
 
 
-def _describe(graph: Graph, op: Op, strategy: Strategy, outgoing: list[tuple[str, int, float]],
-              mesh: LogicalMesh) -> str:
+def describe(graph: Graph, op: Op, strategy: Strategy, outgoing: Sequence[tuple[str, int, float]],
+             mesh: LogicalMesh) -> str:
+    """One readable line: what `op` splits on each axis, its layouts, and what its output costs to move."""
     behaviour = graph.behaviours(op)
     splits = [f"{d} ({behaviour[d].value}) on axis {i}" for i, d in enumerate(strategy.axes) if d is not None]
     head = f"{op.name}: " + ("split " + ", ".join(splits) if splits else "replicated")
@@ -344,7 +371,7 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
         for kind, t in s.comm.items():
             breakdown.comm_s[kind] += t
         breakdown.activation_bytes += s.memory_bytes
-        op_choices.append(OpChoice(op.name, s, _describe(g, op, s, outgoing[n], mesh)))
+        op_choices.append(OpChoice(op.name, s, describe(g, op, s, outgoing[n], mesh), tuple(outgoing[n])))
     param_choices = []
     for i, tensor in enumerate(model.params):
         n = len(model.ops) + i
@@ -380,12 +407,12 @@ def shard_stage(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None
                 microbatch: int | None = None, microbatches: int = 1, inflight: int = 1,
                 memory_budget: float | None = None, backend: str = "cpsat", time_limit_s: float = 60.0,
                 seed: int = 0, allow_zero: bool = True, data_parallel: bool = False,
-                reduce_first: bool = True) -> StageSharding:
+                restriction: Restriction | None = None, reduce_first: bool = True) -> StageSharding:
     """The optimal sharding of `ops` (default: the whole graph) on `mesh` for one microbatch."""
     g = with_batch(graph, microbatch) if microbatch is not None else graph
     if ops is not None and g is not graph:
         ops = [g.op_index[op.name] for op in ops]
-    model = build(g, mesh, ops, microbatches, inflight, allow_zero, data_parallel)
+    model = build(g, mesh, ops, microbatches, inflight, allow_zero, data_parallel, restriction)
     if memory_budget is not None and ilp.min_memory(model.costs) > memory_budget:
         raise _memory_error(model, memory_budget)
     solution = ilp.solve(model.costs, memory_budget, backend, time_limit_s, seed, reduce_first)

@@ -40,8 +40,8 @@ def tagged_layers(graph: Graph) -> list[list[Op]]:
 def balanced_groups(weights: list[float], count: int) -> list[tuple[int, int]]:
     """Cut a sequence into `count` contiguous [first, last] groups of nearly equal weight.
 
-    Cuts fall where the running total crosses multiples of total/count, so the groups differ
-    by at most one item's weight from the ideal share.
+    Each cut falls at the item boundary nearest to a multiple of total/count, so the groups
+    differ by at most one item's weight from the ideal share (equal items give equal groups).
     """
     n = len(weights)
     count = max(1, min(count, n))
@@ -51,6 +51,8 @@ def balanced_groups(weights: list[float], count: int) -> list[tuple[int, int]]:
     for k in range(1, count):
         target = total * k / count
         end = int(np.searchsorted(cumulative, target, side="left"))
+        if end > start and target - cumulative[end - 1] <= cumulative[min(end, n - 1)] - target:
+            end -= 1  # the boundary before the crossing item is nearer
         end = min(max(end, start), n - (count - k) - 1)  # leave at least one item per later group
         cuts.append((start, end))
         start = end + 1

@@ -1,0 +1,196 @@
+"""Price a given plan under the cost model: a plan file (partopt's or hand-edited), or a
+Megatron-style uniform plan (P equal stages, each on a (D, T) mesh: batch over D, the ILP over T).
+
+Both fix the stages and restrict the intra-op ILP instead of searching: a plan file pins each
+listed op and parameter to its recorded strategy (ops it leaves out are chosen by the ILP), a
+uniform plan pins mesh axis 0 to data parallelism. The stages are then assembled exactly as
+`optimize` assembles its own, so a plan that `solve` wrote evaluates to its own iteration time.
+"""
+
+from __future__ import annotations
+
+import time
+
+from partopt import costmodel, intra
+from partopt.cluster import Cluster
+from partopt.errors import InfeasibleError, InstanceError
+from partopt.graph import Graph, Op
+from partopt.inter import LayerCost, Options, StageSpec, assemble, microbatch_counts, params_of
+from partopt.layering import Layering, build_layers
+from partopt.plan import Plan
+from partopt.sharding import ParamStrategy, Replicate, Strategy, fmt, op_strategies, param_strategies
+from partopt.units import fmt_bytes
+
+
+def _check_stages(plan_layers: list[list[int]], count: int, where: str) -> None:
+    """Stages must cover DP layers 0..count-1 in order, each exactly once."""
+    expected = 0
+    for i, (first, last) in enumerate(plan_layers):
+        if first != expected or last < first:
+            raise InstanceError(f"stage {i} covers layers [{first}, {last}] but the next uncovered layer is {expected}",
+                                f"{where}.stages[{i}].layers", f"stages must cover layers 0..{count - 1} in order")
+        expected = last + 1
+    if expected != count:
+        raise InstanceError(f"the stages cover layers 0..{expected - 1} of 0..{count - 1}", f"{where}.stages",
+                            "add stages for the remaining layers")
+
+
+def _check_meshes(cluster: Cluster, specs: list[StageSpec], where: str) -> None:
+    """Each submesh exists in the cluster, each logical mesh has its submesh's devices, all fit together."""
+    used = 0
+    for i, spec in enumerate(specs):
+        n, m = spec.submesh
+        if not (1 <= n <= cluster.nodes and 1 <= m <= cluster.devices_per_node) or (n > 1 and m != cluster.devices_per_node):
+            raise InfeasibleError(f"submesh {spec.submesh} is not a submesh of {cluster.nodes} × {cluster.devices_per_node}",
+                                  f"{where}.stages[{i}].submesh",
+                                  f"use (1, k) with k ≤ {cluster.devices_per_node} or (n, {cluster.devices_per_node}) with n ≤ {cluster.nodes}")
+        if spec.shape[0] * spec.shape[1] != n * m:
+            raise InfeasibleError(f"logical mesh {spec.shape} has {spec.shape[0] * spec.shape[1]} devices, "
+                                  f"its submesh {spec.submesh} has {n * m}", f"{where}.stages[{i}].logical_mesh",
+                                  "make a × b equal the submesh's devices")
+        used += n * m
+    if used > cluster.num_devices:
+        raise InfeasibleError(f"the stages use {used} devices, the cluster has {cluster.num_devices}", f"{where}.stages",
+                              "use smaller submeshes or a larger cluster (--nodes)")
+
+
+def _pinned(op_entries: dict, param_entries: dict, ops: list[Op], where: str) -> intra.Restriction:
+    """The restriction that keeps each listed op's recorded axes and each listed parameter's placement."""
+    names = {op.name for op in ops}
+    for name in op_entries:
+        if name not in names:
+            raise InstanceError(f"op {name!r} is not in this stage's layers", f"{where}.ops.{name}",
+                                "list each op under the stage that runs it")
+    axes = {name: tuple(entry["axes"]) for name, entry in op_entries.items()}
+    params = {name: (entry["placement"], tuple(entry.get("zero_axes", ()))) for name, entry in param_entries.items()}
+
+    def op_ok(op: Op, s: Strategy) -> bool:
+        return op.name not in axes or tuple(s.axes) == axes[op.name]
+
+    def param_ok(tensor: str, s: ParamStrategy) -> bool:
+        return tensor not in params or (fmt(s.placement), tuple(s.zero_axes)) == params[tensor]
+
+    return intra.Restriction(op_ok, param_ok, f"the plan ({where}; a split must divide its dim on the mesh)")
+
+
+def _megatron(graph: Graph, tp: int, dp: int, zero: bool) -> intra.Restriction:
+    """Axis 0 (size dp) splits the batch and holds parameter copies; axis 1 (size tp) never splits the batch."""
+    batch_dim = graph.batch_dim
+
+    def op_ok(op: Op, s: Strategy) -> bool:
+        batch_on_0 = s.axes[0] == (batch_dim if batch_dim in graph.behaviours(op) else None)
+        return (dp == 1 or batch_on_0) and (tp == 1 or s.axes[1] != batch_dim)
+
+    def param_ok(tensor: str, s: ParamStrategy) -> bool:
+        copies = dp == 1 or isinstance(s.placement[0], Replicate)
+        return copies and (0 in s.zero_axes) == (zero and dp > 1) and 1 not in s.zero_axes
+
+    return intra.Restriction(op_ok, param_ok, f"Megatron's layout (data parallel {dp} × tensor parallel {tp})")
+
+
+def _price_layers(graph: Graph, cluster: Cluster, layering: Layering, count: int, spec: StageSpec,
+                  restriction: intra.Restriction, options: Options, stats: dict, cache: dict) -> list[LayerCost | None]:
+    """The stage's base layers priced on its mesh under `restriction` (others None: not in this stage)."""
+    mb = graph.dims[graph.batch_dim] // count
+    g_mb = intra.with_batch(graph, mb)
+    mesh = cluster.logical_mesh(spec.submesh, spec.shape)
+    first, last = layering.groups[spec.first][0], layering.groups[spec.last][1]
+    row: list[LayerCost | None] = [None] * len(layering.base)
+    for b in range(first, last + 1):
+        ops = [g_mb.op_index[op.name] for op in layering.base[b]]
+        params = params_of(g_mb, ops)
+        # layers alike under alike pins share one solve
+        key = (g_mb.structural_hash(ops), mesh,
+               tuple(tuple(s.axes) for op in ops for s in op_strategies(g_mb, op, mesh) if restriction.op(op, s)),
+               tuple(s.name for t in params for s in param_strategies(g_mb, g_mb.tensors[t], mesh)
+                     if restriction.param(t, s)))
+        if key not in cache:
+            sharding = intra.shard_stage(g_mb, mesh, ops, microbatches=count, inflight=1, backend=options.backend,
+                                         time_limit_s=options.time_limit_s, seed=options.seed, restriction=restriction)
+            stats["ilps"] += 1
+            stats["solve_time_s"] += sharding.solution.result.time_s
+            bd = sharding.breakdown
+            cache[key] = LayerCost(bd.per_microbatch_s, bd.per_iteration_s, bd.param_bytes, bd.activation_bytes, sharding)
+        row[b] = cache[key]
+    return row
+
+
+def _price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs: list[StageSpec],
+           restrictions: list[intra.Restriction], options: Options, where: str) -> Plan:
+    start = time.perf_counter()
+    stats = {"ilps": 0, "status": "optimal", "gap": 0.0, "solve_time_s": 0.0}
+    cache: dict = {}
+    rows = [_price_layers(graph, cluster, layering, count, spec, r, options, stats, cache)
+            for spec, r in zip(specs, restrictions)]
+    plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start)
+    budget = costmodel.memory_budget(cluster.device, options.memory_reserve)
+    for i, stage in enumerate(plan.stages):
+        if stage.memory_bytes > budget:
+            raise InfeasibleError(
+                f"stage {i} needs {fmt_bytes(stage.memory_bytes)} per device (parameter state "
+                f"{fmt_bytes(stage.breakdown['param_bytes'])} + {stage.inflight_microbatches} × "
+                f"{fmt_bytes(stage.breakdown['activation_bytes'])} activations), over the budget {fmt_bytes(budget)} "
+                f"by {fmt_bytes(stage.memory_bytes - budget)}", f"{where}.stages[{i}]",
+                "use more devices per stage, more stages, ZeRO (--zero), or more microbatches")
+    return plan
+
+
+def evaluate(graph: Graph, cluster: Cluster, plan: Plan, where: str = "plan", **kwargs) -> Plan:
+    """`plan` priced on `graph` and `cluster` as written: its stages, meshes, microbatches and strategies.
+
+    Keywords are `optimize`'s options (backend, time_limit_s, memory_reserve, seed); the plan's
+    own `layers` option rebuilds its DP layers.
+    """
+    if plan.graph != graph.name:
+        raise InstanceError(f"the plan was made for graph {plan.graph!r}, not {graph.name!r}", f"{where}.graph",
+                            "evaluate a plan on the graph it was made for")
+    if graph.batch_dim is None:
+        raise InstanceError("the graph names no batch dim", "batch_dim", "set `batch_dim` to plan microbatches")
+    options = Options(**{"layers": plan.options.get("layers"), **kwargs})
+    count = microbatch_counts(graph.dims[graph.batch_dim], plan.num_microbatches)[0]
+    layering = build_layers(graph, options.layers)
+    _check_stages([s.layers for s in plan.stages], len(layering.groups), where)
+    S = len(plan.stages)
+    specs = [StageSpec(s.layers[0], s.layers[1], tuple(s.submesh), tuple(s.logical_mesh), min(S - i, count))
+             for i, s in enumerate(plan.stages)]
+    _check_meshes(cluster, specs, where)
+    restrictions = [_pinned(s.ops, s.params, [op for j in range(s.layers[0], s.layers[1] + 1) for op in layering.ops(j)],
+                            f"{where}.stages[{i}]")
+                    for i, s in enumerate(plan.stages)]
+    return _price(graph, cluster, layering, count, specs, restrictions, options, where)
+
+
+def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatches: int | None = None,
+            zero: bool = False, **kwargs) -> Plan:
+    """Megatron's plan: `pp` stages of equally many layers, each on a (dp, tp) mesh of its devices.
+
+    Axis 0 splits the batch (and ZeRO-shards optimizer state with `zero`); the ILP chooses the
+    tensor-parallel sharding over axis 1, which stays inside a node when tp ≤ devices per node.
+    `microbatches` defaults to pp (the fewest that fill the pipeline).
+    """
+    where = f"--tp {tp} --pp {pp} --dp {dp}"
+    if min(tp, pp, dp) < 1:
+        raise InstanceError("tp, pp and dp must be at least 1", where, "give positive degrees")
+    if tp * pp * dp != cluster.num_devices:
+        raise InfeasibleError(f"tp × pp × dp = {tp * pp * dp} but the cluster has {cluster.num_devices} devices",
+                              where, "choose degrees whose product is the device count")
+    per_stage, m = tp * dp, cluster.devices_per_node
+    if per_stage % m and m % per_stage:
+        raise InfeasibleError(f"a stage of {per_stage} devices neither fills whole nodes of {m} nor divides one",
+                              where, f"make tp × dp a divisor or a multiple of {m}")
+    submesh = (per_stage // m, m) if per_stage >= m else (1, per_stage)
+    if graph.batch_dim is None:
+        raise InstanceError("the graph names no batch dim", "batch_dim", "set `batch_dim` to plan data parallelism")
+    options = Options(layers=None, **kwargs)
+    count = microbatch_counts(graph.dims[graph.batch_dim], microbatches or pp)[0]
+    if (graph.dims[graph.batch_dim] // count) % dp:
+        raise InfeasibleError(f"a microbatch of {graph.dims[graph.batch_dim] // count} samples does not split "
+                              f"over {dp} data-parallel ranks", where, "choose microbatches so that batch / B is divisible by dp")
+    layering = build_layers(graph, None)
+    L = len(layering.groups)
+    if L % pp:
+        raise InfeasibleError(f"{L} layers do not split into {pp} equal stages", where, f"choose pp dividing {L}")
+    size = L // pp
+    specs = [StageSpec(i * size, (i + 1) * size - 1, submesh, (dp, tp), min(pp - i, count)) for i in range(pp)]
+    restriction = _megatron(intra.with_batch(graph, graph.dims[graph.batch_dim] // count), tp, dp, zero)
+    return _price(graph, cluster, layering, count, specs, [restriction] * pp, options, where)

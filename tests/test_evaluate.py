@@ -1,0 +1,161 @@
+"""evaluate(): a plan priced as written, Megatron-style uniform plans, and invalid plans."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from partopt import costmodel, io, models
+from partopt.cli import main
+from partopt.cluster import MeshAxis, preset
+from partopt.errors import InfeasibleError, InstanceError
+from partopt.evaluate import evaluate, uniform
+from partopt.inter import optimize
+from partopt.plan import read_plan, write_plan
+
+INSTANCES = Path(__file__).parent.parent / "instances"
+
+
+@pytest.fixture(scope="module")
+def small_gpt():
+    return models.gpt(hidden=256, layers=8, heads=4, seq=128, vocab=1024, batch=64)
+
+
+@pytest.mark.parametrize("nodes,search", [(2, {}), (1, {"inter_only": True}), (2, {"layers": 2})])
+def test_evaluating_a_solved_plan_reproduces_its_iteration_time(small_gpt, tmp_path, nodes, search):
+    cluster = preset("p3.16xlarge", nodes)
+    plan = optimize(small_gpt, cluster, microbatches=8, **search)
+    write_plan(plan, tmp_path / "plan.json")
+    again = evaluate(small_gpt, cluster, read_plan(tmp_path / "plan.json"))
+    assert again.iteration_time_s == plan.iteration_time_s
+    assert [s.stage_time_s for s in again.stages] == [s.stage_time_s for s in plan.stages]
+    assert [s.memory_bytes for s in again.stages] == [s.memory_bytes for s in plan.stages]
+    assert [s.ops for s in again.stages] == [s.ops for s in plan.stages]
+
+
+def _mlp_data_parallel_by_hand(graph, n: int) -> float:
+    """One iteration of the 2-layer MLP data parallel over n NVLink devices of a p3 node, B = 1.
+
+    Each op computes 1/n of the batch with replicated weights (roofline over its FLOPs and the bytes
+    it moves, forward + backward); once per iteration each weight gradient is all-reduced over the
+    n devices and the optimizer reads and writes its 16 B/param state.
+    """
+    cluster = preset("p3.16xlarge", 1)
+    dev, link = cluster.device, cluster.intra_node
+    b, h, f = (graph.dims[d] for d in ("b", "h", "f"))
+    word = 4  # fp32
+    ops = [  # (training FLOPs, bytes read + written by one device, matmul)
+        (3 * 2 * b * h * f / n, word * (b * h / n + h * f + b * f / n), True),  # fc1
+        (2 * b * f / n, word * (b * f / n + f + b * f / n), False),  # bias1
+        (2 * b * f / n, word * (b * f / n + b * f / n), False),  # act1
+        (3 * 2 * b * f * h / n, word * (b * f / n + f * h + b * h / n), True),  # fc2
+        (2 * b * h / n, word * (b * h / n + h + b * h / n), False),  # bias2
+    ]
+    # the cost model counts every byte twice (read in the forward, again in the backward)
+    compute = sum(costmodel.compute_time(fl, 2 * by, dev, "fp32", mm) for fl, by, mm in ops)
+    params = [h * f, f, f * h, h]
+    axis = MeshAxis(n, link.bandwidth, link.latency_s, crosses_nodes=False)  # the 8 GPUs of the node on NVLink
+    sync = sum(costmodel.collective_time("all_reduce", word * p, axis) for p in params)
+    optimizer = sum(costmodel.compute_time(0.0, 2 * 16 * p, dev, "fp32", False) for p in params)
+    return compute + sync + optimizer
+
+
+def test_uniform_pure_data_parallel_equals_the_hand_formula():
+    graph = io.read_graph(INSTANCES / "mlp-2layer.json")
+    plan = uniform(graph, preset("p3.16xlarge", 1), tp=1, pp=1, dp=8, microbatches=1)
+    assert plan.iteration_time_s == pytest.approx(_mlp_data_parallel_by_hand(graph, 8), rel=1e-9)
+    stage = plan.stages[0]
+    assert stage.logical_mesh == [8, 1] and stage.submesh == [1, 8]
+    assert all(entry["axes"][0] == "b" for entry in stage.ops.values())
+    assert all(p["placement"] == "[R, R]" and p["zero_axes"] == [] for p in stage.params.values())
+
+
+def test_uniform_zero_shards_optimizer_state_over_data_parallel_ranks():
+    graph = io.read_graph(INSTANCES / "mlp-2layer.json")
+    cluster = preset("p3.16xlarge", 1)
+    plain = uniform(graph, cluster, tp=1, pp=1, dp=8, microbatches=1)
+    zero = uniform(graph, cluster, tp=1, pp=1, dp=8, microbatches=1, zero=True)
+    assert all(p["zero_axes"] == [0] for p in zero.stages[0].params.values())
+    # weights + grads stay whole (8 B/param of fp32), Adam's m and v (8 B/param) are split 8 ways
+    saved = sum(graph.numel(t.name) for t in graph.params) * 8 * (1 - 1 / 8)
+    assert plain.stages[0].breakdown["param_bytes"] - zero.stages[0].breakdown["param_bytes"] == pytest.approx(saved)
+
+
+def test_uniform_tensor_parallel_keeps_the_batch_off_the_tensor_axis(small_gpt):
+    plan = uniform(small_gpt, preset("p3.16xlarge", 1), tp=4, pp=2, dp=1, microbatches=8)
+    assert [s.layers for s in plan.stages] == [[0, 3], [4, 7]]
+    assert [s.logical_mesh for s in plan.stages] == [[1, 4], [1, 4]]
+    assert all(entry["axes"][1] != "b" for s in plan.stages for entry in s.ops.values())
+    assert [s.inflight_microbatches for s in plan.stages] == [2, 1]
+
+
+def test_full_search_is_at_least_as_fast_as_every_uniform_plan(small_gpt):
+    cluster = preset("p3.16xlarge", 1)
+    best = optimize(small_gpt, cluster, microbatches=8)
+    for tp, pp, dp in [(1, 1, 8), (8, 1, 1), (2, 2, 2), (4, 2, 1), (1, 4, 2), (2, 4, 1), (1, 8, 1)]:
+        assert best.iteration_time_s <= uniform(small_gpt, cluster, tp, pp, dp, 8).iteration_time_s * (1 + 1e-12)
+
+
+# ---------------------------------------------------------------- invalid plans
+
+@pytest.fixture(scope="module")
+def solved(small_gpt):
+    cluster = preset("p3.16xlarge", 1)
+    return optimize(small_gpt, cluster, microbatches=8, inter_only=True), cluster
+
+
+def test_layers_not_covered_are_reported(small_gpt, solved):
+    plan, cluster = solved
+    broken = dataclasses.replace(plan, stages=plan.stages[:1] + plan.stages[2:])
+    with pytest.raises(InstanceError, match=r"stage 1 covers layers \[\d, \d\] but the next uncovered layer is 1"):
+        evaluate(small_gpt, cluster, broken)
+
+
+def test_a_submesh_larger_than_the_cluster_is_reported(small_gpt, solved):
+    plan, cluster = solved
+    stage = dataclasses.replace(plan.stages[0], submesh=[2, 8], logical_mesh=[16, 1])
+    with pytest.raises(InfeasibleError, match=r"submesh \(2, 8\) is not a submesh of 1 × 8"):
+        evaluate(small_gpt, cluster, dataclasses.replace(plan, stages=[stage] + plan.stages[1:]))
+
+
+def test_a_split_that_does_not_divide_its_dim_names_the_op(small_gpt, solved):
+    plan, cluster = solved
+    whole = optimize(small_gpt, cluster, microbatches=8, intra_only=True)  # one stage on all 8 devices
+    stage = whole.stages[0]
+    assert stage.logical_mesh in ([8, 1], [1, 8], [4, 2], [2, 4])
+    ops = {**stage.ops, "l0.scores": {**stage.ops["l0.scores"], "axes": ["n", "n"]}}
+    mesh = stage.logical_mesh  # 4 heads cannot split 8 ways
+    with pytest.raises(InfeasibleError, match=r"l0.scores has no strategy allowed by the plan"):
+        evaluate(small_gpt, cluster, dataclasses.replace(whole, stages=[dataclasses.replace(stage, ops=ops)]))
+    assert mesh[0] * mesh[1] == 8
+
+
+def test_a_stage_over_its_memory_says_by_how_much(small_gpt):
+    cluster = preset("p3.16xlarge", 1)
+    plan = optimize(small_gpt, cluster, microbatches=8)
+    with pytest.raises(InfeasibleError, match=r"stage 0 needs .* over the budget .* by "):
+        evaluate(small_gpt, cluster, plan, memory_reserve=0.99999)
+
+
+def test_uniform_degrees_must_multiply_to_the_cluster_and_divide_the_layers(small_gpt):
+    cluster = preset("p3.16xlarge", 1)
+    with pytest.raises(InfeasibleError, match="tp × pp × dp = 16 but the cluster has 8 devices"):
+        uniform(small_gpt, cluster, tp=2, pp=2, dp=4)
+    with pytest.raises(InfeasibleError, match="8 layers do not split into 16 equal stages"):
+        uniform(small_gpt, preset("p3.16xlarge", 2), tp=1, pp=16, dp=1)
+
+
+def test_evaluate_cli_prints_the_plan_and_refuses_mixed_arguments(tmp_path):
+    graph = str(INSTANCES / "mlp-2layer.json")
+    out = tmp_path / "plan.json"
+    solved = CliRunner().invoke(main, ["solve", graph, "--cluster", "p3.16xlarge", "--nodes", "1",
+                                       "--microbatches", "2", "-o", str(out)])
+    assert solved.exit_code == 0, solved.output
+    result = CliRunner().invoke(main, ["evaluate", graph, "--cluster", "p3.16xlarge", "--nodes", "1",
+                                       "--plan", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["iteration_time_s"] == read_plan(out).iteration_time_s
+    mixed = CliRunner().invoke(main, ["evaluate", graph, "--cluster", "p3.16xlarge", "--plan", str(out), "--tp", "2"])
+    assert mixed.exit_code == 2 and "give either --plan FILE or all of --tp, --pp and --dp" in mixed.stderr
