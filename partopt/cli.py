@@ -16,11 +16,15 @@ from rich.text import Text
 from partopt import evaluate, io, models
 from partopt.cluster import PRESETS, Cluster, Link, preset
 from partopt.costmodel import training_flops
+from partopt.draw import draw
 from partopt.errors import InstanceError, PartoptError
+from partopt.explain import explain
+from partopt.export import TARGETS, export
 from partopt.graph import Graph
 from partopt.inter import DEFAULT_MAX_LAYERS, optimize
 from partopt.ops import KINDS, is_matmul
 from partopt.plan import Plan, plan_to_dict, read_plan, write_plan
+from partopt.simulate import SCHEDULES
 from partopt.solvers import BACKENDS
 from partopt.units import fmt_bytes, fmt_seconds
 
@@ -361,3 +365,54 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
     else:
         plan = evaluate.uniform(graph, cluster, tp, pp, dp, microbatches, zero, **options)
     _emit(plan, output, as_json)
+
+
+# ---------------------------------------------------------------- explain, export, draw
+
+@main.command("explain")
+@click.argument("plan_file", metavar="PLAN")
+@click.option("--ops/--no-ops", default=True, show_default=True, help="List each op's strategy line.")
+def explain_command(plan_file: str, ops: bool) -> None:
+    """Where PLAN's time and memory go, per stage, and why each op is sharded as it is."""
+    plan = read_plan(plan_file)
+    out = Console()
+    for stage, account in zip(plan.stages, explain(plan)):
+        title = (f"Stage {account.index}: layers {stage.layers[0]}–{stage.layers[1]}, submesh "
+                 f"({stage.submesh[0]}, {stage.submesh[1]}), logical mesh ({stage.logical_mesh[0]}, {stage.logical_mesh[1]})")
+        time_table = Table(title=title + " — time per iteration")
+        time_table.add_column("where")
+        time_table.add_column("time", justify="right")
+        time_table.add_column("share", justify="right")
+        for cause, seconds in account.time_s.items():
+            time_table.add_row(cause, fmt_seconds(seconds), f"{100 * seconds / plan.iteration_time_s:.1f} %")
+        time_table.add_row("total", fmt_seconds(sum(account.time_s.values())), "100 %", style="bold")
+        memory_table = Table(title="memory per device")
+        memory_table.add_column("what")
+        memory_table.add_column("bytes", justify="right")
+        for cause, size in account.memory_bytes.items():
+            memory_table.add_row(cause, fmt_bytes(size))
+        memory_table.add_row("total", fmt_bytes(sum(account.memory_bytes.values())), style="bold")
+        out.print(time_table)
+        out.print(memory_table)
+        if ops:
+            for line in account.ops:
+                out.print(Text(line))
+        out.print()
+
+
+@main.command("export")
+@click.argument("plan_file", metavar="PLAN")
+@click.option("--to", "target", required=True, type=click.Choice(TARGETS), help="The runtime to export for.")
+def export_command(plan_file: str, target: str) -> None:
+    """Turn PLAN into Megatron-LM arguments, JAX PartitionSpecs or PyTorch DTensor placements."""
+    click.echo(export(read_plan(plan_file), target))
+
+
+@main.command("draw")
+@click.argument("plan_file", metavar="PLAN")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Image file: .svg or .png.")
+@click.option("--schedule", type=click.Choice(SCHEDULES), default="1f1b", show_default=True, help="Pipeline schedule.")
+def draw_command(plan_file: str, output: str, schedule: str) -> None:
+    """Draw PLAN's pipeline schedule of one iteration and its memory per stage."""
+    draw(read_plan(plan_file), output, schedule)
+    click.echo(f"wrote {output}")

@@ -325,7 +325,9 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
             breakdown={"compute_s": sum(row[b].sharding.breakdown.compute_s for b in range(first, last + 1)),
                        "comm_s": comm, "sync_s": sync,
                        "optimizer_s": sum(row[b].sharding.breakdown.optimizer_s for b in range(first, last + 1)),
-                       "param_bytes": params, "activation_bytes": acts},
+                       "param_bytes": params, "activation_bytes": acts,
+                       "state_bytes": {part: sum(row[b].sharding.breakdown.state_bytes[part] for b in range(first, last + 1))
+                                       for part in intra.STATE_PARTS}},
             ops=ops, params=param_info))
     latencies = [s.stage_time_s for s in stages]
     iteration = sum(latencies) + (count - 1) * max(latencies) + max(s.sync_time_s for s in stages)

@@ -263,6 +263,9 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
 
 # ---------------------------------------------------------------- decoding
 
+STATE_PARTS = ("weights", "gradients", "optimizer")
+
+
 @dataclass
 class Breakdown:
     """Where a stage's time and memory go, under one chosen assignment."""
@@ -272,6 +275,7 @@ class Breakdown:
     sync_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per iteration, by kind
     optimizer_s: float = 0.0  # per iteration
     param_bytes: float = 0.0  # weights + gradients + optimizer state per device
+    state_bytes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATE_PARTS, 0.0))  # param_bytes by part
     activation_bytes: float = 0.0  # kept for backward, one microbatch, per device
 
     @property
@@ -377,6 +381,8 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
         n = len(model.ops) + i
         p: ParamStrategy = chosen[n]
         breakdown.param_bytes += p.memory_bytes
+        for part, size in zip(STATE_PARTS, p.state_bytes):
+            breakdown.state_bytes[part] += size
         breakdown.optimizer_s += optimizer_step_time(g, tensor, p, mesh)
         param_choices.append(ParamChoice(tensor, p))
     breakdown.comm_s = dict(breakdown.comm_s)

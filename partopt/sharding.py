@@ -237,7 +237,11 @@ class ParamStrategy:
 
     placement: Placement
     zero_axes: tuple[int, ...]  # ZeRO: optimizer state split over these replicated axes
-    memory_bytes: float  # weights + gradients + optimizer state per device
+    state_bytes: tuple[float, float, float]  # weights, gradients, optimizer state per device
+
+    @property
+    def memory_bytes(self) -> float:
+        return sum(self.state_bytes)
 
     @property
     def name(self) -> str:
@@ -267,7 +271,7 @@ def param_strategies(graph: Graph, tensor: Tensor, mesh: LogicalMesh, allow_zero
             z = math.prod(mesh.shape[i] for i in zero)
             result.append(ParamStrategy(
                 placement=tuple(placement), zero_axes=tuple(zero),
-                memory_bytes=(memory.weights + memory.grads) / n + memory.optimizer / (n * z)))
+                state_bytes=(memory.weights / n, memory.grads / n, memory.optimizer / (n * z))))
     return result
 
 

@@ -1,0 +1,52 @@
+"""Where a plan's time and memory go, stage by stage (what `partopt explain` prints).
+
+Each stage's rows add up to the plan's iteration time: its microbatches' compute, collectives
+and sends (B × per microbatch), its gradient synchronisation and optimizer step, and the time
+it waits — the pipeline bubble and the wait for slower stages' synchronisation. Memory rows add
+up to the stage's per-device memory: weights, gradients, optimizer state, and the activations
+of its in-flight microbatches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partopt.plan import Plan
+
+
+@dataclass(frozen=True)
+class StageExplanation:
+    """One stage: seconds per iteration and bytes per device by cause, and each op's line."""
+
+    index: int
+    time_s: dict[str, float]  # cause -> seconds per iteration; sums to the iteration time
+    memory_bytes: dict[str, float]  # cause -> bytes per device; sums to the stage's memory
+    ops: list[str]  # one explanation line per op, in plan order
+
+
+def _label(kind: str) -> str:
+    return kind.replace("_", "-")
+
+
+def explain(plan: Plan) -> list[StageExplanation]:
+    """The time and memory accounts of every stage of `plan`."""
+    B = plan.num_microbatches
+    result = []
+    for i, stage in enumerate(plan.stages):
+        bd = stage.breakdown
+        time_s = {"compute": B * bd["compute_s"]}
+        for kind, seconds in sorted(bd["comm_s"].items()):
+            time_s[f"{_label(kind)} (per microbatch)"] = B * seconds
+        if stage.send_time_s:
+            time_s["point-to-point send"] = B * stage.send_time_s
+        for kind, seconds in sorted(bd["sync_s"].items()):
+            time_s[f"gradient {_label(kind)} (per iteration)"] = seconds
+        time_s["optimizer step"] = bd["optimizer_s"]
+        idle = plan.iteration_time_s - B * stage.stage_time_s - stage.sync_time_s
+        time_s["pipeline bubble and waiting"] = 0.0 if abs(idle) < 1e-12 * plan.iteration_time_s else idle
+        memory = {f"{part} state" if part == "optimizer" else part: size
+                  for part, size in (bd.get("state_bytes") or {"parameter state": bd["param_bytes"]}).items()}
+        memory[f"activations × {stage.inflight_microbatches} in flight"] = (
+            stage.inflight_microbatches * bd["activation_bytes"])
+        result.append(StageExplanation(i, time_s, memory, [entry["explanation"] for entry in stage.ops.values()]))
+    return result
