@@ -115,11 +115,17 @@ def _price_layers(graph: Graph, cluster: Cluster, layering: Layering, count: int
     return row
 
 
-def _price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs: list[StageSpec],
-           restrictions: list[intra.Restriction], options: Options, where: str) -> Plan:
+def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs: list[StageSpec],
+          restrictions: list[intra.Restriction] | None, options: Options, where: str = "plan") -> Plan:
+    """The plan of fixed stages (`specs`), each priced by the intra-op ILP under its restriction
+    (None: every strategy allowed).
+
+    Raises InfeasibleError when a stage's memory exceeds the budget.
+    """
     start = time.perf_counter()
     stats = {"ilps": 0, "status": "optimal", "gap": 0.0, "solve_time_s": 0.0}
     cache: dict = {}
+    restrictions = restrictions or [intra.Restriction()] * len(specs)
     rows = [_price_layers(graph, cluster, layering, count, spec, r, options, stats, cache)
             for spec, r in zip(specs, restrictions)]
     plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start)
@@ -157,7 +163,7 @@ def evaluate(graph: Graph, cluster: Cluster, plan: Plan, where: str = "plan", **
     restrictions = [_pinned(s.ops, s.params, [op for j in range(s.layers[0], s.layers[1] + 1) for op in layering.ops(j)],
                             f"{where}.stages[{i}]")
                     for i, s in enumerate(plan.stages)]
-    return _price(graph, cluster, layering, count, specs, restrictions, options, where)
+    return price(graph, cluster, layering, count, specs, restrictions, options, where)
 
 
 def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatches: int | None = None,
@@ -193,4 +199,4 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     size = L // pp
     specs = [StageSpec(i * size, (i + 1) * size - 1, submesh, (dp, tp), min(pp - i, count)) for i in range(pp)]
     restriction = _megatron(intra.with_batch(graph, graph.dims[graph.batch_dim] // count), tp, dp, zero)
-    return _price(graph, cluster, layering, count, specs, [restriction] * pp, options, where)
+    return price(graph, cluster, layering, count, specs, [restriction] * pp, options, where)

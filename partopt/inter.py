@@ -44,6 +44,7 @@ class Options:
     intra_only: bool = False
     inter_only: bool = False
     data_parallel_only: bool = False
+    stage_data_parallel: bool = False
     seed: int = 0
 
 
@@ -69,7 +70,7 @@ def _submeshes(cluster: Cluster, options: Options) -> list[tuple[int, int]]:
 
 def _shapes(cluster: Cluster, submesh: tuple[int, int], options: Options) -> list[tuple[int, int]]:
     devices = submesh[0] * submesh[1]
-    if options.data_parallel_only:
+    if options.data_parallel_only or options.stage_data_parallel:
         return [(devices, 1)]
     shapes = cluster.logical_shapes(submesh)
     if options.logical_shapes is not None:
@@ -128,8 +129,10 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, *
     Options (keywords): microbatches ("auto" or a count), layers (most DP layers, default 16),
     submesh_family ("alpa" | "power_of_two"), logical_shapes (allowed (a, b) shapes), backend
     ("highs" | "cpsat" | "cbc"), time_limit_s (per ILP), memory_reserve (fraction of device
-    memory kept free), intra_only / inter_only / data_parallel_only (restricted searches, the
-    benchmarks' baselines), seed.
+    memory kept free), intra_only / inter_only / data_parallel_only / stage_data_parallel
+    (restricted searches, the benchmarks' baselines: one stage on the whole cluster; stages of
+    one device; one data-parallel stage with ZeRO allowed, like DeepSpeed; pipeline stages that
+    are each plain data parallel, like PP-DP), seed.
     """
     try:
         options = Options(**kwargs)
@@ -191,7 +194,8 @@ def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, budget: fl
     try:
         sharding = intra.shard_stage(g_mb, mesh, ops, microbatches=count, inflight=1, memory_budget=budget,
                                      backend=options.backend, time_limit_s=options.time_limit_s, seed=options.seed,
-                                     data_parallel=options.data_parallel_only)
+                                     data_parallel=options.data_parallel_only or options.stage_data_parallel,
+                                     allow_zero=not options.stage_data_parallel)
     except InfeasibleError:
         return None
     stats["ilps"] += 1
@@ -347,5 +351,5 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
         options={"microbatches": options.microbatches, "layers": options.layers,
                  "submesh_family": options.submesh_family, "memory_reserve": options.memory_reserve,
                  "intra_only": options.intra_only, "inter_only": options.inter_only,
-                 "data_parallel_only": options.data_parallel_only},
+                 "data_parallel_only": options.data_parallel_only, "stage_data_parallel": options.stage_data_parallel},
         batch_dim=graph.batch_dim, tensors=tensors)
