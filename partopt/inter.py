@@ -10,8 +10,12 @@ layers into stages for each candidate microbatch count, and the best plan wins.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -24,7 +28,7 @@ from partopt.graph import Graph, Op
 from partopt.layering import Layering, build_layers
 from partopt.ops import is_matmul
 from partopt.plan import Plan, StagePlan
-from partopt.sharding import fmt
+from partopt.sharding import Shard, fmt
 
 DEFAULT_MAX_LAYERS = 16
 Progress = Callable[[int, int], None]
@@ -46,6 +50,7 @@ class Options:
     data_parallel_only: bool = False
     stage_data_parallel: bool = False
     seed: int = 0
+    workers: int | None = None  # processes for the ILPs; None: one per available core
 
 
 def microbatch_counts(batch: int, requested: int | str) -> list[int]:
@@ -151,46 +156,74 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, *
     link = cluster.intra_node if cluster.nodes == 1 else cluster.inter_node
     boundary = _boundary_bytes(graph, layering)
 
-    total_work = len(counts) * len(meshes) * len(layering.base)
+    sizes = [n * m for n, m in submeshes]
+    ilp_stats = {"ilps": 0, "status": "optimal", "gap": 0.0, "solve_time_s": 0.0, "counts": []}
+    best: tuple[float, int, list[StageSpec], list] | None = None
+    # cheapest first by a lower bound, so that later counts can be skipped without pricing them
+    bounds = {count: _lower_bound(graph, count, cluster) for count in counts}
+    candidates = [c for c in sorted(counts, key=lambda c: (bounds[c], c)) if _fits_at_all(graph, c, cluster, budget)]
+    if not candidates:
+        raise _no_plan(graph, cluster, budget)
     done = 0
-    cache: dict[tuple, LayerCost | None] = {}
-    ilp_stats = {"ilps": 0, "status": "optimal", "gap": 0.0, "solve_time_s": 0.0}
-    best: tuple[float, int, stagedp.DPResult, dict] | None = None
-    for count in counts:
-        mb = batch // count
-        g_mb = intra.with_batch(graph, mb)
-        base_ops = [[g_mb.op_index[op.name] for op in ops] for ops in layering.base]
-        hashes = [g_mb.structural_hash(ops) for ops in base_ops]
-        costs: dict[tuple, list[LayerCost | None]] = {}
-        for key, mesh in meshes.items():
-            row = []
-            for b, ops in enumerate(base_ops):
-                ck = (hashes[b], mesh, mb, count)
-                if ck not in cache:
-                    cache[ck] = _price(g_mb, ops, mesh, count, budget, options, ilp_stats)
-                row.append(cache[ck])
-                done += 1
-                if progress:
-                    progress(done, total_work)
-            costs[key] = row
-        t, extra, shapes = _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch, link, budget)
-        sizes = [n * m for n, m in submeshes]
-        result = stagedp.solve(t, extra, sizes, cluster.num_devices, count)
-        if result is None:
-            continue
-        ilp_stats["dp_rounds"] = ilp_stats.get("dp_rounds", 0) + result.rounds
-        if best is None or result.total < best[0] - 1e-15:
-            specs = [StageSpec(c.first, c.last, submeshes[c.submesh], shapes[c.submesh][c.option],
-                               min(c.inflight, count)) for c in result.stages]
-            best = (result.total, count, specs, [costs[(spec.submesh, spec.shape)] for spec in specs])
+    with _Pricer(graph, options, budget) as pricer:
+        for n, count in enumerate(candidates):
+            if best is not None and bounds[count] >= best[0]:
+                continue  # its lower bound already loses: no ILP needed
+            mb = batch // count
+            g_mb = intra.with_batch(graph, mb)
+            base_ops = [[g_mb.op_index[op.name] for op in ops] for ops in layering.base]
+            hashes = [g_mb.structural_hash(ops) for ops in base_ops]
+            jobs = {(hashes[b], key): (mb, count, [op.name for op in ops], meshes[key])
+                    for key in meshes for b, ops in enumerate(base_ops)}
+            total = done + len(jobs) * (len(candidates) - n)  # an estimate: later counts may be skipped
+            priced = pricer.run(jobs, ilp_stats, lambda k: progress(done + k, total) if progress else None)
+            done += len(jobs)
+            ilp_stats["counts"].append(count)
+            costs = {key: [priced[(hashes[b], key)] for b in range(len(base_ops))] for key in meshes}
+            t, extra, shapes = _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch, link, budget)
+            result = stagedp.solve(t, extra, sizes, cluster.num_devices, count)
+            if result is None:
+                continue
+            ilp_stats["dp_rounds"] = ilp_stats.get("dp_rounds", 0) + result.rounds
+            if best is None or result.total < best[0] - 1e-15:
+                specs = [StageSpec(c.first, c.last, submeshes[c.submesh], shapes[c.submesh][c.option],
+                                   min(c.inflight, count)) for c in result.stages]
+                best = (result.total, count, specs, [costs[(spec.submesh, spec.shape)] for spec in specs])
     if best is None:
         raise _no_plan(graph, cluster, budget)
     _, count, specs, rows = best
     return assemble(graph, cluster, layering, options, count, specs, rows, ilp_stats, time.perf_counter() - start)
 
 
-def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, budget: float, options: Options,
-           stats: dict) -> LayerCost | None:
+def _lower_bound(graph: Graph, count: int, cluster: Cluster) -> float:
+    """A lower bound on the iteration time with `count` microbatches on any plan of `devices` devices.
+
+    The pipeline part is at least B · max_i t_i ≥ B · sum_i D_i t_i / N, and a stage's device-time
+    D_i t_i is at least its ops' single-device roofline time (no split divides FLOPs or bytes by
+    more than D_i; communication only adds).
+    """
+    g_mb = intra.with_batch(graph, graph.dims[graph.batch_dim] // count)
+    work = 0.0
+    for op in g_mb.ops:
+        if op.kind == "reshape":
+            continue
+        moved = sum(g_mb.nbytes(t) for t in op.inputs) + g_mb.nbytes(op.output)
+        flops = costmodel.training_flops(g_mb.flops(op), is_matmul(op))
+        work += costmodel.compute_time(flops, 2 * moved, cluster.device, g_mb.dtype_of(op.output), is_matmul(op))
+    return count * work / cluster.num_devices
+
+
+def _fits_at_all(graph: Graph, count: int, cluster: Cluster, budget: float) -> bool:
+    """False when even a perfect spread of the parameter state and one microbatch's activations overflows."""
+    g_mb = intra.with_batch(graph, graph.dims[graph.batch_dim] // count)
+    state = sum(costmodel.param_memory(graph.numel(t.name), graph.dtype_of(t.name)).total for t in graph.params)
+    activations = sum(g_mb.nbytes(op.output) for op in g_mb.ops)
+    return (state + activations) / cluster.num_devices <= budget
+
+
+def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, budget: float,
+           options: Options) -> LayerCost | None:
+    """One base layer's optimal sharding on `mesh`, or None when it cannot fit the memory budget."""
     try:
         sharding = intra.shard_stage(g_mb, mesh, ops, microbatches=count, inflight=1, memory_budget=budget,
                                      backend=options.backend, time_limit_s=options.time_limit_s, seed=options.seed,
@@ -198,13 +231,67 @@ def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, budget: fl
                                      allow_zero=not options.stage_data_parallel)
     except InfeasibleError:
         return None
-    stats["ilps"] += 1
-    stats["solve_time_s"] += sharding.solution.result.time_s
-    if sharding.solution.result.status != "optimal":
-        stats["status"] = sharding.solution.result.status
-        stats["gap"] = max(stats["gap"], sharding.solution.result.gap or 0.0)
     b = sharding.breakdown
     return LayerCost(b.per_microbatch_s, b.per_iteration_s, b.param_bytes, b.activation_bytes, sharding)
+
+
+def _price_job(graph: Graph, options: Options, budget: float, job: tuple) -> LayerCost | None:
+    mb, count, names, mesh = job
+    g_mb = intra.with_batch(graph, mb)
+    return _price(g_mb, [g_mb.op_index[n] for n in names], mesh, count, budget, options)
+
+
+_WORKER: dict = {}
+
+
+def _worker_init(graph: Graph, options: Options, budget: float) -> None:
+    _WORKER.update(graph=graph, options=options, budget=budget)
+
+
+def _worker_job(job: tuple) -> LayerCost | None:
+    return _price_job(_WORKER["graph"], _WORKER["options"], _WORKER["budget"], job)
+
+
+class _Pricer:
+    """Runs the per-layer ILPs: in this process, or on a pool of worker processes for many of them."""
+
+    MIN_OPS = 2000  # below this many ops over all jobs, starting worker processes costs more than it saves
+
+    def __init__(self, graph: Graph, options: Options, budget: float):
+        self.graph, self.options, self.budget = graph, options, budget
+        self.workers = options.workers or len(os.sched_getaffinity(0))
+        self.pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> _Pricer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    def run(self, jobs: dict, stats: dict, progress: Callable[[int], None]) -> dict:
+        """Results of `jobs` (key -> job) by key; ILP statistics added to `stats`."""
+        keys = list(jobs)
+        if self.workers > 1 and self.pool is None and sum(len(jobs[k][2]) for k in keys) >= self.MIN_OPS:
+            # spawned, not forked: the solvers' threads in this process must not be copied mid-lock
+            self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=_worker_init, initargs=(self.graph, self.options, self.budget))
+        if self.pool is not None:
+            results = self.pool.map(_worker_job, [jobs[k] for k in keys], chunksize=1)
+        else:
+            results = (_price_job(self.graph, self.options, self.budget, jobs[k]) for k in keys)
+        out = {}
+        for n, (key, cost) in enumerate(zip(keys, results), 1):
+            out[key] = cost
+            if cost is not None:
+                result = cost.sharding.solution.result
+                stats["ilps"] += 1
+                stats["solve_time_s"] += result.time_s
+                if result.status != "optimal":
+                    stats["status"] = result.status
+                    stats["gap"] = max(stats["gap"], result.gap or 0.0)
+            progress(n)
+        return out
 
 
 @dataclass(frozen=True)
@@ -272,6 +359,25 @@ def _no_plan(graph: Graph, cluster: Cluster, budget: float) -> InfeasibleError:
         "use more nodes (--nodes), a smaller batch, or more microbatches")
 
 
+def _dim_map(graph: Graph, solved: Sequence[Op], ops: Sequence[Op]) -> dict[str, str]:
+    """Dim names of the solved layer's ops -> the same positions in `ops` (a structurally identical layer)."""
+    rename: dict[str, str] = {}
+    for a, b in zip(solved, ops):
+        for ta, tb in zip((*a.inputs, a.output), (*b.inputs, b.output)):
+            rename.update(zip(graph.tensors[ta].dims, graph.tensors[tb].dims))
+    return rename
+
+
+def _renamed_placement(placement, rename: dict[str, str]):
+    return tuple(Shard(rename.get(p.dim, p.dim)) if isinstance(p, Shard) else p for p in placement)
+
+
+def _renamed(strategy, rename: dict[str, str]):
+    return dataclasses.replace(strategy, axes=tuple(rename.get(d, d) if d else d for d in strategy.axes),
+                               inputs=tuple(_renamed_placement(p, rename) for p in strategy.inputs),
+                               output=_renamed_placement(strategy.output, rename))
+
+
 def params_of(graph: Graph, ops: Sequence[Op]) -> list[str]:
     """Parameters in order of first use by `ops` (the order `intra.build` gives them nodes)."""
     return list(dict.fromkeys(t for op in ops for t in op.inputs if graph.tensors[t].role == "param"))
@@ -310,13 +416,17 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
                 comm[k] = comm.get(k, 0.0) + v
             for k, v in sharding.breakdown.sync_s.items():
                 sync[k] = sync.get(k, 0.0) + v
-            # a structurally identical layer shares the solve: its choices apply position by position
+            # a structurally identical layer shares the solve: its choices apply position by position,
+            # with the solved layer's dim names translated to this layer's
+            rename = _dim_map(graph, [graph.op_index[oc.op] for oc in sharding.ops], layering.base[b])
             for op, oc in zip(layering.base[b], sharding.ops):
-                ops[op.name] = {"kind": op.kind, "tensor": op.output, "axes": list(oc.strategy.axes),
-                                "inputs": [fmt(x) for x in oc.strategy.inputs], "output": fmt(oc.strategy.output),
-                                "explanation": intra.describe(graph, op, oc.strategy, oc.collectives, sharding.mesh)}
+                strategy = _renamed(oc.strategy, rename)
+                ops[op.name] = {"kind": op.kind, "tensor": op.output, "axes": list(strategy.axes),
+                                "inputs": [fmt(x) for x in strategy.inputs], "output": fmt(strategy.output),
+                                "explanation": intra.describe(graph, op, strategy, oc.collectives, sharding.mesh)}
             for tensor, pc in zip(params_of(graph, layering.base[b]), sharding.params):
-                param_info[tensor] = {"placement": fmt(pc.strategy.placement), "zero_axes": list(pc.strategy.zero_axes)}
+                placement = tuple(_renamed_placement(pc.strategy.placement, rename))
+                param_info[tensor] = {"placement": fmt(placement), "zero_axes": list(pc.strategy.zero_axes)}
         stage_ops = [op for j in range(spec.first, spec.last + 1) for op in layering.ops(j)]
         forward = sum(graph.flops(op) for op in stage_ops) / max(_training_flops(graph, stage_ops), 1e-300)
         latency = time_s + send
@@ -347,7 +457,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
                     "tflops_per_device": float(flops / iteration / cluster.num_devices / 1e12)},
         solver={"backend": options.backend, "status": ilp_stats["status"], "gap": ilp_stats["gap"],
                 "ilps": ilp_stats["ilps"], "ilp_time_s": ilp_stats["solve_time_s"], "time_s": elapsed,
-                "dp_rounds": ilp_stats.get("dp_rounds", 0)},
+                "dp_rounds": ilp_stats.get("dp_rounds", 0), "microbatch_counts": ilp_stats.get("counts", [count])},
         options={"microbatches": options.microbatches, "layers": options.layers,
                  "submesh_family": options.submesh_family, "memory_reserve": options.memory_reserve,
                  "intra_only": options.intra_only, "inter_only": options.inter_only,

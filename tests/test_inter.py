@@ -65,3 +65,19 @@ def test_solve_with_indivisible_microbatches_is_a_one_line_error():
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2
     assert "not divisible into 3 microbatches" in result.stderr and "Traceback" not in result.output
+
+
+def test_shared_solves_name_each_layers_own_dims():
+    """Layers alike up to dim names share one ILP; the plan must speak of each layer's own dims."""
+    graph = mlp(4, 64, 1024)  # small batch: tensor parallel, so every op splits a named dim
+    plan = optimize(graph, preset("p3.16xlarge", 1), microbatches=1, intra_only=True)
+    ops = {op.name: op for op in graph.ops}
+    for stage in plan.stages:
+        for name, entry in stage.ops.items():
+            op_dims = {d for t in (*ops[name].inputs, ops[name].output) for d in graph.tensors[t].dims}
+            assert {d for d in entry["axes"] if d} <= op_dims, (name, entry["axes"])
+            assert any(entry["axes"]), name
+        for name, entry in stage.params.items():
+            for dim in entry["placement"].strip("[]").split(", "):
+                if dim.startswith("S("):
+                    assert dim[2:-1] in graph.tensors[name].dims
