@@ -10,7 +10,6 @@ its output's gradient sum passes on to its input's sum, renamed, Partial or not.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,7 +18,6 @@ from partopt.cluster import LogicalMesh
 from partopt.graph import Graph, Op
 from partopt.ops import reshape_outer
 from partopt.sharding import (
-    P,
     Placement,
     R,
     Shard,
@@ -27,6 +25,7 @@ from partopt.sharding import (
     as_gradient_target,
     gradient_placement,
     reshard_collectives,
+    tensor_placements,
 )
 
 Step = tuple[str, int, float]  # (collective, mesh axis, buffer bytes)
@@ -69,21 +68,6 @@ class Sums:
     forward_only: set[int]
 
 
-def sum_placements(graph: Graph, tensor: str, mesh: LogicalMesh) -> list[Placement]:
-    """Every placement of a gradient sum: per axis Replicate, Partial, or a divisible Shard."""
-    dims = graph.tensors[tensor].dims
-    per_axis = [[R, P] + ([Shard(d) for d in dims] if size > 1 else []) for size in mesh.shape]
-    result = []
-    for placement in itertools.product(*per_axis):
-        split: dict[str, int] = {}
-        for p, size in zip(placement, mesh.shape):
-            if isinstance(p, Shard):
-                split[p.dim] = split.get(p.dim, 1) * size
-        if all(graph.dims[d] % n == 0 for d, n in split.items()):
-            result.append(tuple(placement))
-    return result
-
-
 def _relaying(graph: Graph, op: Op, uses_of: Mapping[str, list[int]]) -> bool:
     """A reshape whose float output is read inside the stage passes gradients on without a reduction."""
     return op.kind == "reshape" and bool(uses_of.get(op.output)) and _is_float(graph, op.output)
@@ -110,7 +94,7 @@ def plan(graph: Graph, uses: Sequence[EdgeUse], op_of_node: Mapping[int, Op], pr
     needs = [t for t, idx in uses_of.items()
              if len(idx) > 1 or t in made_by_relay or any(uses[i].dst in relays for i in idx)]
     sum_node = {t: first_node + k for k, t in enumerate(needs)}
-    nodes = [(t, sum_placements(graph, t, mesh)) for t in needs]
+    nodes = [(t, tensor_placements(graph, t, mesh, partial=True)) for t in needs]
     flows: list[Flow] = []
     forward_only: set[int] = set()
     for t in needs:

@@ -84,15 +84,37 @@ class StageModel:
     microbatches: int
     inflight: int
     flows: list[gradients.Flow] = field(default_factory=list)  # gradients into and out of sum nodes
+    hubs: dict[int, int] = field(default_factory=dict)  # layout node -> the node making its tensor
+    leaving: set[str] = field(default_factory=set)  # ops whose pending-sum output is completed on leaving
+    kept: set[str] = field(default_factory=set)  # ops whose output recomputation keeps (read outside)
+    recompute: bool = False
 
 
 def _is_float(graph: Graph, tensor: str) -> bool:
     return not graph.dtype_of(tensor).startswith(("int", "bool"))
 
 
+@dataclass(frozen=True)
+class UseCollectives:
+    """The collectives of one tensor use: per microbatch forward and backward, per iteration."""
+
+    forward: list
+    backward: list
+    per_iteration: list
+
+    @property
+    def per_microbatch(self) -> list:
+        return self.forward + self.backward
+
+    def recomputed(self, param: bool) -> list:
+        """What recomputation runs again: the forward resharding of an activation. A gathered
+        weight is not: the backward's own gather (already priced) serves the recomputation too."""
+        return [] if param else self.forward
+
+
 def _use_collectives(model_graph: Graph, use: Use, src_strategy, dst_strategy: Strategy,
-                     mesh: LogicalMesh) -> tuple[list, list]:
-    """(collectives per microbatch, collectives per iteration) of one tensor use."""
+                     mesh: LogicalMesh) -> UseCollectives:
+    """The collectives of one tensor use under the chosen strategies of its two ends."""
     nbytes = model_graph.nbytes(use.tensor)
     required = dst_strategy.inputs[use.slot]
     differentiable = _is_float(model_graph, use.tensor)
@@ -100,14 +122,14 @@ def _use_collectives(model_graph: Graph, use: Use, src_strategy, dst_strategy: S
     if use.param:
         p: ParamStrategy = src_strategy
         gather = reshard_collectives(p.placement, required, nbytes, mesh)
-        per_mb = gather * 2  # gathered for the forward and again for the backward (FSDP-style)
+        # gathered for the forward and again for the backward (FSDP-style)
         per_it = param_sync_collectives(grad, p, nbytes, mesh) if differentiable else []
-        return per_mb, per_it
+        return UseCollectives(gather, gather, per_it)
     out: Placement = src_strategy.output
-    per_mb = reshard_collectives(out, required, nbytes, mesh)
+    backward = []
     if differentiable and use.gradient:
-        per_mb = per_mb + reshard_collectives(grad, as_gradient_target(out), nbytes, mesh)
-    return per_mb, []
+        backward = reshard_collectives(grad, as_gradient_target(out), nbytes, mesh)
+    return UseCollectives(reshard_collectives(out, required, nbytes, mesh), backward, [])
 
 
 def _sizes(graph: Graph, tensor: str) -> tuple[int, ...]:
@@ -143,7 +165,7 @@ def _leaving(graph: Graph, op: Op, strategy: Strategy, mesh: LogicalMesh) -> lis
 
 
 def _edge_cost(model_graph: Graph, use: Use, src_list: list, dst_list: list[Strategy],
-               mesh: LogicalMesh, microbatches: int) -> np.ndarray:
+               mesh: LogicalMesh, microbatches: int, recompute: bool) -> np.ndarray:
     cache: dict[tuple, float] = {}
     matrix = np.zeros((len(src_list), len(dst_list)))
     for a, s in enumerate(src_list):
@@ -151,8 +173,10 @@ def _edge_cost(model_graph: Graph, use: Use, src_list: list, dst_list: list[Stra
         for b, d in enumerate(dst_list):
             key = (skey, d.inputs[use.slot], d.axes)
             if key not in cache:
-                per_mb, per_it = _use_collectives(model_graph, use, s, d, mesh)
-                cache[key] = collectives_time(per_mb, mesh) + collectives_time(per_it, mesh) / microbatches
+                c = _use_collectives(model_graph, use, s, d, mesh)
+                again = c.recomputed(use.param) if recompute else []
+                cache[key] = (collectives_time(c.per_microbatch + again, mesh)
+                              + collectives_time(c.per_iteration, mesh) / microbatches)
             matrix[a, b] = cache[key]
     return matrix
 
@@ -185,13 +209,70 @@ def _kept(options: list, keep, name: str, restriction: Restriction) -> list:
     return options
 
 
+def _hub_layouts(graph: Graph, tensor: str, made: list, mesh: LogicalMesh) -> list[Placement]:
+    """Layouts a tensor can be materialised in: every complete placement, and every layout its
+    maker can produce it in (a Partial output among them: then consumers reshard on their own)."""
+    return list(dict.fromkeys([*tensor_placements(graph, tensor, mesh), *(s.output for s in made)]))
+
+
+def _add_layout_hubs(graph: Graph, mesh: LogicalMesh, costs: ilp.CostGraph, strategies: list[list],
+                     uses: list[Use]) -> dict[int, int]:
+    """Give every tensor read by several uses one node choosing the layout it is materialised in.
+
+    Forward, a runtime reshards a tensor once per layout and lets every consumer that needs that
+    layout (or a slice of it) reuse the copy. The layout node prices this: `reshard(made -> m)`
+    once, then `reshard(m -> required)` per use, which is 0 when the use needs `m` itself or a
+    slice of it (Replicate -> Shard is local). Choosing `m` = the maker's own layout gives back
+    independent resharding per use, so the model never prices more than before.
+
+    Exact for gathers: per mesh axis the collective's kind follows from (source, target) and its
+    buffer from the source's other axes (`sharding.buffer_bytes`). If some use needs Replicate on
+    an axis the maker shards or leaves Partial, every schedule gathers (reduces) that axis at least
+    once, from the maker's layout at best — what `reshard(made -> m*)` charges, for m* the most
+    replicated needed layout (per axis: the common need, or Replicate where needs differ); every
+    need is then a free slice of m*. Exact too when every use needs one and the same layout, or
+    the maker is Partial (each use must reduce: all-reduce once, or reduce-scatter once and
+    re-cut). Not exact: one node cannot both hand the maker's own layout to some uses and a
+    shared copy to others. When a use reads the maker's Shard for free and two others need
+    another Shard of that axis, the best is one all-to-all shared by the two; the node pays the
+    cheaper of one all-gather (m = Replicate) and an all-to-all per use (m = maker's layout) —
+    an upper bound, never above independent resharding (tests/test_intra.py checks all of this
+    by brute force on one axis).
+
+    Memory: the materialised copy is transient. What is kept for backward is the maker's output
+    in its own layout (as for every edge; Megatron's sequence parallelism likewise keeps the
+    sequence-sharded input and all-gathers it again in the backward, a re-gather this model does
+    not price, like the input any consumer re-reads in backward). Returns hub node -> maker node.
+    """
+    idle = tuple(None for _ in mesh.shape)
+    by_tensor: dict[str, list[int]] = defaultdict(list)
+    for i, use in enumerate(uses):
+        if not use.param:
+            by_tensor[use.tensor].append(i)
+    hubs: dict[int, int] = {}
+    for tensor, idx in by_tensor.items():
+        if len(idx) < 2:
+            continue
+        maker = uses[idx[0]].src
+        options = [Strategy(idle, (m,), m, 0.0) for m in _hub_layouts(graph, tensor, strategies[maker], mesh)]
+        hub = costs.add_node(f"layout of {tensor}", [0.0] * len(options))
+        strategies.append(options)
+        hubs[hub] = maker
+        for i in idx:
+            uses[i] = dataclasses.replace(uses[i], src=hub)
+        uses.append(Use(tensor, maker, hub, 0, False, gradient=False))
+    return hubs
+
+
 def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, microbatches: int = 1,
           inflight: int = 1, allow_zero: bool = True, data_parallel: bool = False,
-          restriction: Restriction | None = None) -> StageModel:
+          restriction: Restriction | None = None, *, recompute: bool = False) -> StageModel:
     """The stage's cost graph; `graph` must already be at microbatch size (see `with_batch`).
 
     `data_parallel` restricts every op to splitting the batch dim and every parameter to copies;
-    `restriction` filters strategies further.
+    `restriction` filters strategies further. With `recompute` the ops keep for backward only
+    the outputs read outside them, and rerun their forward (compute and forward collectives)
+    once during their backward, holding all their outputs once while they do.
     """
     restriction = restriction or Restriction()
     force_dim = graph.batch_dim if data_parallel else None
@@ -201,13 +282,24 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     node_of_op: dict[str, int] = {}
     inside = {op.name for op in ops}
     boundary = _boundary_pairs(graph, ops, inside)
+    leaving: set[str] = set()
+    kept: set[str] = set()
     for op in ops:
         options = _kept(op_strategies(graph, op, mesh, force_dim), lambda s: restriction.op(op, s), op.name, restriction)
-        leaves = op.output not in boundary and not any(c.name in inside for c in graph.consumers[op.output])
-        node_of_op[op.output] = costs.add_node(
-            op.name, [s.compute_s + s.comm_s + (collectives_time(_leaving(graph, op, s, mesh), mesh) if leaves else 0.0)
-                      for s in options],
-            [s.memory_bytes * inflight for s in options])
+        readers = graph.consumers[op.output]
+        if op.output not in boundary and not any(c.name in inside for c in readers):
+            leaving.add(op.name)
+        if not readers or any(c.name not in inside for c in readers):
+            kept.add(op.name)
+        cost, memory = [], []
+        for s in options:
+            done = collectives_time(_leaving(graph, op, s, mesh), mesh) if op.name in leaving else 0.0
+            cost.append(s.compute_s + s.comm_s + done + ((s.forward_s + done) if recompute else 0.0))
+            if recompute:  # kept per microbatch in flight if it leaves, and once in the working set
+                memory.append(s.memory_bytes * ((inflight if op.name in kept else 0) + 1))
+            else:
+                memory.append(s.memory_bytes * inflight)
+        node_of_op[op.output] = costs.add_node(op.name, cost, memory)
         strategies.append(options)
 
     params: list[str] = []
@@ -251,14 +343,16 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     for tensor, options in sums.nodes:
         costs.add_node(f"gradient of {tensor}", [0.0] * len(options))
         strategies.append(options)
+    hubs = _add_layout_hubs(graph, mesh, costs, strategies, uses)
     for use in uses:
         costs.add_edge(use.src, use.dst, _edge_cost(graph, use, strategies[use.src], strategies[use.dst],
-                                                     mesh, microbatches))
+                                                     mesh, microbatches, recompute))
     for flow in sums.flows:
         costs.add_edge(flow.src, flow.dst, np.array([[
             collectives_time(gradients.collectives(graph, flow, a, b, mesh), mesh) for b in strategies[flow.dst]]
             for a in strategies[flow.src]]))
-    return StageModel(graph, mesh, ops, params, strategies, uses, costs, microbatches, inflight, sums.flows)
+    return StageModel(graph, mesh, ops, params, strategies, uses, costs, microbatches, inflight, sums.flows,
+                      hubs, leaving, kept, recompute)
 
 
 # ---------------------------------------------------------------- decoding
@@ -270,24 +364,26 @@ STATE_PARTS = ("weights", "gradients", "optimizer")
 class Breakdown:
     """Where a stage's time and memory go, under one chosen assignment."""
 
-    compute_s: float = 0.0  # per microbatch, forward + backward
+    compute_s: float = 0.0  # per microbatch, forward + backward (recomputation apart)
     comm_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per microbatch, by kind
     sync_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per iteration, by kind
     optimizer_s: float = 0.0  # per iteration
     param_bytes: float = 0.0  # weights + gradients + optimizer state per device
     state_bytes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATE_PARTS, 0.0))  # param_bytes by part
     activation_bytes: float = 0.0  # kept for backward, one microbatch, per device
+    recompute_s: float = 0.0  # per microbatch: the forward compute and collectives recomputation reruns
+    working_bytes: float = 0.0  # per device: one microbatch's full activations while recomputing (else 0)
 
     @property
     def per_microbatch_s(self) -> float:
-        return self.compute_s + sum(self.comm_s.values())
+        return self.compute_s + sum(self.comm_s.values()) + self.recompute_s
 
     @property
     def per_iteration_s(self) -> float:
         return self.optimizer_s + sum(self.sync_s.values())
 
     def memory_bytes(self, inflight: int) -> float:
-        return self.param_bytes + self.activation_bytes * inflight
+        return self.param_bytes + self.activation_bytes * inflight + self.working_bytes
 
 
 @dataclass(frozen=True)
@@ -348,33 +444,42 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
     chosen = [model.strategies[n][k] for n, k in enumerate(choice)]
     breakdown = Breakdown()
     outgoing: dict[int, list] = defaultdict(list)
+
+    def pay(steps, into: dict[str, float]) -> None:
+        for kind, axis, size in steps:
+            into[kind] += costmodel.collective_time(kind, size, mesh.axes[axis])
+
     for use in model.uses:
-        per_mb, per_it = _use_collectives(g, use, chosen[use.src], chosen[use.dst], mesh)
-        for kind, axis, size in per_mb:
-            breakdown.comm_s[kind] += costmodel.collective_time(kind, size, mesh.axes[axis])
-        for kind, axis, size in per_it:
-            breakdown.sync_s[kind] += costmodel.collective_time(kind, size, mesh.axes[axis])
+        c = _use_collectives(g, use, chosen[use.src], chosen[use.dst], mesh)
+        pay(c.per_microbatch, breakdown.comm_s)
+        pay(c.per_iteration, breakdown.sync_s)
+        if model.recompute:
+            breakdown.recompute_s += collectives_time(c.recomputed(use.param), mesh)
         if not use.param:
-            outgoing[use.src].extend(per_mb)
+            outgoing[model.hubs.get(use.src, use.src)].extend(c.per_microbatch)
     for flow in model.flows:
         steps = gradients.collectives(g, flow, chosen[flow.src], chosen[flow.dst], mesh)
-        for kind, axis, size in steps:
-            breakdown.comm_s[kind] += costmodel.collective_time(kind, size, mesh.axes[axis])
+        pay(steps, breakdown.comm_s)
         if flow.owner is not None:
             outgoing[flow.owner].extend(steps)
     op_choices = []
-    inside = {op.name for op in model.ops}
     for n, op in enumerate(model.ops):
         s: Strategy = chosen[n]
-        if not any(c.name in inside for c in g.consumers[op.output]):
+        if op.name in model.leaving:
             leaving = _leaving(g, op, s, mesh)
             outgoing[n].extend(leaving)
-            for kind, axis, size in leaving:
-                breakdown.comm_s[kind] += costmodel.collective_time(kind, size, mesh.axes[axis])
+            pay(leaving, breakdown.comm_s)
+            if model.recompute:
+                breakdown.recompute_s += collectives_time(leaving, mesh)
         breakdown.compute_s += s.compute_s
         for kind, t in s.comm.items():
             breakdown.comm_s[kind] += t
-        breakdown.activation_bytes += s.memory_bytes
+        if model.recompute:
+            breakdown.recompute_s += s.forward_s
+            breakdown.working_bytes += s.memory_bytes
+            breakdown.activation_bytes += s.memory_bytes if op.name in model.kept else 0.0
+        else:
+            breakdown.activation_bytes += s.memory_bytes
         op_choices.append(OpChoice(op.name, s, describe(g, op, s, outgoing[n], mesh), tuple(outgoing[n])))
     param_choices = []
     for i, tensor in enumerate(model.params):
@@ -413,12 +518,14 @@ def shard_stage(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None
                 microbatch: int | None = None, microbatches: int = 1, inflight: int = 1,
                 memory_budget: float | None = None, backend: str = "cpsat", time_limit_s: float = 60.0,
                 seed: int = 0, allow_zero: bool = True, data_parallel: bool = False,
-                restriction: Restriction | None = None, reduce_first: bool = True) -> StageSharding:
-    """The optimal sharding of `ops` (default: the whole graph) on `mesh` for one microbatch."""
+                restriction: Restriction | None = None, reduce_first: bool = True,
+                recompute: bool = False) -> StageSharding:
+    """The optimal sharding of `ops` (default: the whole graph) on `mesh` for one microbatch;
+    `recompute` checkpoints the ops' outputs read outside them and reruns their forward in backward."""
     g = with_batch(graph, microbatch) if microbatch is not None else graph
     if ops is not None and g is not graph:
         ops = [g.op_index[op.name] for op in ops]
-    model = build(g, mesh, ops, microbatches, inflight, allow_zero, data_parallel, restriction)
+    model = build(g, mesh, ops, microbatches, inflight, allow_zero, data_parallel, restriction, recompute=recompute)
     if memory_budget is not None and ilp.min_memory(model.costs) > memory_budget:
         raise _memory_error(model, memory_budget)
     solution = ilp.solve(model.costs, memory_budget, backend, time_limit_s, seed, reduce_first)

@@ -129,6 +129,7 @@ class Strategy:
     compute_s: float  # forward + backward compute per microbatch
     comm: Mapping[str, float] = field(default_factory=dict)  # in-op collectives per microbatch
     memory_bytes: float = 0.0  # output activation kept for backward, per device
+    forward_s: float = 0.0  # the forward part of compute_s + comm_s: what recomputation runs again
 
     @property
     def comm_s(self) -> float:
@@ -194,12 +195,12 @@ def op_strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None
             elif d in out_tensor.dims:
                 output.append(Shard(d))
                 if behaviour[d] == Behaviour.NORMALISED:  # statistics all-reduce, forward and backward
-                    stats = STATS_BYTES * graph.numel(op.output) / graph.dims[d] / _split(axes, mesh)
+                    stats = STATS_BYTES * graph.numel(op.output) / graph.dims[d] / _split(axes, mesh, besides=d)
                     t = 2 * costmodel.collective_time("all_reduce", stats, mesh.axes[axis])
                     comm["all_reduce"] = comm.get("all_reduce", 0.0) + t
             elif behaviour[d] == Behaviour.NORMALISED:  # vocab-parallel loss: output complete after stats
                 output.append(R)
-                stats = STATS_BYTES * 3 * graph.numel(op.inputs[0]) / graph.dims[d] / _split(axes, mesh)
+                stats = STATS_BYTES * 3 * graph.numel(op.inputs[0]) / graph.dims[d] / _split(axes, mesh, besides=d)
                 t = 2 * costmodel.collective_time("all_reduce", stats, mesh.axes[axis])
                 comm["all_reduce"] = comm.get("all_reduce", 0.0) + t
             else:  # contracted, reduced, gathered: a pending sum
@@ -212,19 +213,29 @@ def op_strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None
             flops / split, 2 * moved, mesh.device, dtype, matmul)
         strategies.append(Strategy(
             axes=tuple(axes), inputs=inputs, output=output_t, compute_s=compute, comm=comm,
-            memory_bytes=local_bytes(graph.nbytes(op.output), output_t, mesh)))
+            memory_bytes=local_bytes(graph.nbytes(op.output), output_t, mesh),
+            forward_s=compute * forward_share(matmul) + sum(comm.values()) / 2))
     return strategies
 
 
-def _split(axes: Sequence[str | None], mesh: LogicalMesh) -> int:
-    """How many ways the op's work is divided: the product of the assigned axes' sizes."""
-    return math.prod(size for d, size in zip(axes, mesh.shape) if d is not None)
+def forward_share(matmul: bool) -> float:
+    """The forward pass's share of an op's training compute time: the FLOP split of
+    `costmodel.training_flops` (1/3 for matmuls, 1/2 for the rest) applied to the whole roofline."""
+    return 1.0 / (1.0 + costmodel.BACKWARD_FACTOR["matmul" if matmul else "other"])
 
 
-def tensor_placements(graph: Graph, tensor: str, mesh: LogicalMesh) -> list[Placement]:
-    """Every complete placement of a tensor: Replicate or a divisible Shard on each axis."""
+def _split(axes: Sequence[str | None], mesh: LogicalMesh, besides: str | None = None) -> int:
+    """How many ways the op's work is divided: the product of the assigned axes' sizes (leaving
+    out the axes that split `besides`: statistics over a normalised dim are per row of the others)."""
+    return math.prod(size for d, size in zip(axes, mesh.shape) if d is not None and d != besides)
+
+
+def tensor_placements(graph: Graph, tensor: str, mesh: LogicalMesh, partial: bool = False) -> list[Placement]:
+    """Every placement of a tensor: Replicate or a divisible Shard on each axis (complete ones),
+    and with `partial` also Partial (a pending sum, as a gradient sum may be)."""
     dims = graph.tensors[tensor].dims
-    per_axis = [[R] + ([Shard(d) for d in dims] if size > 1 else []) for size in mesh.shape]
+    per_axis = [[R] + ([P] if partial else []) + ([Shard(d) for d in dims] if size > 1 else [])
+                for size in mesh.shape]
     return [tuple(p) for p in itertools.product(*per_axis)
             if _divisible(graph, [x.dim if isinstance(x, Shard) else None for x in p], mesh)]
 

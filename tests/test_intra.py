@@ -156,3 +156,94 @@ def test_microbatch_view_scales_dims_derived_from_the_batch():
     small = intra.with_batch(graph, 8)
     assert (small.dims["b"], small.dims["bs"], small.dims["g"]) == (8, 8 * 1024, 8 * 1024 // 2048)
     assert small.dims["s"] == graph.dims["s"]
+
+
+# ---------------------------------------------------------------- shared forward resharding
+
+INSTANT = Device("instant", {"fp32": 1e30}, 2**40, 1e30, matmul_efficiency=1.0)  # compute costs nothing
+
+
+def _fanout_graph(consumers: int) -> Graph:
+    """x[b,s,k,r] -> sum over r -> t[b,s,k] -> `consumers` elementwise readers, all int32.
+
+    Integers carry no gradient, so the stage's only costs are the forward resharding of t."""
+    dims = {"b": 8, "s": 8, "k": 8, "r": 8}
+    tensors = {"x": Tensor("x", ("b", "s", "k", "r"), "input", "int32"), "t": Tensor("t", ("b", "s", "k"), dtype="int32")}
+    ops = [Op("make", "reduce", ("x",), "t", 0, {"fn": "sum"})]
+    for i in range(consumers):
+        tensors[f"y{i}"] = Tensor(f"y{i}", ("b", "s", "k"), "output", "int32")
+        ops.append(Op(f"read{i}", "elementwise", ("t",), f"y{i}", 0, {"fn": "neg"}))
+    return Graph("fanout", dims, tensors, ops, "b", "fp32")
+
+
+def _reshard_by_hand(src, dst, nbytes, n, bw):
+    """One axis of n devices, DESIGN §4's table written out (a layout is 'R', 'P' or a sharded dim)."""
+    if src == dst or src == "R":
+        return 0.0
+    step = (n - 1) / n / bw
+    if src == "P":
+        return LAUNCH + (2 if dst == "R" else 1) * step * nbytes  # all-reduce / reduce-scatter
+    if dst == "R":
+        return LAUNCH + step * nbytes  # all-gather
+    return LAUNCH + step * nbytes / n  # all-to-all of the local shard
+
+
+def _cheapest_materialisation(made, needed, nbytes, n, bw):
+    """Brute force over every set of intermediate copies: each copy is made from the maker's
+    layout once; each distinct needed layout is taken from the maker or from any copy."""
+    layouts = ["R", "b", "s", "k"]
+    best = float("inf")
+    for mask in range(1 << len(layouts)):
+        copies = [m for i, m in enumerate(layouts) if mask >> i & 1]
+        cost = sum(_reshard_by_hand(made, m, nbytes, n, bw) for m in copies)
+        cost += sum(min(_reshard_by_hand(src, q, nbytes, n, bw) for src in [made, *copies]) for q in set(needed))
+        best = min(best, cost)
+    return best
+
+
+def test_a_tensor_read_by_several_ops_is_resharded_once_per_layout_brute_force():
+    """Every assignment of the maker (R, S(b), S(s), S(k) or Partial over r) and of three readers
+    (R or one of three Shards): the stage's cost equals the cheapest way to materialise the
+    needed layouts, found by brute force over sets of intermediate copies — except in the one
+    family the single layout node cannot express (intra._add_layout_hubs): a reader takes the
+    maker's own Shard for free while two others share an all-to-all to a second Shard. There the
+    node pays the cheaper of one all-gather and an all-to-all per reader."""
+    import itertools
+    n, bw = 4, 10e9
+    graph, mesh = _fanout_graph(3), Cluster("row", 1, n, INSTANT, Link(bw, 0.0), Link(bw, 0.0)).logical_mesh((1, n), (1, n))
+    nbytes = graph.nbytes("t")
+    label = {None: "R", "r": "P"}
+    shared = inexpressible = 0
+    for made in (None, "b", "s", "k", "r"):
+        for reads in itertools.combinations_with_replacement((None, "b", "s", "k"), 3):
+            pinned = {"make": (None, made), **{f"read{i}": (None, d) for i, d in enumerate(reads)}}
+            stage = intra.shard_stage(graph, mesh, restriction=intra.Restriction(
+                lambda op, s: s.axes == pinned[op.name]), backend="highs")
+            p, needed = label.get(made, made), [label.get(d, d) for d in reads]
+            best = _cheapest_materialisation(p, needed, nbytes, n, bw)
+            independent = sum(_reshard_by_hand(p, q, nbytes, n, bw) for q in needed)
+            shared += best < independent - 1e-12
+            other = [q for q in needed if q != p]
+            if p in ("b", "s", "k") and p in needed and len(other) == 2 and other[0] == other[1] != "R":
+                inexpressible += 1
+                gather, a2a = _reshard_by_hand(p, "R", nbytes, n, bw), _reshard_by_hand(p, other[0], nbytes, n, bw)
+                assert best == pytest.approx(a2a)
+                assert stage.objective == pytest.approx(min(gather, 2 * a2a), rel=1e-12), (made, reads)
+            else:
+                assert stage.objective == pytest.approx(best, rel=1e-12, abs=1e-15), (made, reads)
+    assert inexpressible == 6
+    assert shared >= 40  # the sharing is exercised: e.g. S(b) read as R, R, S(s) pays one all-gather, not two + an all-to-all
+
+
+def test_sequence_sharded_norm_output_is_gathered_once_for_q_and_the_key_value_reshape():
+    """GPT's ln1 output feeds q and (through the s -> t reshape) k and v; sequence parallelism
+    all-gathers it once forward (and reduce-scatters its summed gradient once backward)."""
+    from partopt.models import gpt
+    graph = gpt(hidden=256, layers=3, heads=4, seq=64, vocab=64, batch=1)
+    ops = [op for op in graph.ops if op.layer == 1]
+    sp = {"l1.ln1": (None, "s"), "l1.x_t": (None, None), "l1.q": (None, "n"), "l1.k": (None, "n"), "l1.v": (None, "n")}
+    stage = intra.shard_stage(graph, row_mesh(4), ops, backend="highs", restriction=intra.Restriction(
+        lambda op, s: op.name not in sp or s.axes == sp[op.name]))
+    ln1 = next(c for c in stage.ops if c.op == "l1.ln1")
+    a = graph.nbytes("l1.ln1")
+    assert sorted(ln1.collectives) == [("all_gather", 1, a), ("reduce_scatter", 1, a)]
