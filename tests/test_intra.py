@@ -247,3 +247,60 @@ def test_sequence_sharded_norm_output_is_gathered_once_for_q_and_the_key_value_r
     ln1 = next(c for c in stage.ops if c.op == "l1.ln1")
     a = graph.nbytes("l1.ln1")
     assert sorted(ln1.collectives) == [("all_gather", 1, a), ("reduce_scatter", 1, a)]
+
+
+# ---------------------------------------------------------------- activation recomputation
+
+def mlp_gelu(batch: int, hidden: int) -> Graph:
+    """x[b,h0] -> fc0 -> gelu -> fc1 -> y1: fp32, square weights, no bias."""
+    dims = {"b": batch, "h0": hidden, "h1": hidden, "h2": hidden}
+    tensors = {"x": Tensor("x", ("b", "h0"), "input"), "w0": Tensor("w0", ("h0", "h1"), "param"),
+               "w1": Tensor("w1", ("h1", "h2"), "param"), "y0": Tensor("y0", ("b", "h1")),
+               "g": Tensor("g", ("b", "h1")), "y1": Tensor("y1", ("b", "h2"), "output")}
+    ops = [Op("fc0", "einsum", ("x", "w0"), "y0", 0), Op("gelu", "elementwise", ("y0",), "g", 0, {"fn": "gelu"}),
+           Op("fc1", "einsum", ("g", "w1"), "y1", 0)]
+    return Graph("mlp-gelu", dims, tensors, ops, "b", "fp32")
+
+
+def test_recompute_adds_the_forward_compute_and_forward_collectives_and_keeps_only_the_output():
+    b, h, bw = 128, 1024, 10e9
+    graph, mesh = mlp_gelu(b, h), row_mesh(bw=bw)
+    megatron = {"fc0": (None, "h1"), "gelu": (None, "h1"), "fc1": (None, "h1")}
+    pin = intra.Restriction(lambda op, s: s.axes == megatron[op.name])
+    plain = intra.shard_stage(graph, mesh, restriction=pin)
+    again = intra.shard_stage(graph, mesh, restriction=pin, recompute=True)
+    assert axes_of(intra.shard_stage(graph, mesh)) == megatron  # the free optimum, without recompute
+    matmuls = 2 * matmul_time(b, h, 4)  # forward + backward
+    gelu = 2 * b * h / 4 / PEAK  # 1 FLOP per element, forward + backward, split 4 ways
+    reduce_y1 = all_reduce(b * h * 4, 4, bw)  # row-parallel output leaving the stage (forward only)
+    for stage in (plain, again):
+        assert stage.breakdown.compute_s == pytest.approx(matmuls + gelu, rel=1e-12)
+        assert stage.breakdown.comm_s == {"all_reduce": pytest.approx(reduce_y1, rel=1e-12)}
+    assert plain.breakdown.recompute_s == 0.0
+    assert again.breakdown.recompute_s == pytest.approx(matmuls / 3 + gelu / 2 + reduce_y1, rel=1e-12)
+    assert again.objective == pytest.approx(plain.objective + matmuls / 3 + gelu / 2 + reduce_y1, rel=1e-12)
+    assert again.breakdown.per_microbatch_s == pytest.approx(4 / 3 * matmuls + 3 / 2 * gelu + 2 * reduce_y1, rel=1e-12)
+
+    quarter = b * h * 4 / 4
+    # without recompute every output is kept: y0 and g column-split, y1 a full pending sum
+    assert plain.breakdown.activation_bytes == pytest.approx(2 * quarter + 4 * quarter)
+    assert plain.breakdown.working_bytes == 0.0
+    # with it only y1, which leaves the ops, in its layout; all three once while recomputing
+    assert again.breakdown.activation_bytes == pytest.approx(4 * quarter)
+    assert again.breakdown.working_bytes == pytest.approx(2 * quarter + 4 * quarter)
+
+
+def test_recompute_makes_a_budget_feasible_that_is_not_without_it():
+    b, h, inflight = 1024, 128, 4
+    graph, mesh = mlp_gelu(b, h), row_mesh()
+    params = 2 * 16 * h * h / 4  # the least: each weight's Adam state split 4 ways
+    out = b * h * 4 / 4  # the least per output: split 4 ways
+    without = params + inflight * 3 * out  # all three outputs kept per microbatch in flight
+    with_recompute = params + inflight * out + 3 * out  # y1 kept per microbatch; all three once
+    budget = (without + with_recompute) / 2
+    with pytest.raises(InfeasibleError):
+        intra.shard_stage(graph, mesh, inflight=inflight, memory_budget=budget)
+    stage = intra.shard_stage(graph, mesh, inflight=inflight, memory_budget=budget, recompute=True)
+    bd = stage.breakdown
+    assert stage.memory_bytes == pytest.approx(bd.param_bytes + inflight * bd.activation_bytes + bd.working_bytes)
+    assert with_recompute <= stage.memory_bytes <= budget

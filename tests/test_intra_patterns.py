@@ -12,7 +12,7 @@ from test_intra import LAUNCH, PEAK, row_mesh
 
 from partopt import intra
 from partopt.io import read_graph
-from partopt.models import bert
+from partopt.models import bert, gpt
 from partopt.sharding import P, R, Shard
 
 INSTANCES = Path(__file__).parent.parent / "instances"
@@ -125,3 +125,81 @@ def test_moe_layer_splits_experts_and_moves_tokens_by_all_to_all():
     forced = intra.shard_stage(graph, row_mesh(n, BW), backend="highs", data_parallel=True)
     expert_flops = 3 * 2 * graph.flops(graph.op_index["l0.fc1"])  # fc1 and fc2, forward + backward
     assert forced.objective - stage.objective > (1 - 1 / n) * expert_flops / PEAK - expected
+
+
+# ---------------------------------------------------------------- 3. GPT layer, sequence parallelism
+
+def all_gather(nbytes, n):
+    return LAUNCH + (n - 1) / n * nbytes / BW
+
+
+reduce_scatter = all_gather  # same ring volume and launch
+
+
+def gpt_middle_layer(batch, seq, hidden=1024, heads=16):
+    graph = gpt(hidden=hidden, layers=3, heads=heads, seq=seq, vocab=512, batch=batch)
+    return graph, [op for op in graph.ops if op.layer == 1]
+
+
+def test_gpt_layer_under_a_memory_budget_is_sequence_parallel_with_reduce_scatter_and_all_gather():
+    """Megatron-SP (Korthikanti et al. 2022) on a pre-norm GPT layer, microbatch of one sequence.
+
+    Without a budget the plain tensor-parallel form wins: 4 all-reduces of the [s, h] activation
+    (A bytes) per microbatch, layernorms and residual adds replicated. With a budget that the six
+    replicated [s, h] tensors (ln1, ln2, the two bias adds after proj and fc2, res1, res2) cannot
+    pay, those ops split the sequence instead (A/T each): proj and fc2 reduce-scatter their pending
+    sums into them, and ln1/ln2 are all-gathered once for their readers (q and the s -> t reshape
+    feeding k and v: one layout node shares the gather), 4 all-gathers + 4 reduce-scatters per
+    microbatch, no all-reduce. The layernorm and bias parameters then get sequence-partial
+    gradients: 6 small all-reduces per iteration, amortised over 2 microbatches here (with one
+    microbatch, an h-sharded stream with 4 statistics all-reduces would be cheaper by launches).
+    A batch of one leaves the sequence as the only token dim to split.
+    """
+    b, s, h, n, mb = 1, 512, 1024, 4, 2
+    graph, ops = gpt_middle_layer(b, s, h)
+    f, heads = 4 * h, 16
+    a = b * s * h * FP16
+    scores = b * heads * s * s * FP16  # [b, n, s, t]
+    tp = intra.shard_stage(graph, row_mesh(n, BW), ops, backend="highs", microbatches=mb)
+    t = by_op(tp)
+    replicated = ("ln1", "proj.add_bias", "res1", "ln2", "fc2.add_bias", "res2")
+    for name in replicated:
+        assert t[f"l1.{name}"].axes == (None, None), name
+    assert t["l1.proj"].output == (R, P) and t["l1.fc2"].output == (R, P)
+    assert tp.breakdown.comm_s == {"all_reduce": pytest.approx(4 * all_reduce(a, n), rel=1e-12)}
+    assert tp.breakdown.sync_s == {}
+
+    # memory by hand, Megatron layout, one microbatch in flight
+    activations = (a  # ln1
+                   + 6 * a / n  # q, k, v and their bias adds, head-split
+                   + a  # x_t (the reshape's output, replicated)
+                   + 2 * scores / n + a / n  # scores, probs, context
+                   + a + 3 * a  # proj (pending sum, full size); proj.add_bias, res1, ln2
+                   + 3 * f / h * a / n  # fc1, its bias add, gelu: f-split
+                   + a + 2 * a)  # fc2 (pending sum); fc2.add_bias, res2
+    params = 16 * ((12 * h * h + 7 * h) / n + 6 * h)  # q,k,v,proj,fc1,fc2 weights and q,k,v,fc1 biases split
+    assert tp.memory_bytes == pytest.approx(activations + params, rel=1e-12)
+
+    budget = activations + params - len(replicated) * (1 - 1 / n) * a  # those six at A/n instead of A
+    sp = intra.shard_stage(graph, row_mesh(n, BW), ops, backend="highs", microbatches=mb, memory_budget=budget)
+    q = by_op(sp)
+    for name in replicated:
+        assert q[f"l1.{name}"].axes == (None, "s") and q[f"l1.{name}"].output == (R, Shard("s")), name
+    for name in ("l1.q", "l1.k", "l1.v", "l1.proj"):
+        assert q[name].axes == (None, "n"), name
+    assert q["l1.x_t"].axes == (None, None)
+    assert q["l1.fc1"].axes == (None, "f") and q["l1.fc2"].axes == (None, "f")
+    assert sp.memory_bytes == pytest.approx(budget, rel=1e-12)
+    assert sp.breakdown.comm_s == {"all_gather": pytest.approx(4 * all_gather(a, n), rel=1e-12),
+                                   "reduce_scatter": pytest.approx(4 * reduce_scatter(a, n), rel=1e-12)}
+    ln1 = next(c for c in sp.ops if c.op == "l1.ln1")
+    assert sorted(k for k, _, _ in ln1.collectives) == ["all_gather", "reduce_scatter"]  # once each, not per reader
+    sync = 6 * all_reduce(h * FP16, n)  # ln1/ln2 scale and shift, proj and fc2 biases
+    assert sp.breakdown.sync_s == {"all_reduce": pytest.approx(sync, rel=1e-12)}
+
+    # by hand: the six split ops save (1 - 1/n) of their compute (training = 2 x forward; layernorm
+    # 8 FLOP per element, an add 1); SP pays 4 more launches and the per-iteration syncs
+    saved = (1 - 1 / n) * 2 * (2 * 8 + 4) * b * s * h / PEAK
+    extra = 4 * (all_gather(a, n) + reduce_scatter(a, n) - all_reduce(a, n)) + sync / mb
+    assert sp.objective - tp.objective == pytest.approx(extra - saved, rel=1e-6)
+    assert extra > saved  # so without a budget the all-reduce form wins, as found
