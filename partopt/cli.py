@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from partopt import evaluate, io, models
+from partopt import evaluate, io, models, reproduce
 from partopt.cluster import PRESETS, Cluster, Link, preset
 from partopt.costmodel import training_flops
 from partopt.draw import draw
@@ -416,3 +416,31 @@ def draw_command(plan_file: str, output: str, schedule: str) -> None:
     """Draw PLAN's pipeline schedule of one iteration and its memory per stage."""
     draw(read_plan(plan_file), output, schedule)
     click.echo(f"wrote {output}")
+
+
+@main.group("reproduce")
+def reproduce_group() -> None:
+    """Reproduce published benchmarks under partopt's cost model."""
+
+
+@reproduce_group.command("alpa")
+@click.option("--quick", is_flag=True, help="GPT only, up to 8 GPUs.")
+def reproduce_alpa(quick: bool) -> None:
+    """Alpa's Figure 7 cases with every planner, beside the paper's figures (scripts/reproduce_alpa.py also
+    writes docs/benchmarks.md, the figure and the ablation)."""
+    out = Console()
+    selected = reproduce.cases(["gpt"], reproduce.QUICK_MAX_GPUS) if quick else reproduce.cases()
+    results = reproduce.run(selected, lambda case, planner: out.log(
+        f"{case.instance} on {case.gpus} GPUs: {reproduce.PLANNER_TITLES[planner]}"))
+    for model in reproduce.MODELS:
+        for title, (header, rows) in ((f"{model}: per-GPU TFLOP/s, predicted (paper)", reproduce.results_rows(model, results)),
+                                      (f"{model}: plans", reproduce.plan_rows(model, results))):
+            if rows:
+                table = Table(title=title)
+                for column in header:
+                    table.add_column(column)
+                for row in rows:
+                    table.add_row(*row)
+                out.print(table)
+    for check in reproduce.checks(results):
+        out.print(f"{'PASS' if check.passed else 'FAIL'} {check.name} — {check.detail}")

@@ -117,13 +117,19 @@ def cases(models: Sequence[str] = MODELS, max_gpus: int = 64) -> list[Case]:
     return result
 
 
-def cluster_for(gpus: int) -> Cluster:
-    """p3.16xlarge with `gpus` V100s: one node with fewer devices below 8, else gpus / 8 whole nodes."""
+Efficiency = tuple[float, float]  # (matmul_efficiency, memory_efficiency) of the V100
+
+
+def cluster_for(gpus: int, efficiency: Efficiency | None = None) -> Cluster:
+    """p3.16xlarge with `gpus` V100s: one node with fewer devices below 8, else gpus / 8 whole nodes;
+    `efficiency` overrides the preset device's (matmul, memory) efficiencies."""
     if gpus < 8:
-        return dataclasses.replace(preset(MACHINE, 1), devices_per_node=gpus)
-    if gpus % 8:
+        cluster = dataclasses.replace(preset(MACHINE, 1), devices_per_node=gpus)
+    elif gpus % 8:
         raise InstanceError(f"{gpus} GPUs is not a whole number of p3.16xlarge nodes", "--max-gpus", "use 1, 2, 4 or a multiple of 8")
-    return preset(MACHINE, gpus // 8)
+    else:
+        cluster = preset(MACHINE, gpus // 8)
+    return cluster if efficiency is None else with_efficiency(cluster, *efficiency)
 
 
 # ---------------------------------------------------------------- the throughput metric
@@ -161,32 +167,34 @@ def model_options(model: str) -> dict:
 
 
 def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32, **options) -> Plan:
-    """The best Megatron-style uniform plan over every (tp ≤ node, pp, dp, microbatches) grid point.
+    """The best Megatron-style uniform plan over the (tp ≤ node, pp, dp, microbatches) grid.
 
-    Microbatch counts are powers of two from pp up to those that leave each data-parallel rank
-    a microbatch of 1, and at most `max_microbatch` samples per rank. A grid point whose
-    unsharded parameter state (16 bytes/param / (tp·pp)) cannot fit is skipped unpriced.
+    For each (tp, pp, dp) the per-rank microbatch grows through the powers of two (1 … `max_microbatch`,
+    at least pp microbatches) until the plan stops fitting or gets slower: the iteration time
+    (B + pp - 1)·(a + c·mb) + sync with B = batch / mb is convex in mb, and memory only grows with it.
+    A grid point whose unsharded parameter state (16 bytes/param / (tp·pp)) exceeds the device is skipped.
     """
     batch, g, m = graph.dims[graph.batch_dim], cluster.num_devices, cluster.devices_per_node
     layers = len(graph.layers)
-    budget = cluster.device.memory_bytes
     best: Plan | None = None
     last_error: InfeasibleError | None = None
     for tp in (t for t in range(1, min(g, m) + 1) if g % t == 0):
         for pp in (p for p in range(1, g // tp + 1) if (g // tp) % p == 0 and layers % p == 0):
             dp = g // (tp * pp)
-            if (tp * dp) % m and m % (tp * dp):
+            if ((tp * dp) % m and m % (tp * dp)) or 16 * graph.num_params / (tp * pp) > cluster.device.memory_bytes:
                 continue
-            if 16 * graph.num_params / (tp * pp) > budget:
-                continue
-            for count in (2**e for e in range(batch.bit_length())):
-                if count < pp or batch % count or (batch // count) % dp or batch // count // dp > max_microbatch:
-                    continue
+            previous = math.inf
+            for count in sorted((c for c in (2**e for e in range(batch.bit_length()))
+                                 if c >= pp and batch % c == 0 and (batch // c) % dp == 0
+                                 and batch // c // dp <= max_microbatch), reverse=True):
                 try:
                     plan = evaluate.uniform(graph, cluster, tp, pp, dp, count, **options)
                 except InfeasibleError as err:
                     last_error = err
-                    continue
+                    break
+                if plan.iteration_time_s > previous:
+                    break
+                previous = plan.iteration_time_s
                 if best is None or plan.iteration_time_s < best.iteration_time_s:
                     best = plan
     if best is None:
@@ -258,10 +266,10 @@ Progress = Callable[[Case, str], None]
 
 
 def run_case(case: Case, planners: Sequence[str] | None = None, microbatches: int | str = "auto",
-             graph: Graph | None = None) -> CaseResult:
+             graph: Graph | None = None, efficiency: Efficiency | None = None) -> CaseResult:
     """Plan one case with each planner (default: the case's four) and price each plan's TFLOP/s."""
     graph = graph or read_graph(INSTANCES / f"{case.instance}.json")
-    cluster = cluster_for(case.gpus)
+    cluster = cluster_for(case.gpus, efficiency)
     cells = {}
     for planner in planners or case.planners:
         start = time.perf_counter()
@@ -275,7 +283,8 @@ def run_case(case: Case, planners: Sequence[str] | None = None, microbatches: in
     return CaseResult(case, cells)
 
 
-def run(selected: Sequence[Case], progress: Progress | None = None, microbatches: int | str = "auto") -> list[CaseResult]:
+def run(selected: Sequence[Case], progress: Progress | None = None, microbatches: int | str = "auto",
+        efficiency: Efficiency | None = None) -> list[CaseResult]:
     """Run every case with its planners; `progress(case, planner)` is called before each plan."""
     results = []
     for case in selected:
@@ -284,7 +293,7 @@ def run(selected: Sequence[Case], progress: Progress | None = None, microbatches
         for planner in case.planners:
             if progress:
                 progress(case, planner)
-            cells.update(run_case(case, [planner], microbatches, graph).cells)
+            cells.update(run_case(case, [planner], microbatches, graph, efficiency).cells)
         results.append(CaseResult(case, cells))
     return results
 
@@ -389,7 +398,7 @@ def predict_point(point: CalibrationPoint, matmul: float, memory: float, graph: 
     graph = graph or read_graph(INSTANCES / f"{point.instance}.json")
     if point.batch is not None:
         graph = intra.with_batch(graph, point.batch)
-    cluster = with_efficiency(cluster_for(point.gpus), matmul, memory)
+    cluster = cluster_for(point.gpus, (matmul, memory))
     if point.uniform is not None:
         tp, pp, dp, count = point.uniform
         plan = evaluate.uniform(graph, cluster, tp, pp, dp, count, **model_options(point.model))
@@ -534,14 +543,14 @@ def _best_even_split(graph: Graph, cluster: Cluster, layering: Layering, count: 
     return best, why
 
 
-def ablation(model: str, gpus: int, dp_plan: Plan | None = None) -> AblationResult:
+def ablation(model: str, gpus: int, dp_plan: Plan | None = None, efficiency: Efficiency | None = None) -> AblationResult:
     """The inter-op ablation of one case: partopt's stage DP against stages split evenly —
     the DP on equal submeshes, equal layers per stage, equal operators per stage (each on
     equal submeshes, the best stage count and logical shape kept), at the DP plan's microbatches."""
     start = time.perf_counter()
     case = next(c for c in cases([model]) if c.gpus == gpus)
     graph = read_graph(INSTANCES / f"{case.instance}.json")
-    cluster = cluster_for(gpus)
+    cluster = cluster_for(gpus, efficiency)
     dp_plan = dp_plan or plan_with("partopt", graph, cluster, model=model)
     count = dp_plan.num_microbatches
     tflops: dict[str, float | None] = {"dp": tflops_per_gpu(model, graph, dp_plan)}
@@ -578,3 +587,81 @@ def ablation(model: str, gpus: int, dp_plan: Plan | None = None) -> AblationResu
         detail[method] = best[1] if best else why
     reported = dict(zip(ABLATION_METHODS, ABLATION_REPORTED[(model, gpus)]))
     return AblationResult(model, gpus, case.instance, tflops, detail, reported, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------- tables (strings for rich and markdown alike)
+
+def _cell(result: CaseResult, planner: str) -> str:
+    """'61.23 (61.61)': predicted, then the paper's figure when it reports one."""
+    cell = result.cells[planner]
+    text = _fmt(cell.tflops)
+    if planner in result.case.reported:
+        text += f" ({_fmt(result.case.reported[planner])})"
+    return text
+
+
+def results_rows(model: str, results: list[CaseResult]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of one model's table (strings, for rich and markdown alike)."""
+    planners = ("partopt", "inter_only", "intra_only", BASELINE[model])
+    header = ["GPUs", "model"] + [PLANNER_TITLES[p] for p in planners] + ["error vs Alpa", "partopt planning s", "all planners s"]
+    rows = []
+    for r in results:
+        if r.case.model != model:
+            continue
+        error = "—" if r.error is None else f"{r.error:+.1%}"
+        rows.append([str(r.case.gpus), r.case.instance] + [_cell(r, p) for p in planners]
+                    + [error, f"{r.cells['partopt'].seconds:.1f}", f"{sum(c.seconds for c in r.cells.values()):.1f}"])
+    return header, rows
+
+
+def plan_rows(model: str, results: list[CaseResult]) -> tuple[list[str], list[list[str]]]:
+    """partopt's plan of each case beside Alpa's reported one (GPT), and the baseline's configuration."""
+    header = ["GPUs", "partopt B", "stages", "submeshes", "logical meshes", "Alpa B", "stages", "submeshes", "logical meshes",
+              f"{PLANNER_TITLES[BASELINE[model]]} plan"]
+    rows = []
+    for r in results:
+        if r.case.model != model:
+            continue
+        plan = r.cells["partopt"].plan
+        ours = summarize(plan) if plan else None
+        alpa = r.case.alpa_plan
+        base = r.cells[BASELINE[model]]
+        base_text = base.detail if base.detail and base.plan else (
+            f"B {base.plan.num_microbatches}, {format_meshes(summarize(base.plan).logical_meshes)}" if base.plan else "out of memory")
+        rows.append([str(r.case.gpus)]
+                    + ([str(ours.microbatches), str(ours.stages), format_meshes(ours.submeshes),
+                        format_meshes(ours.logical_meshes)] if ours else [r.cells["partopt"].detail or "out of memory", "", "", ""])
+                    + ([str(alpa.microbatches), str(alpa.stages), format_meshes(alpa.submeshes),
+                        format_meshes(alpa.logical_meshes)] if alpa else ["—", "—", "—", "—"])
+                    + [base_text])
+    return header, rows
+
+
+def ablation_rows(ablations: list[AblationResult]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the ablation table: predicted TFLOP/s per method (paper's in parentheses)."""
+    header = ["case", "GPUs"] + [ABLATION_TITLES[m] for m in ABLATION_METHODS] + ["best even splits", "s"]
+    rows = [[a.instance, str(a.gpus)] + [f"{_fmt(a.tflops[m])} ({a.reported[m]:g})" for m in ABLATION_METHODS]
+            + ["; ".join(f"{ABLATION_TITLES[m]}: {a.detail[m]}" for m in ABLATION_METHODS[1:]), f"{a.seconds:.0f}"]
+            for a in ablations]
+    return header, rows
+
+
+def plan_difference(result: CaseResult) -> str | None:
+    """Where partopt's plan differs from Alpa's reported one ('same plan' when it does not; None when
+    either is missing)."""
+    plan, alpa = result.cells["partopt"].plan, result.case.alpa_plan
+    if plan is None or alpa is None:
+        return None
+    ours = summarize(plan)
+    parts = []
+    if ours.microbatches != alpa.microbatches:
+        parts.append(f"B {ours.microbatches} vs {alpa.microbatches}")
+    if ours.stages != alpa.stages:
+        parts.append(f"{ours.stages} stages vs {alpa.stages}")
+    if sorted(ours.submeshes) != sorted(alpa.submeshes):
+        parts.append(f"submeshes {format_meshes(ours.submeshes)} vs {format_meshes(alpa.submeshes)}")
+    elif ours.submeshes != alpa.submeshes:
+        parts.append("the same submeshes in another order")
+    if sorted(ours.logical_meshes) != sorted(alpa.logical_meshes):
+        parts.append(f"logical meshes {format_meshes(ours.logical_meshes)} vs {format_meshes(alpa.logical_meshes)}")
+    return "; ".join(parts) or "same plan"

@@ -28,64 +28,6 @@ BEGIN, END = "<!-- alpa:begin -->", "<!-- alpa:end -->"
 MODEL_TITLES = {"gpt": "GPT", "moe": "MoE", "wresnet": "Wide-ResNet"}
 
 
-def _num(x: float | None) -> str:
-    return "OOM" if x is None else f"{x:.2f}"
-
-
-def _cell(result: rp.CaseResult, planner: str) -> str:
-    """'61.23 (61.61)': predicted, then the paper's figure when it reports one."""
-    cell = result.cells[planner]
-    text = _num(cell.tflops)
-    if planner in result.case.reported:
-        text += f" ({_num(result.case.reported[planner])})"
-    return text
-
-
-def results_rows(model: str, results: list[rp.CaseResult]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of one model's table (strings, for rich and markdown alike)."""
-    planners = ("partopt", "inter_only", "intra_only", rp.BASELINE[model])
-    header = ["GPUs", "model"] + [rp.PLANNER_TITLES[p] for p in planners] + ["error vs Alpa", "partopt planning s", "all planners s"]
-    rows = []
-    for r in results:
-        if r.case.model != model:
-            continue
-        error = "—" if r.error is None else f"{r.error:+.1%}"
-        rows.append([str(r.case.gpus), r.case.instance] + [_cell(r, p) for p in planners]
-                    + [error, f"{r.cells['partopt'].seconds:.1f}", f"{sum(c.seconds for c in r.cells.values()):.1f}"])
-    return header, rows
-
-
-def plan_rows(model: str, results: list[rp.CaseResult]) -> tuple[list[str], list[list[str]]]:
-    """partopt's plan of each case beside Alpa's reported one (GPT), and the baseline's configuration."""
-    header = ["GPUs", "partopt B", "stages", "submeshes", "logical meshes", "Alpa B", "stages", "submeshes", "logical meshes",
-              f"{rp.PLANNER_TITLES[rp.BASELINE[model]]} plan"]
-    rows = []
-    for r in results:
-        if r.case.model != model:
-            continue
-        plan = r.cells["partopt"].plan
-        ours = rp.summarize(plan) if plan else None
-        alpa = r.case.alpa_plan
-        base = r.cells[rp.BASELINE[model]]
-        base_text = base.detail if base.detail and base.plan else (
-            f"B {base.plan.num_microbatches}, {rp.format_meshes(rp.summarize(base.plan).logical_meshes)}" if base.plan else "out of memory")
-        rows.append([str(r.case.gpus)]
-                    + ([str(ours.microbatches), str(ours.stages), rp.format_meshes(ours.submeshes),
-                        rp.format_meshes(ours.logical_meshes)] if ours else ["out of memory", "", "", ""])
-                    + ([str(alpa.microbatches), str(alpa.stages), rp.format_meshes(alpa.submeshes),
-                        rp.format_meshes(alpa.logical_meshes)] if alpa else ["—", "—", "—", "—"])
-                    + [base_text])
-    return header, rows
-
-
-def ablation_rows(ablations: list[rp.AblationResult]) -> tuple[list[str], list[list[str]]]:
-    header = ["case", "GPUs"] + [rp.ABLATION_TITLES[m] for m in rp.ABLATION_METHODS] + ["best even splits", "s"]
-    rows = [[a.instance, str(a.gpus)] + [f"{_num(a.tflops[m])} ({a.reported[m]:g})" for m in rp.ABLATION_METHODS]
-            + ["; ".join(f"{rp.ABLATION_TITLES[m]}: {a.detail[m]}" for m in rp.ABLATION_METHODS[1:]), f"{a.seconds:.0f}"]
-            for a in ablations]
-    return header, rows
-
-
 def rich_table(title: str, header: list[str], rows: list[list[str]]) -> Table:
     table = Table(title=title, title_justify="left")
     for h in header:
@@ -148,10 +90,11 @@ def write_docs(section: str, path: Path = DOCS) -> None:
     path.write_text(text)
 
 
-def markdown(results, ablations, found, command: str, wall_s: float) -> str:
+def markdown(results, ablations, found, command: str, wall_s: float, efficiency: rp.Efficiency) -> str:
     out = ["## Alpa benchmarks", "",
            (f"Written by `{command}` in {wall_s / 60:.1f} min of wall time on the project's 2-core machine "
-            "(shared, noisy). Every number below is the script's; rerun it to refresh them."), "",
+            "(shared, noisy). Every number below is the script's; rerun it to refresh them. V100 efficiencies: "
+            f"matmul {efficiency[0]:g}, memory {efficiency[1]:g} (docs/COSTMODEL.md, Calibration)."), "",
            ("Each cell is partopt's predicted per-GPU TFLOP/s under its cost model, with the paper's reported "
            "figure in parentheses (REFERENCE.md §3). GPT counts the recomputed forward (Megatron's closed form "
            "with 96, as the paper does); MoE and Wide-ResNet count the model FLOPs of the graph (forward + "
@@ -164,9 +107,12 @@ def markdown(results, ablations, found, command: str, wall_s: float) -> str:
             continue
         sub = [r for r in results if r.case.model == model]
         med = rp.median_error(sub)
-        out += [f"### {MODEL_TITLES[model]}", "", markdown_table(*results_rows(model, results)), "",
+        out += [f"### {MODEL_TITLES[model]}", "", markdown_table(*rp.results_rows(model, results)), "",
                 f"Median |error| of partopt vs Alpa: {'—' if med is None else f'{med:.1%}'}.", "",
-                markdown_table(*plan_rows(model, results)), ""]
+                markdown_table(*rp.plan_rows(model, results)), ""]
+        differences = [(r.case.gpus, rp.plan_difference(r)) for r in sub]
+        if any(d for _, d in differences):
+            out += ["partopt's plan against Alpa's: " + "; ".join(f"**{g} GPUs** {d}" for g, d in differences if d) + ".", ""]
     med = rp.median_error(results)
     out += [f"Median |error| over all rows: {'—' if med is None else f'{med:.1%}'}.", "", "### Checks", ""]
     out += [f"* **{'PASS' if c.passed else 'FAIL'}** {c.name} — {c.detail}" for c in found]
@@ -176,7 +122,7 @@ def markdown(results, ablations, found, command: str, wall_s: float) -> str:
                 "runs the stage DP with one submesh shape for all stages; equal layer cuts the tagged layers, equal "
                 "operator the operators in topological order, into equal runs on equal submeshes. For each the best "
                 "stage count and logical shape is kept. The paper's figure is in parentheses."), "",
-                markdown_table(*ablation_rows(ablations))]
+                markdown_table(*rp.ablation_rows(ablations))]
     return "\n".join(out) + "\n"
 
 
@@ -186,42 +132,47 @@ def markdown(results, ablations, found, command: str, wall_s: float) -> str:
 @click.option("--max-gpus", type=int, default=64, help="Largest GPU count to run.")
 @click.option("--ablation/--no-ablation", default=True, help="Run the inter-op ablation (cases it needs only).")
 @click.option("--write/--no-write", default=True, help="Write docs/benchmarks.md's section and the figure.")
-def main(quick: bool, models: str, max_gpus: int, ablation: bool, write: bool) -> None:
+@click.option("--efficiency", type=(float, float), default=None,
+              help="V100 (matmul, memory) efficiencies instead of the preset's, e.g. the calibrated pair.")
+def main(quick: bool, models: str, max_gpus: int, ablation: bool, write: bool,
+         efficiency: tuple[float, float] | None) -> None:
     """Run the Alpa benchmark cases with every planner and print the comparison."""
     console = Console(width=None if sys.stdout.isatty() else 200)
     start = time.perf_counter()
+    device = rp.cluster_for(1, efficiency).device
+    used = (device.matmul_efficiency, device.memory_efficiency)
     chosen = ["gpt"] if quick else models.split(",")
     selected = rp.cases(chosen, min(max_gpus, rp.QUICK_MAX_GPUS) if quick else max_gpus)
 
     def progress(case: rp.Case, planner: str) -> None:
         console.log(f"{case.instance} on {case.gpus} GPUs: {rp.PLANNER_TITLES[planner]}")
 
-    results = rp.run(selected, progress)
+    results = rp.run(selected, progress, efficiency=efficiency)
     ablations = []
     if ablation and not quick:
         for model, gpus in rp.ABLATION_REPORTED:
             done = next((r for r in results if r.case.model == model and r.case.gpus == gpus), None)
             if done is not None:
                 console.log(f"ablation: {model} on {gpus} GPUs")
-                ablations.append(rp.ablation(model, gpus, done.cells["partopt"].plan))
+                ablations.append(rp.ablation(model, gpus, done.cells["partopt"].plan, efficiency))
     found = rp.checks(results)
     wall = time.perf_counter() - start
 
     for model in rp.MODELS:
         if any(r.case.model == model for r in results):
-            console.print(rich_table(f"{MODEL_TITLES[model]}: per-GPU TFLOP/s, predicted (paper)", *results_rows(model, results)))
-            console.print(rich_table(f"{MODEL_TITLES[model]}: plans", *plan_rows(model, results)))
+            console.print(rich_table(f"{MODEL_TITLES[model]}: per-GPU TFLOP/s, predicted (paper)", *rp.results_rows(model, results)))
+            console.print(rich_table(f"{MODEL_TITLES[model]}: plans", *rp.plan_rows(model, results)))
             med = rp.median_error([r for r in results if r.case.model == model])
             console.print(f"median |error| vs Alpa: {'—' if med is None else f'{med:.1%}'}")
     if ablations:
-        console.print(rich_table("Inter-op ablation: per-GPU TFLOP/s, predicted (paper)", *ablation_rows(ablations)))
+        console.print(rich_table("Inter-op ablation: per-GPU TFLOP/s, predicted (paper)", *rp.ablation_rows(ablations)))
     for c in found:
         console.print(f"[{'green' if c.passed else 'red'}]{'PASS' if c.passed else 'FAIL'}[/] {c.name} — {c.detail}")
-    console.print(f"wall time {wall:.1f} s")
+    console.print(f"wall time {wall:.1f} s (V100 efficiencies: matmul {used[0]:g}, memory {used[1]:g})")
     if write:
         figure(results, FIGURE)
         command = "python scripts/reproduce_alpa.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        write_docs(markdown(results, ablations, found, command.strip(), wall))
+        write_docs(markdown(results, ablations, found, command.strip(), wall, used))
         console.print(f"wrote {DOCS.relative_to(ROOT)} and {FIGURE.relative_to(ROOT)}")
 
 

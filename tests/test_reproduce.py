@@ -14,7 +14,7 @@ from partopt import intra
 from partopt import reproduce as rp
 from partopt.errors import InstanceError
 from partopt.io import read_graph
-from partopt.plan import Plan
+from partopt.plan import Plan, StagePlan
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -169,15 +169,33 @@ def test_small_slice_runs_and_partopt_beats_every_baseline(small_run):
     assert one["intra_only"].tflops == pytest.approx(one["partopt"].tflops)
 
 
-def test_script_tables_have_a_row_per_case(small_run, tmp_path):
-    script = _script()
-    header, rows = script.plan_rows("gpt", small_run)
+def test_tables_have_a_row_per_case(small_run, tmp_path):
+    header, rows = rp.plan_rows("gpt", small_run)
     assert len(rows) == 2 and len(header) == len(rows[0])
     assert rows[1][5:9] == ["128", "2", "(1,1) ×2", "(1,1) ×2"]  # Alpa's 2-GPU plan, REFERENCE §3
-    header, rows = script.results_rows("gpt", small_run)
+    header, rows = rp.results_rows("gpt", small_run)
     assert [row[0] for row in rows] == ["1", "2"] and "(45.07)" in rows[0][2]
+    script = _script()
     doc = tmp_path / "benchmarks.md"
     doc.write_text(f"# Benchmarks\n\nbefore\n\n{script.BEGIN}\nold\n{script.END}\n\nafter\n")
     script.write_docs("## Alpa benchmarks\nnew\n", doc)
     text = doc.read_text()
     assert "old" not in text and "new" in text and text.index("before") < text.index("new") < text.index("after")
+
+
+def _staged(count: int, meshes: list[tuple[tuple[int, int], tuple[int, int]]]) -> Plan:
+    plan = _plan(1.0, 1, 8)
+    plan.num_microbatches = count
+    plan.stages = [StagePlan([0, 0], [0], list(sub), list(logical), [], 0.0, 0.0, 0.0, 0.0, 0.0, 1, {}, {}, {})
+                   for sub, logical in meshes]
+    return plan
+
+
+def test_plan_difference_names_each_difference():
+    case = next(c for c in rp.cases(["gpt"]) if c.gpus == 8)  # Alpa: B 128, (1,2) (1,2) (1,4), (2,1) (2,1) (4,1)
+    same = _staged(128, [((1, 2), (2, 1)), ((1, 2), (2, 1)), ((1, 4), (4, 1))])
+    assert rp.plan_difference(rp.CaseResult(case, {"partopt": rp.Cell("partopt", 1.0, same, 0.0)})) == "same plan"
+    other = _staged(512, [((1, 2), (2, 1)), ((1, 4), (2, 2)), ((1, 2), (2, 1))])
+    text = rp.plan_difference(rp.CaseResult(case, {"partopt": rp.Cell("partopt", 1.0, other, 0.0)}))
+    assert text == ("B 512 vs 128; the same submeshes in another order; "
+                    "logical meshes (2,1), (2,2), (2,1) vs (2,1) ×2, (4,1)")
