@@ -284,18 +284,25 @@ def _render_plan(plan: Plan) -> list[Table]:
               help="Seconds per ILP.")
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
-@click.option("--search", type=click.Choice(["full", "intra-only", "inter-only", "data-parallel-only"]),
+@click.option("--search", type=click.Choice(["full", "intra-only", "inter-only", "data-parallel-only", "pp-dp"]),
               default="full", show_default=True, help="Restrict the search (baselines).")
+@click.option("--logical-shapes", type=click.Choice(["node_local", "all"]), default="node_local", show_default=True,
+              help="Logical meshes per submesh: second axis inside a node (Alpa's space), or every factorisation.")
+@click.option("--submeshes", type=click.Choice(["alpa", "power_of_two"]), default="alpa", show_default=True,
+              help="Submesh shapes: (1, 2^k) and (n, M) for every n, or only powers of two (large clusters).")
+@click.option("--workers", type=click.IntRange(min=1), help="Processes for the ILPs (default: one per core).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the plan file here.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the plan file to stdout.")
 def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches: str, layers: int, solver: str,
-          time_limit: float, memory_reserve: float, search: str, output: str | None, as_json: bool) -> None:
+          time_limit: float, memory_reserve: float, search: str, logical_shapes: str, submeshes: str,
+          workers: int | None, output: str | None, as_json: bool) -> None:
     """Plan GRAPH on a cluster: pipeline stages, submeshes, logical meshes and per-op shardings."""
     graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
     if microbatches != "auto" and not microbatches.isdigit():
         raise InstanceError(f"--microbatches must be a positive count or auto, got {microbatches!r}", "--microbatches")
     restrict = {"intra-only": {"intra_only": True}, "inter-only": {"inter_only": True},
-                "data-parallel-only": {"data_parallel_only": True}}.get(search, {})
+                "data-parallel-only": {"data_parallel_only": True},
+                "pp-dp": {"stage_data_parallel": True}}.get(search, {})
     console = Console(stderr=True)
     with Progress(TextColumn("pricing stage candidates"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
@@ -303,7 +310,7 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
         plan = optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
                         microbatches=microbatches if microbatches == "auto" else int(microbatches),
                         layers=layers, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
-                        **restrict)
+                        logical_shapes=logical_shapes, submesh_family=submeshes, workers=workers, **restrict)
     _emit(plan, output, as_json)
 
 

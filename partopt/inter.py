@@ -41,7 +41,7 @@ class Options:
     microbatches: int | str = "auto"
     layers: int | None = DEFAULT_MAX_LAYERS
     submesh_family: str = "alpa"
-    logical_shapes: Sequence[tuple[int, int]] | None = None
+    logical_shapes: str | Sequence[tuple[int, int]] = "node_local"  # or "all", or the allowed (a, b)
     backend: str = "highs"  # fastest in docs/benchmarks.md
     time_limit_s: float = 60.0
     memory_reserve: float = costmodel.DEFAULT_MEMORY_RESERVE
@@ -78,9 +78,14 @@ def _shapes(cluster: Cluster, submesh: tuple[int, int], options: Options) -> lis
     if options.data_parallel_only or options.stage_data_parallel:
         return [(devices, 1)]
     shapes = cluster.logical_shapes(submesh)
-    if options.logical_shapes is not None:
-        shapes = [s for s in shapes if tuple(s) in {tuple(x) for x in options.logical_shapes}]
-    return shapes
+    if options.logical_shapes == "node_local":  # Alpa's benchmark space: the second axis stays in a node
+        return [s for s in shapes if submesh[0] == 1 or cluster.devices_per_node % s[1] == 0]
+    if options.logical_shapes == "all":
+        return shapes
+    if isinstance(options.logical_shapes, str):
+        raise InstanceError(f"unknown logical shape family {options.logical_shapes!r}", "logical_shapes",
+                            "use node_local, all, or a list of (a, b) shapes")
+    return [s for s in shapes if tuple(s) in {tuple(x) for x in options.logical_shapes}]
 
 
 @dataclass(frozen=True)
@@ -132,7 +137,8 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, *
     """The best pipeline + sharding plan of `graph` on `cluster` under the cost model.
 
     Options (keywords): microbatches ("auto" or a count), layers (most DP layers, default 16),
-    submesh_family ("alpa" | "power_of_two"), logical_shapes (allowed (a, b) shapes), backend
+    submesh_family ("alpa" | "power_of_two"), logical_shapes ("node_local": the second mesh axis
+    within a node, as Alpa's benchmarks; "all"; or a list of allowed (a, b) shapes), backend
     ("highs" | "cpsat" | "cbc"), time_limit_s (per ILP), memory_reserve (fraction of device
     memory kept free), intra_only / inter_only / data_parallel_only / stage_data_parallel
     (restricted searches, the benchmarks' baselines: one stage on the whole cluster; stages of
@@ -165,7 +171,7 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, *
     if not candidates:
         raise _no_plan(graph, cluster, budget)
     done = 0
-    with _Pricer(graph, options, budget) as pricer:
+    with _Pricer(graph, options) as pricer:
         for n, count in enumerate(candidates):
             if best is not None and bounds[count] >= best[0]:
                 continue  # its lower bound already loses: no ILP needed
@@ -173,26 +179,64 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, *
             g_mb = intra.with_batch(graph, mb)
             base_ops = [[g_mb.op_index[op.name] for op in ops] for ops in layering.base]
             hashes = [g_mb.structural_hash(ops) for ops in base_ops]
-            jobs = {(hashes[b], key): (mb, count, [op.name for op in ops], meshes[key])
-                    for key in meshes for b, ops in enumerate(base_ops)}
+            names = [[op.name for op in ops] for ops in base_ops]
+            jobs = {(hashes[b], key): (mb, count, names[b], meshes[key], budget)
+                    for key in meshes for b in range(len(base_ops))}
             total = done + len(jobs) * (len(candidates) - n)  # an estimate: later counts may be skipped
             priced = pricer.run(jobs, ilp_stats, lambda k: progress(done + k, total) if progress else None)
             done += len(jobs)
             ilp_stats["counts"].append(count)
-            costs = {key: [priced[(hashes[b], key)] for b in range(len(base_ops))] for key in meshes}
-            t, extra, shapes = _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch, link, budget)
+            costs = {key: [[priced[(hashes[b], key)] for b in range(len(base_ops))]] for key in meshes}
+            _tighten(costs, priced, jobs, hashes, budget, len(base_ops), pricer, ilp_stats)
+            t, extra, options_of = _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch, link,
+                                                budget)
             result = stagedp.solve(t, extra, sizes, cluster.num_devices, count)
             if result is None:
                 continue
             ilp_stats["dp_rounds"] = ilp_stats.get("dp_rounds", 0) + result.rounds
             if best is None or result.total < best[0] - 1e-15:
-                specs = [StageSpec(c.first, c.last, submeshes[c.submesh], shapes[c.submesh][c.option],
+                specs = [StageSpec(c.first, c.last, submeshes[c.submesh], options_of[c.submesh][c.option][0],
                                    min(c.inflight, count)) for c in result.stages]
-                best = (result.total, count, specs, [costs[(spec.submesh, spec.shape)] for spec in specs])
+                rows = [costs[(spec.submesh, spec.shape)][options_of[c.submesh][c.option][1]]
+                        for spec, c in zip(specs, result.stages)]
+                best = (result.total, count, specs, rows)
     if best is None:
         raise _no_plan(graph, cluster, budget)
     _, count, specs, rows = best
     return assemble(graph, cluster, layering, options, count, specs, rows, ilp_stats, time.perf_counter() - start)
+
+
+MEMORY_RUNGS = (2, 4, 8, 16, 32, 64)  # per-layer caps budget / r that a stage of about r layers needs
+
+
+def _tighten(costs: dict, priced: dict, jobs: dict, hashes: list, budget: float, layers: int,
+             pricer: _Pricer, stats: dict) -> None:
+    """Add memory-leaner options: re-price layers whose optimum overflows budget / r, r = 2, 4, …
+
+    Each layer's ILP alone sees only its own memory; a stage of r such layers needs each to fit
+    about budget / r. A layer whose optimum already fits the tighter cap keeps it (the same ILP
+    with a tighter, non-binding constraint has the same optimum), so small models cost nothing.
+    Each mesh gets one more row of layer costs per cap at which any of its layers changed.
+    """
+    last = dict(priced)
+    stuck = {key for key, cost in last.items() if cost is None}
+    for r in MEMORY_RUNGS:
+        if r > layers:
+            break
+        cap = budget / r
+        tight = {key: (*job[:4], cap) for key, job in jobs.items()
+                 if key not in stuck and last[key].param_bytes + last[key].activation_bytes > cap}
+        if not tight:
+            break
+        for key, cost in pricer.run(tight, stats, lambda k: None).items():
+            if cost is None:
+                stuck.add(key)  # cannot fit this cap: keep its leanest option, stop refining it
+            else:
+                last[key] = cost
+        for key, rows in costs.items():
+            row = [last[(h, key)] for h in hashes]
+            if any(new is not old for new, old in zip(row, rows[-1])):
+                rows.append(row)
 
 
 def _lower_bound(graph: Graph, count: int, cluster: Cluster) -> float:
@@ -235,21 +279,21 @@ def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, budget: fl
     return LayerCost(b.per_microbatch_s, b.per_iteration_s, b.param_bytes, b.activation_bytes, sharding)
 
 
-def _price_job(graph: Graph, options: Options, budget: float, job: tuple) -> LayerCost | None:
-    mb, count, names, mesh = job
+def _price_job(graph: Graph, options: Options, job: tuple) -> LayerCost | None:
+    mb, count, names, mesh, cap = job
     g_mb = intra.with_batch(graph, mb)
-    return _price(g_mb, [g_mb.op_index[n] for n in names], mesh, count, budget, options)
+    return _price(g_mb, [g_mb.op_index[n] for n in names], mesh, count, cap, options)
 
 
 _WORKER: dict = {}
 
 
-def _worker_init(graph: Graph, options: Options, budget: float) -> None:
-    _WORKER.update(graph=graph, options=options, budget=budget)
+def _worker_init(graph: Graph, options: Options) -> None:
+    _WORKER.update(graph=graph, options=options)
 
 
 def _worker_job(job: tuple) -> LayerCost | None:
-    return _price_job(_WORKER["graph"], _WORKER["options"], _WORKER["budget"], job)
+    return _price_job(_WORKER["graph"], _WORKER["options"], job)
 
 
 class _Pricer:
@@ -257,8 +301,8 @@ class _Pricer:
 
     MIN_OPS = 2000  # below this many ops over all jobs, starting worker processes costs more than it saves
 
-    def __init__(self, graph: Graph, options: Options, budget: float):
-        self.graph, self.options, self.budget = graph, options, budget
+    def __init__(self, graph: Graph, options: Options):
+        self.graph, self.options = graph, options
         self.workers = options.workers or len(os.sched_getaffinity(0))
         self.pool: ProcessPoolExecutor | None = None
 
@@ -275,11 +319,11 @@ class _Pricer:
         if self.workers > 1 and self.pool is None and sum(len(jobs[k][2]) for k in keys) >= self.MIN_OPS:
             # spawned, not forked: the solvers' threads in this process must not be copied mid-lock
             self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_worker_init, initargs=(self.graph, self.options, self.budget))
+                                            initializer=_worker_init, initargs=(self.graph, self.options))
         if self.pool is not None:
             results = self.pool.map(_worker_job, [jobs[k] for k in keys], chunksize=1)
         else:
-            results = (_price_job(self.graph, self.options, self.budget, jobs[k]) for k in keys)
+            results = (_price_job(self.graph, self.options, jobs[k]) for k in keys)
         out = {}
         for n, (key, cost) in enumerate(zip(keys, results), 1):
             out[key] = cost
@@ -320,19 +364,21 @@ def _send(boundary: list[float], last: int, mb: int, batch: int, link) -> float:
 
 
 def _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch, link, budget):
-    """t[h, k, i, j, s] and extra[h, k, i, j, s] for the stage DP: option h is the submesh's h-th logical shape.
+    """t[h, k, i, j, s] and extra[h, k, i, j, s] for the stage DP; option h of submesh s is a logical
+    shape with one row of layer costs (see `_tighten`).
 
     An entry is inf when the stage's memory does not fit k in-flight microbatches (1F1B).
-    Returns the tables and, per submesh, its shapes in option order.
+    Returns the tables and, per submesh, its (shape, row index) options in order.
     """
     L, S = len(layering.groups), len(submeshes)
-    shapes = [[shape for (x, shape) in meshes if x == sub] for sub in submeshes]
-    H = max(len(x) for x in shapes)
+    options = [[(shape, r) for (x, shape) in meshes if x == sub for r in range(len(costs[(x, shape)]))]
+               for sub in submeshes]
+    H = max(len(x) for x in options)
     t = np.full((H, L + 1, L, L, S), np.inf)
     extra = np.zeros((H, L + 1, L, L, S))
     for s, sub in enumerate(submeshes):
-        for h, shape in enumerate(shapes[s]):
-            row = costs[(sub, shape)]
+        for h, (shape, r) in enumerate(options[s]):
+            row = costs[(sub, shape)][r]
             for i in range(L):
                 time_s = sync_s = params = acts = 0.0
                 for j in range(i, L):
@@ -345,7 +391,7 @@ def _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch,
                         if params + min(k, count) * acts > budget:
                             break
                         t[h, k, i, j, s], extra[h, k, i, j, s] = latency, sync_s
-    return t, extra, shapes
+    return t, extra, options
 
 
 def _no_plan(graph: Graph, cluster: Cluster, budget: float) -> InfeasibleError:
@@ -459,6 +505,8 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
                 "ilps": ilp_stats["ilps"], "ilp_time_s": ilp_stats["solve_time_s"], "time_s": elapsed,
                 "dp_rounds": ilp_stats.get("dp_rounds", 0), "microbatch_counts": ilp_stats.get("counts", [count])},
         options={"microbatches": options.microbatches, "layers": options.layers,
+                 "logical_shapes": options.logical_shapes if isinstance(options.logical_shapes, str)
+                 else [list(x) for x in options.logical_shapes],
                  "submesh_family": options.submesh_family, "memory_reserve": options.memory_reserve,
                  "intra_only": options.intra_only, "inter_only": options.inter_only,
                  "data_parallel_only": options.data_parallel_only, "stage_data_parallel": options.stage_data_parallel},
