@@ -291,11 +291,12 @@ def _render_plan(plan: Plan) -> list[Table]:
 @click.option("--submeshes", type=click.Choice(["alpa", "power_of_two"]), default="alpa", show_default=True,
               help="Submesh shapes: (1, 2^k) and (n, M) for every n, or only powers of two (large clusters).")
 @click.option("--workers", type=click.IntRange(min=1), help="Processes for the ILPs (default: one per core).")
+@click.option("--recompute", is_flag=True, help="Recompute activations: each layer keeps only its output for backward.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the plan file here.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the plan file to stdout.")
 def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches: str, layers: int, solver: str,
           time_limit: float, memory_reserve: float, search: str, logical_shapes: str, submeshes: str,
-          workers: int | None, output: str | None, as_json: bool) -> None:
+          workers: int | None, recompute: bool, output: str | None, as_json: bool) -> None:
     """Plan GRAPH on a cluster: pipeline stages, submeshes, logical meshes and per-op shardings."""
     graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
     if microbatches != "auto" and not microbatches.isdigit():
@@ -310,7 +311,8 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
         plan = optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
                         microbatches=microbatches if microbatches == "auto" else int(microbatches),
                         layers=layers, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
-                        logical_shapes=logical_shapes, submesh_family=submeshes, workers=workers, **restrict)
+                        logical_shapes=logical_shapes, submesh_family=submeshes, workers=workers,
+                        recompute=recompute, **restrict)
     _emit(plan, output, as_json)
 
 
@@ -348,13 +350,14 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
 @click.option("--dp", type=click.IntRange(min=1), help="Data-parallel degree of a Megatron-style plan.")
 @click.option("--microbatches", type=click.IntRange(min=1), help="Microbatch count (Megatron-style; default pp).")
 @click.option("--zero", is_flag=True, help="Shard optimizer state over the data-parallel axis (Megatron-style).")
+@click.option("--recompute", is_flag=True, help="Recompute activations (Megatron-style; a plan file keeps its own).")
 @click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the priced plan file here.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the priced plan file to stdout.")
 def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, plan_file: str | None,
-                     tp: int | None, pp: int | None, dp: int | None, microbatches: int | None, zero: bool,
+                     tp: int | None, pp: int | None, dp: int | None, microbatches: int | None, zero: bool, recompute: bool,
                      solver: str, memory_reserve: float, output: str | None, as_json: bool) -> None:
     """Price a plan of GRAPH under the cost model: a plan file (--plan) or a Megatron-style uniform
     plan (--tp T --pp P --dp D): P equal stages, each on a (D, T) mesh, batch over D."""
@@ -363,14 +366,14 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
     if (plan_file is None) == all(d is None for d in degrees) or (plan_file is None and None in degrees):
         raise InstanceError("give either --plan FILE or all of --tp, --pp and --dp", "partopt evaluate",
                             "for example --plan plan.json, or --tp 8 --pp 2 --dp 4")
-    if plan_file is not None and (microbatches is not None or zero):
-        raise InstanceError("--microbatches and --zero describe a Megatron-style plan, not a plan file",
+    if plan_file is not None and (microbatches is not None or zero or recompute):
+        raise InstanceError("--microbatches, --zero and --recompute describe a Megatron-style plan, not a plan file",
                             "partopt evaluate", "edit the plan file instead")
     options = {"backend": solver, "memory_reserve": memory_reserve}
     if plan_file is not None:
         plan = evaluate.evaluate(graph, cluster, read_plan(plan_file), where=plan_file, **options)
     else:
-        plan = evaluate.uniform(graph, cluster, tp, pp, dp, microbatches, zero, **options)
+        plan = evaluate.uniform(graph, cluster, tp, pp, dp, microbatches, zero, recompute=recompute, **options)
     _emit(plan, output, as_json)
 
 

@@ -62,7 +62,7 @@ def stage_times(plan: Plan) -> list[StageTimes]:
         forward = compute * share
         result.append(StageTimes(forward_s=forward, backward_s=compute - forward, send_s=stage.send_time_s / 2,
                                  activation_bytes=float(stage.breakdown["activation_bytes"]),
-                                 static_bytes=float(stage.breakdown["param_bytes"])))
+                                 static_bytes=float(stage.breakdown["param_bytes"] + stage.breakdown.get("working_bytes", 0.0))))
     return result
 
 
@@ -164,7 +164,7 @@ def _memory(ax: Axes, plan: Plan, simulation: Simulation, budget: float | None) 
     """Stacked bars per stage: parameter state, activations × in-flight microbatches (GiB); legend handles."""
     params, acts = [], []
     for stage, inflight in zip(plan.stages, simulation.max_inflight):
-        params.append(stage.breakdown["param_bytes"] / GIB)
+        params.append((stage.breakdown["param_bytes"] + stage.breakdown.get("working_bytes", 0.0)) / GIB)
         acts.append(stage.breakdown["activation_bytes"] * inflight / GIB)
     rows = range(len(plan.stages))
     ax.barh(rows, params, height=_BAR, color=COLOURS["params"], gid="memory-params")

@@ -106,11 +106,11 @@ def _price_layers(graph: Graph, cluster: Cluster, layering: Layering, count: int
                      if restriction.param(t, s)))
         if key not in cache:
             sharding = intra.shard_stage(g_mb, mesh, ops, microbatches=count, inflight=1, backend=options.backend,
-                                         time_limit_s=options.time_limit_s, seed=options.seed, restriction=restriction)
+                                         time_limit_s=options.time_limit_s, seed=options.seed, restriction=restriction,
+                                         recompute=options.recompute)
             stats["ilps"] += 1
             stats["solve_time_s"] += sharding.solution.result.time_s
-            bd = sharding.breakdown
-            cache[key] = LayerCost(bd.per_microbatch_s, bd.per_iteration_s, bd.param_bytes, bd.activation_bytes, sharding)
+            cache[key] = LayerCost.of(sharding)
         row[b] = cache[key]
     return row
 
@@ -135,7 +135,8 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
             raise InfeasibleError(
                 f"stage {i} needs {fmt_bytes(stage.memory_bytes)} per device (parameter state "
                 f"{fmt_bytes(stage.breakdown['param_bytes'])} + {stage.inflight_microbatches} × "
-                f"{fmt_bytes(stage.breakdown['activation_bytes'])} activations), over the budget {fmt_bytes(budget)} "
+                f"{fmt_bytes(stage.breakdown['activation_bytes'])} activations + {fmt_bytes(stage.breakdown['working_bytes'])} "
+                f"recomputation working set), over the budget {fmt_bytes(budget)} "
                 f"by {fmt_bytes(stage.memory_bytes - budget)}", f"{where}.stages[{i}]",
                 "use more devices per stage, more stages, ZeRO (--zero), or more microbatches")
     return plan
@@ -152,7 +153,8 @@ def evaluate(graph: Graph, cluster: Cluster, plan: Plan, where: str = "plan", **
                             "evaluate a plan on the graph it was made for")
     if graph.batch_dim is None:
         raise InstanceError("the graph names no batch dim", "batch_dim", "set `batch_dim` to plan microbatches")
-    options = Options(**{"layers": plan.options.get("layers"), **kwargs})
+    options = Options(**{"layers": plan.options.get("layers"), "recompute": plan.options.get("recompute", False),
+                         **kwargs})
     count = microbatch_counts(graph.dims[graph.batch_dim], plan.num_microbatches)[0]
     layering = build_layers(graph, options.layers)
     _check_stages([s.layers for s in plan.stages], len(layering.groups), where)

@@ -35,6 +35,8 @@ def explain(plan: Plan) -> list[StageExplanation]:
     for i, stage in enumerate(plan.stages):
         bd = stage.breakdown
         time_s = {"compute": B * bd["compute_s"]}
+        if bd.get("recompute_s"):
+            time_s["recomputation (per microbatch)"] = B * bd["recompute_s"]
         for kind, seconds in sorted(bd["comm_s"].items()):
             time_s[f"{_label(kind)} (per microbatch)"] = B * seconds
         if stage.send_time_s:
@@ -48,5 +50,7 @@ def explain(plan: Plan) -> list[StageExplanation]:
                   for part, size in (bd.get("state_bytes") or {"parameter state": bd["param_bytes"]}).items()}
         memory[f"activations × {stage.inflight_microbatches} in flight"] = (
             stage.inflight_microbatches * bd["activation_bytes"])
+        if bd.get("working_bytes"):
+            memory["recomputation working set"] = bd["working_bytes"]
         result.append(StageExplanation(i, time_s, memory, [entry["explanation"] for entry in stage.ops.values()]))
     return result

@@ -23,7 +23,7 @@ import numpy as np
 
 from partopt import costmodel, intra, stagedp
 from partopt.cluster import Cluster, LogicalMesh
-from partopt.errors import InfeasibleError, InstanceError, PartoptError
+from partopt.errors import InfeasibleError, InstanceError, PartoptError, SolverError
 from partopt.graph import Graph, Op
 from partopt.layering import Layering, build_layers
 from partopt.ops import is_matmul
@@ -51,6 +51,7 @@ class Options:
     stage_data_parallel: bool = False
     seed: int = 0
     workers: int | None = None  # processes for the ILPs; None: one per available core
+    recompute: bool = False  # activation recomputation: layers keep only their outputs for backward
 
 
 def microbatch_counts(batch: int, requested: int | str) -> list[int]:
@@ -90,11 +91,24 @@ def _shapes(cluster: Cluster, submesh: tuple[int, int], options: Options) -> lis
 
 @dataclass(frozen=True)
 class LayerCost:
-    time_s: float
-    sync_s: float
+    """One base layer solved on one mesh: what the stage table adds up."""
+
+    time_s: float  # per microbatch
+    sync_s: float  # per iteration
     param_bytes: float
-    activation_bytes: float
+    activation_bytes: float  # kept per in-flight microbatch
+    working_bytes: float  # transient, once (recomputation)
     sharding: intra.StageSharding
+
+    @classmethod
+    def of(cls, sharding: intra.StageSharding) -> LayerCost:
+        b = sharding.breakdown
+        return cls(b.per_microbatch_s, b.per_iteration_s, b.param_bytes, b.activation_bytes, b.working_bytes, sharding)
+
+    @property
+    def memory_bytes(self) -> float:
+        """Per device with one microbatch in flight."""
+        return self.param_bytes + self.activation_bytes + self.working_bytes
 
 
 def _boundary_bytes(graph: Graph, layering: Layering) -> list[float]:
@@ -167,7 +181,8 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, *
     best: tuple[float, int, list[StageSpec], list] | None = None
     # cheapest first by a lower bound, so that later counts can be skipped without pricing them
     bounds = {count: _lower_bound(graph, count, cluster) for count in counts}
-    candidates = [c for c in sorted(counts, key=lambda c: (bounds[c], c)) if _fits_at_all(graph, c, cluster, budget)]
+    candidates = [c for c in sorted(counts, key=lambda c: (bounds[c], c))
+                  if _fits_at_all(graph, c, cluster, budget, options.recompute)]
     if not candidates:
         raise _no_plan(graph, cluster, budget)
     done = 0
@@ -206,6 +221,7 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, *
     return assemble(graph, cluster, layering, options, count, specs, rows, ilp_stats, time.perf_counter() - start)
 
 
+LEAN_TIME_LIMIT_S = 10.0
 MEMORY_RUNGS = (2, 4, 8, 16, 32, 64)  # per-layer caps budget / r that a stage of about r layers needs
 
 
@@ -225,7 +241,7 @@ def _tighten(costs: dict, priced: dict, jobs: dict, hashes: list, budget: float,
             break
         cap = budget / r
         tight = {key: (*job[:4], cap) for key, job in jobs.items()
-                 if key not in stuck and last[key].param_bytes + last[key].activation_bytes > cap}
+                 if key not in stuck and last[key].memory_bytes > cap}
         if not tight:
             break
         for key, cost in pricer.run(tight, stats, lambda k: None).items():
@@ -257,26 +273,35 @@ def _lower_bound(graph: Graph, count: int, cluster: Cluster) -> float:
     return count * work / cluster.num_devices
 
 
-def _fits_at_all(graph: Graph, count: int, cluster: Cluster, budget: float) -> bool:
+def _fits_at_all(graph: Graph, count: int, cluster: Cluster, budget: float, recompute: bool) -> bool:
     """False when even a perfect spread of the parameter state and one microbatch's activations overflows."""
     g_mb = intra.with_batch(graph, graph.dims[graph.batch_dim] // count)
     state = sum(costmodel.param_memory(graph.numel(t.name), graph.dtype_of(t.name)).total for t in graph.params)
-    activations = sum(g_mb.nbytes(op.output) for op in g_mb.ops)
+    activations = 0.0 if recompute else sum(g_mb.nbytes(op.output) for op in g_mb.ops)
     return (state + activations) / cluster.num_devices <= budget
 
 
 def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, budget: float,
            options: Options) -> LayerCost | None:
-    """One base layer's optimal sharding on `mesh`, or None when it cannot fit the memory budget."""
+    """One base layer's optimal sharding on `mesh`, or None when it cannot fit the memory budget.
+
+    Under a cap tighter than the device's budget (a leaner option, see `_tighten`) the solver gets
+    at most LEAN_TIME_LIMIT_S: such ILPs can be slow to find any solution, and the option is optional.
+    """
+    lean = budget < costmodel.memory_budget(mesh.device, options.memory_reserve)
+    limit = min(options.time_limit_s, LEAN_TIME_LIMIT_S) if lean else options.time_limit_s
     try:
         sharding = intra.shard_stage(g_mb, mesh, ops, microbatches=count, inflight=1, memory_budget=budget,
-                                     backend=options.backend, time_limit_s=options.time_limit_s, seed=options.seed,
+                                     backend=options.backend, time_limit_s=limit, seed=options.seed,
                                      data_parallel=options.data_parallel_only or options.stage_data_parallel,
-                                     allow_zero=not options.stage_data_parallel)
+                                     allow_zero=not options.stage_data_parallel, recompute=options.recompute)
     except InfeasibleError:
         return None
-    b = sharding.breakdown
-    return LayerCost(b.per_microbatch_s, b.per_iteration_s, b.param_bytes, b.activation_bytes, sharding)
+    except SolverError:
+        if lean:
+            return None  # no leaner option found in time
+        raise
+    return LayerCost.of(sharding)
 
 
 def _price_job(graph: Graph, options: Options, job: tuple) -> LayerCost | None:
@@ -349,13 +374,19 @@ class StageSpec:
     inflight: int
 
 
-def _group_sums(row: list[LayerCost | None], group: tuple[int, int]) -> tuple[float, float, float, float] | None:
-    """time, sync, parameter bytes and activation bytes of one DP layer's base layers (None if one cannot run)."""
+def _group_sums(row: list[LayerCost | None], group: tuple[int, int]) -> tuple[float, ...] | None:
+    """time, sync, parameter bytes, kept activation bytes (sums) and working bytes (max) of one DP
+    layer's base layers; None if one cannot run. Layers recompute one at a time, so working sets do not add."""
     parts = row[group[0]:group[1] + 1]
     if any(c is None for c in parts):
         return None
-    return (sum(c.time_s for c in parts), sum(c.sync_s for c in parts),
-            sum(c.param_bytes for c in parts), sum(c.activation_bytes for c in parts))
+    return (sum(c.time_s for c in parts), sum(c.sync_s for c in parts), sum(c.param_bytes for c in parts),
+            sum(c.activation_bytes for c in parts), max(c.working_bytes for c in parts))
+
+
+def _fold(total: tuple[float, ...], sums: tuple[float, ...]) -> tuple[float, ...]:
+    """Add one DP layer's sums onto a stage's running totals (the working set is a max)."""
+    return (total[0] + sums[0], total[1] + sums[1], total[2] + sums[2], total[3] + sums[3], max(total[4], sums[4]))
 
 
 def _send(boundary: list[float], last: int, mb: int, batch: int, link) -> float:
@@ -380,15 +411,16 @@ def _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch,
         for h, (shape, r) in enumerate(options[s]):
             row = costs[(sub, shape)][r]
             for i in range(L):
-                time_s = sync_s = params = acts = 0.0
+                total = (0.0,) * 5
                 for j in range(i, L):
                     sums = _group_sums(row, layering.groups[j])
                     if sums is None:
                         break
-                    time_s, sync_s, params, acts = time_s + sums[0], sync_s + sums[1], params + sums[2], acts + sums[3]
+                    total = _fold(total, sums)
+                    time_s, sync_s, params, acts, working = total
                     latency = time_s + _send(boundary, j, mb, batch, link)
                     for k in range(1, L + 1):
-                        if params + min(k, count) * acts > budget:
+                        if params + min(k, count) * acts + working > budget:
                             break
                         t[h, k, i, j, s], extra[h, k, i, j, s] = latency, sync_s
     return t, extra, options
@@ -447,10 +479,10 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
     placed = _devices_of(cluster, [spec.submesh for spec in specs])
     stages = []
     for spec, row, devices in zip(specs, rows, placed):
-        time_s = sync_s = params = acts = 0.0
+        total = (0.0,) * 5
         for j in range(spec.first, spec.last + 1):
-            sums = _group_sums(row, layering.groups[j])
-            time_s, sync_s, params, acts = time_s + sums[0], sync_s + sums[1], params + sums[2], acts + sums[3]
+            total = _fold(total, _group_sums(row, layering.groups[j]))
+        time_s, sync_s, params, acts, working = total
         send = _send(boundary, spec.last, mb, batch, link)
         first, last = layering.groups[spec.first][0], layering.groups[spec.last][1]
         comm: dict[str, float] = {}
@@ -474,24 +506,28 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
                 placement = tuple(_renamed_placement(pc.strategy.placement, rename))
                 param_info[tensor] = {"placement": fmt(placement), "zero_axes": list(pc.strategy.zero_axes)}
         stage_ops = [op for j in range(spec.first, spec.last + 1) for op in layering.ops(j)]
-        forward = sum(graph.flops(op) for op in stage_ops) / max(_training_flops(graph, stage_ops), 1e-300)
+        forward_flops = sum(graph.flops(op) for op in stage_ops)
+        executed = _training_flops(graph, stage_ops) + (forward_flops if options.recompute else 0.0)
+        forward = forward_flops / max(executed, 1e-300)
         latency = time_s + send
         tags = [stage_ops[0].layer, stage_ops[-1].layer]
         stages.append(StagePlan(
             layers=[spec.first, spec.last], graph_layers=tags, submesh=list(spec.submesh),
             logical_mesh=list(spec.shape), devices=devices, stage_time_s=latency, forward_s=latency * forward,
-            send_time_s=send, sync_time_s=sync_s, memory_bytes=float(params + spec.inflight * acts),
+            send_time_s=send, sync_time_s=sync_s, memory_bytes=float(params + spec.inflight * acts + working),
             inflight_microbatches=spec.inflight,
             breakdown={"compute_s": sum(row[b].sharding.breakdown.compute_s for b in range(first, last + 1)),
                        "comm_s": comm, "sync_s": sync,
                        "optimizer_s": sum(row[b].sharding.breakdown.optimizer_s for b in range(first, last + 1)),
-                       "param_bytes": params, "activation_bytes": acts,
+                       "recompute_s": sum(row[b].sharding.breakdown.recompute_s for b in range(first, last + 1)),
+                       "param_bytes": params, "activation_bytes": acts, "working_bytes": working,
                        "state_bytes": {part: sum(row[b].sharding.breakdown.state_bytes[part] for b in range(first, last + 1))
                                        for part in intra.STATE_PARTS}},
             ops=ops, params=param_info))
     latencies = [s.stage_time_s for s in stages]
     iteration = sum(latencies) + (count - 1) * max(latencies) + max(s.sync_time_s for s in stages)
     flops = _training_flops(graph)
+    executed = flops + (sum(graph.flops(op) for op in graph.ops) if options.recompute else 0.0)
     g_mb = intra.with_batch(graph, mb)
     tensors = {name: {"dims": list(t.dims), "shape": [g_mb.dims[d] for d in t.dims], "role": t.role}
                for name, t in g_mb.tensors.items()}
@@ -500,7 +536,8 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
         iteration_time_s=float(iteration), num_microbatches=count, microbatch_size=mb, stages=stages,
         memory_peak_bytes=float(max(s.memory_bytes for s in stages)),
         throughput={"samples_per_s": float(batch / iteration),
-                    "tflops_per_device": float(flops / iteration / cluster.num_devices / 1e12)},
+                    "tflops_per_device": float(flops / iteration / cluster.num_devices / 1e12),
+                    "hardware_tflops_per_device": float(executed / iteration / cluster.num_devices / 1e12)},
         solver={"backend": options.backend, "status": ilp_stats["status"], "gap": ilp_stats["gap"],
                 "ilps": ilp_stats["ilps"], "ilp_time_s": ilp_stats["solve_time_s"], "time_s": elapsed,
                 "dp_rounds": ilp_stats.get("dp_rounds", 0), "microbatch_counts": ilp_stats.get("counts", [count])},
@@ -509,5 +546,6 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
                  else [list(x) for x in options.logical_shapes],
                  "submesh_family": options.submesh_family, "memory_reserve": options.memory_reserve,
                  "intra_only": options.intra_only, "inter_only": options.inter_only,
-                 "data_parallel_only": options.data_parallel_only, "stage_data_parallel": options.stage_data_parallel},
+                 "data_parallel_only": options.data_parallel_only, "stage_data_parallel": options.stage_data_parallel,
+                 "recompute": options.recompute},
         batch_dim=graph.batch_dim, tensors=tensors)

@@ -457,9 +457,11 @@ def fit_efficiencies(predict: Predictor, points: Sequence[CalibrationPoint], mat
 
 
 def calibrate(points: Sequence[CalibrationPoint] = CALIBRATION_POINTS, predict: Predictor | None = None,
+              matmul_range: tuple[float, float] = (0.3, 0.9), memory_range: tuple[float, float] = (0.5, 1.0),
               coarse: float = 0.1, fine: float = 0.025) -> Calibration:
     """Fit V100 matmul and memory efficiencies once, by least squares of log error over `points`:
-    a coarse grid over (0, 1], then a fine grid ±coarse/2 around the coarse optimum."""
+    a coarse grid over the ranges (GEMMs reach 30-90 % of peak, streaming ops 50-100 % of HBM
+    bandwidth), then a fine grid ±coarse/2 around the coarse optimum."""
     graphs: dict[str, Graph] = {}
 
     def default(point: CalibrationPoint, matmul: float, memory: float) -> float:
@@ -468,7 +470,7 @@ def calibrate(points: Sequence[CalibrationPoint] = CALIBRATION_POINTS, predict: 
         return predict_point(point, matmul, memory, graphs[point.instance])
 
     predict = predict or default
-    first = fit_efficiencies(predict, points, _grid(coarse, 1.0, coarse), _grid(coarse, 1.0, coarse))
+    first = fit_efficiencies(predict, points, _grid(*matmul_range, coarse), _grid(*memory_range, coarse))
 
     def around(x: float) -> list[float]:
         return [v for v in _grid(x - coarse / 2, x + coarse / 2, fine) if 0 < v <= 1]

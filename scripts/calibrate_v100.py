@@ -70,8 +70,8 @@ def main(write: bool) -> None:
         return
     lines = ["### Fitted V100 efficiencies (`python scripts/calibrate_v100.py`)", "",
              (f"Fitted once by `partopt.reproduce.calibrate` in {wall / 60:.1f} min: a grid over "
-              "matmul_efficiency × memory_efficiency (step 0.1 over (0, 1], then step 0.025 within ±0.05 of the "
-              "coarse optimum), minimising the sum of squared log errors of the predicted per-GPU TFLOP/s against "
+              "matmul_efficiency 0.3–0.9 × memory_efficiency 0.5–1.0 (step 0.1, then step 0.025 within ±0.05 of "
+              "the coarse optimum), minimising the sum of squared log errors of the predicted per-GPU TFLOP/s against "
               "the measured points below, and nothing else. Single-GPU points are planned by `optimize` (GPT with "
               "the paper's recomputation when the planner offers it); the GPT-2.6B point is priced as the plan "
               "that was measured (`evaluate.uniform`, tp 2 × pp 2 × dp 2, 4 microbatches, batch 32). GPT figures "

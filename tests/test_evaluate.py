@@ -23,7 +23,8 @@ def small_gpt():
     return models.gpt(hidden=256, layers=8, heads=4, seq=128, vocab=1024, batch=64)
 
 
-@pytest.mark.parametrize("nodes,search", [(2, {}), (1, {"inter_only": True}), (2, {"layers": 2})])
+@pytest.mark.parametrize("nodes,search", [(2, {}), (1, {"inter_only": True}), (2, {"layers": 2}),
+                                          (1, {"recompute": True})])
 def test_evaluating_a_solved_plan_reproduces_its_iteration_time(small_gpt, tmp_path, nodes, search):
     cluster = preset("p3.16xlarge", nodes)
     plan = optimize(small_gpt, cluster, microbatches=8, **search)
@@ -33,6 +34,11 @@ def test_evaluating_a_solved_plan_reproduces_its_iteration_time(small_gpt, tmp_p
     assert [s.stage_time_s for s in again.stages] == [s.stage_time_s for s in plan.stages]
     assert [s.memory_bytes for s in again.stages] == [s.memory_bytes for s in plan.stages]
     assert [s.ops for s in again.stages] == [s.ops for s in plan.stages]
+    for s in plan.stages:
+        b = s.breakdown
+        assert s.memory_bytes == pytest.approx(b["param_bytes"] + s.inflight_microbatches * b["activation_bytes"]
+                                               + b["working_bytes"], rel=1e-12)
+        assert (b["working_bytes"] > 0) == bool(search.get("recompute"))
 
 
 def _mlp_data_parallel_by_hand(graph, n: int) -> float:

@@ -140,8 +140,9 @@ def test_fit_recovers_known_efficiencies():
     assert (fit.matmul_efficiency, fit.memory_efficiency) == (0.5, 0.8)
     assert fit.rms_log_error == pytest.approx(0.0, abs=1e-12)
     assert fit.evaluated == 16
-    two_stage = rp.calibrate(points, predict, coarse=0.1, fine=0.05)
+    two_stage = rp.calibrate(points, predict, (0.3, 0.9), (0.5, 1.0), coarse=0.1, fine=0.05)
     assert two_stage.matmul_efficiency == pytest.approx(0.5) and two_stage.memory_efficiency == pytest.approx(0.8)
+    assert two_stage.evaluated == 7 * 6 + 3 * 3  # coarse grid, then ±0.05 in steps of 0.05
 
 
 def test_residual_log_error():

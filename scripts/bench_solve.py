@@ -1,0 +1,111 @@
+"""End-to-end planning benchmark: `partopt solve` wall time and peak memory (issue 5 targets).
+
+Each case runs `partopt solve … --json` in a fresh process; the script samples the resident
+memory of that process and its ILP workers every 0.2 s and reports the peak of their sum.
+
+    python scripts/bench_solve.py            # every case
+    python scripts/bench_solve.py --case gpt-39b-64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    graph: str  # an instance file, or "generate:<args>" for `partopt generate`
+    args: tuple[str, ...]
+    target_s: float | None  # the issue's wall-time target
+
+
+CASES = [
+    Case("gpt-1.3b-8", "instances/gpt-1.3b.json", ("--cluster", "p3.16xlarge", "--nodes", "1", "--microbatches", "128"), None),
+    Case("gpt-1.3b-8-auto", "instances/gpt-1.3b.json", ("--cluster", "p3.16xlarge", "--nodes", "1"), None),
+    Case("gpt-39b-64", "instances/gpt-39b.json", ("--cluster", "p3.16xlarge", "--nodes", "8", "--microbatches", "1024"), 60.0),
+    Case("gpt-1t-3072", "generate:gpt --hidden 25600 --layers 128 --heads 160 --seq 2048 --vocab 51200 --batch 3072 --name gpt-1t",
+         ("--cluster", "dgx-a100", "--nodes", "384", "--microbatches", "512", "--submeshes", "power_of_two"), 300.0),
+]
+
+
+def _tree_rss_kb(pid: int) -> int:
+    """Resident memory of a process and all its descendants, in KiB (Linux /proc)."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+            for task in Path(f"/proc/{p}/task").iterdir():
+                stack.extend(int(c) for c in (task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def run(case: Case, workdir: Path) -> dict:
+    graph = case.graph
+    if graph.startswith("generate:"):
+        graph = str(workdir / f"{case.name}.json")
+        subprocess.run(["partopt", "generate", *case.graph.split(":", 1)[1].split(), "-o", graph],
+                       check=True, capture_output=True)
+    else:
+        graph = str(ROOT / graph)
+    command = ["partopt", "solve", graph, *case.args, "--json"]
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, _tree_rss_kb(proc.pid))
+        time.sleep(0.2)
+    out, err = proc.communicate()
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        return {"case": case.name, "wall_s": wall, "peak_gib": peak / 2**20, "error": err.strip().splitlines()[-1]}
+    plan = json.loads(out)
+    return {"case": case.name, "wall_s": wall, "peak_gib": peak / 2**20, "target_s": case.target_s,
+            "ilps": plan["solver"]["ilps"], "ilp_s": plan["solver"]["ilp_time_s"],
+            "stages": len(plan["stages"]), "microbatches": plan["num_microbatches"],
+            "meshes": sorted({(tuple(s["submesh"]), tuple(s["logical_mesh"])) for s in plan["stages"]}),
+            "tflops": plan["throughput"]["tflops_per_device"], "iteration_s": plan["iteration_time_s"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", action="append", choices=[c.name for c in CASES], help="run only these cases")
+    args = parser.parse_args()
+    cases = [c for c in CASES if not args.case or c.name in args.case]
+    table = Table(title="partopt solve: planning time and memory")
+    for column in ("case", "wall", "target", "peak RSS", "ILPs", "ILP time", "stages", "B", "(submesh, mesh)",
+                   "TFLOP/s/dev"):
+        table.add_column(column, justify="right")
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in cases:
+            r = run(case, Path(tmp))
+            target = f"{r['target_s']:.0f} s" if r.get("target_s") else "—"
+            if "error" in r:
+                table.add_row(r["case"], f"{r['wall_s']:.1f} s", target, f"{r['peak_gib']:.2f} GiB", r["error"][:60])
+                continue
+            table.add_row(r["case"], f"{r['wall_s']:.1f} s", target, f"{r['peak_gib']:.2f} GiB", str(r["ilps"]),
+                          f"{r['ilp_s']:.1f} s", str(r["stages"]), str(r["microbatches"]),
+                          " ".join(f"{m}{s}" for m, s in r["meshes"]), f"{r['tflops']:.1f}")
+            print(json.dumps(r, default=str), file=sys.stderr)
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
