@@ -240,6 +240,9 @@ def _tighten(costs: dict, priced: dict, jobs: dict, hashes: list, budget: float,
         if r > layers:
             break
         cap = budget / r
+        for key in jobs:  # a cap below the leanest assignment is hopeless: no ILP needed
+            if key not in stuck and last[key].sharding.least_memory_bytes > cap:
+                stuck.add(key)
         tight = {key: (*job[:4], cap) for key, job in jobs.items()
                  if key not in stuck and last[key].memory_bytes > cap}
         if not tight:

@@ -411,6 +411,7 @@ class StageSharding:
     inflight: int
     objective: float  # per-microbatch cost + per-iteration cost / microbatches
     solution: ilp.Solution
+    least_memory_bytes: float  # the leanest any assignment of this stage can be (ILP memory row)
 
     @property
     def memory_bytes(self) -> float:
@@ -492,7 +493,8 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
         param_choices.append(ParamChoice(tensor, p))
     breakdown.comm_s = dict(breakdown.comm_s)
     breakdown.sync_s = dict(breakdown.sync_s)
-    return StageSharding(mesh, op_choices, param_choices, breakdown, model.inflight, solution.objective, solution)
+    return StageSharding(mesh, op_choices, param_choices, breakdown, model.inflight, solution.objective, solution,
+                         ilp.min_memory(model.costs))
 
 
 def _memory_error(model: StageModel, budget: float) -> InfeasibleError:

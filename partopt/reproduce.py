@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from partopt import evaluate, intra
+from partopt import costmodel, evaluate, intra
 from partopt.cluster import Cluster, preset
 from partopt.errors import InfeasibleError, InstanceError
 from partopt.graph import Graph
@@ -172,16 +172,17 @@ def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32, **options
     For each (tp, pp, dp) the per-rank microbatch grows through the powers of two (1 … `max_microbatch`,
     at least pp microbatches) until the plan stops fitting or gets slower: the iteration time
     (B + pp - 1)·(a + c·mb) + sync with B = batch / mb is convex in mb, and memory only grows with it.
-    A grid point whose unsharded parameter state (16 bytes/param / (tp·pp)) exceeds the device is skipped.
+    A grid point whose parameter state split only by tp·pp exceeds the device is skipped unpriced.
     """
     batch, g, m = graph.dims[graph.batch_dim], cluster.num_devices, cluster.devices_per_node
     layers = len(graph.layers)
+    state = costmodel.param_memory(graph.num_params, graph.dtype).total
     best: Plan | None = None
     last_error: InfeasibleError | None = None
     for tp in (t for t in range(1, min(g, m) + 1) if g % t == 0):
         for pp in (p for p in range(1, g // tp + 1) if (g // tp) % p == 0 and layers % p == 0):
             dp = g // (tp * pp)
-            if ((tp * dp) % m and m % (tp * dp)) or 16 * graph.num_params / (tp * pp) > cluster.device.memory_bytes:
+            if ((tp * dp) % m and m % (tp * dp)) or state / (tp * pp) > cluster.device.memory_bytes:
                 continue
             previous = math.inf
             for count in sorted((c for c in (2**e for e in range(batch.bit_length()))
