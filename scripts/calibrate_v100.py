@@ -81,7 +81,8 @@ def main(write: bool) -> None:
              "| point | measured TFLOP/s | predicted | log error | error |", "|---|---|---|---|---|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     if skipped:
-        lines += [""] + [f"Not used: {p.label} — {why}" for p, why in skipped]
+        lines += [""] + [f"Not used (it could not be priced, so the fit is over the other points): {p.label} — {why}"
+                         for p, why in skipped]
     lines += ["", ("The p3.16xlarge preset keeps its placeholder values until the lead adopts these; the "
                    "benchmark tables in docs/benchmarks.md say which values they ran with.")]
     replace_section(DOC, "\n".join(lines))
