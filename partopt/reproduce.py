@@ -317,7 +317,8 @@ class Check:
 
 
 def _fmt(x: float | None) -> str:
-    return "OOM" if x is None else f"{x:.2f}"
+    """A predicted figure: 'no plan' when the planner found none that fits (its reason is in Cell.detail)."""
+    return "no plan" if x is None else f"{x:.2f}"
 
 
 def checks(results: Sequence[CaseResult]) -> list[Check]:
@@ -599,7 +600,8 @@ def _cell(result: CaseResult, planner: str) -> str:
     cell = result.cells[planner]
     text = _fmt(cell.tflops)
     if planner in result.case.reported:
-        text += f" ({_fmt(result.case.reported[planner])})"
+        reported = result.case.reported[planner]
+        text += f" ({'OOM' if reported is None else f'{reported:.2f}'})"
     return text
 
 

@@ -57,14 +57,16 @@ def figure(results: list[rp.CaseResult], path: Path) -> None:
     for ax, model in zip(axes[0], models):
         rows = [r for r in results if r.case.model == model]
         gpus = [r.case.gpus for r in rows]
-        for planner in rows[0].case.planners:
+        for planner in reversed(rows[0].case.planners):  # partopt drawn last, on top
             colour, label = colours[planner], rp.PLANNER_TITLES[planner]
+            paper = "Alpa" if planner == "partopt" else label
             predicted = [r.cells[planner].tflops for r in rows]
-            ax.plot(gpus, [math.nan if v is None else v for v in predicted], "-o", color=colour, label=f"{label} (partopt model)")
+            ax.plot(gpus, [math.nan if v is None else v for v in predicted], "-o", color=colour,
+                    lw=2.5 if planner == "partopt" else 1.5, label=f"{label} (partopt's model)")
             ax.plot([g for g, v in zip(gpus, predicted) if v is None], [0] * predicted.count(None), "x", color=colour, ms=9)
             reported = [(r.case.gpus, r.case.reported[planner]) for r in rows if planner in r.case.reported]
             ax.plot([g for g, v in reported if v is not None], [v for _, v in reported if v is not None], "o", mfc="none",
-                    color=colour, ms=9, label=f"{label} (paper)")
+                    color=colour, ms=9, label=f"{paper} (paper)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(gpus, [str(g) for g in gpus])
         ax.set_xlabel("GPUs (p3.16xlarge V100)")
@@ -100,7 +102,8 @@ def markdown(results, ablations, found, command: str, wall_s: float, efficiency:
            "with 96, as the paper does); MoE and Wide-ResNet count the model FLOPs of the graph (forward + "
            "backward, no recomputation). \"error vs Alpa\" is partopt / Alpa − 1. Baselines: Megatron-LM is the "
            "best uniform (tp, pp, dp, microbatches) grid point; DeepSpeed is one data-parallel stage with ZeRO; "
-           "PP-DP a pipeline of plain data-parallel stages. OOM: no plan of that planner fits in memory."), "",
+           "PP-DP a pipeline of plain data-parallel stages. OOM: the paper's run ran out of memory; \"no plan\": "
+            "the planner returned no plan (out of memory, or the error shown in the plans table)."), "",
            f"![Figure 7 reproduced]({FIGURE.name})", ""]
     for model in rp.MODELS:
         if not any(r.case.model == model for r in results):
