@@ -52,17 +52,26 @@ def collective_bytes(kind: str, nbytes: float, n: int) -> float:
     return _RING_FACTOR[kind] * (n - 1) / n * nbytes
 
 
-def collective_time(kind: str, nbytes: float, axis: MeshAxis) -> float:
+def collective_time(kind: str, nbytes: float, axis: MeshAxis, bucketed: bool = False) -> float:
     """Seconds of a ring `kind` on one mesh axis; `nbytes` is the full (gathered/reduced) buffer per device.
 
     all-reduce 2(n-1)/n·S/bw + 2(n-1)·a; all-gather, reduce-scatter, all-to-all (n-1)/n·S/bw + (n-1)·a;
-    each call adds COLLECTIVE_LAUNCH_S.
+    each call adds COLLECTIVE_LAUNCH_S. A `bucketed` collective rides in one large call with many
+    others (gradient synchronisation, which DDP and Megatron fuse into buckets of tens of MB):
+    only its bandwidth term counts, the bucket's fixed part being negligible against its bytes.
     """
     sent = collective_bytes(kind, nbytes, axis.size)
     if sent == 0.0:
         return 0.0
-    steps = _RING_FACTOR[kind] * (axis.size - 1)
-    return COLLECTIVE_LAUNCH_S + sent / axis.bandwidth + steps * axis.latency_s
+    return sent / axis.bandwidth + (0.0 if bucketed else collective_overhead(kind, axis))
+
+
+def collective_overhead(kind: str, axis: MeshAxis) -> float:
+    """The fixed part of one ring call on `axis`: launch plus the per-step latency (0 on one device)."""
+    _check_kind(kind)
+    if axis.size <= 1:
+        return 0.0
+    return COLLECTIVE_LAUNCH_S + _RING_FACTOR[kind] * (axis.size - 1) * axis.latency_s
 
 
 def p2p_time(nbytes: float, link: Link) -> float:

@@ -123,6 +123,9 @@ def _classes(matrix: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     return inverse.reshape(-1), first
 
 
+COST_RESOLUTION = 1e4  # the largest objective coefficient, after scaling
+
+
 def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None) -> tuple[solvers.Model, list[np.ndarray]]:
     """The ILP over surviving strategies; returns it and, per node, its variable per strategy (-1 if fixed).
 
@@ -185,6 +188,11 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
                         coef.append(float(graph.memory[n][k]) - low)
         if index:
             model.add_row(index, coef, float("-inf"), budget - base)
+    # seconds are tiny (1e-6 … 1e-2): solvers' absolute tolerances would blur them, so the
+    # objective is stated in units of COST_RESOLUTION of its largest coefficient
+    largest = max((abs(c) for c in model.objective), default=0.0)
+    model.scale = COST_RESOLUTION / largest if largest > 0 else 1.0
+    model.objective = [c * model.scale for c in model.objective]
     return model, var
 
 
@@ -223,6 +231,6 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "cpsat",
                 choice.append(picked[0])
     kept = int(sum(a.sum() for a in alive))
     objective = graph.total(choice)
-    # the model leaves out the cost of fixed nodes and edges: shift the solver's bound by it
-    bound = None if result.bound is None else result.bound + (objective - (result.objective or 0.0))
+    # the model leaves out the cost of fixed nodes and edges, and is scaled: undo both for the bound
+    bound = None if result.bound is None else (result.bound - (result.objective or 0.0)) / model.scale + objective
     return Solution(choice, objective, bound, result, kept, sum(len(c) for c in graph.costs), model.num_vars)

@@ -176,7 +176,7 @@ def _edge_cost(model_graph: Graph, use: Use, src_list: list, dst_list: list[Stra
                 c = _use_collectives(model_graph, use, s, d, mesh)
                 again = c.recomputed(use.param) if recompute else []
                 cache[key] = (collectives_time(c.per_microbatch + again, mesh)
-                              + collectives_time(c.per_iteration, mesh) / microbatches)
+                              + collectives_time(c.per_iteration, mesh, bucketed=True) / microbatches)
             matrix[a, b] = cache[key]
     return matrix
 
@@ -446,14 +446,14 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
     breakdown = Breakdown()
     outgoing: dict[int, list] = defaultdict(list)
 
-    def pay(steps, into: dict[str, float]) -> None:
+    def pay(steps, into: dict[str, float], bucketed: bool = False) -> None:
         for kind, axis, size in steps:
-            into[kind] += costmodel.collective_time(kind, size, mesh.axes[axis])
+            into[kind] += costmodel.collective_time(kind, size, mesh.axes[axis], bucketed)
 
     for use in model.uses:
         c = _use_collectives(g, use, chosen[use.src], chosen[use.dst], mesh)
         pay(c.per_microbatch, breakdown.comm_s)
-        pay(c.per_iteration, breakdown.sync_s)
+        pay(c.per_iteration, breakdown.sync_s, bucketed=True)
         if model.recompute:
             breakdown.recompute_s += collectives_time(c.recomputed(use.param), mesh)
         if not use.param:

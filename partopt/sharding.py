@@ -94,8 +94,8 @@ def reshard_collectives(src: Placement, dst: Placement, nbytes: float,
     return steps
 
 
-def collectives_time(steps: Sequence[tuple[str, int, float]], mesh: LogicalMesh) -> float:
-    return sum(costmodel.collective_time(kind, size, mesh.axes[axis]) for kind, axis, size in steps)
+def collectives_time(steps: Sequence[tuple[str, int, float]], mesh: LogicalMesh, bucketed: bool = False) -> float:
+    return sum(costmodel.collective_time(kind, size, mesh.axes[axis], bucketed) for kind, axis, size in steps)
 
 
 def reshard_time(src: Placement, dst: Placement, nbytes: float, mesh: LogicalMesh) -> float:

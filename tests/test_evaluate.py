@@ -46,7 +46,7 @@ def _mlp_data_parallel_by_hand(graph, n: int) -> float:
 
     Each op computes 1/n of the batch with replicated weights (roofline over its FLOPs and the bytes
     it moves, forward + backward); once per iteration each weight gradient is all-reduced over the
-    n devices and the optimizer reads and writes its 16 B/param state.
+    n devices (bucketed) and the optimizer reads and writes its 16 B/param state.
     """
     cluster = preset("p3.16xlarge", 1)
     dev, link = cluster.device, cluster.intra_node
@@ -63,7 +63,8 @@ def _mlp_data_parallel_by_hand(graph, n: int) -> float:
     compute = sum(costmodel.compute_time(fl, 2 * by, dev, "fp32", mm) for fl, by, mm in ops)
     params = [h * f, f, f * h, h]
     axis = MeshAxis(n, link.bandwidth, link.latency_s, crosses_nodes=False)  # the 8 GPUs of the node on NVLink
-    sync = sum(costmodel.collective_time("all_reduce", word * p, axis) for p in params)
+    # gradients are all-reduced in buckets: only the bandwidth terms count
+    sync = sum(2 * (n - 1) / n * word * p / link.bandwidth for p in params)
     optimizer = sum(costmodel.compute_time(0.0, 2 * 16 * p, dev, "fp32", False) for p in params)
     return compute + sync + optimizer
 

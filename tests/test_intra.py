@@ -46,6 +46,11 @@ def all_reduce(nbytes, n, bw):
     return LAUNCH + 2 * (n - 1) / n * nbytes / bw
 
 
+def gradient_all_reduce(nbytes, n, bw):
+    """Per-iteration gradient synchronisation rides in buckets: only its bandwidth term counts."""
+    return 2 * (n - 1) / n * nbytes / bw
+
+
 def matmul_time(batch, hidden, split):
     return 3 * 2 * batch * hidden * hidden / split / PEAK  # forward + backward (2x)
 
@@ -60,9 +65,10 @@ def test_two_layer_mlp_large_batch_is_data_parallel():
     assert axes_of(stage) == {"fc0": (None, "b"), "fc1": (None, "b")}
     assert all(p.strategy.placement == (R, R) for p in stage.params)
     # the two weight-gradient all-reduces, once per iteration
-    expected = 2 * matmul_time(b, h, 4) + 2 * all_reduce(h * h * 4, 4, bw)
+    expected = 2 * matmul_time(b, h, 4) + 2 * gradient_all_reduce(h * h * 4, 4, bw)
     assert stage.objective == pytest.approx(expected, rel=1e-9)
-    assert stage.breakdown.sync_s["all_reduce"] == pytest.approx(2 * all_reduce(h * h * 4, 4, bw), rel=1e-9)
+    # an all-reduce, or ZeRO's reduce-scatter + all-gather of the same bytes (bucketed, the same time)
+    assert sum(stage.breakdown.sync_s.values()) == pytest.approx(2 * gradient_all_reduce(h * h * 4, 4, bw), rel=1e-9)
 
 
 def test_two_layer_mlp_small_batch_is_megatron_column_then_row():
@@ -91,19 +97,21 @@ def test_n_layer_mlp_alternates_column_and_row(layers):
 def test_n_layer_mlp_large_batch_pays_one_gradient_all_reduce_per_weight():
     b, h, bw, layers = 1024, 128, 10e9, 4
     stage = intra.shard_stage(mlp(layers, b, h), row_mesh(bw=bw))
-    expected = layers * matmul_time(b, h, 4) + layers * all_reduce(h * h * 4, 4, bw)
+    expected = layers * matmul_time(b, h, 4) + layers * gradient_all_reduce(h * h * 4, 4, bw)
     assert stage.objective == pytest.approx(expected, rel=1e-9)
 
 
 def test_2d_mesh_puts_batch_on_the_slow_axis_and_megatron_on_the_fast_one():
-    b, h, fast_bw, slow_bw = 1024, 128, 10e9, 5e9
+    # activations (per microbatch) outweigh the weights: the batch goes on the slow axis, whose
+    # all-reduce then carries only half-sharded weight gradients once per iteration
+    b, h, fast_bw, slow_bw = 2048, 512, 10e9, 5e9
     cluster = Cluster("two", 2, 2, FAST, Link(fast_bw, 0.0), Link(slow_bw, 0.0))
     mesh = cluster.logical_mesh((2, 2), (2, 2))
     assert mesh.axes[0].crosses_nodes and not mesh.axes[1].crosses_nodes
     stage = intra.shard_stage(mlp(2, b, h), mesh)
     assert axes_of(stage) == {"fc0": ("b", "h1"), "fc1": ("b", "h1")}
     activation = all_reduce(b // 2 * h * 4, 2, fast_bw)  # row-parallel output, half the batch per device
-    gradients = 2 * all_reduce(h * h * 4 / 2, 2, slow_bw)  # each weight half-sharded, summed over the batch axis
+    gradients = 2 * gradient_all_reduce(h * h * 4 / 2, 2, slow_bw)  # each weight half-sharded, summed over the batch axis
     assert stage.objective == pytest.approx(2 * matmul_time(b, h, 4) + activation + gradients, rel=1e-9)
 
 
@@ -111,13 +119,14 @@ def test_memory_budget_below_data_parallel_footprint_shards_weights_or_optimizer
     b, h = 1024, 128
     graph, mesh = mlp(2, b, h), row_mesh()
     free = intra.shard_stage(graph, mesh)
+    assert axes_of(free) == {"fc0": (None, "b"), "fc1": (None, "b")}
     dp_bytes = 2 * 16 * h * h + 2 * (b // 4) * h * 4  # replicated fp32 Adam state + batch-split activations
-    assert free.memory_bytes == pytest.approx(dp_bytes)
+    assert free.memory_bytes <= dp_bytes  # bucketed ZeRO costs the same time as the all-reduce: either may win
     budget = 0.8 * dp_bytes
     tight = intra.shard_stage(graph, mesh, memory_budget=budget)
     assert tight.memory_bytes <= budget
     assert all(p.strategy.zero_axes or any(isinstance(x, Shard) for x in p.strategy.placement) for p in tight.params)
-    assert tight.objective > free.objective
+    assert tight.objective >= free.objective
 
 
 def test_budget_below_the_smallest_footprint_names_the_point_tensors_bytes_and_budget():

@@ -24,6 +24,7 @@ class Model:
     objective: list[float] = field(default_factory=list)
     rows: list[tuple[list[int], list[float], float, float]] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
+    scale: float = 1.0  # objective units per second (see ilp.build_model)
 
     @property
     def num_vars(self) -> int:
