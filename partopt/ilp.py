@@ -201,36 +201,139 @@ def min_memory(graph: CostGraph) -> float:
     return sum(float(m.min()) for m in graph.memory)
 
 
+# ---------------------------------------------------------------- exact elimination (no memory row)
+
+MAX_TABLE = 2_000_000  # entries of the (u, w, v) table a degree-2 elimination may build
+
+
+@dataclass(frozen=True)
+class _Step:
+    node: int
+    neighbours: tuple[int, ...]
+    best: np.ndarray  # the node's best strategy for each choice of its neighbours
+
+
+def _eliminate(graph: CostGraph, alive: list[np.ndarray]) -> tuple[CostGraph, list[int], list[_Step]]:
+    """Variable elimination of nodes with at most two neighbours, exact for the cost alone.
+
+    A leaf folds min over its strategies of (its cost + the edge) into its neighbour's costs; a
+    node between two others becomes one edge between them. The memory row is not carried: the
+    result is the optimum without a budget. Returns the remaining graph (strategies restricted to
+    `alive`), its nodes' original indices, and the steps to recover the eliminated choices.
+    """
+    idx = [np.flatnonzero(a) for a in alive]
+    cost = {n: graph.costs[n][idx[n]].astype(float) for n in range(len(graph))}
+    edges = {(u, v): m[np.ix_(idx[u], idx[v])] for (u, v), m in graph.edges.items()}
+    adj: dict[int, set[int]] = {n: set() for n in cost}
+    for u, v in edges:
+        adj[u].add(v)
+        adj[v].add(u)
+
+    def oriented(a: int, b: int) -> np.ndarray:  # rows a, columns b
+        return edges[(a, b)] if a < b else edges[(b, a)].T
+
+    steps: list[_Step] = []
+    while True:
+        size = {n: len(cost[n]) * int(np.prod([len(cost[m]) for m in adj[n]])) for n in cost if len(adj[n]) <= 2}
+        candidates = [n for n in size if len(adj[n]) < 2 or size[n] <= MAX_TABLE]
+        if not candidates:
+            break
+        v = min(candidates, key=lambda n: (len(adj[n]), size[n], n))
+        nbrs = tuple(sorted(adj[v]))
+        if not nbrs:
+            best = np.asarray(int(np.argmin(cost[v])))
+        elif len(nbrs) == 1:
+            (u,) = nbrs
+            total = oriented(u, v) + cost[v][None, :]
+            best = total.argmin(axis=1)
+            cost[u] = cost[u] + total.min(axis=1)
+        else:
+            u, w = nbrs
+            total = oriented(u, v)[:, None, :] + oriented(w, v)[None, :, :] + cost[v][None, None, :]
+            best = total.argmin(axis=2)
+            merged = total.min(axis=2)
+            edges[(u, w)] = edges[(u, w)] + merged if (u, w) in edges else merged
+            adj[u].add(w)
+            adj[w].add(u)
+        for m in nbrs:
+            edges.pop((min(m, v), max(m, v)))
+            adj[m].discard(v)
+        del cost[v], adj[v]
+        steps.append(_Step(v, nbrs, best))
+    remaining = sorted(cost)
+    position = {n: i for i, n in enumerate(remaining)}
+    reduced = CostGraph()
+    for n in remaining:
+        reduced.add_node(graph.names[n], cost[n])
+    for (u, v), m in edges.items():
+        reduced.add_edge(position[u], position[v], m)
+    return reduced, remaining, steps
+
+
+def _recover(graph: CostGraph, alive: list[np.ndarray], remaining: list[int], picked: list[int],
+             steps: list[_Step]) -> list[int]:
+    """Original strategy indices from the remaining nodes' picks and the elimination steps, in reverse."""
+    local = dict(zip(remaining, picked))
+    for step in reversed(steps):
+        local[step.node] = int(step.best[tuple(local[m] for m in step.neighbours)])
+    return [int(np.flatnonzero(alive[n])[local[n]]) for n in range(len(graph))]
+
+
+def _run(model: solvers.Model, backend: str, time_limit_s: float, seed: int, budget: float | None) -> solvers.Result:
+    result = solvers.solve(model, backend, time_limit_s, seed)
+    if result.values is None:
+        if result.status == "infeasible":
+            raise InfeasibleError(f"no strategy assignment fits the memory budget of {budget:.4g} bytes",
+                                  "memory", "use more devices or a larger budget")
+        raise SolverError(f"{backend} found no solution within {time_limit_s:g} s",
+                          "solver", "raise --time-limit or try another --solver")
+    return result
+
+
+def _picks(alive: list[np.ndarray], var: list[np.ndarray], values: list[int]) -> list[int]:
+    """Strategy index within each node's alive set, read from the solver's 0-1 values."""
+    picks = []
+    for n, a in enumerate(alive):
+        idx = np.flatnonzero(a)
+        picks.append(0 if len(idx) == 1 else next(i for i, k in enumerate(idx) if values[var[n][k]]))
+    return picks
+
+
 def solve(graph: CostGraph, budget: float | None = None, backend: str = "cpsat",
           time_limit_s: float = 60.0, seed: int = 0, reduce_first: bool = True) -> Solution:
-    """Choose one strategy per node: least total cost with summed memory ≤ budget."""
+    """Choose one strategy per node: least total cost with summed memory ≤ budget.
+
+    With `reduce_first`, dominated strategies go first, then the graph is solved by exact
+    elimination without the memory row; when that optimum fits the budget it is the answer
+    (the relaxation's optimum is feasible), otherwise the full program with the memory row runs.
+    """
     if budget is not None and min_memory(graph) > budget:
         raise InfeasibleError(
             f"needs at least {min_memory(graph):.4g} bytes per device, budget is {budget:.4g}",
             "memory", "use more devices, fewer microbatches in flight, or a larger budget")
     alive = reduce(graph) if reduce_first else [np.ones(len(c), dtype=bool) for c in graph.costs]
-    model, var = build_model(graph, alive, budget)
-    if model.num_vars == 0:
-        choice = [int(np.flatnonzero(a)[0]) for a in alive]
-        result = solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend)
-    else:
-        result = solvers.solve(model, backend, time_limit_s, seed)
-        if result.values is None:
-            if result.status == "infeasible":
-                raise InfeasibleError(f"no strategy assignment fits the memory budget of {budget:.4g} bytes",
-                                      "memory", "use more devices or a larger budget")
-            raise SolverError(f"{backend} found no solution within {time_limit_s:g} s",
-                              "solver", "raise --time-limit or try another --solver")
-        choice = []
-        for n, a in enumerate(alive):
-            idx = np.flatnonzero(a)
-            if len(idx) == 1:
-                choice.append(int(idx[0]))
-            else:
-                picked = [int(k) for k in idx if result.values[var[n][k]]]
-                choice.append(picked[0])
+    total = sum(len(c) for c in graph.costs)
     kept = int(sum(a.sum() for a in alive))
+    if reduce_first:
+        reduced, remaining, steps = _eliminate(graph, alive)
+        every = [np.ones(len(c), dtype=bool) for c in reduced.costs]
+        model, var = build_model(reduced, every, None)
+        result = (_run(model, backend, time_limit_s, seed, None) if model.num_vars
+                  else solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend))
+        choice = _recover(graph, alive, remaining, _picks(every, var, result.values), steps)
+        if budget is None or graph.peak_memory(choice) <= budget:
+            return _solution(graph, choice, result, model, kept, total)
+    model, var = build_model(graph, alive, budget)
+    result = (_run(model, backend, time_limit_s, seed, budget) if model.num_vars
+              else solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend))
+    picks = _picks(alive, var, result.values)
+    choice = [int(np.flatnonzero(a)[k]) for a, k in zip(alive, picks)]
+    return _solution(graph, choice, result, model, kept, total)
+
+
+def _solution(graph: CostGraph, choice: list[int], result: solvers.Result, model: solvers.Model,
+              kept: int, total: int) -> Solution:
     objective = graph.total(choice)
-    # the model leaves out the cost of fixed nodes and edges, and is scaled: undo both for the bound
+    # the model leaves out constant costs (fixed or eliminated nodes) and is scaled: undo both for the bound
     bound = None if result.bound is None else (result.bound - (result.objective or 0.0)) / model.scale + objective
-    return Solution(choice, objective, bound, result, kept, sum(len(c) for c in graph.costs), model.num_vars)
+    return Solution(choice, objective, bound, result, kept, total, model.num_vars)
