@@ -24,7 +24,7 @@ from partopt.units import fmt_bytes, fmt_seconds
 from partopt.sharding import (
     ParamStrategy, Placement, Strategy, as_gradient_target, collectives_time, fmt,
     gradient_placement, op_strategies, param_strategies, param_sync_collectives,
-    Shard, reshard_collectives, shards, tensor_placements,
+    R, Shard, reshard_collectives, shards, tensor_placements,
 )
 
 def with_batch(graph: Graph, batch: int) -> Graph:
@@ -158,10 +158,31 @@ def _boundary_pairs(graph: Graph, ops: Sequence[Op], inside: set[str]) -> dict[s
     return pairs
 
 
-def _leaving(graph: Graph, op: Op, strategy: Strategy, mesh: LogicalMesh) -> list[tuple[str, int, float]]:
-    """Collectives that complete an output leaving the stage (or the graph): pending sums are reduced."""
-    out = strategy.output
-    return reshard_collectives(out, as_gradient_target(out), graph.nbytes(op.output), mesh)
+def canonical(graph: Graph, tensor: str, mesh: LogicalMesh) -> Placement:
+    """The layout activations cross an unpaired layer boundary in: the batch split over every axis
+    that divides it (data parallel), else replicated. Both sides of such a boundary are priced
+    against it, so neither gets the other's layout for free (see docs/COSTMODEL.md §5b)."""
+    dims, batch = graph.tensors[tensor].dims, graph.batch_dim
+    placement, split = [], 1
+    for size in mesh.shape:
+        if batch in dims and size > 1 and graph.dims[batch] % (split * size) == 0:
+            placement.append(Shard(batch))
+            split *= size
+        else:
+            placement.append(R)
+    return tuple(placement)
+
+
+Steps = list[tuple[str, int, float]]
+
+
+def _leaving(graph: Graph, op: Op, strategy: Strategy, mesh: LogicalMesh) -> tuple[Steps, Steps]:
+    """(forward, backward) collectives of an output leaving the ops unpaired: into the canonical
+    layout (pending sums are reduced on the way), and its gradient back from it."""
+    out, target, nbytes = strategy.output, canonical(graph, op.output, mesh), graph.nbytes(op.output)
+    forward = reshard_collectives(out, target, nbytes, mesh)
+    backward = reshard_collectives(target, as_gradient_target(out), nbytes, mesh) if _is_float(graph, op.output) else []
+    return forward, backward
 
 
 def _edge_cost(model_graph: Graph, use: Use, src_list: list, dst_list: list[Strategy],
@@ -293,8 +314,10 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
             kept.add(op.name)
         cost, memory = [], []
         for s in options:
-            done = collectives_time(_leaving(graph, op, s, mesh), mesh) if op.name in leaving else 0.0
-            cost.append(s.compute_s + s.comm_s + done + ((s.forward_s + done) if recompute else 0.0))
+            forward, backward = _leaving(graph, op, s, mesh) if op.name in leaving else ([], [])
+            done = collectives_time(forward, mesh)  # recomputation reruns the forward part
+            cost.append(s.compute_s + s.comm_s + done + collectives_time(backward, mesh)
+                        + ((s.forward_s + done) if recompute else 0.0))
             if recompute:  # kept per microbatch in flight if it leaves, and once in the working set
                 memory.append(s.memory_bytes * ((inflight if op.name in kept else 0) + 1))
             else:
@@ -304,10 +327,15 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
 
     params: list[str] = []
     node_of_param: dict[str, int] = {}
+    paired = set(boundary.values())
+    reads_arriving: list[tuple[str, int, int]] = []  # (tensor, reader node, slot)
     uses: list[Use] = []
     for op in ops:
         for slot, tensor in enumerate(op.inputs):
-            if graph.tensors[tensor].role == "param":
+            if (tensor not in node_of_op and tensor not in paired and graph.tensors[tensor].role == "activation"
+                    and tensor in graph.producers):
+                reads_arriving.append((tensor, node_of_op[op.output], slot))
+            elif graph.tensors[tensor].role == "param":
                 if tensor not in node_of_param:
                     options = _kept(param_strategies(graph, graph.tensors[tensor], mesh, allow_zero, data_parallel),
                                     lambda s: restriction.param(tensor, s), tensor, restriction)
@@ -319,9 +347,16 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
                 uses.append(Use(tensor, node_of_param[tensor], node_of_op[op.output], slot, True))
             elif tensor in node_of_op:
                 uses.append(Use(tensor, node_of_op[tensor], node_of_op[op.output], slot, False))
-            # other stage inputs (data, activations of an earlier stage) arrive in any layout for free
+            # data inputs arrive in any layout for free (the loader shards them as asked)
 
-    producer = dict(node_of_op)  # tensor -> the node that makes it inside the stage
+    arriving: dict[str, int] = {}  # unpaired activations of earlier layers: fixed in their canonical layout
+    for tensor, reader, slot in reads_arriving:
+        if tensor not in arriving:
+            layout = canonical(graph, tensor, mesh)
+            arriving[tensor] = costs.add_node(f"{tensor} arriving", [0.0])
+            strategies.append([Strategy(tuple(None for _ in mesh.shape), (layout,), layout, 0.0)])
+        uses.append(Use(tensor, arriving[tensor], reader, slot, False))
+    producer = {**node_of_op, **arriving}  # tensor -> the node that makes it in this model
     for output, incoming in boundary.items():
         # the layout the next copy of this layer receives, and this layer received: one shared choice
         # dims correspond by position: a layout of the incoming tensor is the same layout of the output
@@ -467,11 +502,11 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
     for n, op in enumerate(model.ops):
         s: Strategy = chosen[n]
         if op.name in model.leaving:
-            leaving = _leaving(g, op, s, mesh)
-            outgoing[n].extend(leaving)
-            pay(leaving, breakdown.comm_s)
+            forward, backward = _leaving(g, op, s, mesh)
+            outgoing[n].extend(forward + backward)
+            pay(forward + backward, breakdown.comm_s)
             if model.recompute:
-                breakdown.recompute_s += collectives_time(leaving, mesh)
+                breakdown.recompute_s += collectives_time(forward, mesh)
         breakdown.compute_s += s.compute_s
         for kind, t in s.comm.items():
             breakdown.comm_s[kind] += t

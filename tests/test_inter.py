@@ -1,5 +1,6 @@
 """optimize() and `partopt solve`: end-to-end plans, infeasible requests, the plan file."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -81,3 +82,44 @@ def test_shared_solves_name_each_layers_own_dims():
             for dim in entry["placement"].strip("[]").split(", "):
                 if dim.startswith("S("):
                     assert dim[2:-1] in graph.tensors[name].dims
+
+
+# ---------------------------------------------------------------- known outcomes (issue 5)
+
+def _axes_and_placements(plan):
+    axes = {a for s in plan.stages for e in s.ops.values() for a in e["axes"]}
+    return axes, {e["placement"] for s in plan.stages for e in s.params.values()}
+
+
+def test_a_model_that_fits_one_device_with_a_large_batch_is_pure_data_parallel():
+    plan = optimize(mlp(2, 8192, 256), preset("p3.16xlarge", 1), microbatches=1)
+    assert [(s.submesh, s.logical_mesh) for s in plan.stages] == [([1, 8], [8, 1])]
+    axes, placements = _axes_and_placements(plan)
+    assert axes <= {"b", None} and placements == {"[R, R]"}
+
+
+def test_a_model_larger_than_a_node_is_pipelined_across_nodes_with_intra_op_inside_them():
+    """4 fp32 layers of 2048² weights: 16 B/param of Adam state is 256 MiB, more than a node of
+    8 × 24 MiB devices can hold. The plan spreads stages over both nodes, and no stage splits a
+    tensor over the slow inter-node link while a node-local split exists."""
+    cluster = preset("p3.16xlarge", 2)
+    tiny = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=24 * 2**20))
+    graph = mlp(4, 64, 2048)
+    state = sum(costmodel.param_memory(graph.numel(t.name), "fp32").total for t in graph.params)
+    assert state > 8 * costmodel.memory_budget(tiny.device)
+    plan = optimize(graph, tiny, microbatches=4)
+    nodes = {d // 8 for s in plan.stages for d in s.devices}
+    assert len(plan.stages) > 1 and nodes == {0, 1}
+    for stage in plan.stages:
+        if stage.submesh[0] > 1:  # a stage spanning nodes: its axis 0 crosses them and may only split the batch
+            assert all(e["axes"][0] in ("b", None) for e in stage.ops.values())
+        assert any(a for e in stage.ops.values() for a in e["axes"] if a != "b")  # tensor-parallel inside
+    assert max(s.memory_bytes for s in plan.stages) <= costmodel.memory_budget(tiny.device)
+
+
+def test_uniform_bandwidth_means_no_pipeline_and_a_slow_network_means_one():
+    graph = mlp(4, 512, 512)
+    cluster = preset("p3.16xlarge", 2)
+    flat = dataclasses.replace(cluster, inter_node=cluster.intra_node)
+    assert len(optimize(graph, flat, microbatches=4).stages) == 1
+    assert len(optimize(graph, cluster, microbatches=4).stages) > 1

@@ -78,9 +78,11 @@ def test_two_layer_mlp_small_batch_is_megatron_column_then_row():
     by_op = {c.op: c.strategy for c in stage.ops}
     assert by_op["fc0"].output == (R, Shard("h1"))  # column parallel
     assert by_op["fc1"].inputs[1] == (R, Shard("h1")) and by_op["fc1"].output == (R, P)  # row parallel
-    expected = 2 * matmul_time(b, h, 4) + all_reduce(b * h * 4, 4, bw)  # one activation all-reduce
+    # the output leaves in the data-parallel layout: its pending sum is reduce-scattered over the
+    # batch, and its gradient all-gathered back: the bytes of one all-reduce, two launches
+    expected = 2 * matmul_time(b, h, 4) + all_reduce(b * h * 4, 4, bw) + LAUNCH
     assert stage.objective == pytest.approx(expected, rel=1e-9)
-    assert "all-reduce" in stage.ops[1].explanation
+    assert "reduce-scatter" in stage.ops[1].explanation and "all-gather" in stage.ops[1].explanation
 
 
 @pytest.mark.parametrize("layers", [4, 6])
@@ -89,8 +91,9 @@ def test_n_layer_mlp_alternates_column_and_row(layers):
     stage = intra.shard_stage(mlp(layers, b, h), row_mesh(bw=bw), backend="highs")
     for i, choice in enumerate(stage.ops):
         assert choice.strategy.axes == (None, f"h{i + 1 - i % 2}")  # fc0 splits its output, fc1 its input, …
-    # forward: one all-reduce after every row layer; backward: one before every column layer but the first
-    expected = layers * matmul_time(b, h, 4) + (layers - 1) * all_reduce(b * h * 4, 4, bw)
+    # forward: one all-reduce after every row layer; backward: one before every column layer but the
+    # first; the last row layer's sum leaves batch-split instead (reduce-scatter + gradient all-gather)
+    expected = layers * matmul_time(b, h, 4) + (layers - 1) * all_reduce(b * h * 4, 4, bw) + LAUNCH
     assert stage.objective == pytest.approx(expected, rel=1e-9)
 
 
@@ -110,7 +113,9 @@ def test_2d_mesh_puts_batch_on_the_slow_axis_and_megatron_on_the_fast_one():
     assert mesh.axes[0].crosses_nodes and not mesh.axes[1].crosses_nodes
     stage = intra.shard_stage(mlp(2, b, h), mesh)
     assert axes_of(stage) == {"fc0": ("b", "h1"), "fc1": ("b", "h1")}
-    activation = all_reduce(b // 2 * h * 4, 2, fast_bw)  # row-parallel output, half the batch per device
+    # row-parallel output, half the batch per device: it leaves batch-split over both axes, so its
+    # pending sum is reduce-scattered and its gradient all-gathered (an all-reduce's bytes, 2 launches)
+    activation = all_reduce(b // 2 * h * 4, 2, fast_bw) + LAUNCH
     gradients = 2 * gradient_all_reduce(h * h * 4 / 2, 2, slow_bw)  # each weight half-sharded, summed over the batch axis
     assert stage.objective == pytest.approx(2 * matmul_time(b, h, 4) + activation + gradients, rel=1e-9)
 
@@ -231,15 +236,17 @@ def test_a_tensor_read_by_several_ops_is_resharded_once_per_layout_brute_force()
             p, needed = label.get(made, made), [label.get(d, d) for d in reads]
             best = _cheapest_materialisation(p, needed, nbytes, n, bw)
             independent = sum(_reshard_by_hand(p, q, nbytes, n, bw) for q in needed)
+            # each reader's output leaves the graph in the data-parallel layout S(b) (int32: no gradient)
+            handed = sum(_reshard_by_hand(q, "b", nbytes, n, bw) for q in needed)
             shared += best < independent - 1e-12
             other = [q for q in needed if q != p]
             if p in ("b", "s", "k") and p in needed and len(other) == 2 and other[0] == other[1] != "R":
                 inexpressible += 1
                 gather, a2a = _reshard_by_hand(p, "R", nbytes, n, bw), _reshard_by_hand(p, other[0], nbytes, n, bw)
                 assert best == pytest.approx(a2a)
-                assert stage.objective == pytest.approx(min(gather, 2 * a2a), rel=1e-12), (made, reads)
+                assert stage.objective == pytest.approx(min(gather, 2 * a2a) + handed, rel=1e-12), (made, reads)
             else:
-                assert stage.objective == pytest.approx(best, rel=1e-12, abs=1e-15), (made, reads)
+                assert stage.objective == pytest.approx(best + handed, rel=1e-12, abs=1e-15), (made, reads)
     assert inexpressible == 6
     assert shared >= 40  # the sharing is exercised: e.g. S(b) read as R, R, S(s) pays one all-gather, not two + an all-to-all
 
@@ -281,14 +288,17 @@ def test_recompute_adds_the_forward_compute_and_forward_collectives_and_keeps_on
     assert axes_of(intra.shard_stage(graph, mesh)) == megatron  # the free optimum, without recompute
     matmuls = 2 * matmul_time(b, h, 4)  # forward + backward
     gelu = 2 * b * h / 4 / PEAK  # 1 FLOP per element, forward + backward, split 4 ways
-    reduce_y1 = all_reduce(b * h * 4, 4, bw)  # row-parallel output leaving the stage (forward only)
+    # the row-parallel output leaves batch-split: its sum is reduce-scattered forward (rerun by
+    # recomputation) and its gradient all-gathered backward
+    ring = LAUNCH + 3 / 4 * b * h * 4 / bw
     for stage in (plain, again):
         assert stage.breakdown.compute_s == pytest.approx(matmuls + gelu, rel=1e-12)
-        assert stage.breakdown.comm_s == {"all_reduce": pytest.approx(reduce_y1, rel=1e-12)}
+        assert stage.breakdown.comm_s == {"reduce_scatter": pytest.approx(ring, rel=1e-12),
+                                          "all_gather": pytest.approx(ring, rel=1e-12)}
     assert plain.breakdown.recompute_s == 0.0
-    assert again.breakdown.recompute_s == pytest.approx(matmuls / 3 + gelu / 2 + reduce_y1, rel=1e-12)
-    assert again.objective == pytest.approx(plain.objective + matmuls / 3 + gelu / 2 + reduce_y1, rel=1e-12)
-    assert again.breakdown.per_microbatch_s == pytest.approx(4 / 3 * matmuls + 3 / 2 * gelu + 2 * reduce_y1, rel=1e-12)
+    assert again.breakdown.recompute_s == pytest.approx(matmuls / 3 + gelu / 2 + ring, rel=1e-12)
+    assert again.objective == pytest.approx(plain.objective + matmuls / 3 + gelu / 2 + ring, rel=1e-12)
+    assert again.breakdown.per_microbatch_s == pytest.approx(4 / 3 * matmuls + 3 / 2 * gelu + 3 * ring, rel=1e-12)
 
     quarter = b * h * 4 / 4
     # without recompute every output is kept: y0 and g column-split, y1 a full pending sum
