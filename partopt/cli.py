@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -251,10 +252,10 @@ def generate(model: str, output: str, **params: Any) -> None:
 # ---------------------------------------------------------------- solve
 
 def _render_plan(plan: Plan) -> list[Table]:
-    stages = Table(title=f"Plan for {plan.graph} on {plan.cluster} ({plan.nodes} × {plan.devices_per_node})")
-    for column in ("stage", "layers", "submesh", "logical mesh", "devices", "time / microbatch",
-                   "grad sync / iter", "memory / device", "in flight"):
-        stages.add_column(column, justify="right")
+    stages = Table(title=f"Plan for {plan.graph} on {plan.cluster} ({plan.nodes} × {plan.devices_per_node})",
+                   box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False)
+    for column in ("stage", "layers", "submesh", "mesh", "devices", "µbatch", "sync", "memory", "in flight"):
+        stages.add_column(column, justify="right", no_wrap=True)
     for i, s in enumerate(plan.stages):
         devices = f"{s.devices[0]}–{s.devices[-1]}" if len(s.devices) > 1 else str(s.devices[0])
         stages.add_row(str(i), f"{s.layers[0]}–{s.layers[1]}", f"({s.submesh[0]}, {s.submesh[1]})",
@@ -266,6 +267,8 @@ def _render_plan(plan: Plan) -> list[Table]:
         ("throughput", f"{plan.throughput['samples_per_s']:.4g} samples/s, "
                        f"{plan.throughput['tflops_per_device']:.3g} TFLOP/s per device"),
         ("peak memory per device", fmt_bytes(plan.memory_peak_bytes)),
+        ("columns", "µbatch: a microbatch's forward + backward (sends included); sync: gradients and optimizer "
+                    "per iteration; memory: per device, with its in-flight microbatches"),
         ("solver", f"{plan.solver['backend']}: {plan.solver['status']}, gap {plan.solver['gap']:.2g}, "
                    f"{plan.solver['ilps']} ILPs, planning {fmt_seconds(plan.solver['time_s'])}"),
     ])

@@ -35,9 +35,11 @@ class Case:
 CASES = [
     Case("gpt-1.3b-8", "instances/gpt-1.3b.json", ("--cluster", "p3.16xlarge", "--nodes", "1", "--microbatches", "128"), None),
     Case("gpt-1.3b-8-auto", "instances/gpt-1.3b.json", ("--cluster", "p3.16xlarge", "--nodes", "1"), None),
-    Case("gpt-39b-64", "instances/gpt-39b.json", ("--cluster", "p3.16xlarge", "--nodes", "8", "--microbatches", "1024"), 60.0),
+    Case("gpt-39b-64", "instances/gpt-39b.json", ("--cluster", "p3.16xlarge", "--nodes", "8", "--microbatches", "1024", "--recompute"),
+         60.0),
     Case("gpt-1t-3072", "generate:gpt --hidden 25600 --layers 128 --heads 160 --seq 2048 --vocab 51200 --batch 3072 --name gpt-1t",
-         ("--cluster", "dgx-a100", "--nodes", "384", "--microbatches", "512", "--submeshes", "power_of_two"), 300.0),
+         ("--cluster", "dgx-a100", "--nodes", "384", "--microbatches", "512", "--submeshes", "power_of_two",
+          "--recompute"), 300.0),
 ]
 
 
