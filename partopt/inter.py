@@ -11,7 +11,6 @@ layers into stages for each candidate microbatch count, and the best plan wins.
 from __future__ import annotations
 
 import dataclasses
-import math
 import multiprocessing
 import os
 import time
@@ -169,7 +168,6 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, *
     batch = graph.dims[graph.batch_dim]
     counts = microbatch_counts(batch, options.microbatches)
     layering = build_layers(graph, options.layers)
-    L = len(layering.groups)
     budget = costmodel.memory_budget(cluster.device, options.memory_reserve)
     submeshes = _submeshes(cluster, options)
     meshes = {(s, shape): cluster.logical_mesh(s, shape) for s in submeshes for shape in _shapes(cluster, s, options)}

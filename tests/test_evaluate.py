@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from partopt import costmodel, io, models
 from partopt.cli import main
-from partopt.cluster import MeshAxis, preset
+from partopt.cluster import preset
 from partopt.errors import InfeasibleError, InstanceError
 from partopt.evaluate import evaluate, uniform
 from partopt.inter import optimize
@@ -62,7 +62,6 @@ def _mlp_data_parallel_by_hand(graph, n: int) -> float:
     # the cost model counts every byte twice (read in the forward, again in the backward)
     compute = sum(costmodel.compute_time(fl, 2 * by, dev, "fp32", mm) for fl, by, mm in ops)
     params = [h * f, f, f * h, h]
-    axis = MeshAxis(n, link.bandwidth, link.latency_s, crosses_nodes=False)  # the 8 GPUs of the node on NVLink
     # gradients are all-reduced in buckets: only the bandwidth terms count
     sync = sum(2 * (n - 1) / n * word * p / link.bandwidth for p in params)
     optimizer = sum(costmodel.compute_time(0.0, 2 * 16 * p, dev, "fp32", False) for p in params)

@@ -10,7 +10,7 @@ from functools import partial
 
 from partopt.graph import Graph
 from partopt.models.builder import GraphBuilder, require_divisible, require_positive
-from partopt.models.transformer import attention, block, embed_tokens, gelu_mlp, lm_head, swiglu_mlp, tokens_dims
+from partopt.models.transformer import attention, block, decoder, gelu_mlp, swiglu_mlp, tokens_dims
 
 
 def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, batch: int,
@@ -24,15 +24,7 @@ def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, batch: int,
     b = GraphBuilder(name or f"gpt-h{hidden}-l{layers}", dtype, "b",
                      dict(b=batch, s=seq, t=seq, h=hidden, n=heads, d=hidden // heads, f=4 * hidden, v=vocab))
     attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False)
-    tokens, labels = b.input("tokens", ("b", "s"), "int32"), b.input("labels", ("b", "s"), "int32")
-    with b.scope("embed", 0):
-        x = embed_tokens(b, tokens, positions=True)
-    for k in range(layers):
-        with b.scope(f"l{k}", k):
-            x = block(b, x, "layernorm", attn, gelu_mlp)
-    with b.scope("head", layers - 1):
-        lm_head(b, x, labels, "layernorm", "embed.wte" if tied else None)
-    return b.build()
+    return decoder(b, layers, "layernorm", attn, lambda k: gelu_mlp, positions=True, tied=tied)
 
 
 def llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, seq: int, vocab: int, batch: int,
@@ -51,15 +43,7 @@ def llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, seq: in
                      dict(b=batch, s=seq, t=seq, h=hidden, g=kv_heads, r=heads // kv_heads,
                           d=hidden // heads, f=ffn, v=vocab))
     attn = partial(attention, q_heads=("g", "r"), kv_heads=("g",), bias=False, rotary=True)
-    tokens, labels = b.input("tokens", ("b", "s"), "int32"), b.input("labels", ("b", "s"), "int32")
-    with b.scope("embed", 0):
-        x = embed_tokens(b, tokens, positions=False)
-    for k in range(layers):
-        with b.scope(f"l{k}", k):
-            x = block(b, x, "rmsnorm", attn, swiglu_mlp)
-    with b.scope("head", layers - 1):
-        lm_head(b, x, labels, "rmsnorm", tied_table=None)
-    return b.build()
+    return decoder(b, layers, "rmsnorm", attn, lambda k: swiglu_mlp, positions=False, tied=False)
 
 
 def bert(hidden: int, layers: int, heads: int, seq: int, batch: int, dtype: str = "fp16",

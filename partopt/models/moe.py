@@ -11,7 +11,7 @@ from functools import partial
 from partopt.errors import InstanceError
 from partopt.graph import Graph
 from partopt.models.builder import GraphBuilder, require_divisible, require_positive
-from partopt.models.transformer import attention, block, embed_tokens, gelu_mlp, lm_head, tokens_dims
+from partopt.models.transformer import attention, decoder, gelu_mlp, tokens_dims
 
 
 def expert_capacity(group_size: int, experts: int) -> int:
@@ -76,15 +76,7 @@ def moe(hidden: int, layers: int, heads: int, experts: int, seq: int, vocab: int
                      dict(b=batch, s=seq, t=seq, h=hidden, n=heads, d=hidden // heads, f=ffn, v=vocab))
     _moe_dims(b, "moe", batch, seq, experts, group_size)
     attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False)
-    tokens, labels = b.input("tokens", ("b", "s"), "int32"), b.input("labels", ("b", "s"), "int32")
-    with b.scope("embed", 0):
-        x = embed_tokens(b, tokens, positions=True)
-    for k in range(layers):
-        with b.scope(f"l{k}", k):
-            x = block(b, x, "layernorm", attn, moe_ffn if k % 2 else gelu_mlp)
-    with b.scope("head", layers - 1):
-        lm_head(b, x, labels, "layernorm", "embed.wte")
-    return b.build()
+    return decoder(b, layers, "layernorm", attn, lambda k: moe_ffn if k % 2 else gelu_mlp, positions=True, tied=True)
 
 
 def moe_layer(hidden: int, experts: int, seq: int, batch: int, group_size: int = 2048, ffn: int | None = None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from partopt.graph import Graph
 from partopt.models.builder import GraphBuilder
 
 Sublayer = Callable[[GraphBuilder, str], str]
@@ -95,3 +96,18 @@ def lm_head(b: GraphBuilder, x: str, labels: str, norm_kind: str, tied_table: st
     table = tied_table if tied_table is not None else b.param("w", ("h", "v"))
     logits = b.op("einsum", "logits", [x, table], tokens_dims(b, "v"))
     return b.mark_output(b.op("cross_entropy", "loss", [logits, labels], ()))
+
+
+def decoder(b: GraphBuilder, layers: int, norm_kind: str, attn: Sublayer, ffn_of: Callable[[int], Sublayer],
+            positions: bool, tied: bool) -> Graph:
+    """A language model: token (and position) embedding in layer 0, `layers` pre-norm blocks
+    (block k's feed-forward is `ffn_of(k)`), final norm, LM head and loss in the last layer."""
+    tokens, labels = b.input("tokens", ("b", "s"), "int32"), b.input("labels", ("b", "s"), "int32")
+    with b.scope("embed", 0):
+        x = embed_tokens(b, tokens, positions=positions)
+    for k in range(layers):
+        with b.scope(f"l{k}", k):
+            x = block(b, x, norm_kind, attn, ffn_of(k))
+    with b.scope("head", layers - 1):
+        lm_head(b, x, labels, norm_kind, "embed.wte" if tied else None)
+    return b.build()
