@@ -5,9 +5,8 @@
 """
 
 from partopt.cluster import preset
-from partopt.evaluate import evaluate, uniform
 from partopt.inter import optimize
 from partopt.io import read_cluster, read_graph
 from partopt.plan import Plan, read_plan, write_plan
 
-__all__ = ["Plan", "evaluate", "optimize", "preset", "read_cluster", "read_graph", "read_plan", "uniform", "write_plan"]
+__all__ = ["Plan", "optimize", "preset", "read_cluster", "read_graph", "read_plan", "write_plan"]
