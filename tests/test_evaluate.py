@@ -12,6 +12,7 @@ from partopt.cli import main
 from partopt.cluster import preset
 from partopt.errors import InfeasibleError, InstanceError
 from partopt.evaluate import evaluate, uniform
+from partopt.export import megatron_config
 from partopt.inter import optimize
 from partopt.plan import read_plan, write_plan
 
@@ -165,3 +166,17 @@ def test_evaluate_cli_prints_the_plan_and_refuses_mixed_arguments(tmp_path):
     assert json.loads(result.stdout)["iteration_time_s"] == read_plan(out).iteration_time_s
     mixed = CliRunner().invoke(main, ["evaluate", graph, "--cluster", "p3.16xlarge", "--plan", str(out), "--tp", "2"])
     assert mixed.exit_code == 2 and "give either --plan FILE or all of --tp, --pp and --dp" in mixed.stderr
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(2, 2, 2), (4, 2, 1)])
+def test_megatron_arguments_re_read_into_a_uniform_plan_evaluate_to_the_same_time(tp, pp, dp):
+    """A Megatron-style plan, exported as Megatron-LM arguments and read back, prices the same."""
+    graph = models.gpt(hidden=2048, layers=4, heads=16, seq=1024, vocab=1024, batch=16)  # big enough for tensor parallelism
+    cluster = preset("p3.16xlarge", 1)
+    plan = uniform(graph, cluster, tp, pp, dp, microbatches=8)
+    config = megatron_config(plan)
+    assert (config["tp"], config["pp"], config["dp"], config["num_microbatches"]) == (tp, pp, dp, 8)
+    assert config["micro_batch_size"] * dp * config["num_microbatches"] == config["global_batch_size"] == 16
+    again = uniform(graph, cluster, config["tp"], config["pp"], config["dp"], config["num_microbatches"],
+                    zero=config["distributed_optimizer"])
+    assert again.iteration_time_s == plan.iteration_time_s
