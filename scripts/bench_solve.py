@@ -68,14 +68,16 @@ def run(case: Case, workdir: Path) -> dict:
     else:
         graph = str(ROOT / graph)
     command = ["partopt", "solve", graph, *case.args, "--json"]
+    out_path, err_path = workdir / f"{case.name}.out", workdir / f"{case.name}.err"
     start = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = 0
-    while proc.poll() is None:
-        peak = max(peak, _tree_rss_kb(proc.pid))
-        time.sleep(0.2)
-    out, err = proc.communicate()
+    with open(out_path, "w") as out_file, open(err_path, "w") as err_file:  # files, not pipes: nothing blocks
+        proc = subprocess.Popen(command, stdout=out_file, stderr=err_file, text=True)
+        peak = 0
+        while proc.poll() is None:
+            peak = max(peak, _tree_rss_kb(proc.pid))
+            time.sleep(0.2)
     wall = time.perf_counter() - start
+    out, err = out_path.read_text(), err_path.read_text()
     if proc.returncode != 0:
         return {"case": case.name, "wall_s": wall, "peak_gib": peak / 2**20, "error": err.strip().splitlines()[-1]}
     plan = json.loads(out)
