@@ -17,9 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from partopt import costmodel, evaluate, intra
+from partopt import costmodel, intra
 from partopt.cluster import Cluster, preset
 from partopt.errors import InfeasibleError, InstanceError
+from partopt.evaluate import price, uniform
 from partopt.graph import Graph
 from partopt.inter import Options, StageSpec, optimize
 from partopt.io import read_graph
@@ -189,7 +190,7 @@ def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32, **options
                                  if c >= pp and batch % c == 0 and (batch // c) % dp == 0
                                  and batch // c // dp <= max_microbatch), reverse=True):
                 try:
-                    plan = evaluate.uniform(graph, cluster, tp, pp, dp, count, **options)
+                    plan = uniform(graph, cluster, tp, pp, dp, count, **options)
                 except InfeasibleError as err:
                     last_error = err
                     break
@@ -403,7 +404,7 @@ def predict_point(point: CalibrationPoint, matmul: float, memory: float, graph: 
     cluster = cluster_for(point.gpus, (matmul, memory))
     if point.uniform is not None:
         tp, pp, dp, count = point.uniform
-        plan = evaluate.uniform(graph, cluster, tp, pp, dp, count, **model_options(point.model))
+        plan = uniform(graph, cluster, tp, pp, dp, count, **model_options(point.model))
     else:
         plan = plan_with("partopt", graph, cluster, model=point.model)
     return tflops_per_gpu(point.model, graph, plan)
@@ -538,7 +539,7 @@ def _best_even_split(graph: Graph, cluster: Cluster, layering: Layering, count: 
     for shape in cluster.logical_shapes(submesh):
         specs = [StageSpec(first, last, submesh, shape, min(stages - i, count)) for i, (first, last) in enumerate(groups)]
         try:
-            plan = evaluate.price(graph, cluster, layering, count, specs, None, Options(layers=None, **options))
+            plan = price(graph, cluster, layering, count, specs, None, Options(layers=None, **options))
         except InfeasibleError as err:
             why = err.line()
             continue
