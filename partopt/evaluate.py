@@ -10,6 +10,7 @@ uniform plan pins mesh axis 0 to data parallelism. The stages are then assembled
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from partopt import costmodel, intra
 from partopt.cluster import Cluster
@@ -54,15 +55,23 @@ def _check_meshes(cluster: Cluster, specs: list[StageSpec], where: str) -> None:
                               "use smaller submeshes or a larger cluster (--nodes)")
 
 
-def _pinned(op_entries: dict, param_entries: dict, ops: list[Op], where: str) -> intra.Restriction:
-    """The restriction that keeps each listed op's recorded axes and each listed parameter's placement."""
-    names = {op.name for op in ops}
+def _pinned(op_entries: dict, param_entries: dict, layering: Layering, first: int, last: int,
+            where: str) -> intra.Restriction:
+    """The restriction that keeps each listed op's recorded axes and each listed parameter's placement.
+
+    A parameter read in two priced layers of the stage (a tied embedding) is priced in each with
+    its own placement, of which the plan records one: it is left to the ILP in both."""
+    units = [layer for first_unit, last_unit in layering.groups[first:last + 1]
+             for layer in layering.base[first_unit:last_unit + 1]]
+    names = {op.name for ops in units for op in ops}
     for name in op_entries:
         if name not in names:
             raise InstanceError(f"op {name!r} is not in this stage's layers", f"{where}.ops.{name}",
                                 "list each op under the stage that runs it")
+    readers = Counter(t for ops in units for t in {t for op in ops for t in op.inputs})
     axes = {name: tuple(entry["axes"]) for name, entry in op_entries.items()}
-    params = {name: (entry["placement"], tuple(entry.get("zero_axes", ()))) for name, entry in param_entries.items()}
+    params = {name: (entry["placement"], tuple(entry.get("zero_axes", ()))) for name, entry in param_entries.items()
+              if readers[name] == 1}
 
     def op_ok(op: Op, s: Strategy) -> bool:
         return op.name not in axes or tuple(s.axes) == axes[op.name]
@@ -162,8 +171,7 @@ def evaluate(graph: Graph, cluster: Cluster, plan: Plan, where: str = "plan", **
     specs = [StageSpec(s.layers[0], s.layers[1], tuple(s.submesh), tuple(s.logical_mesh), min(S - i, count))
              for i, s in enumerate(plan.stages)]
     _check_meshes(cluster, specs, where)
-    restrictions = [_pinned(s.ops, s.params, [op for j in range(s.layers[0], s.layers[1] + 1) for op in layering.ops(j)],
-                            f"{where}.stages[{i}]")
+    restrictions = [_pinned(s.ops, s.params, layering, s.layers[0], s.layers[1], f"{where}.stages[{i}]")
                     for i, s in enumerate(plan.stages)]
     return price(graph, cluster, layering, count, specs, restrictions, options, where)
 

@@ -1,8 +1,10 @@
-"""Layers: the units the stage DP cuts between (DESIGN §6 step 1).
+"""Layers: the units the stage DP cuts between (DESIGN §6 step 1), and the units priced.
 
 A graph's `layer` tags give its natural layers (a transformer block, a residual block). When a
 graph has no tags, or more layers than asked for, consecutive layers are grouped so that each
-group carries about the same FLOPs.
+group carries about the same FLOPs. For pricing, a tagged layer that holds a copy of the
+repeated block plus something else (GPT's first block with the embedding, its last with the
+head) is split into that copy and the rest, so the copy shares the block's ILP.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from partopt.graph import Graph, Op
 
 @dataclass(frozen=True)
 class Layering:
-    """Base layers (each priced by its own ILP) and the DP's layers: [first, last] base-layer ranges."""
+    """Base layers (each priced by its own ILP) and the DP's layers: [first, last] base-layer ranges.
+
+    A DP layer never splits a tagged layer: the stage DP cuts between tags only."""
 
     base: list[list[Op]]
     groups: list[tuple[int, int]]
@@ -60,12 +64,29 @@ def balanced_groups(weights: list[float], count: int) -> list[tuple[int, int]]:
     return cuts
 
 
+def repeated_parts(graph: Graph, layer: list[Op], block: str, size: int) -> list[list[Op]]:
+    """`layer` cut into [before, copy, after] around its first run of `size` ops hashing as `block`."""
+    for start in range(len(layer) - size + 1):
+        if graph.structural_hash(layer[start:start + size]) == block:
+            return [part for part in (layer[:start], layer[start:start + size], layer[start + size:]) if part]
+    return [layer]
+
+
 def build_layers(graph: Graph, max_layers: int | None = None) -> Layering:
     """The graph's tagged layers, grouped to at most `max_layers` DP layers by balanced FLOPs."""
     if max_layers is not None and max_layers < 1:
         raise InstanceError(f"layers must be at least 1, got {max_layers}", "--layers", "give a positive count")
-    base = tagged_layers(graph)
-    if max_layers is None or len(base) <= max_layers:
-        return Layering(base, [(i, i) for i in range(len(base))])
-    weights = [float(sum(graph.flops(op) for op in ops)) or 1.0 for ops in base]
-    return Layering(base, balanced_groups(weights, max_layers))
+    tagged = tagged_layers(graph)
+    hashes = [graph.structural_hash(ops) for ops in tagged]
+    block = max(set(hashes), key=lambda h: (hashes.count(h), h))
+    size = len(tagged[hashes.index(block)])
+    split = [[ops] if h == block or hashes.count(block) < 2 or len(ops) <= size else repeated_parts(graph, ops, block, size)
+             for ops, h in zip(tagged, hashes)]
+    base = [part for parts in split for part in parts]
+    first = np.cumsum([0] + [len(parts) for parts in split])  # tag i owns base layers first[i] .. first[i+1]-1
+    if max_layers is None or len(tagged) <= max_layers:
+        tag_groups = [(i, i) for i in range(len(tagged))]
+    else:
+        weights = [float(sum(graph.flops(op) for op in ops)) or 1.0 for ops in tagged]
+        tag_groups = balanced_groups(weights, max_layers)
+    return Layering(base, [(int(first[a]), int(first[b + 1]) - 1) for a, b in tag_groups])
