@@ -210,10 +210,15 @@ INFINIBAND_LATENCY_S = 10e-6
 ETHERNET_LATENCY_S = 20e-6
 ICI_LATENCY_S = 5e-6
 
+V100_MATMUL_EFFICIENCY = 0.525
+V100_MEMORY_EFFICIENCY = 0.650
+
 _PRESETS: dict[str, Cluster] = {
     "p3.16xlarge": Cluster(
         name="p3.16xlarge", nodes=8, devices_per_node=8,
-        device=Device("V100-SXM2-16GB", {"fp16": 125 * TERA, "fp32": 15.7 * TERA}, 16 * GIB, 900 * GB),
+        # efficiencies fitted once to measured V100 points (docs/COSTMODEL.md §7, scripts/calibrate_v100.py)
+        device=Device("V100-SXM2-16GB", {"fp16": 125 * TERA, "fp32": 15.7 * TERA}, 16 * GIB, 900 * GB,
+                      matmul_efficiency=V100_MATMUL_EFFICIENCY, memory_efficiency=V100_MEMORY_EFFICIENCY),
         intra_node=Link(150 * GB, NVLINK_LATENCY_S),
         inter_node=Link(3.125 * GB, ETHERNET_LATENCY_S, shared_by_node=True)),
     "dgx-a100": Cluster(

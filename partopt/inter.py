@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -178,6 +179,7 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, *
     ilp_stats = {"ilps": 0, "status": "optimal", "gap": 0.0, "solve_time_s": 0.0, "counts": []}
     best: tuple[float, int, list[StageSpec], list] | None = None
     # cheapest first by a lower bound, so that later counts can be skipped without pricing them
+    counts = [c for c in counts if _splits(graph, c) or options.microbatches != "auto"]
     bounds = {count: _lower_bound(graph, count, cluster) for count in counts}
     candidates = [c for c in sorted(counts, key=lambda c: (bounds[c], c))
                   if _fits_at_all(graph, c, cluster, budget, options.recompute)]
@@ -256,6 +258,15 @@ def _tighten(costs: dict, priced: dict, jobs: dict, hashes: list, budget: float,
                 rows.append(row)
 
 
+def _splits(graph: Graph, count: int) -> bool:
+    """Whether the graph has a microbatch view at batch / count (an MoE's routing groups may not split)."""
+    try:
+        intra.with_batch(graph, graph.dims[graph.batch_dim] // count)
+    except InstanceError:
+        return False
+    return True
+
+
 def _lower_bound(graph: Graph, count: int, cluster: Cluster) -> float:
     """A lower bound on the iteration time with `count` microbatches on any plan of `devices` devices.
 
@@ -316,6 +327,14 @@ _WORKER: dict = {}
 
 def _worker_init(graph: Graph, options: Options) -> None:
     _WORKER.update(graph=graph, options=options)
+    parent = os.getppid()
+
+    def orphaned() -> None:  # a killed planner must not leave its workers running
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=orphaned, daemon=True).start()
 
 
 def _worker_job(job: tuple) -> LayerCost | None:

@@ -100,13 +100,13 @@ def test_p2p_time():
 def test_large_fp16_matmul_on_v100_is_compute_bound():
     flops = 2 * 8192**3  # one 8192^3 GEMM
     nbytes = 3 * 8192**2 * 2  # read A, B, write C in fp16
-    assert cm.compute_time(flops, nbytes, V100, "fp16", matmul=True) == pytest.approx(flops / (125e12 * 0.75))
-    assert cm.compute_time(flops, nbytes, V100, "bf16", matmul=True) == pytest.approx(flops / (125e12 * 0.75))
+    assert cm.compute_time(flops, nbytes, V100, "fp16", matmul=True) == pytest.approx(flops / (125e12 * V100.matmul_efficiency))
+    assert cm.compute_time(flops, nbytes, V100, "bf16", matmul=True) == pytest.approx(flops / (125e12 * V100.matmul_efficiency))
 
 
 def test_streaming_op_is_memory_bound():
     nbytes = 4e9
-    assert cm.compute_time(1e9, nbytes, V100, "fp16", matmul=False) == pytest.approx(nbytes / (900e9 * 0.8))
+    assert cm.compute_time(1e9, nbytes, V100, "fp16", matmul=False) == pytest.approx(nbytes / (900e9 * V100.memory_efficiency))
 
 
 def test_non_matmul_arithmetic_runs_at_fp32_peak():
@@ -115,7 +115,7 @@ def test_non_matmul_arithmetic_runs_at_fp32_peak():
 
 
 def test_fp32_matmul_uses_fp32_peak():
-    assert cm.compute_time(1e12, 0, V100, "fp32", matmul=True) == pytest.approx(1e12 / (15.7e12 * 0.75))
+    assert cm.compute_time(1e12, 0, V100, "fp32", matmul=True) == pytest.approx(1e12 / (15.7e12 * V100.matmul_efficiency))
 
 
 def test_training_flops():
