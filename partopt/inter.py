@@ -316,9 +316,12 @@ def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, budget: fl
     return LayerCost.of(sharding)
 
 
-def _price_job(graph: Graph, options: Options, job: tuple) -> LayerCost | None:
+def _price_job(graph: Graph, options: Options, job: tuple, views: dict[int, Graph]) -> LayerCost | None:
+    """One pricing job; `views` caches the graph's microbatch views by size across jobs."""
     mb, count, names, mesh, cap = job
-    g_mb = intra.with_batch(graph, mb)
+    if mb not in views:
+        views[mb] = intra.with_batch(graph, mb)
+    g_mb = views[mb]
     return _price(g_mb, [g_mb.op_index[n] for n in names], mesh, count, cap, options)
 
 
@@ -338,16 +341,17 @@ def _worker_init(graph: Graph, options: Options) -> None:
 
 
 def _worker_job(job: tuple) -> LayerCost | None:
-    return _price_job(_WORKER["graph"], _WORKER["options"], job)
+    return _price_job(_WORKER["graph"], _WORKER["options"], job, _WORKER.setdefault("views", {}))
 
 
 class _Pricer:
     """Runs the per-layer ILPs: in this process, or on a pool of worker processes for many of them."""
 
-    MIN_OPS = 2000  # below this many ops over all jobs, starting worker processes costs more than it saves
+    MIN_OPS = 500  # below this many ops over all jobs, starting worker processes costs more than it saves
 
     def __init__(self, graph: Graph, options: Options):
         self.graph, self.options = graph, options
+        self.views: dict[int, Graph] = {}
         self.workers = options.workers or len(os.sched_getaffinity(0))
         self.pool: ProcessPoolExecutor | None = None
 
@@ -368,7 +372,7 @@ class _Pricer:
         if self.pool is not None:
             results = self.pool.map(_worker_job, [jobs[k] for k in keys], chunksize=1)
         else:
-            results = (_price_job(self.graph, self.options, jobs[k]) for k in keys)
+            results = (_price_job(self.graph, self.options, jobs[k], self.views) for k in keys)
         out = {}
         for n, (key, cost) in enumerate(zip(keys, results), 1):
             out[key] = cost
