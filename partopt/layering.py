@@ -1,8 +1,9 @@
 """Layers: the units the stage DP cuts between (DESIGN §6 step 1), and the units priced.
 
 A graph's `layer` tags give its natural layers (a transformer block, a residual block). When a
-graph has no tags, or more layers than asked for, consecutive layers are grouped so that each
-group carries about the same FLOPs. For pricing, a tagged layer that holds a copy of the
+graph has no tags (each op is then a layer), or more layers than asked for, consecutive layers
+are grouped as Alpa's layer construction does: balanced FLOPs (within 25 % of the even share)
+and the least traffic across the cuts. For pricing, a tagged layer that holds a copy of the
 repeated block plus something else (GPT's first block with the embedding, its last with the
 head) is split into that copy and the rest, so the copy shares the block's ILP.
 """
@@ -64,6 +65,62 @@ def balanced_groups(weights: list[float], count: int) -> list[tuple[int, int]]:
     return cuts
 
 
+IMBALANCE = 0.25  # a DP layer may carry up to 25 % more than its even share of the FLOPs
+BALANCE_WEIGHT = 1e-3  # among cuts of equal traffic, the more even grouping wins
+
+
+def traffic_groups(weights: list[float], traffic: list[float], count: int,
+                   slack: float = IMBALANCE) -> list[tuple[int, int]]:
+    """Alpa's layer construction: `count` contiguous groups whose cuts carry the fewest bytes.
+
+    `traffic[i]` is the bytes crossing a cut after item i. Each group may weigh at most
+    (1 + slack) of the even share (or its heaviest item); among plans of equal traffic the most
+    even one wins. A DP over (groups, last item); falls back to `balanced_groups` if no grouping
+    fits the cap.
+    """
+    n = len(weights)
+    count = max(1, min(count, n))
+    w = np.asarray(weights, dtype=float)
+    prefix = np.concatenate([[0.0], np.cumsum(w)])
+    ideal = prefix[-1] / count
+    cap = (1 + slack) * max(ideal, float(w.max(initial=0.0)))
+    scale = max(float(np.max(traffic, initial=0.0)), 1e-300)
+    cut = np.concatenate([np.asarray(traffic, dtype=float) / scale, [0.0]])  # cost of cutting after item i
+    f = np.full((count + 1, n), np.inf)
+    back = np.zeros((count + 1, n), dtype=int)
+    for j in range(n):
+        if prefix[j + 1] <= cap:
+            f[1, j] = BALANCE_WEIGHT * ((prefix[j + 1] - ideal) / max(ideal, 1e-300)) ** 2
+    for k in range(2, count + 1):
+        for j in range(k - 1, n):
+            starts = np.arange(k - 2, j)  # the previous group ends at i; this one is i+1 .. j
+            load = prefix[j + 1] - prefix[starts + 1]
+            cost = f[k - 1, starts] + cut[starts] + BALANCE_WEIGHT * ((load - ideal) / max(ideal, 1e-300)) ** 2
+            cost[load > cap] = np.inf
+            best = int(np.argmin(cost))
+            f[k, j], back[k, j] = cost[best], starts[best]
+    if not np.isfinite(f[count, n - 1]):
+        return balanced_groups(weights, count)
+    groups, j = [], n - 1
+    for k in range(count, 0, -1):
+        i = int(back[k, j]) if k > 1 else -1
+        groups.append((i + 1, j))
+        j = i
+    return groups[::-1]
+
+
+def _cut_traffic(graph: Graph, layers: list[list[Op]]) -> list[float]:
+    """Bytes of tensors made in layers ≤ i and read in layers > i, for each cut after layer i."""
+    where = {op.output: i for i, ops in enumerate(layers) for op in ops}
+    traffic = np.zeros(len(layers))
+    for i, ops in enumerate(layers):
+        for op in ops:
+            for t in op.inputs:
+                if t in where and where[t] < i:
+                    traffic[where[t]:i] += graph.nbytes(t)
+    return list(traffic)
+
+
 def repeated_parts(graph: Graph, layer: list[Op], block: str, size: int) -> list[list[Op]]:
     """`layer` cut into [before, copy, after] around its first run of `size` ops hashing as `block`."""
     for start in range(len(layer) - size + 1):
@@ -88,5 +145,5 @@ def build_layers(graph: Graph, max_layers: int | None = None) -> Layering:
         tag_groups = [(i, i) for i in range(len(tagged))]
     else:
         weights = [float(sum(graph.flops(op) for op in ops)) or 1.0 for ops in tagged]
-        tag_groups = balanced_groups(weights, max_layers)
+        tag_groups = traffic_groups(weights, _cut_traffic(graph, tagged)[:-1], max_layers)
     return Layering(base, [(int(first[a]), int(first[b + 1]) - 1) for a, b in tag_groups])
