@@ -83,8 +83,12 @@ def main(write: bool) -> None:
     if skipped:
         lines += [""] + [f"Not used (it could not be priced, so the fit is over the other points): {p.label} — {why}"
                          for p, why in skipped]
-    lines += ["", ("The p3.16xlarge preset keeps its placeholder values until the lead adopts these; the "
-                   "benchmark tables in docs/benchmarks.md say which values they ran with.")]
+    device = preset("p3.16xlarge").device
+    adopted = (round(device.matmul_efficiency, 3), round(device.memory_efficiency, 3)) == (
+        round(fit.matmul_efficiency, 3), round(fit.memory_efficiency, 3))
+    lines += ["", (f"The p3.16xlarge preset {'uses these values' if adopted else 'holds other values'} "
+                   f"(matmul {device.matmul_efficiency}, memory {device.memory_efficiency}, "
+                   "`partopt/cluster.py`); the benchmark tables in docs/benchmarks.md say which values they ran with.")]
     replace_section(DOC, "\n".join(lines))
     console.print(f"wrote {DOC.relative_to(ROOT)}")
 
