@@ -262,7 +262,7 @@ def _splits(graph: Graph, count: int) -> bool:
     """Whether the graph has a microbatch view at batch / count (an MoE's routing groups may not split)."""
     try:
         intra.with_batch(graph, graph.dims[graph.batch_dim] // count)
-    except InstanceError:
+    except InfeasibleError:
         return False
     return True
 

@@ -123,3 +123,13 @@ def test_uniform_bandwidth_means_no_pipeline_and_a_slow_network_means_one():
     flat = dataclasses.replace(cluster, inter_node=cluster.intra_node)
     assert len(optimize(graph, flat, microbatches=4).stages) == 1
     assert len(optimize(graph, cluster, microbatches=4).stages) > 1
+
+
+def test_auto_microbatches_skip_counts_an_moe_cannot_split_into():
+    """MoE routing groups of 16 tokens: a microbatch of one 8-token sequence has no whole group."""
+    from partopt.models import moe
+    graph = moe(hidden=32, layers=2, heads=2, experts=2, seq=8, vocab=16, batch=4, group_size=16)
+    with pytest.raises(InfeasibleError, match="does not scale with a microbatch of 1"):
+        optimize(graph, preset("p3.16xlarge", 1), microbatches=4)
+    plan = optimize(graph, preset("p3.16xlarge", 1), microbatches="auto")
+    assert plan.microbatch_size * 8 >= 16 and set(plan.solver["microbatch_counts"]) <= {1, 2}
