@@ -358,9 +358,9 @@ class _Pricer:
     def __enter__(self) -> _Pricer:
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
+    def __exit__(self, kind, *exc) -> None:
+        if self.pool is not None:  # interrupted: do not wait for running ILPs (their workers exit with us)
+            self.pool.shutdown(wait=kind is None, cancel_futures=True)
 
     def run(self, jobs: dict, stats: dict, progress: Callable[[int], None]) -> dict:
         """Results of `jobs` (key -> job) by key; ILP statistics added to `stats`."""
