@@ -133,3 +133,20 @@ def test_auto_microbatches_skip_counts_an_moe_cannot_split_into():
         optimize(graph, preset("p3.16xlarge", 1), microbatches=4)
     plan = optimize(graph, preset("p3.16xlarge", 1), microbatches="auto")
     assert plan.microbatch_size * 8 >= 16 and set(plan.solver["microbatch_counts"]) <= {1, 2}
+
+
+def test_the_returned_pipeline_simulates_to_its_closed_form_and_gpipe_holds_more_memory():
+    from partopt.draw import stage_times
+    from partopt.simulate import closed_form, simulate
+    plan = optimize(mlp(4, 512, 512), preset("p3.16xlarge", 2), microbatches=4)
+    assert len(plan.stages) > 1
+    stages, B = stage_times(plan), plan.num_microbatches
+    pipeline = plan.iteration_time_s - max(s.sync_time_s for s in plan.stages)
+    assert closed_form(stages, B) == pytest.approx(pipeline, rel=1e-12)
+    one_f_one_b = simulate(stages, B, "1f1b")
+    if max(range(len(stages)), key=lambda i: (stages[i].latency_s, i)) == len(stages) - 1:
+        assert one_f_one_b.iteration_time_s == pytest.approx(pipeline, rel=1e-9)  # last stage slowest: exact
+    assert one_f_one_b.iteration_time_s <= pipeline * (1 + 1e-9)
+    gpipe = simulate(stages, B, "gpipe")
+    assert all(g >= f for g, f in zip(gpipe.peak_memory_bytes, one_f_one_b.peak_memory_bytes))
+    assert gpipe.peak_memory_bytes[0] > one_f_one_b.peak_memory_bytes[0]  # B in flight against min(S, B)
