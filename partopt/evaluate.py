@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from functools import partial
 
 from partopt import costmodel, intra
 from partopt.cluster import Cluster
-from partopt.errors import InfeasibleError, InstanceError
+from partopt.errors import InfeasibleError, InstanceError, SolverError
 from partopt.graph import Graph, Op
 from partopt.inter import LayerCost, Options, StageSpec, assemble, microbatch_counts, params_of
 from partopt.layering import Layering, build_layers
@@ -97,9 +98,18 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool) -> intra.Restriction:
     return intra.Restriction(op_ok, param_ok, f"Megatron's layout (data parallel {dp} × tensor parallel {tp})")
 
 
+LOOSER = (1.0, 1.5, 2.0, 3.0)  # caps tried for a layer, in units of its even share of the budget
+
+
 def _price_layers(graph: Graph, cluster: Cluster, layering: Layering, count: int, spec: StageSpec,
-                  restriction: intra.Restriction, options: Options, stats: dict, cache: dict) -> list[LayerCost | None]:
-    """The stage's base layers priced on its mesh under `restriction` (others None: not in this stage)."""
+                  restriction: intra.Restriction, options: Options, stats: dict, cache: dict,
+                  budget: float | None = None) -> list[LayerCost | None]:
+    """The stage's base layers priced on its mesh under `restriction` (others None: not in this stage).
+
+    With a `budget`, each of the stage's n layers is first solved within budget / n with the
+    stage's in-flight microbatches (so that together they fit), then within looser caps (a small
+    embedding leaves room to the blocks), and without a cap only if all fail.
+    """
     mb = graph.dims[graph.batch_dim] // count
     g_mb = intra.with_batch(graph, mb)
     mesh = cluster.logical_mesh(spec.submesh, spec.shape)
@@ -109,14 +119,24 @@ def _price_layers(graph: Graph, cluster: Cluster, layering: Layering, count: int
         ops = [g_mb.op_index[op.name] for op in layering.base[b]]
         params = params_of(g_mb, ops)
         # layers alike under alike pins share one solve
-        key = (g_mb.structural_hash(ops), mesh,
+        cap = None if budget is None else (budget / (last - first + 1), spec.inflight)
+        key = (g_mb.structural_hash(ops), mesh, cap,
                tuple(tuple(s.axes) for op in ops for s in op_strategies(g_mb, op, mesh) if restriction.op(op, s)),
                tuple(s.name for t in params for s in param_strategies(g_mb, g_mb.tensors[t], mesh)
                      if restriction.param(t, s)))
         if key not in cache:
-            sharding = intra.shard_stage(g_mb, mesh, ops, microbatches=count, inflight=1, backend=options.backend,
-                                         time_limit_s=options.time_limit_s, seed=options.seed, restriction=restriction,
-                                         recompute=options.recompute)
+            solve = partial(intra.shard_stage, g_mb, mesh, ops, microbatches=count, backend=options.backend,
+                            time_limit_s=options.time_limit_s, seed=options.seed, restriction=restriction,
+                            recompute=options.recompute)
+            sharding = None
+            for factor in (LOOSER if cap else ()):  # the even share first, then looser caps
+                try:
+                    sharding = solve(inflight=cap[1], memory_budget=min(budget, factor * cap[0]))
+                    break
+                except (InfeasibleError, SolverError):
+                    continue
+            if sharding is None:
+                sharding = solve(inflight=1)  # the stage will not fit: the check in `price` says by how much
             stats["ilps"] += 1
             stats["solve_time_s"] += sharding.solution.result.time_s
             cache[key] = LayerCost.of(sharding)
@@ -125,9 +145,11 @@ def _price_layers(graph: Graph, cluster: Cluster, layering: Layering, count: int
 
 
 def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs: list[StageSpec],
-          restrictions: list[intra.Restriction] | None, options: Options, where: str = "plan") -> Plan:
+          restrictions: list[intra.Restriction] | None, options: Options, where: str = "plan",
+          fit_memory: bool = False) -> Plan:
     """The plan of fixed stages (`specs`), each priced by the intra-op ILP under its restriction
-    (None: every strategy allowed).
+    (None: every strategy allowed); `fit_memory` makes each stage's layers choose strategies that
+    fit the device memory together (see `_price_layers`), rather than the fastest.
 
     Raises InfeasibleError when a stage's memory exceeds the budget.
     """
@@ -135,10 +157,11 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
     stats = {"ilps": 0, "status": "optimal", "gap": 0.0, "solve_time_s": 0.0}
     cache: dict = {}
     restrictions = restrictions or [intra.Restriction()] * len(specs)
-    rows = [_price_layers(graph, cluster, layering, count, spec, r, options, stats, cache)
+    budget = costmodel.memory_budget(cluster.device, options.memory_reserve)
+    rows = [_price_layers(graph, cluster, layering, count, spec, r, options, stats, cache,
+                          budget if fit_memory else None)
             for spec, r in zip(specs, restrictions)]
     plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start)
-    budget = costmodel.memory_budget(cluster.device, options.memory_reserve)
     for i, stage in enumerate(plan.stages):
         if stage.memory_bytes > budget:
             raise InfeasibleError(
@@ -209,4 +232,4 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     size = L // pp
     specs = [StageSpec(i * size, (i + 1) * size - 1, submesh, (dp, tp), min(pp - i, count)) for i in range(pp)]
     restriction = _megatron(intra.with_batch(graph, graph.dims[graph.batch_dim] // count), tp, dp, zero)
-    return price(graph, cluster, layering, count, specs, [restriction] * pp, options, where)
+    return price(graph, cluster, layering, count, specs, [restriction] * pp, options, where, fit_memory=True)
