@@ -11,6 +11,7 @@ layers into stages for each candidate microbatch count, and the best plan wins.
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing
 import os
 import threading
@@ -230,7 +231,8 @@ def _tighten(costs: dict, priced: dict, jobs: dict, hashes: list, budget: float,
     """Add memory-leaner options: re-price layers whose optimum overflows budget / r, r = 2, 4, …
 
     Each layer's ILP alone sees only its own memory; a stage of r such layers needs each to fit
-    about budget / r. A layer whose optimum already fits the tighter cap keeps it (the same ILP
+    about budget / r, with the in-flight microbatches of a stage that leads about layers / r
+    stages (the most it could have). A layer whose optimum already fits the tighter cap keeps it (the same ILP
     with a tighter, non-binding constraint has the same optimum), so small models cost nothing.
     Each mesh gets one more row of layer costs per cap at which any of its layers changed.
     """
@@ -243,8 +245,11 @@ def _tighten(costs: dict, priced: dict, jobs: dict, hashes: list, budget: float,
         for key in jobs:  # a cap below the leanest assignment is hopeless: no ILP needed
             if key not in stuck and last[key].sharding.least_memory_bytes > cap:
                 stuck.add(key)
-        tight = {key: (*job[:4], cap) for key, job in jobs.items()
-                 if key not in stuck and last[key].memory_bytes > cap}
+        # stages of r layers are the first of about layers / r: weigh activations by that many in flight
+        inflight = {key: min(job[1], math.ceil(layers / r)) for key, job in jobs.items()}
+        tight = {key: (*job[:4], cap, inflight[key]) for key, job in jobs.items()
+                 if key not in stuck and last[key].param_bytes + inflight[key] * last[key].activation_bytes
+                 + last[key].working_bytes > cap}
         if not tight:
             break
         for key, cost in pricer.run(tight, stats, lambda k: None).items():
@@ -294,7 +299,7 @@ def _fits_at_all(graph: Graph, count: int, cluster: Cluster, budget: float, reco
 
 
 def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, budget: float,
-           options: Options) -> LayerCost | None:
+           options: Options, inflight: int = 1) -> LayerCost | None:
     """One base layer's optimal sharding on `mesh`, or None when it cannot fit the memory budget.
 
     Under a cap tighter than the device's budget (a leaner option, see `_tighten`) the solver gets
@@ -303,7 +308,7 @@ def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, budget: fl
     lean = budget < costmodel.memory_budget(mesh.device, options.memory_reserve)
     limit = min(options.time_limit_s, LEAN_TIME_LIMIT_S) if lean else options.time_limit_s
     try:
-        sharding = intra.shard_stage(g_mb, mesh, ops, microbatches=count, inflight=1, memory_budget=budget,
+        sharding = intra.shard_stage(g_mb, mesh, ops, microbatches=count, inflight=inflight, memory_budget=budget,
                                      backend=options.backend, time_limit_s=limit, seed=options.seed,
                                      data_parallel=options.data_parallel_only or options.stage_data_parallel,
                                      allow_zero=not options.stage_data_parallel, recompute=options.recompute)
@@ -318,11 +323,11 @@ def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, budget: fl
 
 def _price_job(graph: Graph, options: Options, job: tuple, views: dict[int, Graph]) -> LayerCost | None:
     """One pricing job; `views` caches the graph's microbatch views by size across jobs."""
-    mb, count, names, mesh, cap = job
+    mb, count, names, mesh, cap, *inflight = job
     if mb not in views:
         views[mb] = intra.with_batch(graph, mb)
     g_mb = views[mb]
-    return _price(g_mb, [g_mb.op_index[n] for n in names], mesh, count, cap, options)
+    return _price(g_mb, [g_mb.op_index[n] for n in names], mesh, count, cap, options, *inflight)
 
 
 _WORKER: dict = {}
