@@ -10,7 +10,7 @@ import json
 import math
 import re
 import shlex
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +176,15 @@ def jax_spec_text(spec: Sequence[str | list[str] | None]) -> str:
     return "PartitionSpec(" + ", ".join(one(e) for e in spec) + ")"
 
 
+def _add_optimizer_state(entry: dict[str, Any], t: TensorPlacement, mesh: Sequence[int], key: str,
+                         convert: Callable[[TensorPlacement], Any], text: Callable[[Any], str]) -> None:
+    """For a ZeRO-sharded parameter, `entry["optimizer_state"]`: the state's placement in the target's terms."""
+    if t.role == "param" and t.zero_axes:
+        placement, flat = optimizer_placement(t, mesh)
+        state = convert(TensorPlacement(t.name, t.role, t.dims, t.shape, placement))
+        entry["optimizer_state"] = {key: state, "text": text(state), "flat_axes": [AXIS_NAMES[k] for k in flat]}
+
+
 def _jax_entry(t: TensorPlacement, mesh: Sequence[int]) -> dict[str, Any]:
     partial = [AXIS_NAMES[k] for k, p in enumerate(t.placement) if isinstance(p, Partial)]
     spec = jax_spec(t)
@@ -184,10 +193,7 @@ def _jax_entry(t: TensorPlacement, mesh: Sequence[int]) -> dict[str, Any]:
         entry.update(spec=None, text=None, pending_reduction={"axes": partial, "spec": spec, "text": jax_spec_text(spec)})
     else:
         entry.update(spec=spec, text=jax_spec_text(spec))
-    if t.role == "param" and t.zero_axes:
-        placement, flat = optimizer_placement(t, mesh)
-        opt = jax_spec(TensorPlacement(t.name, t.role, t.dims, t.shape, placement))
-        entry["optimizer_state"] = {"spec": opt, "text": jax_spec_text(opt), "flat_axes": [AXIS_NAMES[k] for k in flat]}
+    _add_optimizer_state(entry, t, mesh, "spec", jax_spec, jax_spec_text)
     return entry
 
 
@@ -228,10 +234,7 @@ def dtensor_text(placements: Sequence[dict[str, Any]]) -> str:
 def _dtensor_entry(t: TensorPlacement, mesh: Sequence[int]) -> dict[str, Any]:
     placements = dtensor_placements(t)
     entry: dict[str, Any] = {"placement": fmt(t.placement), "placements": placements, "text": dtensor_text(placements)}
-    if t.role == "param" and t.zero_axes:
-        placement, flat = optimizer_placement(t, mesh)
-        opt = dtensor_placements(TensorPlacement(t.name, t.role, t.dims, t.shape, placement))
-        entry["optimizer_state"] = {"placements": opt, "text": dtensor_text(opt), "flat_axes": [AXIS_NAMES[k] for k in flat]}
+    _add_optimizer_state(entry, t, mesh, "placements", dtensor_placements, dtensor_text)
     return entry
 
 

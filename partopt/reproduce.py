@@ -671,3 +671,16 @@ def plan_difference(result: CaseResult) -> str | None:
     if sorted(ours.logical_meshes) != sorted(alpa.logical_meshes):
         parts.append(f"logical meshes {format_meshes(ours.logical_meshes)} vs {format_meshes(alpa.logical_meshes)}")
     return "; ".join(parts) or "same plan"
+
+
+def replace_marked(path: Path, begin: str, end: str, section: str) -> None:
+    """Replace the text between the `begin` and `end` markers of `path` with `section` (append the
+    marked block when the markers are absent); the rest of the file stays as it is."""
+    text = path.read_text() if path.exists() else ""
+    block = f"{begin}\n{section.rstrip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)

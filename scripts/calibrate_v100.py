@@ -26,18 +26,6 @@ DOC = ROOT / "docs" / "COSTMODEL.md"
 BEGIN, END = "<!-- calibration:begin -->", "<!-- calibration:end -->"
 
 
-def replace_section(path: Path, section: str) -> None:
-    """Replace the text between the calibration markers of `path` (append when absent)."""
-    text = path.read_text()
-    block = f"{BEGIN}\n{section.rstrip()}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text)
-
-
 @click.command()
 @click.option("--write/--no-write", default=True, help="Write the Calibration section of docs/COSTMODEL.md.")
 def main(write: bool) -> None:
@@ -89,7 +77,7 @@ def main(write: bool) -> None:
     lines += ["", (f"The p3.16xlarge preset {'uses these values' if adopted else 'holds other values'} "
                    f"(matmul {device.matmul_efficiency}, memory {device.memory_efficiency}, "
                    "`partopt/cluster.py`); the benchmark tables in docs/benchmarks.md say which values they ran with.")]
-    replace_section(DOC, "\n".join(lines))
+    rp.replace_marked(DOC, BEGIN, END, "\n".join(lines))
     console.print(f"wrote {DOC.relative_to(ROOT)}")
 
 

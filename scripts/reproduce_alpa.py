@@ -82,14 +82,9 @@ def figure(results: list[rp.CaseResult], path: Path) -> None:
 
 def write_docs(section: str, path: Path = DOCS) -> None:
     """Replace the text between the alpa markers of `path` (append the section if absent); the rest stays."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{BEGIN}\n{section.rstrip()}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text)
+    if not path.exists():
+        path.write_text("# Benchmarks\n")
+    rp.replace_marked(path, BEGIN, END, section)
 
 
 def markdown(results, ablations, found, command: str, wall_s: float, efficiency: rp.Efficiency) -> str:
