@@ -43,7 +43,7 @@ def stage_times(plan: Plan) -> list[StageTimes]:
     A plan's `send_time_s` is the round trip (activations out, gradients back: 2 × one p2p) and its
     `forward_s` is the forward's FLOP share of `stage_time_s`, sends included. So per stage:
     send_s = send_time_s / 2, compute = stage_time_s - send_time_s split by the same share,
-    activation_bytes and static_bytes (parameter state) from the breakdown.
+    activation_bytes and static_bytes (parameter state and recomputation's working set) from the breakdown.
     """
     result = []
     for i, stage in enumerate(plan.stages):
@@ -83,9 +83,10 @@ def draw(plan: Plan, path: str | Path, schedule: str = "1f1b", memory_budget_byt
     if suffix not in FORMATS:
         raise InstanceError(f"cannot draw to {suffix or 'a file without suffix'!r}", str(path),
                             "name the output *.svg or *.png")
-    simulation = simulate(stage_times(plan), plan.num_microbatches, schedule)
+    stages = stage_times(plan)
+    simulation = simulate(stages, plan.num_microbatches, schedule)
     budget = plan_budget(plan) if memory_budget_bytes is None else memory_budget_bytes
-    figure = _figure(plan, simulation, budget)
+    figure = _figure(plan, stages, simulation, budget)
     with matplotlib.rc_context({"svg.hashsalt": "partopt", "svg.fonttype": "path"}):
         metadata = {"Date": None} if suffix == ".svg" else {"Software": None}
         try:
@@ -94,7 +95,7 @@ def draw(plan: Plan, path: str | Path, schedule: str = "1f1b", memory_budget_byt
             raise InstanceError(f"cannot write: {err.strerror}", str(path), "check that the directory exists") from None
 
 
-def _figure(plan: Plan, simulation: Simulation, budget: float | None) -> Figure:
+def _figure(plan: Plan, stages: list[StageTimes], simulation: Simulation, budget: float | None) -> Figure:
     """The two panels side by side, sharing one row per stage."""
     rows = len(plan.stages)
     panel = max(_MIN_PANEL, _ROW * rows)
@@ -105,7 +106,7 @@ def _figure(plan: Plan, simulation: Simulation, budget: float | None) -> Figure:
     timeline = figure.add_axes((_LEFT / _WIDTH, box[0], _TIMELINE / _WIDTH, box[1]))
     memory = figure.add_axes(((_LEFT + _TIMELINE + _GAP) / _WIDTH, box[0], _MEMORY / _WIDTH, box[1]), sharey=timeline)
     end = _timeline(timeline, plan, simulation)
-    handles = _memory(memory, plan, simulation, budget)
+    handles = _memory(memory, stages, simulation, budget)
     figure.suptitle(f"{plan.graph} on {plan.cluster} ({plan.nodes} × {plan.devices_per_node} devices) · "
                     f"{plan.num_microbatches} microbatches of {plan.microbatch_size} · {simulation.schedule}\n"
                     f"iteration {fmt_seconds(plan.iteration_time_s)} (plan, closed form) · "
@@ -160,17 +161,15 @@ def _timeline(ax: Axes, plan: Plan, simulation: Simulation) -> float:
     return end
 
 
-def _memory(ax: Axes, plan: Plan, simulation: Simulation, budget: float | None) -> list[Artist]:
-    """Stacked bars per stage: parameter state, activations × in-flight microbatches (GiB); legend handles."""
-    params, acts = [], []
-    for stage, inflight in zip(plan.stages, simulation.max_inflight):
-        params.append((stage.breakdown["param_bytes"] + stage.breakdown.get("working_bytes", 0.0)) / GIB)
-        acts.append(stage.breakdown["activation_bytes"] * inflight / GIB)
-    rows = range(len(plan.stages))
+def _memory(ax: Axes, stages: list[StageTimes], simulation: Simulation, budget: float | None) -> list[Artist]:
+    """Stacked bars per stage: static bytes, activations × in-flight microbatches (GiB); legend handles."""
+    params = [stage.static_bytes / GIB for stage in stages]
+    acts = [stage.activation_bytes * inflight / GIB for stage, inflight in zip(stages, simulation.max_inflight)]
+    rows = range(len(stages))
     ax.barh(rows, params, height=_BAR, color=COLOURS["params"], gid="memory-params")
     ax.barh(rows, acts, height=_BAR, left=params, color=COLOURS["activations"], gid="memory-activations")
     top = max(p + a for p, a in zip(params, acts))
-    handles: list[Artist] = [Patch(color=COLOURS["params"], label="parameter state"),
+    handles: list[Artist] = [Patch(color=COLOURS["params"], label="parameter state (+ recompute working set)"),
                Patch(color=COLOURS["activations"], label="activations × in-flight")]
     if budget is not None:
         handles.append(ax.axvline(budget / GIB, color=COLOURS["budget"], linestyle="--", linewidth=1,
