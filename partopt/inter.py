@@ -180,10 +180,10 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, *
     ilp_stats = {"ilps": 0, "status": "optimal", "gap": 0.0, "solve_time_s": 0.0, "counts": []}
     best: tuple[float, int, list[StageSpec], list] | None = None
     # cheapest first by a lower bound, so that later counts can be skipped without pricing them
-    counts = [c for c in counts if _splits(graph, c) or options.microbatches != "auto"]
-    bounds = {count: _lower_bound(graph, count, cluster) for count in counts}
-    candidates = [c for c in sorted(counts, key=lambda c: (bounds[c], c))
-                  if _fits_at_all(graph, c, cluster, budget, options.recompute)]
+    views = _microbatch_views(graph, counts, skip_unsplittable=options.microbatches == "auto")
+    bounds = {count: _lower_bound(view, count, cluster) for count, view in views.items()}
+    candidates = [c for c in sorted(views, key=lambda c: (bounds[c], c))
+                  if _fits_at_all(graph, views[c], cluster, budget, options.recompute)]
     if not candidates:
         raise _no_plan(graph, cluster, budget)
     done = 0
@@ -191,8 +191,8 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, *
         for n, count in enumerate(candidates):
             if best is not None and bounds[count] >= best[0]:
                 continue  # its lower bound already loses: no ILP needed
-            mb = batch // count
-            g_mb = intra.with_batch(graph, mb)
+            mb, g_mb = batch // count, views[count]
+            pricer.views[mb] = g_mb
             base_ops = [[g_mb.op_index[op.name] for op in ops] for ops in layering.base]
             hashes = [g_mb.structural_hash(ops) for ops in base_ops]
             names = [[op.name for op in ops] for ops in base_ops]
@@ -232,8 +232,9 @@ def _tighten(costs: dict, priced: dict, jobs: dict, hashes: list, budget: float,
 
     Each layer's ILP alone sees only its own memory; a stage of r such layers needs each to fit
     about budget / r, with the in-flight microbatches of a stage that leads about layers / r
-    stages (the most it could have). A layer whose optimum already fits the tighter cap keeps it (the same ILP
-    with a tighter, non-binding constraint has the same optimum), so small models cost nothing.
+    stages (the most it could have). A layer whose optimum already fits the tighter cap keeps it
+    (the same ILP with a tighter, non-binding constraint has the same optimum), so small models
+    cost nothing.
     Each mesh gets one more row of layer costs per cap at which any of its layers changed.
     """
     last = dict(priced)
@@ -263,23 +264,27 @@ def _tighten(costs: dict, priced: dict, jobs: dict, hashes: list, budget: float,
                 rows.append(row)
 
 
-def _splits(graph: Graph, count: int) -> bool:
-    """Whether the graph has a microbatch view at batch / count (an MoE's routing groups may not split)."""
-    try:
-        intra.with_batch(graph, graph.dims[graph.batch_dim] // count)
-    except InfeasibleError:
-        return False
-    return True
+def _microbatch_views(graph: Graph, counts: list[int], skip_unsplittable: bool) -> dict[int, Graph]:
+    """The graph at microbatch size for each count. A count the graph cannot split into (an MoE's
+    routing groups) is skipped when counts are searched, and an error when it was asked for."""
+    views = {}
+    for count in counts:
+        try:
+            views[count] = intra.with_batch(graph, graph.dims[graph.batch_dim] // count)
+        except InfeasibleError:
+            if not skip_unsplittable:
+                raise
+    return views
 
 
-def _lower_bound(graph: Graph, count: int, cluster: Cluster) -> float:
-    """A lower bound on the iteration time with `count` microbatches on any plan of `devices` devices.
+def _lower_bound(g_mb: Graph, count: int, cluster: Cluster) -> float:
+    """A lower bound on the iteration time with `count` microbatches (`g_mb`: the microbatch view)
+    on any plan of the cluster's devices.
 
     The pipeline part is at least B · max_i t_i ≥ B · sum_i D_i t_i / N, and a stage's device-time
     D_i t_i is at least its ops' single-device roofline time (no split divides FLOPs or bytes by
     more than D_i; communication only adds).
     """
-    g_mb = intra.with_batch(graph, graph.dims[graph.batch_dim] // count)
     work = 0.0
     for op in g_mb.ops:
         if op.kind == "reshape":
@@ -290,9 +295,8 @@ def _lower_bound(graph: Graph, count: int, cluster: Cluster) -> float:
     return count * work / cluster.num_devices
 
 
-def _fits_at_all(graph: Graph, count: int, cluster: Cluster, budget: float, recompute: bool) -> bool:
+def _fits_at_all(graph: Graph, g_mb: Graph, cluster: Cluster, budget: float, recompute: bool) -> bool:
     """False when even a perfect spread of the parameter state and one microbatch's activations overflows."""
-    g_mb = intra.with_batch(graph, graph.dims[graph.batch_dim] // count)
     state = sum(costmodel.param_memory(graph.numel(t.name), graph.dtype_of(t.name)).total for t in graph.params)
     activations = 0.0 if recompute else sum(g_mb.nbytes(op.output) for op in g_mb.ops)
     return (state + activations) / cluster.num_devices <= budget
