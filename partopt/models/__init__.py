@@ -62,7 +62,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "wresnet-2b": _wresnet(50, 448, 2),
     "wresnet-4b": _wresnet(50, 640, 2),
     "wresnet-6.8b": _wresnet(50, 320, 16),
-    "wresnet-13b": _wresnet(101, 320, 16, batch=1520),
+    "wresnet-13b": _wresnet(50, 320, 32, batch=1520),  # Alpa's suite spec; see docs/models.md
     "llama-7b": _llama(4096, 32, 32, 32, 11008),
     "llama-70b": _llama(8192, 80, 64, 8, 28672),
     "bert-layer": ("bert", dict(hidden=1024, layers=1, heads=16, seq=128, batch=8)),
