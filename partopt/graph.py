@@ -22,6 +22,7 @@ ROLES: tuple[str, ...] = ("input", "param", "activation", "output")
 DTYPE_BYTES: Mapping[str, int] = {
     "fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int32": 4, "int64": 8, "bool": 1,
 }
+OPTIMIZERS: tuple[str, ...] = ("adam", "sgd", "adafactor")  # their state bytes: costmodel.OPTIMIZER_STATE
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Graph:
     ops: list[Op]
     batch_dim: str | None = None
     dtype: str = "fp16"
+    optimizer: str = "adam"  # how the parameters are trained; sets their state bytes (costmodel.OPTIMIZER_STATE)
 
     def __post_init__(self) -> None:
         self.dims = dict(self.dims)
@@ -138,7 +140,8 @@ class Graph:
 
         Two subgraphs hash alike when they differ only in names: names are replaced by
         their order of first appearance; sizes, dtypes, roles, kinds, attributes, the batch
-        dim and the wiring all count (two identical transformer blocks hash alike).
+        dim, the wiring and the optimizer (it sets parameter memory) all count (two identical
+        transformer blocks hash alike).
         """
         ops = list(self.order if ops is None else ops)
         tensor_ids: dict[str, int] = {}
@@ -165,7 +168,7 @@ class Graph:
 
         parts = [(op.kind, tuple(tensor(t) for t in op.inputs), tensor(op.output), attr(dict(op.attrs)))
                  for op in ops]
-        return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+        return hashlib.sha256(repr((self.optimizer, parts)).encode()).hexdigest()[:16]
 
     def subgraph_ops(self, layers: Sequence[int | None]) -> list[Op]:
         """Ops whose layer tag is in `layers`, in topological order."""
@@ -194,6 +197,8 @@ def _validate(g: Graph) -> None:
     """Check every rule of DESIGN §2; raise InstanceError at the first broken one."""
     if g.dtype not in DTYPE_BYTES:
         _fail("dtype", f"unknown dtype {g.dtype!r}", f"use one of {sorted(DTYPE_BYTES)}")
+    if g.optimizer not in OPTIMIZERS:
+        _fail("optimizer", f"unknown optimizer {g.optimizer!r}", f"use one of {list(OPTIMIZERS)}")
     for name, size in g.dims.items():
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             _fail(f"dims.{name}", f"size must be a positive integer, got {size!r}", "give every dim a size of at least 1")

@@ -204,7 +204,7 @@ def _edge_cost(model_graph: Graph, use: Use, src_list: list, dst_list: list[Stra
 
 def optimizer_step_time(graph: Graph, tensor: str, strategy: ParamStrategy, mesh: LogicalMesh) -> float:
     """Seconds of the per-iteration optimizer update of one parameter (memory bound)."""
-    state = costmodel.param_memory(graph.numel(tensor), graph.dtype_of(tensor)).total
+    state = costmodel.param_memory(graph.numel(tensor), graph.dtype_of(tensor), graph.optimizer).total
     local = state / shards(strategy.placement, mesh) / max(1, np.prod([mesh.shape[i] for i in strategy.zero_axes]))
     return costmodel.compute_time(0.0, 2 * local, mesh.device, graph.dtype_of(tensor), matmul=False)
 

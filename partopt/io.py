@@ -241,6 +241,8 @@ def _without_defaults(obj: Any, names: tuple[str, ...]) -> dict:
 def graph_to_dict(graph: Graph) -> dict:
     """The canonical file form of `graph` (DESIGN §2 key order, defaults omitted)."""
     data: dict[str, Any] = {"format": GRAPH_FORMAT, "version": VERSION, "name": graph.name, "dtype": graph.dtype}
+    if graph.optimizer != "adam":
+        data["optimizer"] = graph.optimizer
     if graph.batch_dim is not None:
         data["batch_dim"] = graph.batch_dim
     data["dims"] = dict(graph.dims)
@@ -260,7 +262,7 @@ def graph_from_dict(data: Any, where: str = "") -> Graph:
            for o in data["ops"]]
     try:
         return Graph(data["name"], data["dims"], tensors, ops,
-                     **{k: data[k] for k in ("batch_dim", "dtype") if k in data})
+                     **{k: data[k] for k in ("batch_dim", "dtype", "optimizer") if k in data})
     except InstanceError as err:
         raise InstanceError(err.cause, _at(where, f"$.{err.where}" if err.where else "$"), err.hint) from None
 

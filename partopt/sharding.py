@@ -267,7 +267,7 @@ def param_strategies(graph: Graph, tensor: Tensor, mesh: LogicalMesh, allow_zero
     `replicated` keeps only whole copies (data parallelism; ZeRO still allowed).
     """
     per_axis = [[R] + ([Shard(d) for d in tensor.dims] if size > 1 and not replicated else []) for size in mesh.shape]
-    memory = costmodel.param_memory(graph.numel(tensor.name), graph.dtype_of(tensor.name))
+    memory = costmodel.param_memory(graph.numel(tensor.name), graph.dtype_of(tensor.name), graph.optimizer)
     result = []
     for placement in itertools.product(*per_axis):
         axes = [p.dim if isinstance(p, Shard) else None for p in placement]

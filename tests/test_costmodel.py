@@ -140,6 +140,22 @@ def test_mixed_precision_adam_is_16_bytes_per_param():
     assert cm.param_memory(1.3e9, "fp32").total == pytest.approx(16 * 1.3e9)
 
 
+@pytest.mark.parametrize("optimizer, dtype, split", [
+    ("sgd", "fp16", (2, 2, 8)),  # 16-bit weights and grads + fp32 master + momentum
+    ("sgd", "fp32", (4, 4, 4)),  # momentum only
+    ("adafactor", "bf16", (2, 2, 4)),  # fp32 master; factored moments not counted
+    ("adafactor", "fp32", (4, 4, 0)),
+])
+def test_param_memory_of_other_optimizers(optimizer, dtype, split):
+    mem = cm.param_memory(1000, dtype, optimizer)
+    assert (mem.weights, mem.grads, mem.optimizer) == tuple(1000 * b for b in split)
+
+
+def test_unknown_optimizer_is_an_instance_error():
+    with pytest.raises(InstanceError, match="lion"):
+        cm.param_memory(10, "fp16", "lion")
+
+
 def test_integer_params_cannot_be_trained():
     with pytest.raises(InstanceError, match="int32"):
         cm.param_memory(10, "int32")

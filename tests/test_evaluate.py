@@ -42,12 +42,12 @@ def test_evaluating_a_solved_plan_reproduces_its_iteration_time(small_gpt, tmp_p
         assert (b["working_bytes"] > 0) == bool(search.get("recompute"))
 
 
-def _mlp_data_parallel_by_hand(graph, n: int) -> float:
+def _mlp_data_parallel_by_hand(graph, n: int, state_per_param: int = 16) -> float:
     """One iteration of the 2-layer MLP data parallel over n NVLink devices of a p3 node, B = 1.
 
     Each op computes 1/n of the batch with replicated weights (roofline over its FLOPs and the bytes
     it moves, forward + backward); once per iteration each weight gradient is all-reduced over the
-    n devices (bucketed) and the optimizer reads and writes its 16 B/param state.
+    n devices (bucketed) and the optimizer reads and writes its state (fp32 Adam: 16 B/param).
     """
     cluster = preset("p3.16xlarge", 1)
     dev, link = cluster.device, cluster.intra_node
@@ -65,7 +65,7 @@ def _mlp_data_parallel_by_hand(graph, n: int) -> float:
     params = [h * f, f, f * h, h]
     # gradients are all-reduced in buckets: only the bandwidth terms count
     sync = sum(2 * (n - 1) / n * word * p / link.bandwidth for p in params)
-    optimizer = sum(costmodel.compute_time(0.0, 2 * 16 * p, dev, "fp32", False) for p in params)
+    optimizer = sum(costmodel.compute_time(0.0, 2 * state_per_param * p, dev, "fp32", False) for p in params)
     return compute + sync + optimizer
 
 
@@ -77,6 +77,15 @@ def test_uniform_pure_data_parallel_equals_the_hand_formula():
     assert stage.logical_mesh == [8, 1] and stage.submesh == [1, 8]
     assert all(entry["axes"][0] == "b" for entry in stage.ops.values())
     assert all(p["placement"] == "[R, R]" and p["zero_axes"] == [] for p in stage.params.values())
+
+
+@pytest.mark.parametrize("optimizer, state_per_param", [("sgd", 4 + 4 + 4), ("adafactor", 4 + 4)])
+def test_the_optimizer_sets_state_bytes_and_step_time(optimizer, state_per_param):
+    # fp32 weights and grads, plus SGD's momentum buffer or (Adafactor) nothing but factored moments
+    graph = dataclasses.replace(io.read_graph(INSTANCES / "mlp-2layer.json"), optimizer=optimizer)
+    plan = uniform(graph, preset("p3.16xlarge", 1), tp=1, pp=1, dp=8, microbatches=1)
+    assert plan.iteration_time_s == pytest.approx(_mlp_data_parallel_by_hand(graph, 8, state_per_param), rel=1e-9)
+    assert plan.stages[0].breakdown["param_bytes"] == pytest.approx(graph.num_params * state_per_param)
 
 
 def test_uniform_zero_shards_optimizer_state_over_data_parallel_ranks():

@@ -3,6 +3,8 @@ FLOPs of einsum and conv — every expected value derived by hand from the sizes
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from partopt.errors import InstanceError
@@ -104,8 +106,9 @@ def test_hash_ignores_op_tensor_and_dim_names():
     block("l0.", ("b", "h", "f"), f=64),              # a size
     block("l0.", ("b", "h", "f"), kind="softmax"),    # a kind
     block("l0.", ("b", "h", "f"), swap=True),         # the wiring
+    dataclasses.replace(block("l0.", ("b", "h", "f")), optimizer="sgd"),  # the parameters' state
 ])
-def test_hash_changes_with_size_kind_or_wiring(changed):
+def test_hash_changes_with_size_kind_wiring_or_optimizer(changed):
     assert changed.structural_hash() != block("l0.", ("b", "h", "f")).structural_hash()
 
 

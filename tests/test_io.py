@@ -11,7 +11,9 @@ import pytest
 from partopt import io
 from partopt.cluster import PRESETS, Cluster, cluster_to_dict, preset
 from partopt.errors import InstanceError
-from partopt.graph import DTYPE_BYTES, ROLES, Graph, Op, Tensor
+from partopt.costmodel import OPTIMIZER_STATE
+from partopt.graph import DTYPE_BYTES, OPTIMIZERS, ROLES, Graph, Op, Tensor
+from partopt.models import preset as model_preset
 from partopt.ops import KINDS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,6 +80,13 @@ def test_round_trip_keeps_every_optional_field_and_omits_defaults():
     assert io.graph_to_dict(back) == d
 
 
+def test_a_non_default_optimizer_is_written_and_read_back():
+    d = io.graph_to_dict(model_preset("moe-380m"))
+    assert d["optimizer"] == "adafactor" and list(d)[:5] == ["format", "version", "name", "dtype", "optimizer"]
+    assert io.graph_from_dict(d).optimizer == "adafactor"
+    assert "optimizer" not in io.graph_to_dict(model_preset("gpt-350m"))  # adam, the default, is omitted
+
+
 def test_a_graph_file_without_dtype_gets_the_graph_default():
     d = io.load_json(ROOT / "instances" / "mlp-2layer.json")
     del d["dtype"]
@@ -124,7 +133,7 @@ def test_writing_into_a_missing_directory_is_an_instance_error(tmp_path):
 def enums(schema: dict) -> dict[str, list]:
     defs = schema["$defs"]
     return {"kind": defs["op"]["properties"]["kind"]["enum"], "role": defs["tensor"]["properties"]["role"]["enum"],
-            "dtype": defs["dtype"]["enum"]}
+            "dtype": defs["dtype"]["enum"], "optimizer": schema["properties"]["optimizer"]["enum"]}
 
 
 def test_schema_enums_equal_the_ir_constants():
@@ -132,6 +141,7 @@ def test_schema_enums_equal_the_ir_constants():
     assert found["kind"] == list(KINDS)
     assert found["role"] == list(ROLES)
     assert found["dtype"] == list(DTYPE_BYTES)
+    assert found["optimizer"] == list(OPTIMIZERS) == list(OPTIMIZER_STATE)
 
 
 def walk_fields(schema: dict, path: str = "$"):
@@ -204,6 +214,7 @@ BAD_CASES = {
     "fractional-size.json": ("$.dims.h", "expected integer, got number"),
     "unknown-kind.json": ("$.ops[1].kind (mystery)", "unknown value 'fft'"),
     "unknown-dtype.json": ("$.tensors.x.dtype", "unknown value 'fp12'"),
+    "unknown-optimizer.json": ("$.optimizer", "unknown value 'lion'"),
     "undeclared-tensor.json": ("$.ops[0] (act)", "tensor 'bias' is not declared"),
     "unknown-format.json": ("$.format", "unknown format 'partopt.graf'"),
     "version-2.json": ("$.version", "expected 1, got 2"),

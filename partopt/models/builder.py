@@ -32,9 +32,10 @@ def require_divisible(model: str, what: str, value: int, divisor_name: str, divi
 class GraphBuilder:
     """Collects dims, tensors and ops; hands back a validated Graph."""
 
-    def __init__(self, name: str, dtype: str, batch_dim: str, dims: Mapping[str, int]):
+    def __init__(self, name: str, dtype: str, batch_dim: str, dims: Mapping[str, int], optimizer: str = "adam"):
         self.name = name
         self.dtype = dtype
+        self.optimizer = optimizer
         self.batch_dim = batch_dim
         self.dims: dict[str, int] = {}
         self.tensors: dict[str, Tensor] = {}
@@ -104,4 +105,4 @@ class GraphBuilder:
 
     def build(self) -> Graph:
         """The validated Graph (construction checks every rule of DESIGN §2)."""
-        return Graph(self.name, self.dims, self.tensors, self.ops, self.batch_dim, self.dtype)
+        return Graph(self.name, self.dims, self.tensors, self.ops, self.batch_dim, self.dtype, self.optimizer)

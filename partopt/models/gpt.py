@@ -14,7 +14,7 @@ from partopt.models.transformer import attention, block, decoder, gelu_mlp, swig
 
 
 def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, batch: int,
-        dtype: str = "fp16", tied: bool = True, name: str | None = None) -> Graph:
+        dtype: str = "fp16", tied: bool = True, optimizer: str = "adam", name: str | None = None) -> Graph:
     """GPT-3 / Megatron-LM decoder: learned positions, pre-LayerNorm blocks with biases, 4h MLP.
 
     Parameters: 12·l·h² + 13·l·h + (V + s)·h + 2h (the final LayerNorm), + V·h when untied.
@@ -22,13 +22,13 @@ def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, batch: int,
     require_positive("gpt", hidden=hidden, layers=layers, heads=heads, seq=seq, vocab=vocab, batch=batch)
     require_divisible("gpt", "hidden", hidden, "heads", heads)
     b = GraphBuilder(name or f"gpt-h{hidden}-l{layers}", dtype, "b",
-                     dict(b=batch, s=seq, t=seq, h=hidden, n=heads, d=hidden // heads, f=4 * hidden, v=vocab))
+                     dict(b=batch, s=seq, t=seq, h=hidden, n=heads, d=hidden // heads, f=4 * hidden, v=vocab), optimizer)
     attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False)
     return decoder(b, layers, "layernorm", attn, lambda k: gelu_mlp, positions=True, tied=tied)
 
 
 def llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, seq: int, vocab: int, batch: int,
-          dtype: str = "bf16", name: str | None = None) -> Graph:
+          dtype: str = "bf16", optimizer: str = "adam", name: str | None = None) -> Graph:
     """Llama decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, no biases,
     untied head.
 
@@ -41,13 +41,13 @@ def llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, seq: in
     require_divisible("llama", "heads", heads, "kv_heads", kv_heads)
     b = GraphBuilder(name or f"llama-h{hidden}-l{layers}", dtype, "b",
                      dict(b=batch, s=seq, t=seq, h=hidden, g=kv_heads, r=heads // kv_heads,
-                          d=hidden // heads, f=ffn, v=vocab))
+                          d=hidden // heads, f=ffn, v=vocab), optimizer)
     attn = partial(attention, q_heads=("g", "r"), kv_heads=("g",), bias=False, rotary=True)
     return decoder(b, layers, "rmsnorm", attn, lambda k: swiglu_mlp, positions=False, tied=False)
 
 
 def bert(hidden: int, layers: int, heads: int, seq: int, batch: int, dtype: str = "fp16",
-         name: str | None = None) -> Graph:
+         optimizer: str = "adam", name: str | None = None) -> Graph:
     """A stack of BERT encoder layers (post-LayerNorm, biases, 4h gelu MLP) from an input
     x[b,s,h] to an output y[b,s,h]; no embeddings or loss (the intra-op test pattern).
 
@@ -56,7 +56,7 @@ def bert(hidden: int, layers: int, heads: int, seq: int, batch: int, dtype: str 
     require_positive("bert", hidden=hidden, layers=layers, heads=heads, seq=seq, batch=batch)
     require_divisible("bert", "hidden", hidden, "heads", heads)
     b = GraphBuilder(name or f"bert-h{hidden}-l{layers}", dtype, "b",
-                     dict(b=batch, s=seq, t=seq, h=hidden, n=heads, d=hidden // heads, f=4 * hidden))
+                     dict(b=batch, s=seq, t=seq, h=hidden, n=heads, d=hidden // heads, f=4 * hidden), optimizer)
     attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False)
     x = b.input("x", tokens_dims(b, "h"))
     for k in range(layers):

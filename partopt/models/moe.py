@@ -61,9 +61,11 @@ def moe_ffn(b: GraphBuilder, x: str) -> str:
 
 
 def moe(hidden: int, layers: int, heads: int, experts: int, seq: int, vocab: int, batch: int,
-        group_size: int = 2048, dtype: str = "fp16", ffn: int | None = None, name: str | None = None) -> Graph:
+        group_size: int = 2048, dtype: str = "fp16", ffn: int | None = None, optimizer: str = "adafactor",
+        name: str | None = None) -> Graph:
     """GShard MoE language model: GPT blocks whose MLP is replaced by top-2 experts in every
-    odd-numbered block (1, 3, …); feed-forward width `ffn` (default 8·hidden, as Alpa's suite).
+    odd-numbered block (1, 3, …); feed-forward width `ffn` (default 8·hidden, as Alpa's suite);
+    trained with Adafactor by default, as GShard and Alpa's MoE benchmark were.
 
     Parameters: ⌈l/2⌉ dense blocks of 4h² + 2hf + 9h + f, ⌊l/2⌋ MoE blocks of
     4h² + 8h + h·e + 2·e·h·f, plus (V + s)·h + 2h (tied embedding, positions, final LayerNorm).
@@ -73,14 +75,14 @@ def moe(hidden: int, layers: int, heads: int, experts: int, seq: int, vocab: int
                      batch=batch, group_size=group_size, ffn=ffn)
     require_divisible("moe", "hidden", hidden, "heads", heads)
     b = GraphBuilder(name or f"moe-h{hidden}-l{layers}-e{experts}", dtype, "b",
-                     dict(b=batch, s=seq, t=seq, h=hidden, n=heads, d=hidden // heads, f=ffn, v=vocab))
+                     dict(b=batch, s=seq, t=seq, h=hidden, n=heads, d=hidden // heads, f=ffn, v=vocab), optimizer)
     _moe_dims(b, "moe", batch, seq, experts, group_size)
     attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False)
     return decoder(b, layers, "layernorm", attn, lambda k: moe_ffn if k % 2 else gelu_mlp, positions=True, tied=True)
 
 
 def moe_layer(hidden: int, experts: int, seq: int, batch: int, group_size: int = 2048, ffn: int | None = None,
-              dtype: str = "fp16", name: str | None = None) -> Graph:
+              dtype: str = "fp16", optimizer: str = "adafactor", name: str | None = None) -> Graph:
     """One GShard expert layer alone, x[b,s,h] -> y[b,s,h] (the intra-op test pattern).
 
     Parameters: h·e + 2·e·h·ffn (ffn defaults to 4·hidden here).
@@ -88,7 +90,7 @@ def moe_layer(hidden: int, experts: int, seq: int, batch: int, group_size: int =
     ffn = 4 * hidden if ffn is None else ffn
     require_positive("moe_layer", hidden=hidden, experts=experts, seq=seq, batch=batch, group_size=group_size,
                      ffn=ffn)
-    b = GraphBuilder(name or f"moe-layer-h{hidden}-e{experts}", dtype, "b", dict(b=batch, s=seq, h=hidden, f=ffn))
+    b = GraphBuilder(name or f"moe-layer-h{hidden}-e{experts}", dtype, "b", dict(b=batch, s=seq, h=hidden, f=ffn), optimizer)
     _moe_dims(b, "moe_layer", batch, seq, experts, group_size)
     x = b.input("x", tokens_dims(b, "h"))
     with b.scope("l0", 0):

@@ -65,12 +65,13 @@ def _bottleneck(b: GraphBuilder, x: str, channels: tuple[str, str, str], stride:
 
 
 def wresnet(depth: int, base_channels: int, width_factor: int, batch: int, image: int = 224,
-            classes: int = 1024, dtype: str = "fp32", name: str | None = None) -> Graph:
+            classes: int = 1024, dtype: str = "fp32", optimizer: str = "sgd", name: str | None = None) -> Graph:
     """Wide-ResNet-`depth` (50 or 101) classifier on image×image×3 inputs with a cross-entropy loss.
 
     Stem: conv 7×7/2 + BN + relu + max-pool 3×3/2; stages of bottleneck blocks (3, 4, 6, 3) or
     (3, 4, 23, 3), the first block of stages 2-4 striding by 2; global average pool; fc to `classes`.
-    One layer tag per bottleneck block (the stem with the first, the head with the last).
+    One layer tag per bottleneck block (the stem with the first, the head with the last). Trained
+    with SGD with momentum by default (as ResNets are, and Alpa's Wide-ResNet benchmark).
     """
     require_positive("wresnet", depth=depth, base_channels=base_channels, width_factor=width_factor,
                      batch=batch, image=image, classes=classes)
@@ -78,7 +79,7 @@ def wresnet(depth: int, base_channels: int, width_factor: int, batch: int, image
         raise InstanceError(f"depth {depth} is not supported", "wresnet(depth=...)",
                             f"use one of {sorted(STAGES)}")
     b = GraphBuilder(name or f"wresnet{depth}-c{base_channels}-w{width_factor}", dtype, "b",
-                     dict(b=batch, rgb=3, stem=base_channels, classes=classes))
+                     dict(b=batch, rgb=3, stem=base_channels, classes=classes), optimizer)
     x = b.input("images", ("b", "rgb", *_spatial(b, image)))
     labels = b.input("labels", ("b",), "int32")
     with b.scope("stem", 0):
