@@ -240,6 +240,8 @@ def inspect(source: str, nodes: int | None, as_json: bool) -> None:
 @click.option("--image", type=int, help="Image height and width (wresnet; default 224).")
 @click.option("--classes", type=int, help="Output classes (wresnet; default 1024).")
 @click.option("--dtype", help="Element type (default per model: fp16, bf16 for llama, fp32 for wresnet).")
+@click.option("--optimizer", type=click.Choice(["adam", "sgd", "adafactor"]),
+              help="How the parameters are trained (default per model: adam; adafactor for moe; sgd for wresnet).")
 def generate(model: str, output: str, **params: Any) -> None:
     """Write the graph of MODEL to a file: a generator (gpt, llama, bert, moe, moe-layer, wresnet) with
     its sizes, or a named model of the corpus (gpt-39b, moe-70b, …) whose sizes the options override."""
@@ -279,7 +281,8 @@ def _render_plan(plan: Plan) -> list[Table]:
 @click.argument("graph_file", metavar="GRAPH")
 @click.option("--cluster", "cluster_source", required=True, help="Cluster file or preset name.")
 @click.option("--nodes", type=click.IntRange(min=1), help="Resize the cluster to this many nodes.")
-@click.option("--microbatches", default="auto", show_default=True, help="Microbatch count, or auto.")
+@click.option("--microbatches", default="auto", show_default=True,
+              help="Microbatch count, counts to search (64,128,256), or auto (every power of two dividing the batch).")
 @click.option("--layers", type=click.IntRange(min=1), default=DEFAULT_MAX_LAYERS, show_default=True,
               help="Most layers the stage DP cuts between (tagged layers are grouped by FLOPs).")
 @click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
@@ -302,8 +305,10 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
           workers: int | None, recompute: bool, output: str | None, as_json: bool) -> None:
     """Plan GRAPH on a cluster: pipeline stages, submeshes, logical meshes and per-op shardings."""
     graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
-    if microbatches != "auto" and not microbatches.isdigit():
-        raise InstanceError(f"--microbatches must be a positive count or auto, got {microbatches!r}", "--microbatches")
+    counts = microbatches.split(",")
+    if microbatches != "auto" and not all(c.strip().isdigit() for c in counts):
+        raise InstanceError(f"--microbatches must be auto or positive counts separated by commas, got {microbatches!r}",
+                            "--microbatches", "e.g. --microbatches 128 or --microbatches 64,128,256")
     restrict = {"intra-only": {"intra_only": True}, "inter-only": {"inter_only": True},
                 "data-parallel-only": {"data_parallel_only": True},
                 "pp-dp": {"stage_data_parallel": True}}.get(search, {})
@@ -312,7 +317,7 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("price", total=None)
         plan = optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
-                        microbatches=microbatches if microbatches == "auto" else int(microbatches),
+                        microbatches=microbatches if microbatches == "auto" else [int(c) for c in counts],
                         layers=layers, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
                         logical_shapes=logical_shapes, submesh_family=submeshes, workers=workers,
                         recompute=recompute, **restrict)

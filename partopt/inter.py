@@ -39,7 +39,7 @@ Progress = Callable[[int, int], None]
 class Options:
     """Search options of `optimize` (see its docstring)."""
 
-    microbatches: int | str = "auto"
+    microbatches: int | str | Sequence[int] = "auto"  # a count, several to search, or auto (powers of two)
     layers: int | None = DEFAULT_MAX_LAYERS
     submesh_family: str = "alpa"
     logical_shapes: str | Sequence[tuple[int, int]] = "node_local"  # or "all", or the allowed (a, b)
@@ -55,15 +55,18 @@ class Options:
     recompute: bool = False  # activation recomputation: layers keep only their outputs for backward
 
 
-def microbatch_counts(batch: int, requested: int | str) -> list[int]:
-    """Candidate microbatch counts: the requested one, or the powers of two dividing the batch."""
+def microbatch_counts(batch: int, requested: int | str | Sequence[int]) -> list[int]:
+    """Candidate microbatch counts: the requested ones, or ("auto") the powers of two dividing the batch."""
     if requested == "auto":
         return [b for b in (2**e for e in range(batch.bit_length())) if batch % b == 0]
-    count = int(requested)
-    if count < 1 or batch % count:
-        raise InfeasibleError(f"batch {batch} is not divisible into {count} microbatches", "--microbatches",
-                              f"use a divisor of {batch}, or auto")
-    return [count]
+    counts = [int(requested)] if isinstance(requested, (int, str)) else [int(c) for c in requested]
+    for count in counts:
+        if count < 1 or batch % count:
+            raise InfeasibleError(f"batch {batch} is not divisible into {count} microbatches", "--microbatches",
+                                  f"use divisors of {batch}, or auto")
+    if not counts:
+        raise InstanceError("no microbatch count to search", "--microbatches", "give one or more counts, or auto")
+    return sorted(set(counts))
 
 
 def _submeshes(cluster: Cluster, options: Options) -> list[tuple[int, int]]:
@@ -151,7 +154,8 @@ def _devices_of(cluster: Cluster, submeshes: list[tuple[int, int]]) -> list[list
 def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, **kwargs) -> Plan:
     """The best pipeline + sharding plan of `graph` on `cluster` under the cost model.
 
-    Options (keywords): microbatches ("auto" or a count), layers (most DP layers, default 16),
+    Options (keywords): microbatches ("auto": the powers of two dividing the batch; a count; or
+    several counts to search), layers (most DP layers, default 16),
     submesh_family ("alpa" | "power_of_two"), logical_shapes ("node_local": the second mesh axis
     within a node, as Alpa's benchmarks; "all"; or a list of allowed (a, b) shapes), backend
     ("highs" | "cpsat" | "cbc"), time_limit_s (per ILP), memory_reserve (fraction of device
@@ -180,7 +184,7 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, *
     ilp_stats = {"ilps": 0, "status": "optimal", "gap": 0.0, "solve_time_s": 0.0, "counts": []}
     best: tuple[float, int, list[StageSpec], list] | None = None
     # cheapest first by a lower bound, so that later counts can be skipped without pricing them
-    views = _microbatch_views(graph, counts, skip_unsplittable=options.microbatches == "auto")
+    views = _microbatch_views(graph, counts)
     bounds = {count: _lower_bound(view, count, cluster) for count, view in views.items()}
     candidates = [c for c in sorted(views, key=lambda c: (bounds[c], c))
                   if _fits_at_all(graph, views[c], cluster, budget, options.recompute)]
@@ -264,16 +268,17 @@ def _tighten(costs: dict, priced: dict, jobs: dict, hashes: list, budget: float,
                 rows.append(row)
 
 
-def _microbatch_views(graph: Graph, counts: list[int], skip_unsplittable: bool) -> dict[int, Graph]:
+def _microbatch_views(graph: Graph, counts: list[int]) -> dict[int, Graph]:
     """The graph at microbatch size for each count. A count the graph cannot split into (an MoE's
-    routing groups) is skipped when counts are searched, and an error when it was asked for."""
-    views = {}
+    routing groups) is skipped while another count remains, and an error otherwise."""
+    views, errors = {}, []
     for count in counts:
         try:
             views[count] = intra.with_batch(graph, graph.dims[graph.batch_dim] // count)
-        except InfeasibleError:
-            if not skip_unsplittable:
-                raise
+        except InfeasibleError as err:
+            errors.append(err)
+    if not views:
+        raise errors[0]
     return views
 
 
@@ -297,7 +302,7 @@ def _lower_bound(g_mb: Graph, count: int, cluster: Cluster) -> float:
 
 def _fits_at_all(graph: Graph, g_mb: Graph, cluster: Cluster, budget: float, recompute: bool) -> bool:
     """False when even a perfect spread of the parameter state and one microbatch's activations overflows."""
-    state = sum(costmodel.param_memory(graph.numel(t.name), graph.dtype_of(t.name)).total for t in graph.params)
+    state = sum(costmodel.param_memory(graph.numel(t.name), graph.dtype_of(t.name), graph.optimizer).total for t in graph.params)
     activations = 0.0 if recompute else sum(g_mb.nbytes(op.output) for op in g_mb.ops)
     return (state + activations) / cluster.num_devices <= budget
 
@@ -460,7 +465,7 @@ def _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch,
 
 
 def _no_plan(graph: Graph, cluster: Cluster, budget: float) -> InfeasibleError:
-    state = costmodel.param_memory(graph.num_params, graph.dtype).total
+    state = costmodel.param_memory(graph.num_params, graph.dtype, graph.optimizer).total
     total = budget * cluster.num_devices
     return InfeasibleError(
         f"no plan fits: the model's parameter state alone is {state / 2**30:.1f} GiB against "
@@ -574,7 +579,8 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
         solver={"backend": options.backend, "status": ilp_stats["status"], "gap": ilp_stats["gap"],
                 "ilps": ilp_stats["ilps"], "ilp_time_s": ilp_stats["solve_time_s"], "time_s": elapsed,
                 "dp_rounds": ilp_stats.get("dp_rounds", 0), "microbatch_counts": ilp_stats.get("counts", [count])},
-        options={"microbatches": options.microbatches, "layers": options.layers,
+        options={"microbatches": options.microbatches if isinstance(options.microbatches, (int, str))
+                 else list(options.microbatches), "layers": options.layers,
                  "logical_shapes": options.logical_shapes if isinstance(options.logical_shapes, str)
                  else [list(x) for x in options.logical_shapes],
                  "submesh_family": options.submesh_family, "memory_reserve": options.memory_reserve,

@@ -86,6 +86,19 @@ ALPA_GPT_PLANS: dict[int, PlanSummary] = {
 }
 
 
+# The microbatch counts Alpa's benchmark suite searched in each case (alpa-projects/alpa,
+# benchmark/alpa/suite_paper_auto_gpt.py, suite_paper_auto_moe.py, suite_paper_wresnet.py). Counts
+# that do not divide the instance's batch are dropped (the suite ran Wide-ResNet at 32 and 64 GPUs
+# with batches 1520 and 1512 too); a case with none left, or absent from the suites (one GPU),
+# searches every power of two.
+ALPA_MICROBATCHES: dict[str, dict[int, tuple[int, ...]]] = {
+    "gpt": {2: (32, 64, 128, 256), 4: (32, 64, 128), 8: (64, 128, 256), 16: (32, 64, 128, 256),
+            32: (64, 128, 256, 512), 64: (128, 256, 512, 1024)},
+    "moe": {2: (16, 32, 64), 4: (16, 32, 64), 8: (16, 32, 64), 16: (16, 32, 64), 32: (32, 64, 128), 64: (64,)},
+    "wresnet": {1: (24,), 2: (24,), 4: (24,), 8: (24,), 16: (24, 32), 32: (38, 42), 64: (38, 32, 48, 42)},
+}
+
+
 @dataclass(frozen=True)
 class Case:
     """One benchmark case: a model instance on `gpus` V100s, with the paper's reported figures."""
@@ -95,6 +108,12 @@ class Case:
     gpus: int
     reported: dict[str, float | None]  # planner -> per-GPU TFLOP/s (None: out of memory; absent: not reported)
     alpa_plan: PlanSummary | None = None
+    suite_microbatches: tuple[int, ...] = ()  # the counts Alpa's suite searched (ALPA_MICROBATCHES)
+
+    def microbatches(self, batch: int) -> tuple[int, ...] | str:
+        """The counts partopt searches for this case: the suite's that divide `batch`, else auto."""
+        counts = tuple(c for c in self.suite_microbatches if batch % c == 0)
+        return counts or "auto"
 
     @property
     def planners(self) -> tuple[str, ...]:
@@ -114,7 +133,8 @@ def cases(models: Sequence[str] = MODELS, max_gpus: int = 64) -> list[Case]:
             instance, figures = _REPORTED[model][gpus]
             names = (BASELINE[model], "inter_only", "intra_only", "partopt")
             reported = {n: v for n, v in zip(names, figures) if v is None or not math.isnan(v)}
-            result.append(Case(model, instance, gpus, reported, ALPA_GPT_PLANS.get(gpus) if model == "gpt" else None))
+            result.append(Case(model, instance, gpus, reported, ALPA_GPT_PLANS.get(gpus) if model == "gpt" else None,
+                               ALPA_MICROBATCHES[model].get(gpus, ())))
     return result
 
 
@@ -177,7 +197,7 @@ def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32, **options
     """
     batch, g, m = graph.dims[graph.batch_dim], cluster.num_devices, cluster.devices_per_node
     layers = len(graph.layers)
-    state = costmodel.param_memory(graph.num_params, graph.dtype).total
+    state = costmodel.param_memory(graph.num_params, graph.dtype, graph.optimizer).total
     best: Plan | None = None
     last_error: InfeasibleError | None = None
     for tp in (t for t in range(1, min(g, m) + 1) if g % t == 0):
@@ -210,7 +230,8 @@ def megatron_config(plan: Plan) -> str:
     return f"tp {tp_dp[1]} · pp {len(plan.stages)} · dp {tp_dp[0]} · B {plan.num_microbatches}"
 
 
-def plan_with(planner: str, graph: Graph, cluster: Cluster, microbatches: int | str = "auto", model: str = "gpt") -> Plan:
+def plan_with(planner: str, graph: Graph, cluster: Cluster, microbatches: int | str | Sequence[int] = "auto",
+              model: str = "gpt") -> Plan:
     """Plan `graph` (a `model` family graph) on `cluster` with one planner (InfeasibleError when nothing fits)."""
     options = model_options(model)
     if planner == "megatron":
@@ -267,16 +288,18 @@ class CaseResult:
 Progress = Callable[[Case, str], None]
 
 
-def run_case(case: Case, planners: Sequence[str] | None = None, microbatches: int | str = "auto",
+def run_case(case: Case, planners: Sequence[str] | None = None, microbatches: int | str | None = None,
              graph: Graph | None = None, efficiency: Efficiency | None = None) -> CaseResult:
-    """Plan one case with each planner (default: the case's four) and price each plan's TFLOP/s."""
+    """Plan one case with each planner (default: the case's four) and price each plan's TFLOP/s;
+    `microbatches` None searches the counts of Alpa's suite (`Case.microbatches`)."""
     graph = graph or read_graph(INSTANCES / f"{case.instance}.json")
     cluster = cluster_for(case.gpus, efficiency)
+    counts = case.microbatches(graph.dims[graph.batch_dim]) if microbatches is None else microbatches
     cells = {}
     for planner in planners or case.planners:
         start = time.perf_counter()
         try:
-            plan = plan_with(planner, graph, cluster, microbatches, case.model)
+            plan = plan_with(planner, graph, cluster, counts, case.model)
         except InfeasibleError as err:
             cells[planner] = Cell(planner, None, None, time.perf_counter() - start, err.line())
             continue
@@ -285,7 +308,7 @@ def run_case(case: Case, planners: Sequence[str] | None = None, microbatches: in
     return CaseResult(case, cells)
 
 
-def run(selected: Sequence[Case], progress: Progress | None = None, microbatches: int | str = "auto",
+def run(selected: Sequence[Case], progress: Progress | None = None, microbatches: int | str | None = None,
         efficiency: Efficiency | None = None) -> list[CaseResult]:
     """Run every case with its planners; `progress(case, planner)` is called before each plan."""
     results = []

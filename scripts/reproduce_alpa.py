@@ -98,7 +98,10 @@ def markdown(results, ablations, found, command: str, wall_s: float, efficiency:
            "backward, no recomputation). \"error vs Alpa\" is partopt / Alpa − 1. Baselines: Megatron-LM is the "
            "best uniform (tp, pp, dp, microbatches) grid point; DeepSpeed is one data-parallel stage with ZeRO; "
            "PP-DP a pipeline of plain data-parallel stages. OOM: the paper's run ran out of memory; \"no plan\": "
-            "the planner returned no plan (out of memory, or the error shown in the plans table)."), "",
+            "the planner returned no plan (out of memory, or the error shown in the plans table). partopt's "
+            "searches try the microbatch counts Alpa's benchmark suite tried in each case (`reproduce."
+            "ALPA_MICROBATCHES`; every power of two where the suite lists none that divides the batch); "
+            "Megatron-LM searches its own grid."), "",
            f"![Figure 7 reproduced]({FIGURE.name})", ""]
     for model in rp.MODELS:
         if not any(r.case.model == model for r in results):
@@ -132,8 +135,10 @@ def markdown(results, ablations, found, command: str, wall_s: float, efficiency:
 @click.option("--write/--no-write", default=True, help="Write docs/benchmarks.md's section and the figure.")
 @click.option("--efficiency", type=(float, float), default=None,
               help="V100 (matmul, memory) efficiencies instead of the preset's, e.g. the calibrated pair.")
+@click.option("--microbatches", type=click.Choice(["suite", "auto"]), default="suite", show_default=True,
+              help="Search the counts Alpa's suite searched per case, or every power of two dividing the batch.")
 def main(quick: bool, models: str, max_gpus: int, ablation: bool, write: bool,
-         efficiency: tuple[float, float] | None) -> None:
+         efficiency: tuple[float, float] | None, microbatches: str) -> None:
     """Run the Alpa benchmark cases with every planner and print the comparison."""
     console = Console(width=None if sys.stdout.isatty() else 200)
     start = time.perf_counter()
@@ -145,7 +150,7 @@ def main(quick: bool, models: str, max_gpus: int, ablation: bool, write: bool,
     def progress(case: rp.Case, planner: str) -> None:
         console.log(f"{case.instance} on {case.gpus} GPUs: {rp.PLANNER_TITLES[planner]}")
 
-    results = rp.run(selected, progress, efficiency=efficiency)
+    results = rp.run(selected, progress, None if microbatches == "suite" else "auto", efficiency=efficiency)
     ablations = []
     if ablation and not quick:
         for model, gpus in rp.ABLATION_REPORTED:

@@ -22,8 +22,20 @@ INSTANCES = Path(__file__).parent.parent / "instances"
 def test_microbatch_candidates_are_the_power_of_two_divisors():
     assert microbatch_counts(24, "auto") == [1, 2, 4, 8]
     assert microbatch_counts(1024, 16) == [16]
+    assert microbatch_counts(1520, [40, 38, 40]) == [38, 40]
     with pytest.raises(InfeasibleError, match="not divisible into 3"):
         microbatch_counts(1024, 3)
+    with pytest.raises(InfeasibleError, match="not divisible into 3"):
+        microbatch_counts(1024, [2, 3])
+
+
+def test_a_list_of_counts_finds_the_best_of_planning_each_alone():
+    graph, cluster = mlp(4, 4096, 1024), preset("p3.16xlarge", 1)
+    alone = {b: optimize(graph, cluster, microbatches=b).iteration_time_s for b in (1, 4, 16)}
+    plan = optimize(graph, cluster, microbatches=[16, 1, 4])
+    assert plan.iteration_time_s == pytest.approx(min(alone.values()), rel=1e-12)
+    assert plan.num_microbatches == min(alone, key=alone.get)
+    assert plan.options["microbatches"] == [16, 1, 4]
 
 
 def test_model_larger_than_the_cluster_says_by_how_much():
@@ -66,6 +78,8 @@ def test_solve_with_indivisible_microbatches_is_a_one_line_error():
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2
     assert "not divisible into 3 microbatches" in result.stderr and "Traceback" not in result.output
+    result = CliRunner().invoke(main, args[:-1] + ["2,x"])
+    assert result.exit_code == 2 and "--microbatches 64,128,256" in result.stderr
 
 
 def test_shared_solves_name_each_layers_own_dims():
@@ -131,6 +145,7 @@ def test_auto_microbatches_skip_counts_an_moe_cannot_split_into():
     graph = moe(hidden=32, layers=2, heads=2, experts=2, seq=8, vocab=16, batch=4, group_size=16)
     with pytest.raises(InfeasibleError, match="does not scale with a microbatch of 1"):
         optimize(graph, preset("p3.16xlarge", 1), microbatches=4)
+    assert optimize(graph, preset("p3.16xlarge", 1), microbatches=[1, 4]).num_microbatches == 1
     plan = optimize(graph, preset("p3.16xlarge", 1), microbatches="auto")
     assert plan.microbatch_size * 8 >= 16 and set(plan.solver["microbatch_counts"]) <= {1, 2}
 

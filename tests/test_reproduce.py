@@ -78,6 +78,18 @@ def test_wresnet_13b_runs_batch_1520():
     assert graph.dims[graph.batch_dim] == 1520
 
 
+def test_each_case_searches_the_microbatch_counts_of_alpas_suite():
+    by = {(c.model, c.gpus): c for c in rp.cases()}
+    assert by[("gpt", 64)].microbatches(1024) == (128, 256, 512, 1024)  # Alpa's reported B = 1024 among them
+    assert by[("moe", 64)].microbatches(1024) == (64,)
+    assert by[("gpt", 1)].microbatches(1024) == "auto"  # no 1-GPU case in the suite
+    assert by[("wresnet", 64)].microbatches(1520) == (38,)  # 32, 48, 42 were run with batches 1536 and 1512
+    assert by[("wresnet", 32)].microbatches(1536) == "auto"  # the suite's 38 and 42 divide 1520 and 1512 only
+    for c in rp.cases():  # every reported Alpa plan's count is one the suite searched
+        if c.alpa_plan and c.gpus > 1:
+            assert c.alpa_plan.microbatches in c.suite_microbatches
+
+
 def test_cluster_for_gpu_counts():
     assert (rp.cluster_for(4).nodes, rp.cluster_for(4).devices_per_node) == (1, 4)
     assert (rp.cluster_for(32).nodes, rp.cluster_for(32).devices_per_node) == (4, 8)
