@@ -151,7 +151,8 @@ def _devices_of(cluster: Cluster, submeshes: list[tuple[int, int]]) -> list[list
     return result
 
 
-def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, **kwargs) -> Plan:
+def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, cache: dict | None = None,
+             **kwargs) -> Plan:
     """The best pipeline + sharding plan of `graph` on `cluster` under the cost model.
 
     Options (keywords): microbatches ("auto": the powers of two dividing the batch; a count; or
@@ -163,6 +164,8 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, *
     (restricted searches, the benchmarks' baselines: one stage on the whole cluster; stages of
     one device; one data-parallel stage with ZeRO allowed, like DeepSpeed; pipeline stages that
     are each plain data parallel, like PP-DP), seed.
+    `cache`: a dict that keeps the per-layer ILP solutions; pass the same one to several calls (a
+    full search, then its restricted variants) to solve each distinct layer ILP once.
     """
     try:
         options = Options(**kwargs)
@@ -191,7 +194,7 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, *
     if not candidates:
         raise _no_plan(graph, cluster, budget)
     done = 0
-    with _Pricer(graph, options) as pricer:
+    with _Pricer(graph, options, cache) as pricer:
         for n, count in enumerate(candidates):
             if best is not None and bounds[count] >= best[0]:
                 continue  # its lower bound already loses: no ILP needed
@@ -359,15 +362,25 @@ def _worker_job(job: tuple) -> LayerCost | None:
 
 
 class _Pricer:
-    """Runs the per-layer ILPs: in this process, or on a pool of worker processes for many of them."""
+    """Runs the per-layer ILPs: in this process, or on a pool of worker processes for many of them.
+    Results are kept in `cache` under the graph, the pricing options and the job, so that later
+    `optimize` calls given the same dict (restricted searches after a full one) reuse them."""
 
     MIN_OPS = 500  # below this many ops over all jobs, starting worker processes costs more than it saves
 
-    def __init__(self, graph: Graph, options: Options):
+    def __init__(self, graph: Graph, options: Options, cache: dict | None = None):
         self.graph, self.options = graph, options
         self.views: dict[int, Graph] = {}
         self.workers = options.workers or len(os.sched_getaffinity(0))
         self.pool: ProcessPoolExecutor | None = None
+        self.cache = {} if cache is None else cache
+        self.prefix = (graph.name, graph.structural_hash(), options.backend, options.time_limit_s, options.seed,
+                       options.memory_reserve, options.recompute, options.data_parallel_only,
+                       options.stage_data_parallel)
+
+    def _key(self, job: tuple) -> tuple:
+        mb, count, names, *rest = job
+        return (self.prefix, mb, count, tuple(names), *rest)
 
     def __enter__(self) -> _Pricer:
         return self
@@ -377,8 +390,12 @@ class _Pricer:
             self.pool.shutdown(wait=kind is None, cancel_futures=True)
 
     def run(self, jobs: dict, stats: dict, progress: Callable[[int], None]) -> dict:
-        """Results of `jobs` (key -> job) by key; ILP statistics added to `stats`."""
-        keys = list(jobs)
+        """Results of `jobs` (key -> job) by key; statistics of the ILPs solved (not cached) added to `stats`."""
+        out = {key: self.cache[self._key(job)] for key, job in jobs.items() if self._key(job) in self.cache}
+        keys = [key for key in jobs if key not in out]
+        for n, cost in enumerate(out.values(), 1):
+            _record(stats, cost, solved=False)
+            progress(n)
         if self.workers > 1 and self.pool is None and sum(len(jobs[k][2]) for k in keys) >= self.MIN_OPS:
             # spawned, not forked: the solvers' threads in this process must not be copied mid-lock
             self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
@@ -387,18 +404,25 @@ class _Pricer:
             results = self.pool.map(_worker_job, [jobs[k] for k in keys], chunksize=1)
         else:
             results = (_price_job(self.graph, self.options, jobs[k], self.views) for k in keys)
-        out = {}
-        for n, (key, cost) in enumerate(zip(keys, results), 1):
-            out[key] = cost
-            if cost is not None:
-                result = cost.sharding.solution.result
-                stats["ilps"] += 1
-                stats["solve_time_s"] += result.time_s
-                if result.status != "optimal":
-                    stats["status"] = result.status
-                    stats["gap"] = max(stats["gap"], result.gap or 0.0)
+        for n, (key, cost) in enumerate(zip(keys, results), len(out) + 1):
+            out[key] = self.cache[self._key(jobs[key])] = cost
+            _record(stats, cost, solved=True)
             progress(n)
-        return out
+        return {key: out[key] for key in jobs}
+
+
+def _record(stats: dict, cost: LayerCost | None, solved: bool) -> None:
+    """Add one priced layer to the ILP statistics: counted and timed when solved here; a
+    non-optimal status (time limit) is reported whether solved here or taken from the cache."""
+    if cost is None:
+        return
+    result = cost.sharding.solution.result
+    if solved:
+        stats["ilps"] += 1
+        stats["solve_time_s"] += result.time_s
+    if result.status != "optimal":
+        stats["status"] = result.status
+        stats["gap"] = max(stats["gap"], result.gap or 0.0)
 
 
 @dataclass(frozen=True)

@@ -168,22 +168,26 @@ def gpt_shape(graph: Graph) -> tuple[int, int, int, int, int]:
 
 
 def tflops_per_gpu(model: str, graph: Graph, plan: Plan) -> float:
-    """The paper's per-GPU TFLOP/s of `plan`: GPT by the 96 closed form (the paper recomputes),
-    MoE and Wide-ResNet by the model FLOPs the graph reports (forward + backward, no recompute)."""
+    """The paper's per-GPU TFLOP/s of `plan`, counting the recomputed forward as Alpa's runs did: GPT
+    by the 96 closed form; MoE and Wide-ResNet by the FLOPs the plan executes (forward, backward and
+    recomputation: what `compute_moe_tflops(checkpoint_activations=True)` and XLA's flop count of a
+    rematerialised executable count)."""
     gpus = plan.nodes * plan.devices_per_node
     if model == "gpt":
         return gpt_flops(*gpt_shape(graph)) / plan.iteration_time_s / gpus / 1e12
-    return float(plan.throughput["tflops_per_device"])
+    return float(plan.throughput["hardware_tflops_per_device"])
 
 
 # ---------------------------------------------------------------- planners
 
-RECOMPUTE_MODELS: tuple[str, ...] = ("gpt",)  # the paper recomputes activations on GPT only (REFERENCE §3)
+# Alpa's benchmark suites rematerialise activations for all three families (`Remat` is True in the
+# fixed parameters of suite_paper_auto_gpt.py, suite_paper_auto_moe.py and suite_paper_wresnet.py),
+# not only GPT as REFERENCE §3 says; every planner of a case gets the same setting.
+RECOMPUTE_MODELS: tuple[str, ...] = MODELS
 
 
 def model_options(model: str) -> dict:
-    """Planner keywords for the paper's setting of `model`: activation recomputation on GPT,
-    passed while the planner offers it (the option is being added to `inter.Options`)."""
+    """Planner keywords for the paper's setting of `model`: activation recomputation (Alpa's suites)."""
     return {"recompute": True} if model in RECOMPUTE_MODELS else {}
 
 
@@ -231,8 +235,9 @@ def megatron_config(plan: Plan) -> str:
 
 
 def plan_with(planner: str, graph: Graph, cluster: Cluster, microbatches: int | str | Sequence[int] = "auto",
-              model: str = "gpt") -> Plan:
-    """Plan `graph` (a `model` family graph) on `cluster` with one planner (InfeasibleError when nothing fits)."""
+              model: str = "gpt", cache: dict | None = None) -> Plan:
+    """Plan `graph` (a `model` family graph) on `cluster` with one planner (InfeasibleError when nothing fits);
+    `cache` shares layer ILP solutions between the planners of one case (see `optimize`)."""
     options = model_options(model)
     if planner == "megatron":
         return megatron(graph, cluster, **options)
@@ -240,7 +245,7 @@ def plan_with(planner: str, graph: Graph, cluster: Cluster, microbatches: int | 
              "deepspeed": {"data_parallel_only": True}, "ppdp": {"stage_data_parallel": True}}
     if planner not in flags:
         raise InstanceError(f"unknown planner {planner!r}", "planner", f"use one of {list(PLANNER_TITLES)}")
-    return optimize(graph, cluster, microbatches=microbatches, **flags[planner], **options)
+    return optimize(graph, cluster, microbatches=microbatches, cache=cache, **flags[planner], **options)
 
 
 def summarize(plan: Plan) -> PlanSummary:
@@ -277,6 +282,7 @@ class Cell:
 class CaseResult:
     case: Case
     cells: dict[str, Cell]
+    cache: dict = dataclasses.field(default_factory=dict, repr=False)  # layer ILP solutions, for the ablation
 
     @property
     def error(self) -> float | None:
@@ -289,23 +295,25 @@ Progress = Callable[[Case, str], None]
 
 
 def run_case(case: Case, planners: Sequence[str] | None = None, microbatches: int | str | None = None,
-             graph: Graph | None = None, efficiency: Efficiency | None = None) -> CaseResult:
+             graph: Graph | None = None, efficiency: Efficiency | None = None, cache: dict | None = None) -> CaseResult:
     """Plan one case with each planner (default: the case's four) and price each plan's TFLOP/s;
-    `microbatches` None searches the counts of Alpa's suite (`Case.microbatches`)."""
+    `microbatches` None searches the counts of Alpa's suite (`Case.microbatches`). The planners
+    share one cache of layer ILP solutions (a restricted search re-solves nothing the full one solved)."""
     graph = graph or read_graph(INSTANCES / f"{case.instance}.json")
     cluster = cluster_for(case.gpus, efficiency)
     counts = case.microbatches(graph.dims[graph.batch_dim]) if microbatches is None else microbatches
+    cache = {} if cache is None else cache
     cells = {}
     for planner in planners or case.planners:
         start = time.perf_counter()
         try:
-            plan = plan_with(planner, graph, cluster, counts, case.model)
+            plan = plan_with(planner, graph, cluster, counts, case.model, cache)
         except InfeasibleError as err:
             cells[planner] = Cell(planner, None, None, time.perf_counter() - start, err.line())
             continue
         detail = megatron_config(plan) if planner == "megatron" else ""
         cells[planner] = Cell(planner, tflops_per_gpu(case.model, graph, plan), plan, time.perf_counter() - start, detail)
-    return CaseResult(case, cells)
+    return CaseResult(case, cells, cache)
 
 
 def run(selected: Sequence[Case], progress: Progress | None = None, microbatches: int | str | None = None,
@@ -314,12 +322,13 @@ def run(selected: Sequence[Case], progress: Progress | None = None, microbatches
     results = []
     for case in selected:
         graph = read_graph(INSTANCES / f"{case.instance}.json")
-        cells = {}
+        cells: dict[str, Cell] = {}
+        cache: dict = {}
         for planner in case.planners:
             if progress:
                 progress(case, planner)
-            cells.update(run_case(case, [planner], microbatches, graph, efficiency).cells)
-        results.append(CaseResult(case, cells))
+            cells.update(run_case(case, [planner], microbatches, graph, efficiency, cache).cells)
+        results.append(CaseResult(case, cells, cache))
     return results
 
 
@@ -571,15 +580,17 @@ def _best_even_split(graph: Graph, cluster: Cluster, layering: Layering, count: 
     return best, why
 
 
-def ablation(model: str, gpus: int, dp_plan: Plan | None = None, efficiency: Efficiency | None = None) -> AblationResult:
+def ablation(model: str, gpus: int, dp_plan: Plan | None = None, efficiency: Efficiency | None = None,
+             cache: dict | None = None) -> AblationResult:
     """The inter-op ablation of one case: partopt's stage DP against stages split evenly —
     the DP on equal submeshes, equal layers per stage, equal operators per stage (each on
-    equal submeshes, the best stage count and logical shape kept), at the DP plan's microbatches."""
+    equal submeshes, the best stage count and logical shape kept), at the DP plan's microbatches;
+    `cache`: the case's layer ILP solutions (`CaseResult.cache`), which the equal-mesh DP reuses."""
     start = time.perf_counter()
     case = next(c for c in cases([model]) if c.gpus == gpus)
     graph = read_graph(INSTANCES / f"{case.instance}.json")
     cluster = cluster_for(gpus, efficiency)
-    dp_plan = dp_plan or plan_with("partopt", graph, cluster, model=model)
+    dp_plan = dp_plan or plan_with("partopt", graph, cluster, case.microbatches(graph.dims[graph.batch_dim]), model, cache)
     count = dp_plan.num_microbatches
     tflops: dict[str, float | None] = {"dp": tflops_per_gpu(model, graph, dp_plan)}
     detail = {"dp": format_meshes([tuple(s.submesh) for s in dp_plan.stages])}
@@ -592,7 +603,7 @@ def ablation(model: str, gpus: int, dp_plan: Plan | None = None, efficiency: Eff
             if method == "equal_mesh":
                 try:
                     plan = optimize(graph, _OneSubmesh(**vars(cluster), only=submesh), microbatches=count,
-                                    **model_options(model))
+                                    cache=cache, **model_options(model))
                 except InfeasibleError as err:
                     why = err.line()
                     continue

@@ -157,7 +157,7 @@ def main(quick: bool, models: str, max_gpus: int, ablation: bool, write: bool,
             done = next((r for r in results if r.case.model == model and r.case.gpus == gpus), None)
             if done is not None:
                 console.log(f"ablation: {model} on {gpus} GPUs")
-                ablations.append(rp.ablation(model, gpus, done.cells["partopt"].plan, efficiency))
+                ablations.append(rp.ablation(model, gpus, done.cells["partopt"].plan, efficiency, done.cache))
     found = rp.checks(results)
     wall = time.perf_counter() - start
 

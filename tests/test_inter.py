@@ -29,6 +29,19 @@ def test_microbatch_candidates_are_the_power_of_two_divisors():
         microbatch_counts(1024, [2, 3])
 
 
+def test_a_shared_cache_reuses_the_full_searchs_layer_solutions():
+    graph, cluster = mlp(4, 4096, 1024), preset("p3.16xlarge", 2)
+    fresh = optimize(graph, cluster, microbatches=4, intra_only=True)
+    cache: dict = {}
+    full = optimize(graph, cluster, microbatches=4, cache=cache)
+    again = optimize(graph, cluster, microbatches=4, intra_only=True, cache=cache)
+    assert full.solver["ilps"] > 0 and again.solver["ilps"] == 0  # the whole-cluster submesh was priced already
+    assert again.iteration_time_s == fresh.iteration_time_s
+    assert [s.ops for s in again.stages] == [s.ops for s in fresh.stages]
+    other = dataclasses.replace(graph, optimizer="sgd")  # another graph: nothing is shared
+    assert optimize(other, cluster, microbatches=4, intra_only=True, cache=cache).solver["ilps"] > 0
+
+
 def test_a_list_of_counts_finds_the_best_of_planning_each_alone():
     graph, cluster = mlp(4, 4096, 1024), preset("p3.16xlarge", 1)
     alone = {b: optimize(graph, cluster, microbatches=b).iteration_time_s for b in (1, 4, 16)}

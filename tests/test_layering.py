@@ -70,3 +70,17 @@ def test_an_untagged_graph_is_grouped_by_traffic():
             assert groups == balanced_groups(weights, count)
         else:
             assert sum(traffic[last] for _, last in groups[:-1]) == expected
+
+
+def test_blocks_group_evenly_however_heavy_the_head():
+    # 32 identical blocks in 16 DP layers: 2 blocks each, the embedding with the first and the LM
+    # head (here heavier than a block: V = 4096 against h = 64) with the last; weighing the head
+    # would put 3 blocks in some group, and no even split into 4 stages of 8 blocks would be left.
+    from partopt.models import gpt
+    graph = gpt(hidden=64, layers=32, heads=2, seq=8, vocab=4096, batch=2)
+    layering = build_layers(graph, 16)
+    tags = [sorted({op.layer for op in layering.ops(g)}) for g in range(len(layering.groups))]
+    assert tags == [[2 * g, 2 * g + 1] for g in range(16)]
+    head = sum(graph.flops(op) for op in graph.ops if op.name.startswith("head."))
+    block = sum(graph.flops(op) for op in graph.ops if op.layer == 5)
+    assert head > block

@@ -295,7 +295,7 @@ def test_instance_files_are_up_to_date(corpus):
 
 
 def test_corpus_sizes():
-    assert preset("wresnet-13b").dims["b"] == 1520
+    assert preset("wresnet-13b").dims["b"] == preset("wresnet-6.8b").dims["b"] == 1520
     assert preset("gpt-39b").dims["b"] == 1024 and preset("gpt-39b").name == "gpt-39b"
     assert preset("bert-layer").num_params == 12 * 1024**2 + 13 * 1024
     assert bert(1024, 3, 16, 128, 8).num_params == 3 * (12 * 1024**2 + 13 * 1024)

@@ -9,9 +9,11 @@ import math
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from partopt import intra
 from partopt import reproduce as rp
+from partopt.cli import main
 from partopt.errors import InstanceError
 from partopt.io import read_graph
 from partopt.plan import Plan, StagePlan
@@ -26,10 +28,11 @@ def _script():
     return module
 
 
-def _plan(iteration_s: float, nodes: int, per_node: int, tflops: float = 0.0) -> Plan:
+def _plan(iteration_s: float, nodes: int, per_node: int, tflops: float = 0.0, hardware: float = 0.0) -> Plan:
     return Plan(graph="g", cluster="p3.16xlarge", nodes=nodes, devices_per_node=per_node, iteration_time_s=iteration_s,
                 num_microbatches=1, microbatch_size=1, stages=[], memory_peak_bytes=0.0,
-                throughput={"samples_per_s": 0.0, "tflops_per_device": tflops}, solver={})
+                throughput={"samples_per_s": 0.0, "tflops_per_device": tflops, "hardware_tflops_per_device": hardware},
+                solver={})
 
 
 # ---------------------------------------------------------------- the metric (REFERENCE §2)
@@ -49,9 +52,14 @@ def test_tflops_per_gpu_gpt_uses_the_96_form_of_the_graph():
     assert rp.tflops_per_gpu("gpt", graph, _plan(2.464, 1, 8)) == pytest.approx(37.01, abs=0.01)
 
 
-def test_tflops_per_gpu_other_models_take_the_graph_model_flops():
+def test_tflops_per_gpu_other_models_count_the_recomputed_forward():
     graph = read_graph(ROOT / "instances" / "moe-380m.json")
-    assert rp.tflops_per_gpu("moe", graph, _plan(1.0, 1, 1, tflops=12.5)) == 12.5
+    assert rp.tflops_per_gpu("moe", graph, _plan(1.0, 1, 1, tflops=12.5, hardware=16.0)) == 16.0
+    # a real one-GPU plan: model FLOPs (forward + backward) plus one more forward, over the iteration
+    plan = rp.plan_with("partopt", graph, rp.cluster_for(1), 64, "moe")
+    forward = sum(graph.flops(op) for op in graph.ops)
+    executed = plan.throughput["tflops_per_device"] * plan.iteration_time_s * 1e12 + forward
+    assert rp.tflops_per_gpu("moe", graph, plan) == pytest.approx(executed / plan.iteration_time_s / 1e12, rel=1e-9)
 
 
 # ---------------------------------------------------------------- cases and clusters
@@ -84,7 +92,8 @@ def test_each_case_searches_the_microbatch_counts_of_alpas_suite():
     assert by[("moe", 64)].microbatches(1024) == (64,)
     assert by[("gpt", 1)].microbatches(1024) == "auto"  # no 1-GPU case in the suite
     assert by[("wresnet", 64)].microbatches(1520) == (38,)  # 32, 48, 42 were run with batches 1536 and 1512
-    assert by[("wresnet", 32)].microbatches(1536) == "auto"  # the suite's 38 and 42 divide 1520 and 1512 only
+    assert by[("wresnet", 32)].microbatches(1520) == (38,)  # 42 was run with batch 1512
+    assert by[("wresnet", 16)].microbatches(1536) == (24, 32)
     for c in rp.cases():  # every reported Alpa plan's count is one the suite searched
         if c.alpa_plan and c.gpus > 1:
             assert c.alpa_plan.microbatches in c.suite_microbatches
@@ -161,11 +170,29 @@ def test_residual_log_error():
     assert rp.Residual("x", 40.0, 40.0 * math.e).log_error == pytest.approx(1.0)
 
 
-# ---------------------------------------------------------------- end to end (GPT on 1 and 2 GPUs)
+# ---------------------------------------------------------------- end to end: `--quick` (GPT on 1-8 GPUs)
 
 @pytest.fixture(scope="module")
-def small_run():
-    return rp.run(rp.cases(["gpt"], 2))
+def quick_run():
+    """What `partopt reproduce alpa --quick` computes: every planner on GPT at 1, 2, 4 and 8 GPUs."""
+    return rp.run(rp.cases(["gpt"], rp.QUICK_MAX_GPUS))
+
+
+@pytest.fixture(scope="module")
+def small_run(quick_run):
+    return quick_run[:2]
+
+
+def test_quick_holds_the_papers_ordering_and_error_band(quick_run, monkeypatch):
+    assert [r.case.gpus for r in quick_run] == [1, 2, 4, 8]
+    found = {c.name: c for c in rp.checks(quick_run)}
+    assert found["partopt ≥ every baseline on every case"].passed, found["partopt ≥ every baseline on every case"].detail
+    assert found["gpt: partopt within ±25% of Alpa on every row"].passed
+    # the CLI prints the same checks and exits 0 only when all pass
+    monkeypatch.setattr(rp, "run", lambda selected, progress=None, **kw: quick_run)
+    result = CliRunner().invoke(main, ["reproduce", "alpa", "--quick"])
+    assert result.exit_code == 0, result.output
+    assert "PASS partopt ≥ every baseline on every case" in result.output and "FAIL" not in result.output
 
 
 def test_small_slice_runs_and_partopt_beats_every_baseline(small_run):

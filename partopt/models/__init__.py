@@ -61,7 +61,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "wresnet-1b": _wresnet(50, 320, 2),
     "wresnet-2b": _wresnet(50, 448, 2),
     "wresnet-4b": _wresnet(50, 640, 2),
-    "wresnet-6.8b": _wresnet(50, 320, 16),
+    "wresnet-6.8b": _wresnet(50, 320, 16, batch=1520),  # the batch Alpa's suite ran at 32 GPUs
     "wresnet-13b": _wresnet(50, 320, 32, batch=1520),  # Alpa's suite spec; see docs/models.md
     "llama-7b": _llama(4096, 32, 32, 32, 11008),
     "llama-70b": _llama(8192, 80, 64, 8, 28672),
