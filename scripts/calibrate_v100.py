@@ -60,10 +60,10 @@ def main(write: bool) -> None:
              (f"Fitted once by `partopt.reproduce.calibrate` in {wall / 60:.1f} min: a grid over "
               "matmul_efficiency 0.3–0.9 × memory_efficiency 0.5–1.0 (step 0.1, then step 0.025 within ±0.05 of "
               "the coarse optimum), minimising the sum of squared log errors of the predicted per-GPU TFLOP/s against "
-              "the measured points below, and nothing else. Single-GPU points are planned by `optimize` (GPT with "
-              "the paper's recomputation when the planner offers it); the GPT-2.6B point is priced as the plan "
+              "the measured points below, and nothing else. Single-GPU points are planned by `optimize` with "
+              "recomputation, as Alpa's suites ran them; the GPT-2.6B point is priced as the plan "
               "that was measured (`evaluate.uniform`, tp 2 × pp 2 × dp 2, 4 microbatches, batch 32). GPT figures "
-              "use the 96 closed form, the others the graph's model FLOPs."), "",
+              "use the 96 closed form, the others the FLOPs the plan executes (recomputation included)."), "",
              (f"**Result: matmul_efficiency = {fit.matmul_efficiency:.3f}, memory_efficiency = "
              f"{fit.memory_efficiency:.3f}** (rms log error {fit.rms_log_error:.3f})."), "",
              "| point | measured TFLOP/s | predicted | log error | error |", "|---|---|---|---|---|"]
