@@ -146,16 +146,17 @@ def _price_layers(graph: Graph, cluster: Cluster, layering: Layering, count: int
 
 def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs: list[StageSpec],
           restrictions: list[intra.Restriction] | None, options: Options, where: str = "plan",
-          fit_memory: bool = False) -> Plan:
+          fit_memory: bool = False, cache: dict | None = None) -> Plan:
     """The plan of fixed stages (`specs`), each priced by the intra-op ILP under its restriction
     (None: every strategy allowed); `fit_memory` makes each stage's layers choose strategies that
-    fit the device memory together (see `_price_layers`), rather than the fastest.
+    fit the device memory together (see `_price_layers`), rather than the fastest. `cache` keeps
+    the layer solutions across calls with the same graph, cluster and options (else per call).
 
     Raises InfeasibleError when a stage's memory exceeds the budget.
     """
     start = time.perf_counter()
     stats = {"ilps": 0, "status": "optimal", "gap": 0.0, "solve_time_s": 0.0}
-    cache: dict = {}
+    cache = {} if cache is None else cache
     restrictions = restrictions or [intra.Restriction()] * len(specs)
     budget = costmodel.memory_budget(cluster.device, options.memory_reserve)
     rows = [_price_layers(graph, cluster, layering, count, spec, r, options, stats, cache,

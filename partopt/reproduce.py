@@ -562,16 +562,16 @@ def _even_cuts(count: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _best_even_split(graph: Graph, cluster: Cluster, layering: Layering, count: int, stages: int,
-                     submesh: tuple[int, int], options: dict) -> tuple[Plan | None, str]:
+                     submesh: tuple[int, int], options: dict, cache: dict) -> tuple[Plan | None, str]:
     """The best plan of `stages` equal stages (layering's groups cut evenly) on equal submeshes,
-    one logical shape for all stages, tried in turn."""
+    one logical shape for all stages, tried in turn; `cache` shares layer solutions across calls."""
     best: Plan | None = None
     why = ""
     groups = _even_cuts(len(layering.groups), stages)
     for shape in cluster.logical_shapes(submesh):
         specs = [StageSpec(first, last, submesh, shape, min(stages - i, count)) for i, (first, last) in enumerate(groups)]
         try:
-            plan = price(graph, cluster, layering, count, specs, None, Options(layers=None, **options))
+            plan = price(graph, cluster, layering, count, specs, None, Options(layers=None, **options), cache=cache)
         except InfeasibleError as err:
             why = err.line()
             continue
@@ -596,6 +596,7 @@ def ablation(model: str, gpus: int, dp_plan: Plan | None = None, efficiency: Eff
     detail = {"dp": format_meshes([tuple(s.submesh) for s in dp_plan.stages])}
     tagged = build_layers(graph, None)
     ops = list(graph.order)
+    solved: dict = {}  # layer solutions of the even splits, shared by every stage count and shape
     for method in ABLATION_METHODS[1:]:
         best: tuple[float, str] | None = None
         why = "no even split fits"
@@ -615,7 +616,8 @@ def ablation(model: str, gpus: int, dp_plan: Plan | None = None, efficiency: Eff
                 else:
                     chunks = [ops[first:last + 1] for first, last in _even_cuts(len(ops), stages)]
                     layering = Layering(chunks, [(i, i) for i in range(stages)])
-                plan, why_not = _best_even_split(graph, cluster, layering, count, stages, submesh, model_options(model))
+                plan, why_not = _best_even_split(graph, cluster, layering, count, stages, submesh, model_options(model),
+                                                 solved)
                 if plan is None:
                     why = why_not or why
                     continue
