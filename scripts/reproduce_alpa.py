@@ -93,9 +93,9 @@ def markdown(results, ablations, found, command: str, wall_s: float, efficiency:
             "(shared, noisy). Every number below is the script's; rerun it to refresh them. V100 efficiencies: "
             f"matmul {efficiency[0]:g}, memory {efficiency[1]:g} (docs/COSTMODEL.md, Calibration)."), "",
            ("Each cell is partopt's predicted per-GPU TFLOP/s under its cost model, with the paper's reported "
-           "figure in parentheses (REFERENCE.md §3). GPT counts the recomputed forward (Megatron's closed form "
-           "with 96, as the paper does); MoE and Wide-ResNet count the model FLOPs of the graph (forward + "
-           "backward, no recomputation). \"error vs Alpa\" is partopt / Alpa − 1. Baselines: Megatron-LM is the "
+           "figure in parentheses (REFERENCE.md §3). Every family runs with activation recomputation, as Alpa's "
+           "suites did, and its recomputed forward counts: GPT by Megatron's closed form with 96 (as the paper "
+           "does), MoE and Wide-ResNet by the FLOPs the plan executes. \"error vs Alpa\" is partopt / Alpa − 1. Baselines: Megatron-LM is the "
            "best uniform (tp, pp, dp, microbatches) grid point; DeepSpeed is one data-parallel stage with ZeRO; "
            "PP-DP a pipeline of plain data-parallel stages. OOM: the paper's run ran out of memory; \"no plan\": "
             "the planner returned no plan (out of memory, or the error shown in the plans table). partopt's "
