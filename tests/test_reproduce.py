@@ -239,3 +239,27 @@ def test_plan_difference_names_each_difference():
     text = rp.plan_difference(rp.CaseResult(case, {"partopt": rp.Cell("partopt", 1.0, other, 0.0)}))
     assert text == ("B 512 vs 128; the same submeshes in another order; "
                     "logical meshes (2,1), (2,2), (2,1) vs (2,1) ×2, (4,1)")
+
+
+# ---------------------------------------------------------------- the ablation's even splits
+
+def test_even_cuts_and_even_submeshes():
+    assert rp._even_cuts(10, 3) == [(0, 2), (3, 6), (7, 9)]  # lengths 3, 4, 3
+    assert rp._even_cuts(4, 4) == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    # 32 GPUs: every submesh of Alpa's family that tiles 4 nodes of 8 — not (3, 8)
+    assert set(rp._even_submeshes(rp.cluster_for(32))) == {
+        (32, (1, 1)), (16, (1, 2)), (8, (1, 4)), (4, (1, 8)), (2, (2, 8)), (1, (4, 8))}
+
+
+def test_even_splits_share_their_layer_solutions():
+    from test_intra import mlp
+
+    graph, cluster = mlp(4, 1024, 512), rp.cluster_for(8)
+    layering = rp.build_layers(graph, None)
+    cache: dict = {}
+    first, _ = rp._best_even_split(graph, cluster, layering, 4, 2, (1, 4), {}, cache)
+    again, _ = rp._best_even_split(graph, cluster, layering, 4, 2, (1, 4), {}, cache)
+    alone, _ = rp._best_even_split(graph, cluster, layering, 4, 2, (1, 4), {}, {})
+    assert first.solver["ilps"] > 0 and again.solver["ilps"] == 0
+    assert again.iteration_time_s == alone.iteration_time_s == first.iteration_time_s
+    assert [s.layers for s in first.stages] == [[0, 1], [2, 3]]
