@@ -21,7 +21,7 @@ from partopt.draw import draw
 from partopt.errors import InstanceError, PartoptError
 from partopt.explain import explain
 from partopt.export import TARGETS, export
-from partopt.graph import Graph
+from partopt.graph import OPTIMIZERS, Graph
 from partopt.inter import DEFAULT_MAX_LAYERS, optimize
 from partopt.ops import KINDS, is_matmul
 from partopt.plan import Plan, plan_to_dict, read_plan, write_plan
@@ -240,7 +240,7 @@ def inspect(source: str, nodes: int | None, as_json: bool) -> None:
 @click.option("--image", type=int, help="Image height and width (wresnet; default 224).")
 @click.option("--classes", type=int, help="Output classes (wresnet; default 1024).")
 @click.option("--dtype", help="Element type (default per model: fp16, bf16 for llama, fp32 for wresnet).")
-@click.option("--optimizer", type=click.Choice(["adam", "sgd", "adafactor"]),
+@click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)),
               help="How the parameters are trained (default per model: adam; adafactor for moe; sgd for wresnet).")
 def generate(model: str, output: str, **params: Any) -> None:
     """Write the graph of MODEL to a file: a generator (gpt, llama, bert, moe, moe-layer, wresnet) with

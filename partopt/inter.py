@@ -391,7 +391,8 @@ class _Pricer:
 
     def run(self, jobs: dict, stats: dict, progress: Callable[[int], None]) -> dict:
         """Results of `jobs` (key -> job) by key; statistics of the ILPs solved (not cached) added to `stats`."""
-        out = {key: self.cache[self._key(job)] for key, job in jobs.items() if self._key(job) in self.cache}
+        cache_keys = {key: self._key(job) for key, job in jobs.items()}
+        out = {key: self.cache[ck] for key, ck in cache_keys.items() if ck in self.cache}
         keys = [key for key in jobs if key not in out]
         for n, cost in enumerate(out.values(), 1):
             _record(stats, cost, solved=False)
@@ -405,7 +406,7 @@ class _Pricer:
         else:
             results = (_price_job(self.graph, self.options, jobs[k], self.views) for k in keys)
         for n, (key, cost) in enumerate(zip(keys, results), len(out) + 1):
-            out[key] = self.cache[self._key(jobs[key])] = cost
+            out[key] = self.cache[cache_keys[key]] = cost
             _record(stats, cost, solved=True)
             progress(n)
         return {key: out[key] for key in jobs}
