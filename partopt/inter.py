@@ -210,7 +210,8 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
             done += len(jobs)
             ilp_stats["counts"].append(count)
             costs = {key: [[priced[(hashes[b], key)] for b in range(len(base_ops))]] for key in meshes}
-            _tighten(costs, priced, jobs, hashes, budget, len(base_ops), pricer, ilp_stats)
+            _tighten(costs, priced, jobs, hashes, budget, len(base_ops), count, best[0] if best else math.inf,
+                     pricer, ilp_stats)
             t, extra, options_of = _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch, link,
                                                 budget)
             result = stagedp.solve(t, extra, sizes, cluster.num_devices, count)
@@ -233,28 +234,32 @@ LEAN_TIME_LIMIT_S = 10.0
 MEMORY_RUNGS = (2, 4, 8, 16, 32, 64)  # per-layer caps budget / r that a stage of about r layers needs
 
 
-def _tighten(costs: dict, priced: dict, jobs: dict, hashes: list, budget: float, layers: int,
-             pricer: _Pricer, stats: dict) -> None:
+def _tighten(costs: dict, priced: dict, jobs: dict, hashes: list, budget: float, layers: int, count: int,
+             bound: float, pricer: _Pricer, stats: dict) -> None:
     """Add memory-leaner options: re-price layers whose optimum overflows budget / r, r = 2, 4, …
 
     Each layer's ILP alone sees only its own memory; a stage of r such layers needs each to fit
     about budget / r, with the in-flight microbatches of a stage that leads about layers / r
     stages (the most it could have). A layer whose optimum already fits the tighter cap keeps it
     (the same ILP with a tighter, non-binding constraint has the same optimum), so small models
-    cost nothing.
+    cost nothing. The cap of rung r serves stages of more than r / 2 layers (smaller ones fit the
+    rung before); a mesh on which every such stage costs more than `bound` (the iteration time of
+    the best plan known, from another microbatch count; see `_longest_stage`) is not refined at
+    that rung or beyond.
     Each mesh gets one more row of layer costs per cap at which any of its layers changed.
     """
     last = dict(priced)
     stuck = {key for key, cost in last.items() if cost is None}
+    longest_stage = {mesh: _longest_stage(rows[0], count, bound) for mesh, rows in costs.items()}
     for r in MEMORY_RUNGS:
         if r > layers:
             break
         cap = budget / r
-        for key in jobs:  # a cap below the leanest assignment is hopeless: no ILP needed
-            if key not in stuck and last[key].sharding.least_memory_bytes > cap:
+        for key in jobs:  # no ILP where the cap is below the leanest assignment, or serves no stage that can win
+            if key not in stuck and (last[key].sharding.least_memory_bytes > cap or longest_stage[key[1]] <= r // 2):
                 stuck.add(key)
         # stages of r layers are the first of about layers / r: weigh activations by that many in flight
-        inflight = {key: min(job[1], math.ceil(layers / r)) for key, job in jobs.items()}
+        inflight = {key: min(count, math.ceil(layers / r)) for key in jobs}
         tight = {key: (*job[:4], cap, inflight[key]) for key, job in jobs.items()
                  if key not in stuck and last[key].param_bytes + inflight[key] * last[key].activation_bytes
                  + last[key].working_bytes > cap}
@@ -269,6 +274,27 @@ def _tighten(costs: dict, priced: dict, jobs: dict, hashes: list, budget: float,
             row = [last[(h, key)] for h in hashes]
             if any(new is not old for new, old in zip(row, rows[-1])):
                 rows.append(row)
+
+
+def _longest_stage(row: list[LayerCost | None], count: int, limit: float) -> int:
+    """The most consecutive base layers a stage on this mesh can hold and still cost under `limit`.
+
+    A plan's iteration time is at least B · t + sync of each of its stages (B microbatches, t its
+    latency, sync its per-iteration work), and no option of a layer on a mesh costs less than its
+    unconstrained optimum `row[b]`, count · time + sync, which is what its ILP minimises.
+    """
+    longest, start, total = 0, 0, 0.0
+    for end, cost in enumerate(row):
+        if cost is None:  # cannot run on this mesh at all: no stage spans it
+            start, total = end + 1, 0.0
+            continue
+        total += count * cost.time_s + cost.sync_s
+        while total >= limit and start <= end:
+            first = row[start]
+            total -= count * first.time_s + first.sync_s
+            start += 1
+        longest = max(longest, end - start + 1)
+    return longest
 
 
 def _microbatch_views(graph: Graph, counts: list[int]) -> dict[int, Graph]:

@@ -11,7 +11,7 @@ from partopt import costmodel
 from partopt.cli import main
 from partopt.cluster import preset
 from partopt.errors import InfeasibleError
-from partopt.inter import microbatch_counts, optimize
+from partopt.inter import LayerCost, Options, _longest_stage, _price, microbatch_counts, optimize
 from partopt.plan import plan_to_dict, read_plan
 from partopt.simulate import StageTimes, closed_form
 from test_intra import mlp
@@ -178,3 +178,25 @@ def test_the_returned_pipeline_simulates_to_its_closed_form_and_gpipe_holds_more
     gpipe = simulate(stages, B, "gpipe")
     assert all(g >= f for g, f in zip(gpipe.peak_memory_bytes, one_f_one_b.peak_memory_bytes))
     assert gpipe.peak_memory_bytes[0] > one_f_one_b.peak_memory_bytes[0]  # B in flight against min(S, B)
+
+
+def test_longest_stage_is_the_longest_run_of_layers_costing_under_the_bound():
+    def layer(time_s, sync_s):
+        return LayerCost(time_s, sync_s, 0.0, 0.0, 0.0, None)
+
+    # with B = 4 the layers cost 4·time + sync = 5, 8, (cannot run), 3, 3, 3
+    row = [layer(1.0, 1.0), layer(2.0, 0.0), None, layer(0.5, 1.0), layer(0.5, 1.0), layer(0.5, 1.0)]
+    assert _longest_stage(row, 4, float("inf")) == 3  # a layer that cannot run splits the runs
+    assert _longest_stage(row, 4, 14.0) == 3  # 5 + 8 = 13 and 3 + 3 + 3 = 9 both fit
+    assert _longest_stage(row, 4, 9.0) == 2  # 3 + 3 + 3 = 9 is not under 9
+    assert _longest_stage(row, 4, 5.0) == 1  # only a 3 alone
+    assert _longest_stage(row, 4, 3.0) == 0
+
+
+def test_a_layers_ilp_minimises_its_time_per_microbatch_plus_sync_over_the_count():
+    """The premise of `_longest_stage`: no option of a layer costs less than count · time + sync of its optimum."""
+    graph, cluster = mlp(2, 4096, 1024), preset("p3.16xlarge", 1)
+    mesh = cluster.logical_mesh((1, 4), (2, 2))
+    for count in (1, 8):
+        cost = _price(graph, graph.ops[:1], mesh, count, costmodel.memory_budget(cluster.device), Options())
+        assert cost.sharding.objective == pytest.approx(cost.time_s + cost.sync_s / count, rel=1e-9)
