@@ -10,6 +10,7 @@ prints and writes them. Nothing here prints.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 import time
@@ -561,6 +562,20 @@ def _even_cuts(count: int, parts: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1] - 1) for i in range(parts)]
 
 
+def _equal_operators(graph: Graph, stages: int) -> Layering:
+    """`stages` stages of equally many ops (the graph's order cut evenly). Each stage is priced as
+    the DP prices its own: one ILP per run of ops of one layer tag, so that a cut inside a layer
+    makes two pieces and the whole layers between share their solves."""
+    ops = list(graph.order)
+    base: list[list] = []
+    groups = []
+    for first, last in _even_cuts(len(ops), stages):
+        start = len(base)
+        base += [list(run) for _, run in itertools.groupby(ops[first:last + 1], key=lambda op: op.layer)]
+        groups.append((start, len(base) - 1))
+    return Layering(base, groups)
+
+
 def _best_even_split(graph: Graph, cluster: Cluster, layering: Layering, count: int, stages: int,
                      submesh: tuple[int, int], options: dict, cache: dict) -> tuple[Plan | None, str]:
     """The best plan of `stages` equal stages (layering's groups cut evenly) on equal submeshes,
@@ -595,7 +610,6 @@ def ablation(model: str, gpus: int, dp_plan: Plan | None = None, efficiency: Eff
     tflops: dict[str, float | None] = {"dp": tflops_per_gpu(model, graph, dp_plan)}
     detail = {"dp": format_meshes([tuple(s.submesh) for s in dp_plan.stages])}
     tagged = build_layers(graph, None)
-    ops = list(graph.order)
     solved: dict = {}  # layer solutions of the even splits, shared by every stage count and shape
     for method in ABLATION_METHODS[1:]:
         best: tuple[float, str] | None = None
@@ -611,11 +625,7 @@ def ablation(model: str, gpus: int, dp_plan: Plan | None = None, efficiency: Eff
             else:
                 if stages > len(tagged.groups):
                     continue
-                if method == "equal_layer" or stages == 1:
-                    layering = tagged
-                else:
-                    chunks = [ops[first:last + 1] for first, last in _even_cuts(len(ops), stages)]
-                    layering = Layering(chunks, [(i, i) for i in range(stages)])
+                layering = tagged if method == "equal_layer" or stages == 1 else _equal_operators(graph, stages)
                 plan, why_not = _best_even_split(graph, cluster, layering, count, stages, submesh, model_options(model),
                                                  solved)
                 if plan is None:

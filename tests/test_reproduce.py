@@ -263,3 +263,24 @@ def test_even_splits_share_their_layer_solutions():
     assert first.solver["ilps"] > 0 and again.solver["ilps"] == 0
     assert again.iteration_time_s == alone.iteration_time_s == first.iteration_time_s
     assert [s.layers for s in first.stages] == [[0, 1], [2, 3]]
+
+
+def test_equal_operators_cut_the_order_evenly_into_pieces_of_one_layer_each():
+    from partopt import models
+
+    graph = models.gpt(hidden=64, layers=3, heads=2, seq=16, vocab=32, batch=4)
+    order = list(graph.order)
+    for stages in (2, 3, 5):
+        layering = rp._equal_operators(graph, stages)
+        assert [op for piece in layering.base for op in piece] == order  # every op once, in order
+        cuts = rp._even_cuts(len(order), stages)
+        assert [len(layering.ops(g)) for g in range(stages)] == [last - first + 1 for first, last in cuts]
+        for first, last in layering.groups:
+            pieces = layering.base[first:last + 1]
+            assert all(len({op.layer for op in piece}) == 1 for piece in pieces)
+            assert all(a[-1].layer != b[0].layer for a, b in zip(pieces, pieces[1:]))  # maximal runs
+    # six blocks in two stages: the whole middle blocks of either stage are one structure (one ILP)
+    graph = models.gpt(hidden=64, layers=6, heads=2, seq=16, vocab=32, batch=4)
+    block = graph.subgraph_ops([2])
+    whole = [piece for piece in rp._equal_operators(graph, 2).base if len(piece) == len(block)]
+    assert len(whole) >= 3 and {graph.structural_hash(piece) for piece in whole} == {graph.structural_hash(block)}
