@@ -34,8 +34,8 @@ def solve(model: Model, options: Options) -> Result:
     h.setOptionValue("threads", int(options.threads))
     h.setOptionValue("mip_rel_gap", 0.0)
     h.setOptionValue("mip_abs_gap", 0.0)
-    # the models come reduced (partopt.ilp); HiGHS's own presolve then costs more than it saves:
-    # 2-8× on the memory-capped block ILPs, 1.8× on GPT-1.3B whole (docs/benchmarks.md)
+    # the models come reduced (partopt.ilp); HiGHS's own presolve then costs more than it saves
+    # (up to 4× on memory-capped block ILPs, 1.5× on GPT-1.3B whole; docs/benchmarks.md)
     h.setOptionValue("presolve", "off")
     n = model.num_vars
     inf = highspy.kHighsInf
