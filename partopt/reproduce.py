@@ -579,16 +579,23 @@ def _equal_operators(graph: Graph, stages: int) -> Layering:
 def _best_even_split(graph: Graph, cluster: Cluster, layering: Layering, count: int, stages: int,
                      submesh: tuple[int, int], options: dict, cache: dict) -> tuple[Plan | None, str]:
     """The best plan of `stages` equal stages (layering's groups cut evenly) on equal submeshes,
-    one logical shape for all stages, tried in turn; `cache` shares layer solutions across calls."""
+    one logical shape for all stages, tried in turn; `cache` shares layer solutions across calls.
+    Each split is priced with every layer at its fastest sharding, and where that overflows a
+    device, with the stage's layers made to fit its memory together (as the DP's leaner options do)."""
     best: Plan | None = None
     why = ""
     groups = _even_cuts(len(layering.groups), stages)
     for shape in cluster.logical_shapes(submesh):
         specs = [StageSpec(first, last, submesh, shape, min(stages - i, count)) for i, (first, last) in enumerate(groups)]
-        try:
-            plan = price(graph, cluster, layering, count, specs, None, Options(layers=None, **options), cache=cache)
-        except InfeasibleError as err:
-            why = err.line()
+        plan = None
+        for fit_memory in (False, True):
+            try:
+                plan = price(graph, cluster, layering, count, specs, None, Options(layers=None, **options),
+                             fit_memory=fit_memory, cache=cache)
+                break
+            except InfeasibleError as err:
+                why = err.line()
+        if plan is None:
             continue
         if best is None or plan.iteration_time_s < best.iteration_time_s:
             best = plan

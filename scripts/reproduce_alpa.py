@@ -121,8 +121,10 @@ def markdown(results, ablations, found, command: str, wall_s: float, efficiency:
         out += ["", "### Inter-op ablation", "",
                 ("partopt's stage DP against stages split evenly, each at the DP plan's microbatch count: equal mesh "
                 "runs the stage DP with one submesh shape for all stages; equal layer cuts the tagged layers, equal "
-                "operator the operators in topological order, into equal runs on equal submeshes. For each the best "
-                "stage count and logical shape is kept. The paper's figure is in parentheses."), "",
+                "operator the operators in topological order, into equal runs on equal submeshes, each priced at its "
+                "layers' fastest shardings or, where those overflow a device, with the stage's layers made to fit "
+                "its memory together. For each the best stage count and logical shape is kept. The paper's figure "
+                "is in parentheses."), "",
                 markdown_table(*rp.ablation_rows(ablations))]
     return "\n".join(out) + "\n"
 

@@ -284,3 +284,23 @@ def test_equal_operators_cut_the_order_evenly_into_pieces_of_one_layer_each():
     block = graph.subgraph_ops([2])
     whole = [piece for piece in rp._equal_operators(graph, 2).base if len(piece) == len(block)]
     assert len(whole) >= 3 and {graph.structural_hash(piece) for piece in whole} == {graph.structural_hash(block)}
+
+
+def test_an_even_split_whose_fastest_shardings_overflow_is_priced_to_fit_memory(monkeypatch):
+    from test_intra import mlp
+
+    from partopt import costmodel
+    from partopt.evaluate import price
+
+    # 20 layers of 8192² fp32 weights on a data-parallel (8, 1) mesh: at their fastest the weights and
+    # gradients are replicated (11.2 GiB of parameter state, 16.2 GiB in all, over the 14.4 GiB budget)
+    graph, cluster = mlp(20, 65536, 8192), rp.cluster_for(8)
+    monkeypatch.setattr(type(cluster), "logical_shapes", lambda self, submesh: [(8, 1)])
+    layering, budget = rp.build_layers(graph, None), costmodel.memory_budget(cluster.device)
+    specs = [rp.StageSpec(0, 19, (1, 8), (8, 1), 1)]
+    with pytest.raises(rp.InfeasibleError):
+        price(graph, cluster, layering, 1, specs, None, rp.Options(layers=None))
+    plan, _ = rp._best_even_split(graph, cluster, layering, 1, 1, (1, 8), {}, {})
+    assert plan is not None and plan.memory_peak_bytes <= budget
+    fitted = price(graph, cluster, layering, 1, specs, None, rp.Options(layers=None), fit_memory=True)
+    assert plan.iteration_time_s == fitted.iteration_time_s
