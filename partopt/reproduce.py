@@ -581,7 +581,8 @@ def _best_even_split(graph: Graph, cluster: Cluster, layering: Layering, count: 
     """The best plan of `stages` equal stages (layering's groups cut evenly) on equal submeshes,
     one logical shape for all stages, tried in turn; `cache` shares layer solutions across calls.
     Each split is priced with every layer at its fastest sharding, and where that overflows a
-    device, with the stage's layers made to fit its memory together (as the DP's leaner options do)."""
+    device, with each stage's layers fitted to its memory together (`price(fit_memory=True)`, as
+    Megatron's uniform plans are priced)."""
     best: Plan | None = None
     why = ""
     groups = _even_cuts(len(layering.groups), stages)
