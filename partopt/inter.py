@@ -283,15 +283,15 @@ def _longest_stage(row: list[LayerCost | None], count: int, limit: float) -> int
     latency, sync its per-iteration work), and no option of a layer on a mesh costs less than its
     unconstrained optimum `row[b]`, count · time + sync, which is what its ILP minimises.
     """
+    costs = [None if c is None else count * c.time_s + c.sync_s for c in row]
     longest, start, total = 0, 0, 0.0
-    for end, cost in enumerate(row):
+    for end, cost in enumerate(costs):
         if cost is None:  # cannot run on this mesh at all: no stage spans it
             start, total = end + 1, 0.0
             continue
-        total += count * cost.time_s + cost.sync_s
+        total += cost
         while total >= limit and start <= end:
-            first = row[start]
-            total -= count * first.time_s + first.sync_s
+            total -= costs[start]
             start += 1
         longest = max(longest, end - start + 1)
     return longest
