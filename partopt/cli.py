@@ -23,12 +23,14 @@ from partopt.explain import explain
 from partopt.export import TARGETS, export
 from partopt.graph import OPTIMIZERS, Graph
 from partopt.inter import DEFAULT_MAX_LAYERS, optimize
+from partopt.intra import RECOMPUTE_MODES
 from partopt.ops import KINDS, is_matmul
 from partopt.plan import Plan, plan_to_dict, read_plan, write_plan
 from partopt.simulate import SCHEDULES
 from partopt.solvers import BACKENDS
 from partopt.units import fmt_bytes, fmt_seconds
 
+RECOMPUTE_CHOICES = ("auto", *RECOMPUTE_MODES)
 EXIT_USER_ERROR = 2  # bad input: a file, a preset name or an impossible request
 PEAK_DTYPES_SHOWN = ("fp16", "fp32")
 
@@ -256,12 +258,13 @@ def generate(model: str, output: str, **params: Any) -> None:
 def _render_plan(plan: Plan) -> list[Table]:
     stages = Table(title=f"Plan for {plan.graph} on {plan.cluster} ({plan.nodes} × {plan.devices_per_node})",
                    box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False)
-    for column in ("stage", "layers", "submesh", "mesh", "devices", "µbatch", "sync", "memory", "in flight"):
+    for column in ("stage", "layers", "submesh", "mesh", "devices", "recompute", "µbatch", "sync", "memory",
+                   "in flight"):
         stages.add_column(column, justify="right", no_wrap=True)
     for i, s in enumerate(plan.stages):
         devices = f"{s.devices[0]}–{s.devices[-1]}" if len(s.devices) > 1 else str(s.devices[0])
         stages.add_row(str(i), f"{s.layers[0]}–{s.layers[1]}", f"({s.submesh[0]}, {s.submesh[1]})",
-                       f"({s.logical_mesh[0]}, {s.logical_mesh[1]})", devices, fmt_seconds(s.stage_time_s),
+                       f"({s.logical_mesh[0]}, {s.logical_mesh[1]})", devices, s.recompute, fmt_seconds(s.stage_time_s),
                        fmt_seconds(s.sync_time_s), fmt_bytes(s.memory_bytes), str(s.inflight_microbatches))
     totals = _facts_table("Totals", [
         ("iteration time", fmt_seconds(plan.iteration_time_s)),
@@ -297,12 +300,14 @@ def _render_plan(plan: Plan) -> list[Table]:
 @click.option("--submeshes", type=click.Choice(["alpa", "power_of_two"]), default="alpa", show_default=True,
               help="Submesh shapes: (1, 2^k) and (n, M) for every n, or only powers of two (large clusters).")
 @click.option("--workers", type=click.IntRange(min=1), help="Processes for the ILPs (default: one per core).")
-@click.option("--recompute", is_flag=True, help="Recompute activations: each layer keeps only its output for backward.")
+@click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), default="auto", show_default=True, is_flag=False,
+              flag_value="full", help="Activation recomputation per stage: searched (auto), none, selective (the "
+              "attention core) or full (each layer keeps only its input); --recompute alone means full.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the plan file here.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the plan file to stdout.")
 def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches: str, layers: int, solver: str,
           time_limit: float, memory_reserve: float, search: str, logical_shapes: str, submeshes: str,
-          workers: int | None, recompute: bool, output: str | None, as_json: bool) -> None:
+          workers: int | None, recompute: str, output: str | None, as_json: bool) -> None:
     """Plan GRAPH on a cluster: pipeline stages, submeshes, logical meshes and per-op shardings."""
     graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
     counts = microbatches.split(",")
@@ -358,14 +363,17 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
 @click.option("--dp", type=click.IntRange(min=1), help="Data-parallel degree of a Megatron-style plan.")
 @click.option("--microbatches", type=click.IntRange(min=1), help="Microbatch count (Megatron-style; default pp).")
 @click.option("--zero", is_flag=True, help="Shard optimizer state over the data-parallel axis (Megatron-style).")
-@click.option("--recompute", is_flag=True, help="Recompute activations (Megatron-style; a plan file keeps its own).")
+@click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), is_flag=False, flag_value="full",
+              help="Recomputation of a Megatron-style plan: auto (default: the fastest that fits), none, selective "
+              "or full; --recompute alone means full. A plan file keeps its own.")
 @click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the priced plan file here.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the priced plan file to stdout.")
 def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, plan_file: str | None,
-                     tp: int | None, pp: int | None, dp: int | None, microbatches: int | None, zero: bool, recompute: bool,
+                     tp: int | None, pp: int | None, dp: int | None, microbatches: int | None, zero: bool,
+                     recompute: str | None,
                      solver: str, memory_reserve: float, output: str | None, as_json: bool) -> None:
     """Price a plan of GRAPH under the cost model: a plan file (--plan) or a Megatron-style uniform
     plan (--tp T --pp P --dp D): P equal stages, each on a (D, T) mesh, batch over D."""
@@ -381,7 +389,7 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
     if plan_file is not None:
         plan = evaluate.evaluate(graph, cluster, read_plan(plan_file), where=plan_file, **options)
     else:
-        plan = evaluate.uniform(graph, cluster, tp, pp, dp, microbatches, zero, recompute=recompute, **options)
+        plan = evaluate.uniform(graph, cluster, tp, pp, dp, microbatches, zero, recompute=recompute or "auto", **options)
     _emit(plan, output, as_json)
 
 

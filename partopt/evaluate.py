@@ -17,7 +17,7 @@ from partopt import costmodel, intra
 from partopt.cluster import Cluster
 from partopt.errors import InfeasibleError, InstanceError, SolverError
 from partopt.graph import Graph, Op
-from partopt.inter import LayerCost, Options, StageSpec, assemble, microbatch_counts, params_of
+from partopt.inter import LayerCost, Options, StageSpec, _record, assemble, microbatch_counts, params_of
 from partopt.layering import Layering, build_layers
 from partopt.plan import Plan
 from partopt.sharding import ParamStrategy, Replicate, Strategy, fmt, op_strategies, param_strategies
@@ -120,14 +120,14 @@ def _price_layers(graph: Graph, cluster: Cluster, layering: Layering, count: int
         params = params_of(g_mb, ops)
         # layers alike under alike pins share one solve
         cap = None if budget is None else (budget / (last - first + 1), spec.inflight)
-        key = (g_mb.structural_hash(ops), mesh, cap,
+        key = (g_mb.structural_hash(ops), mesh, spec.recompute, cap,
                tuple(tuple(s.axes) for op in ops for s in op_strategies(g_mb, op, mesh) if restriction.op(op, s)),
                tuple(s.name for t in params for s in param_strategies(g_mb, g_mb.tensors[t], mesh)
                      if restriction.param(t, s)))
         if key not in cache:
             solve = partial(intra.shard_stage, g_mb, mesh, ops, microbatches=count, backend=options.backend,
                             time_limit_s=options.time_limit_s, seed=options.seed, restriction=restriction,
-                            recompute=options.recompute)
+                            recompute=spec.recompute)
             sharding = None
             for factor in (LOOSER if cap else ()):  # the even share first, then looser caps
                 try:
@@ -137,9 +137,10 @@ def _price_layers(graph: Graph, cluster: Cluster, layering: Layering, count: int
                     continue
             if sharding is None:
                 sharding = solve(inflight=1)  # the stage will not fit: the check in `price` says by how much
-            stats["ilps"] += 1
-            stats["solve_time_s"] += sharding.solution.result.time_s
             cache[key] = LayerCost.of(sharding)
+            _record(stats, cache[key], solved=True)
+        else:
+            _record(stats, cache[key], solved=False)
         row[b] = cache[key]
     return row
 
@@ -192,8 +193,8 @@ def evaluate(graph: Graph, cluster: Cluster, plan: Plan, where: str = "plan", **
     layering = build_layers(graph, options.layers)
     _check_stages([s.layers for s in plan.stages], len(layering.groups), where)
     S = len(plan.stages)
-    specs = [StageSpec(s.layers[0], s.layers[1], tuple(s.submesh), tuple(s.logical_mesh), min(S - i, count))
-             for i, s in enumerate(plan.stages)]
+    specs = [StageSpec(s.layers[0], s.layers[1], tuple(s.submesh), tuple(s.logical_mesh), min(S - i, count),
+                       s.recompute) for i, s in enumerate(plan.stages)]
     _check_meshes(cluster, specs, where)
     restrictions = [_pinned(s.ops, s.params, layering, s.layers[0], s.layers[1], f"{where}.stages[{i}]")
                     for i, s in enumerate(plan.stages)]
@@ -206,7 +207,8 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
 
     Axis 0 splits the batch (and ZeRO-shards optimizer state with `zero`); the ILP chooses the
     tensor-parallel sharding over axis 1, which stays inside a node when tp ≤ devices per node.
-    `microbatches` defaults to pp (the fewest that fill the pipeline).
+    `microbatches` defaults to pp (the fewest that fill the pipeline). Every stage recomputes
+    alike: the `recompute` keyword's mode, or (auto, the default) the fastest mode that fits.
     """
     where = f"--tp {tp} --pp {pp} --dp {dp}"
     if min(tp, pp, dp) < 1:
@@ -231,6 +233,16 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     if L % pp:
         raise InfeasibleError(f"{L} layers do not split into {pp} equal stages", where, f"choose pp dividing {L}")
     size = L // pp
-    specs = [StageSpec(i * size, (i + 1) * size - 1, submesh, (dp, tp), min(pp - i, count)) for i in range(pp)]
     restriction = _megatron(intra.with_batch(graph, graph.dims[graph.batch_dim] // count), tp, dp, zero)
-    return price(graph, cluster, layering, count, specs, [restriction] * pp, options, where, fit_memory=True)
+    plans, error = [], None
+    for mode in options.recompute_modes:
+        specs = [StageSpec(i * size, (i + 1) * size - 1, submesh, (dp, tp), min(pp - i, count), mode)
+                 for i in range(pp)]
+        try:
+            plans.append(price(graph, cluster, layering, count, specs, [restriction] * pp, options, where,
+                               fit_memory=True))
+        except InfeasibleError as err:
+            error = err  # the leanest mode's overflow is the one worth reporting
+    if not plans:
+        raise error
+    return min(plans, key=lambda plan: plan.iteration_time_s)

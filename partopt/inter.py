@@ -30,6 +30,7 @@ from partopt.layering import Layering, build_layers
 from partopt.ops import is_matmul
 from partopt.plan import Plan, StagePlan
 from partopt.sharding import Shard, fmt
+from partopt.units import fmt_bytes
 
 DEFAULT_MAX_LAYERS = 16
 Progress = Callable[[int, int], None]
@@ -52,7 +53,19 @@ class Options:
     stage_data_parallel: bool = False
     seed: int = 0
     workers: int | None = None  # processes for the ILPs; None: one per available core
-    recompute: bool = False  # activation recomputation: layers keep only their outputs for backward
+    recompute: str = "auto"  # activation recomputation per stage: auto (searched) or one of intra.RECOMPUTE_MODES
+
+    def __post_init__(self) -> None:
+        if isinstance(self.recompute, bool):  # the former flag: recompute meant full recomputation
+            object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+        if self.recompute not in ("auto", *intra.RECOMPUTE_MODES):
+            raise InstanceError(f"unknown recomputation mode {self.recompute!r}", "recompute",
+                                f"use auto or one of {', '.join(intra.RECOMPUTE_MODES)}")
+
+    @property
+    def recompute_modes(self) -> tuple[str, ...]:
+        """The modes the search prices, cheapest in time first (auto: all of them)."""
+        return intra.RECOMPUTE_MODES if self.recompute == "auto" else (self.recompute,)
 
 
 def microbatch_counts(batch: int, requested: int | str | Sequence[int]) -> list[int]:
@@ -190,7 +203,7 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
     views = _microbatch_views(graph, counts)
     bounds = {count: _lower_bound(view, count, cluster) for count, view in views.items()}
     candidates = [c for c in sorted(views, key=lambda c: (bounds[c], c))
-                  if _fits_at_all(graph, views[c], cluster, budget, options.recompute)]
+                  if _fits_at_all(graph, views[c], cluster, budget, options.recompute != "none")]
     if not candidates:
         raise _no_plan(graph, cluster, budget)
     done = 0
@@ -203,26 +216,43 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
             base_ops = [[g_mb.op_index[op.name] for op in ops] for ops in layering.base]
             hashes = [g_mb.structural_hash(ops) for ops in base_ops]
             names = [[op.name for op in ops] for ops in base_ops]
-            jobs = {(hashes[b], key): (mb, count, names[b], meshes[key], budget)
-                    for key in meshes for b in range(len(base_ops))}
-            total = done + len(jobs) * (len(candidates) - n)  # an estimate: later counts may be skipped
-            priced = pricer.run(jobs, ilp_stats, lambda k: progress(done + k, total) if progress else None)
-            done += len(jobs)
+            modes = _distinct_modes(g_mb, base_ops, options.recompute_modes)
+            # one option per (submesh, logical shape, recomputation mode): a list of rows of layer costs
+            costs: dict = {}
+            result = free = None
+            for m, mode in enumerate(modes):
+                jobs = {(hashes[b], (*key, mode)): (mb, count, names[b], meshes[key], mode, budget)
+                        for key in meshes for b in range(len(base_ops))}
+                total = done + len(jobs) * (len(candidates) - n)  # an estimate: later counts may be skipped
+                priced = pricer.run(jobs, ilp_stats, lambda k: progress(done + k, total) if progress else None)
+                done += len(jobs)
+                rows_of = {(*key, mode): [[priced[(hashes[b], (*key, mode))] for b in range(len(base_ops))]]
+                           for key in meshes}
+                costs.update(rows_of)
+                _tighten(rows_of, priced, jobs, hashes, budget, len(base_ops), count,
+                         best[0] if best else math.inf, pricer, ilp_stats)
+                t, extra, options_of = _stage_table(layering, costs, submeshes, boundary, count, mb, batch, link,
+                                                    budget)
+                result = stagedp.solve(t, extra, sizes, cluster.num_devices, count)
+                if result is not None:
+                    ilp_stats["dp_rounds"] = ilp_stats.get("dp_rounds", 0) + result.rounds
+                if m == len(modes) - 1:
+                    break
+                if free is None:  # the first mode's plan with memory ignored: what recomputation could recover
+                    free = stagedp.solve(*_stage_table(layering, costs, submeshes, boundary, count, mb, batch, link,
+                                                       math.inf)[:2], sizes, cluster.num_devices, count)
+                if result is not None and result.total <= free.total * (1 + 1e-12):
+                    break  # memory does not bind: recomputing more only adds time
             ilp_stats["counts"].append(count)
-            costs = {key: [[priced[(hashes[b], key)] for b in range(len(base_ops))]] for key in meshes}
-            _tighten(costs, priced, jobs, hashes, budget, len(base_ops), count, best[0] if best else math.inf,
-                     pricer, ilp_stats)
-            t, extra, options_of = _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch, link,
-                                                budget)
-            result = stagedp.solve(t, extra, sizes, cluster.num_devices, count)
+            ilp_stats.setdefault("recompute_modes", {})[count] = modes[:m + 1]
             if result is None:
                 continue
-            ilp_stats["dp_rounds"] = ilp_stats.get("dp_rounds", 0) + result.rounds
             if best is None or result.total < best[0] - 1e-15:
-                specs = [StageSpec(c.first, c.last, submeshes[c.submesh], options_of[c.submesh][c.option][0],
-                                   min(c.inflight, count)) for c in result.stages]
-                rows = [costs[(spec.submesh, spec.shape)][options_of[c.submesh][c.option][1]]
-                        for spec, c in zip(specs, result.stages)]
+                chosen = [options_of[c.submesh][c.option] for c in result.stages]
+                specs = [StageSpec(c.first, c.last, submeshes[c.submesh], shape, min(c.inflight, count), mode)
+                         for c, (shape, mode, _) in zip(result.stages, chosen)]
+                rows = [costs[(spec.submesh, spec.shape, spec.recompute)][r]
+                        for spec, (_, _, r) in zip(specs, chosen)]
                 best = (result.total, count, specs, rows)
     if best is None:
         raise _no_plan(graph, cluster, budget)
@@ -260,7 +290,7 @@ def _tighten(costs: dict, priced: dict, jobs: dict, hashes: list, budget: float,
                 stuck.add(key)
         # stages of r layers are the first of about layers / r: weigh activations by that many in flight
         inflight = {key: min(count, math.ceil(layers / r)) for key in jobs}
-        tight = {key: (*job[:4], cap, inflight[key]) for key, job in jobs.items()
+        tight = {key: (*job[:5], cap, inflight[key]) for key, job in jobs.items()
                  if key not in stuck and last[key].param_bytes + inflight[key] * last[key].activation_bytes
                  + last[key].working_bytes > cap}
         if not tight:
@@ -295,6 +325,18 @@ def _longest_stage(row: list[LayerCost | None], count: int, limit: float) -> int
             start += 1
         longest = max(longest, end - start + 1)
     return longest
+
+
+def _distinct_modes(graph: Graph, base_ops: list[list[Op]], modes: Sequence[str]) -> list[str]:
+    """`modes` less those that recompute exactly what an earlier one does in every layer (a model
+    without attention has no selective recomputation): the same ILPs need not be priced twice."""
+    seen, kept = set(), []
+    for mode in modes:
+        sets = tuple(intra.recomputed_ops(graph, ops, mode) for ops in base_ops)
+        if sets not in seen:
+            seen.add(sets)
+            kept.append(mode)
+    return kept
 
 
 def _microbatch_views(graph: Graph, counts: list[int]) -> dict[int, Graph]:
@@ -336,7 +378,7 @@ def _fits_at_all(graph: Graph, g_mb: Graph, cluster: Cluster, budget: float, rec
     return (state + activations) / cluster.num_devices <= budget
 
 
-def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, budget: float,
+def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, recompute: str, budget: float,
            options: Options, inflight: int = 1) -> LayerCost | None:
     """One base layer's optimal sharding on `mesh`, or None when it cannot fit the memory budget.
 
@@ -349,7 +391,7 @@ def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, budget: fl
         sharding = intra.shard_stage(g_mb, mesh, ops, microbatches=count, inflight=inflight, memory_budget=budget,
                                      backend=options.backend, time_limit_s=limit, seed=options.seed,
                                      data_parallel=options.data_parallel_only or options.stage_data_parallel,
-                                     allow_zero=not options.stage_data_parallel, recompute=options.recompute)
+                                     allow_zero=not options.stage_data_parallel, recompute=recompute)
     except InfeasibleError:
         return None
     except SolverError:
@@ -361,11 +403,11 @@ def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, budget: fl
 
 def _price_job(graph: Graph, options: Options, job: tuple, views: dict[int, Graph]) -> LayerCost | None:
     """One pricing job; `views` caches the graph's microbatch views by size across jobs."""
-    mb, count, names, mesh, cap, *inflight = job
+    mb, count, names, mesh, recompute, cap, *inflight = job
     if mb not in views:
         views[mb] = intra.with_batch(graph, mb)
     g_mb = views[mb]
-    return _price(g_mb, [g_mb.op_index[n] for n in names], mesh, count, cap, options, *inflight)
+    return _price(g_mb, [g_mb.op_index[n] for n in names], mesh, count, recompute, cap, options, *inflight)
 
 
 _WORKER: dict = {}
@@ -401,7 +443,7 @@ class _Pricer:
         self.pool: ProcessPoolExecutor | None = None
         self.cache = {} if cache is None else cache
         self.prefix = (graph.name, graph.structural_hash(), options.backend, options.time_limit_s, options.seed,
-                       options.memory_reserve, options.recompute, options.data_parallel_only,
+                       options.memory_reserve, options.data_parallel_only,
                        options.stage_data_parallel)
 
     def _key(self, job: tuple) -> tuple:
@@ -454,13 +496,15 @@ def _record(stats: dict, cost: LayerCost | None, solved: bool) -> None:
 
 @dataclass(frozen=True)
 class StageSpec:
-    """A stage as the plan fixes it: DP layers [first, last], submesh, logical shape, in-flight microbatches."""
+    """A stage as the plan fixes it: DP layers [first, last], submesh, logical shape, in-flight
+    microbatches, recomputation mode."""
 
     first: int
     last: int
     submesh: tuple[int, int]
     shape: tuple[int, int]
     inflight: int
+    recompute: str = "none"
 
 
 def _group_sums(row: list[LayerCost | None], group: tuple[int, int]) -> tuple[float, ...] | None:
@@ -483,22 +527,23 @@ def _send(boundary: list[float], last: int, mb: int, batch: int, link) -> float:
     return 2 * costmodel.p2p_time(boundary[last] * mb / batch, link) if last < len(boundary) - 1 else 0.0
 
 
-def _stage_table(layering, costs, submeshes, meshes, boundary, count, mb, batch, link, budget):
+def _stage_table(layering, costs, submeshes, boundary, count, mb, batch, link, budget):
     """t[h, k, i, j, s] and extra[h, k, i, j, s] for the stage DP; option h of submesh s is a logical
-    shape with one row of layer costs (see `_tighten`).
+    shape and recomputation mode with one row of layer costs (`costs[(submesh, shape, mode)]`, see
+    `_tighten`).
 
     An entry is inf when the stage's memory does not fit k in-flight microbatches (1F1B).
-    Returns the tables and, per submesh, its (shape, row index) options in order.
+    Returns the tables and, per submesh, its (shape, mode, row index) options in order.
     """
     L, S = len(layering.groups), len(submeshes)
-    options = [[(shape, r) for (x, shape) in meshes if x == sub for r in range(len(costs[(x, shape)]))]
+    options = [[(shape, mode, r) for (x, shape, mode) in costs if x == sub for r in range(len(costs[(x, shape, mode)]))]
                for sub in submeshes]
     H = max(len(x) for x in options)
     t = np.full((H, L + 1, L, L, S), np.inf)
     extra = np.zeros((H, L + 1, L, L, S))
     for s, sub in enumerate(submeshes):
-        for h, (shape, r) in enumerate(options[s]):
-            row = costs[(sub, shape)][r]
+        for h, (shape, mode, r) in enumerate(options[s]):
+            row = costs[(sub, shape, mode)][r]
             for i in range(L):
                 total = (0.0,) * 5
                 for j in range(i, L):
@@ -519,9 +564,9 @@ def _no_plan(graph: Graph, cluster: Cluster, budget: float) -> InfeasibleError:
     state = costmodel.param_memory(graph.num_params, graph.dtype, graph.optimizer).total
     total = budget * cluster.num_devices
     return InfeasibleError(
-        f"no plan fits: the model's parameter state alone is {state / 2**30:.1f} GiB against "
-        f"{total / 2**30:.1f} GiB usable on {cluster.num_devices} devices "
-        f"({'short by ' + format((state - total) / 2**30, '.1f') + ' GiB' if state > total else 'activations do not fit'})",
+        f"no plan fits: the model's parameter state alone is {fmt_bytes(state)} against "
+        f"{fmt_bytes(total)} usable on {cluster.num_devices} devices "
+        f"({'short by ' + fmt_bytes(state - total) if state > total else 'activations do not fit'})",
         f"{graph.name} on {cluster.name}",
         "use more nodes (--nodes), a smaller batch, or more microbatches")
 
@@ -554,6 +599,11 @@ def _training_flops(graph: Graph, ops: Sequence[Op] | None = None) -> float:
     return sum(costmodel.training_flops(graph.flops(op), is_matmul(op)) for op in (graph.ops if ops is None else ops))
 
 
+def _recomputed_flops(graph: Graph, units: Sequence[Sequence[Op]], mode: str) -> float:
+    """Forward FLOPs that recomputation `mode` runs again in these base layers (priced one by one)."""
+    return sum(graph.flops(op) for ops in units for op in ops if op.name in intra.recomputed_ops(graph, ops, mode))
+
+
 def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Options, count: int,
              specs: list[StageSpec], rows: list[list[LayerCost]], ilp_stats: dict, elapsed: float) -> Plan:
     """The plan of fixed stages, each with its base layers' costs (`rows[i]`, on the stage's mesh).
@@ -567,6 +617,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
     boundary = _boundary_bytes(graph, layering)
     placed = _devices_of(cluster, [spec.submesh for spec in specs])
     stages = []
+    recomputed_flops = 0.0
     for spec, row, devices in zip(specs, rows, placed):
         total = (0.0,) * 5
         for j in range(spec.first, spec.last + 1):
@@ -596,7 +647,9 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
                 param_info[tensor] = {"placement": fmt(placement), "zero_axes": list(pc.strategy.zero_axes)}
         stage_ops = [op for j in range(spec.first, spec.last + 1) for op in layering.ops(j)]
         forward_flops = sum(graph.flops(op) for op in stage_ops)
-        executed = _training_flops(graph, stage_ops) + (forward_flops if options.recompute else 0.0)
+        rerun = _recomputed_flops(graph, layering.base[first:last + 1], spec.recompute)
+        executed = _training_flops(graph, stage_ops) + rerun
+        recomputed_flops += rerun
         forward = forward_flops / max(executed, 1e-300)
         latency = time_s + send
         tags = [stage_ops[0].layer, stage_ops[-1].layer]
@@ -604,7 +657,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
             layers=[spec.first, spec.last], graph_layers=tags, submesh=list(spec.submesh),
             logical_mesh=list(spec.shape), devices=devices, stage_time_s=latency, forward_s=latency * forward,
             send_time_s=send, sync_time_s=sync_s, memory_bytes=float(params + spec.inflight * acts + working),
-            inflight_microbatches=spec.inflight,
+            inflight_microbatches=spec.inflight, recompute=spec.recompute,
             breakdown={"compute_s": sum(row[b].sharding.breakdown.compute_s for b in range(first, last + 1)),
                        "comm_s": comm, "sync_s": sync,
                        "optimizer_s": sum(row[b].sharding.breakdown.optimizer_s for b in range(first, last + 1)),
@@ -616,7 +669,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
     latencies = [s.stage_time_s for s in stages]
     iteration = sum(latencies) + (count - 1) * max(latencies) + max(s.sync_time_s for s in stages)
     flops = _training_flops(graph)
-    executed = flops + (sum(graph.flops(op) for op in graph.ops) if options.recompute else 0.0)
+    executed = flops + recomputed_flops
     g_mb = intra.with_batch(graph, mb)
     tensors = {name: {"dims": list(t.dims), "shape": [g_mb.dims[d] for d in t.dims], "role": t.role}
                for name, t in g_mb.tensors.items()}
@@ -629,7 +682,8 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
                     "hardware_tflops_per_device": float(executed / iteration / cluster.num_devices / 1e12)},
         solver={"backend": options.backend, "status": ilp_stats["status"], "gap": ilp_stats["gap"],
                 "ilps": ilp_stats["ilps"], "ilp_time_s": ilp_stats["solve_time_s"], "time_s": elapsed,
-                "dp_rounds": ilp_stats.get("dp_rounds", 0), "microbatch_counts": ilp_stats.get("counts", [count])},
+                "dp_rounds": ilp_stats.get("dp_rounds", 0), "microbatch_counts": ilp_stats.get("counts", [count]),
+                "recompute_modes": {str(c): list(m) for c, m in ilp_stats.get("recompute_modes", {}).items()}},
         options={"microbatches": options.microbatches if isinstance(options.microbatches, (int, str))
                  else list(options.microbatches), "layers": options.layers,
                  "logical_shapes": options.logical_shapes if isinstance(options.logical_shapes, str)

@@ -27,6 +27,38 @@ from partopt.sharding import (
     R, Shard, reshard_collectives, shards, tensor_placements,
 )
 
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def recomputed_ops(graph: Graph, ops: Sequence[Op], mode: str) -> frozenset[str]:
+    """The ops of `ops` whose forward a recomputation `mode` reruns in backward.
+
+    none: nothing. full: every op (the stage keeps only what leaves it). selective: the
+    attention core of Korthikanti et al. (2022) — each softmax over the product of two
+    activations (the scores), that product, and the products of its output with another
+    activation (the context): large activations (quadratic in the sequence), few FLOPs.
+    """
+    if mode == "none":
+        return frozenset()
+    if mode == "full":
+        return frozenset(op.name for op in ops)
+    if mode != "selective":
+        raise ValueError(f"unknown recomputation mode {mode!r}")
+    inside = {op.name for op in ops}
+
+    def activation_product(op: Op) -> bool:
+        return op.kind == "einsum" and all(graph.tensors[t].role == "activation" for t in op.inputs)
+
+    core: set[str] = set()
+    for op in ops:
+        scores = graph.producers.get(op.inputs[0]) if op.kind == "softmax" else None
+        if scores is None or scores.name not in inside or not activation_product(scores):
+            continue
+        core.update((op.name, scores.name))
+        core.update(c.name for c in graph.consumers[op.output] if c.name in inside and activation_product(c))
+    return frozenset(core)
+
+
 def with_batch(graph: Graph, batch: int) -> Graph:
     """The same graph with its batch dim resized (a microbatch's view of the model).
 
@@ -86,8 +118,17 @@ class StageModel:
     flows: list[gradients.Flow] = field(default_factory=list)  # gradients into and out of sum nodes
     hubs: dict[int, int] = field(default_factory=dict)  # layout node -> the node making its tensor
     leaving: set[str] = field(default_factory=set)  # ops whose pending-sum output is completed on leaving
-    kept: set[str] = field(default_factory=set)  # ops whose output recomputation keeps (read outside)
-    recompute: bool = False
+    kept: set[str] = field(default_factory=set)  # recomputed ops whose output is kept (read by an op not recomputed)
+    recompute: frozenset[str] = frozenset()  # ops whose forward is rerun in backward (`recomputed_ops`)
+
+
+def _reruns(use: Use, ops: Sequence[Op], recompute: frozenset[str]) -> bool:
+    """Whether recomputation runs this use's forward resharding again: it feeds a recomputed op,
+    or leaves one for a layout node (a boundary or hub layout, not another op). Op nodes come first."""
+    def op_at(node: int) -> str | None:
+        return ops[node].name if node < len(ops) else None
+
+    return op_at(use.dst) in recompute or (op_at(use.dst) is None and op_at(use.src) in recompute)
 
 
 def _is_float(graph: Graph, tensor: str) -> bool:
@@ -186,7 +227,7 @@ def _leaving(graph: Graph, op: Op, strategy: Strategy, mesh: LogicalMesh) -> tup
 
 
 def _edge_cost(model_graph: Graph, use: Use, src_list: list, dst_list: list[Strategy],
-               mesh: LogicalMesh, microbatches: int, recompute: bool) -> np.ndarray:
+               mesh: LogicalMesh, microbatches: int, rerun: bool) -> np.ndarray:
     cache: dict[tuple, float] = {}
     matrix = np.zeros((len(src_list), len(dst_list)))
     for a, s in enumerate(src_list):
@@ -195,7 +236,7 @@ def _edge_cost(model_graph: Graph, use: Use, src_list: list, dst_list: list[Stra
             key = (skey, d.inputs[use.slot], d.axes)
             if key not in cache:
                 c = _use_collectives(model_graph, use, s, d, mesh)
-                again = c.recomputed(use.param) if recompute else []
+                again = c.recomputed(use.param) if rerun else []
                 cache[key] = (collectives_time(c.per_microbatch + again, mesh)
                               + collectives_time(c.per_iteration, mesh, bucketed=True) / microbatches)
             matrix[a, b] = cache[key]
@@ -287,13 +328,14 @@ def _add_layout_hubs(graph: Graph, mesh: LogicalMesh, costs: ilp.CostGraph, stra
 
 def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, microbatches: int = 1,
           inflight: int = 1, allow_zero: bool = True, data_parallel: bool = False,
-          restriction: Restriction | None = None, *, recompute: bool = False) -> StageModel:
+          restriction: Restriction | None = None, *, recompute: str = "none") -> StageModel:
     """The stage's cost graph; `graph` must already be at microbatch size (see `with_batch`).
 
     `data_parallel` restricts every op to splitting the batch dim and every parameter to copies;
-    `restriction` filters strategies further. With `recompute` the ops keep for backward only
-    the outputs read outside them, and rerun their forward (compute and forward collectives)
-    once during their backward, holding all their outputs once while they do.
+    `restriction` filters strategies further. `recompute` (a mode of `recomputed_ops`) picks ops
+    that keep for backward only the outputs read by ops not recomputed, and rerun their forward
+    (compute and forward collectives) once during their backward, holding all their outputs
+    once while they do.
     """
     restriction = restriction or Restriction()
     force_dim = graph.batch_dim if data_parallel else None
@@ -302,6 +344,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     strategies: list[list] = []
     node_of_op: dict[str, int] = {}
     inside = {op.name for op in ops}
+    rerun = recomputed_ops(graph, ops, recompute)
     boundary = _boundary_pairs(graph, ops, inside)
     leaving: set[str] = set()
     kept: set[str] = set()
@@ -310,15 +353,15 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
         readers = graph.consumers[op.output]
         if op.output not in boundary and not any(c.name in inside for c in readers):
             leaving.add(op.name)
-        if not readers or any(c.name not in inside for c in readers):
+        if op.name in rerun and (not readers or any(c.name not in rerun for c in readers)):
             kept.add(op.name)
         cost, memory = [], []
         for s in options:
             forward, backward = _leaving(graph, op, s, mesh) if op.name in leaving else ([], [])
             done = collectives_time(forward, mesh)  # recomputation reruns the forward part
             cost.append(s.compute_s + s.comm_s + done + collectives_time(backward, mesh)
-                        + ((s.forward_s + done) if recompute else 0.0))
-            if recompute:  # kept per microbatch in flight if it leaves, and once in the working set
+                        + ((s.forward_s + done) if op.name in rerun else 0.0))
+            if op.name in rerun:  # kept per microbatch in flight if read on, and once in the working set
                 memory.append(s.memory_bytes * ((inflight if op.name in kept else 0) + 1))
             else:
                 memory.append(s.memory_bytes * inflight)
@@ -381,13 +424,13 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     hubs = _add_layout_hubs(graph, mesh, costs, strategies, uses)
     for use in uses:
         costs.add_edge(use.src, use.dst, _edge_cost(graph, use, strategies[use.src], strategies[use.dst],
-                                                     mesh, microbatches, recompute))
+                                                     mesh, microbatches, _reruns(use, ops, rerun)))
     for flow in sums.flows:
         costs.add_edge(flow.src, flow.dst, np.array([[
             collectives_time(gradients.collectives(graph, flow, a, b, mesh), mesh) for b in strategies[flow.dst]]
             for a in strategies[flow.src]]))
     return StageModel(graph, mesh, ops, params, strategies, uses, costs, microbatches, inflight, sums.flows,
-                      hubs, leaving, kept, recompute)
+                      hubs, leaving, kept, rerun)
 
 
 # ---------------------------------------------------------------- decoding
@@ -489,7 +532,7 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
         c = _use_collectives(g, use, chosen[use.src], chosen[use.dst], mesh)
         pay(c.per_microbatch, breakdown.comm_s)
         pay(c.per_iteration, breakdown.sync_s, bucketed=True)
-        if model.recompute:
+        if _reruns(use, model.ops, model.recompute):
             breakdown.recompute_s += collectives_time(c.recomputed(use.param), mesh)
         if not use.param:
             outgoing[model.hubs.get(use.src, use.src)].extend(c.per_microbatch)
@@ -505,12 +548,12 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
             forward, backward = _leaving(g, op, s, mesh)
             outgoing[n].extend(forward + backward)
             pay(forward + backward, breakdown.comm_s)
-            if model.recompute:
+            if op.name in model.recompute:
                 breakdown.recompute_s += collectives_time(forward, mesh)
         breakdown.compute_s += s.compute_s
         for kind, t in s.comm.items():
             breakdown.comm_s[kind] += t
-        if model.recompute:
+        if op.name in model.recompute:
             breakdown.recompute_s += s.forward_s
             breakdown.working_bytes += s.memory_bytes
             breakdown.activation_bytes += s.memory_bytes if op.name in model.kept else 0.0
@@ -556,9 +599,9 @@ def shard_stage(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None
                 memory_budget: float | None = None, backend: str = "cpsat", time_limit_s: float = 60.0,
                 seed: int = 0, allow_zero: bool = True, data_parallel: bool = False,
                 restriction: Restriction | None = None, reduce_first: bool = True,
-                recompute: bool = False) -> StageSharding:
+                recompute: str = "none") -> StageSharding:
     """The optimal sharding of `ops` (default: the whole graph) on `mesh` for one microbatch;
-    `recompute` checkpoints the ops' outputs read outside them and reruns their forward in backward."""
+    `recompute` (none | selective | full, see `recomputed_ops`) reruns those ops' forward in backward."""
     g = with_batch(graph, microbatch) if microbatch is not None else graph
     if ops is not None and g is not graph:
         ops = [g.op_index[op.name] for op in ops]

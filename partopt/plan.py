@@ -31,6 +31,7 @@ class StagePlan:
     breakdown: dict[str, Any]  # compute_s, comm_s by kind, sync_s by kind, optimizer_s, param/activation bytes
     ops: dict[str, dict[str, Any]]  # op -> {"kind", "tensor", "axes", "inputs", "output", "explanation"}
     params: dict[str, dict[str, Any]]  # param -> {"placement", "zero_axes"}
+    recompute: str = "none"  # activation recomputation of its layers: none | selective | full
 
 
 @dataclass
@@ -64,7 +65,9 @@ def plan_from_dict(data: dict[str, Any], where: str = "plan") -> Plan:
         raise InstanceError(f"not a {FORMAT} v{VERSION} file (format {data.get('format')!r}, "
                             f"version {data.get('version')!r})", where, "write plans with `partopt solve -o`")
     try:
-        stages = [StagePlan(**s) for s in data["stages"]]
+        # plans written before per-stage modes carry one flag in their options: true meant full recomputation
+        default = "full" if data.get("options", {}).get("recompute") is True else "none"
+        stages = [StagePlan(**{"recompute": default, **s}) for s in data["stages"]]
         rest = {k: v for k, v in data.items() if k not in ("stages", "format", "version")}
         return Plan(stages=stages, **rest)
     except (TypeError, KeyError) as err:

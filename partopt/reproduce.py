@@ -189,7 +189,7 @@ RECOMPUTE_MODELS: tuple[str, ...] = MODELS
 
 def model_options(model: str) -> dict:
     """Planner keywords for the paper's setting of `model`: activation recomputation (Alpa's suites)."""
-    return {"recompute": True} if model in RECOMPUTE_MODELS else {}
+    return {"recompute": "full" if model in RECOMPUTE_MODELS else "none"}
 
 
 def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32, **options) -> Plan:

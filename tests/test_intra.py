@@ -284,7 +284,7 @@ def test_recompute_adds_the_forward_compute_and_forward_collectives_and_keeps_on
     megatron = {"fc0": (None, "h1"), "gelu": (None, "h1"), "fc1": (None, "h1")}
     pin = intra.Restriction(lambda op, s: s.axes == megatron[op.name])
     plain = intra.shard_stage(graph, mesh, restriction=pin)
-    again = intra.shard_stage(graph, mesh, restriction=pin, recompute=True)
+    again = intra.shard_stage(graph, mesh, restriction=pin, recompute="full")
     assert axes_of(intra.shard_stage(graph, mesh)) == megatron  # the free optimum, without recompute
     matmuls = 2 * matmul_time(b, h, 4)  # forward + backward
     gelu = 2 * b * h / 4 / PEAK  # 1 FLOP per element, forward + backward, split 4 ways
@@ -319,7 +319,7 @@ def test_recompute_makes_a_budget_feasible_that_is_not_without_it():
     budget = (without + with_recompute) / 2
     with pytest.raises(InfeasibleError):
         intra.shard_stage(graph, mesh, inflight=inflight, memory_budget=budget)
-    stage = intra.shard_stage(graph, mesh, inflight=inflight, memory_budget=budget, recompute=True)
+    stage = intra.shard_stage(graph, mesh, inflight=inflight, memory_budget=budget, recompute="full")
     bd = stage.breakdown
     assert stage.memory_bytes == pytest.approx(bd.param_bytes + inflight * bd.activation_bytes + bd.working_bytes)
     assert with_recompute <= stage.memory_bytes <= budget
