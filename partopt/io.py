@@ -9,11 +9,14 @@ one tensor or op per line, which keeps them small and diffable.
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from importlib import resources
 from os import PathLike
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import jsonschema
@@ -30,6 +33,8 @@ VERSION = 1
 FilePath = str | PathLike[str]
 _GRAPH_ROWS = ("tensors", "ops")  # graph fields written one entry per line
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MAX_DEPTH = 64  # JSON nesting an instance or plan file may use (the formats need 6)
+MAX_FILE_BYTES = 2**30  # larger files are refused before parsing (the largest corpus graph is ~2 MB)
 
 
 # ---------------------------------------------------------------- places
@@ -97,23 +102,66 @@ def _find_duplicate(node: Any, parts: list[str | int]) -> tuple[list[str | int],
     return None
 
 
+class _NonStandardConstant(ValueError):
+    """NaN or ±Infinity in a file: Python's parser accepts them, JSON does not."""
+
+
+def _refuse_constant(text: str) -> Any:
+    raise _NonStandardConstant(text)
+
+
+def _check_tree(data: Any) -> tuple[list[str | int], str, str] | None:
+    """The first place (path, cause, hint) nested deeper than MAX_DEPTH or holding a string that is
+    not valid Unicode (a lone surrogate such as "\\ud800" cannot be written back as UTF-8)."""
+    stack: list[tuple[Any, list[str | int]]] = [(data, [])]
+    while stack:
+        node, parts = stack.pop()
+        if len(parts) > MAX_DEPTH:
+            return parts[:MAX_DEPTH], f"nested deeper than {MAX_DEPTH} levels", "partopt's formats nest a few levels"
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, child in items:
+            for text, place in ((key, parts), (child, [*parts, key])):
+                if isinstance(text, str):
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return place, f"{text!r} is not valid Unicode (a lone surrogate escape)", \
+                            "use characters, or escape pairs such as \\ud83d\\ude00"
+            stack.append((child, [*parts, key]))
+    return None
+
+
 def load_json(path: FilePath) -> dict:
-    """Parse a JSON file into a dict; syntax errors and duplicate keys (a dim given two sizes,
-    a tensor declared twice) are InstanceErrors naming the line or the JSON path."""
+    """Parse a JSON file into a dict; syntax errors, duplicate keys (a dim given two sizes, a tensor
+    declared twice), NaN/Infinity, lone surrogates, deep nesting and huge files are InstanceErrors
+    naming the line or the JSON path."""
     name = str(path)
     try:
+        if os.path.getsize(path) > MAX_FILE_BYTES:
+            raise InstanceError(f"the file is larger than {MAX_FILE_BYTES // 2**20} MiB", name,
+                                "partopt reads instance and plan files of at most that size")
         with open(path, encoding="utf-8") as f:
-            data = json.load(f, object_pairs_hook=_object_without_duplicates)
+            data = json.load(f, object_pairs_hook=_object_without_duplicates, parse_constant=_refuse_constant)
     except FileNotFoundError:
         raise InstanceError("no such file", name, "check the path") from None
     except json.JSONDecodeError as err:
         raise InstanceError(f"invalid JSON: {err.msg}", f"{name}: line {err.lineno} column {err.colno}",
                             "fix the JSON syntax at that place") from None
+    except _NonStandardConstant as err:
+        raise InstanceError(f"{err} is not a JSON number", name, "write finite numbers") from None
+    except RecursionError:
+        raise InstanceError(f"nested deeper than {MAX_DEPTH} levels", name, "partopt's formats nest a few levels") from None
     except UnicodeDecodeError as err:
         raise InstanceError(f"not UTF-8 text ({err.reason} at byte {err.start})", name,
                             "instance files are UTF-8 JSON") from None
+    except IsADirectoryError:
+        raise InstanceError("is a directory, not a file", name, "give the path of a JSON file") from None
     except OSError as err:
         raise InstanceError(f"cannot read the file: {err.strerror}", name) from None
+    bad = _check_tree(data)
+    if bad:
+        parts, cause, hint = bad
+        raise InstanceError(cause, _at(name, json_path(parts)), hint)
     duplicate = _find_duplicate(data, [])
     if duplicate:
         parts, dup = duplicate
@@ -193,6 +241,14 @@ def _explain(error: ValidationError) -> tuple[list[str | int], str, str | None]:
         return parts, f"must be greater than {rule}, got {value!r}", hint
     if error.validator == "minimum":
         return parts, f"must be at least {rule}, got {value!r}", hint
+    if error.validator == "maximum":
+        return parts, f"must be at most {rule}, got {value!r}", hint
+    if error.validator == "exclusiveMaximum":
+        return parts, f"must be less than {rule}, got {value!r}", hint
+    if error.validator in ("minItems", "maxItems"):
+        return parts, f"has {len(value)} entries, expected {'at least' if error.validator == 'minItems' else 'at most'} {rule}", hint
+    if error.validator == "uniqueItems":
+        return parts, "names an entry twice", hint
     return parts, error.message, hint
 
 
@@ -301,14 +357,54 @@ def dumps(data: Mapping[str, Any], rows: tuple[str, ...] = ()) -> str:
     return "{\n" + "\n".join(lines) + "\n}\n"
 
 
-def write_json(data: Mapping[str, Any], path: FilePath, rows: tuple[str, ...] = ()) -> None:
-    """Write `data` in the layout of `dumps`; an unwritable path is an InstanceError."""
+def check_output(path: FilePath) -> None:
+    """Refuse, before any work, an output path whose directory is missing or not writable, or that is
+    a directory itself (so a long solve never ends in an unwritable path)."""
+    name = str(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise InstanceError("is a directory", name, "give a file name for the output")
+    if not os.path.isdir(directory):
+        raise InstanceError(f"the directory {directory} does not exist", name, "create it first or write elsewhere")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise InstanceError(f"the directory {directory} is not writable", name, "write elsewhere")
+
+
+def write_atomic(path: FilePath, write: Callable[[str], None]) -> None:
+    """Call `write(temporary path)` for a file in `path`'s directory, then rename it onto `path`, so a
+    failure or Ctrl-C never leaves a partial file; OSError becomes an InstanceError."""
+    check_output(path)
+    directory, base = os.path.split(os.path.abspath(path))
+    fd, temporary = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+    os.close(fd)
     try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(dumps(data, rows))
+        write(temporary)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(temporary, 0o666 & ~mask)  # mkstemp's 0600 would hide the file from others
+        os.replace(temporary, path)
     except OSError as err:
         raise InstanceError(f"cannot write the file: {err.strerror}", str(path),
                             "check that the directory exists and is writable") from None
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def write_text(text: str, path: FilePath) -> None:
+    """Write UTF-8 `text` to `path` atomically (see `write_atomic`); text that cannot be encoded (a lone
+    surrogate from a command-line name) is refused before anything is written."""
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InstanceError(f"the text holds {err.object[err.start:err.end]!r}, which is not valid Unicode", str(path),
+                            "use names made of characters") from None
+    write_atomic(path, lambda temporary: Path(temporary).write_bytes(data))
+
+
+def write_json(data: Mapping[str, Any], path: FilePath, rows: tuple[str, ...] = ()) -> None:
+    """Write `data` in the layout of `dumps`, atomically; an unwritable path is an InstanceError."""
+    write_text(dumps(data, rows), path)
 
 
 def read_graph(path: FilePath) -> Graph:
