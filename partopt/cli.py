@@ -262,7 +262,7 @@ def inspect(source: str, nodes: int | None, as_json: bool) -> None:
 
 @main.command()
 @click.argument("model")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Graph file to write.")
+@click.option("-o", "--output", required=True, type=click.Path(), help="Graph file to write.")
 @click.option("--name", help="Name of the graph (default: the named model, or one made from the sizes).")
 @click.option("--hidden", type=int, help="Hidden size h (gpt, llama, bert, moe, moe-layer).")
 @click.option("--layers", type=int, help="Transformer blocks (gpt, llama, bert, moe).")
@@ -340,7 +340,7 @@ def _render_plan(plan: Plan) -> list[Table]:
               help="Submesh shapes: (1, 2^k) and (n, M) for every n, or only powers of two (large clusters).")
 @click.option("--workers", type=click.IntRange(min=1), help="Processes for the ILPs (default: one per core).")
 @click.option("--recompute", is_flag=True, help="Recompute activations: each layer keeps only its output for backward.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the plan file here.")
+@click.option("-o", "--output", type=click.Path(), help="Write the plan file here.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the plan file to stdout.")
 def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches: str, layers: int, solver: str,
           time_limit: float, memory_reserve: float, search: str, logical_shapes: str, submeshes: str,
@@ -357,8 +357,9 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
     restrict = {"intra-only": {"intra_only": True}, "inter-only": {"inter_only": True},
                 "data-parallel-only": {"data_parallel_only": True},
                 "pp-dp": {"stage_data_parallel": True}}.get(search, {})
+    err = console(stderr=True)
     with Progress(TextColumn("pricing stage candidates"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console(stderr=True), transient=True) as bar:
+                  TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("price", total=None)
         plan = optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
                         microbatches=microbatches if microbatches == "auto" else [int(c) for c in counts],
@@ -405,7 +406,7 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
 @click.argument("graph_file", metavar="GRAPH")
 @click.option("--cluster", "cluster_source", required=True, help="Cluster file or preset name.")
 @click.option("--nodes", type=click.IntRange(min=1), help="Resize the cluster to this many nodes.")
-@click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="A plan file to price as written.")
+@click.option("--plan", "plan_file", type=click.Path(), help="A plan file to price as written.")
 @click.option("--tp", type=click.IntRange(min=1), help="Tensor-parallel degree of a Megatron-style plan.")
 @click.option("--pp", type=click.IntRange(min=1), help="Pipeline stages of a Megatron-style plan.")
 @click.option("--dp", type=click.IntRange(min=1), help="Data-parallel degree of a Megatron-style plan.")
@@ -415,7 +416,7 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
 @click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the priced plan file here.")
+@click.option("-o", "--output", type=click.Path(), help="Write the priced plan file here.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the priced plan file to stdout.")
 def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, plan_file: str | None,
                      tp: int | None, pp: int | None, dp: int | None, microbatches: int | None, zero: bool, recompute: bool,
@@ -485,7 +486,7 @@ def export_command(plan_file: str, target: str) -> None:
 
 @main.command("draw")
 @click.argument("plan_file", metavar="PLAN")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Image file: .svg or .png.")
+@click.option("-o", "--output", required=True, type=click.Path(), help="Image file: .svg or .png.")
 @click.option("--schedule", type=click.Choice(SCHEDULES), default="1f1b", show_default=True, help="Pipeline schedule.")
 def draw_command(plan_file: str, output: str, schedule: str) -> None:
     """Draw PLAN's pipeline schedule of one iteration and its memory per stage."""
