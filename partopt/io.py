@@ -148,12 +148,16 @@ def load_json(path: FilePath) -> dict:
         raise InstanceError(f"invalid JSON: {err.msg}", f"{name}: line {err.lineno} column {err.colno}",
                             "fix the JSON syntax at that place") from None
     except _NonStandardConstant as err:
-        raise InstanceError(f"{err} is not a JSON number", name, "write finite numbers") from None
+        raise InstanceError(f"{err} is not a JSON number", _at(name, "$"), "write finite numbers") from None
     except RecursionError:
-        raise InstanceError(f"nested deeper than {MAX_DEPTH} levels", name, "partopt's formats nest a few levels") from None
+        raise InstanceError(f"nested deeper than {MAX_DEPTH} levels", _at(name, "$"),
+                            "partopt's formats nest a few levels") from None
     except UnicodeDecodeError as err:
         raise InstanceError(f"not UTF-8 text ({err.reason} at byte {err.start})", name,
                             "instance files are UTF-8 JSON") from None
+    except ValueError as err:  # an integer of more than 4300 digits (Python's limit on int parsing)
+        raise InstanceError(f"a number is too long: {err}".split(";")[0], _at(name, "$"),
+                            "write numbers of sane size") from None
     except IsADirectoryError:
         raise InstanceError("is a directory, not a file", name, "give the path of a JSON file") from None
     except OSError as err:
@@ -218,6 +222,12 @@ def _validator(schema_name: str) -> jsonschema.protocols.Validator:
     return _Validator(_inline_refs(schema, schema.get("$defs", {})))
 
 
+def _short(value: Any, limit: int = 40) -> str:
+    """`repr(value)`, cut to `limit` characters (a 400-digit number stays one readable line)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def _explain(error: ValidationError) -> tuple[list[str | int], str, str | None]:
     """Path, one-line cause and hint for a schema violation (jsonschema's own wording is long)."""
     parts = list(error.absolute_path)
@@ -238,13 +248,13 @@ def _explain(error: ValidationError) -> tuple[list[str | int], str, str | None]:
     if error.validator == "type":
         return parts, f"expected {'/'.join(rule) if isinstance(rule, list) else rule}, got {_json_type(value)}", hint
     if error.validator == "exclusiveMinimum":
-        return parts, f"must be greater than {rule}, got {value!r}", hint
+        return parts, f"must be greater than {rule}, got {_short(value)}", hint
     if error.validator == "minimum":
-        return parts, f"must be at least {rule}, got {value!r}", hint
+        return parts, f"must be at least {rule}, got {_short(value)}", hint
     if error.validator == "maximum":
-        return parts, f"must be at most {rule}, got {value!r}", hint
+        return parts, f"must be at most {rule}, got {_short(value)}", hint
     if error.validator == "exclusiveMaximum":
-        return parts, f"must be less than {rule}, got {value!r}", hint
+        return parts, f"must be less than {rule}, got {_short(value)}", hint
     if error.validator in ("minItems", "maxItems"):
         return parts, f"has {len(value)} entries, expected {'at least' if error.validator == 'minItems' else 'at most'} {rule}", hint
     if error.validator == "uniqueItems":
@@ -440,7 +450,7 @@ def read(path: FilePath) -> Graph | Cluster:
     if "format" not in data:
         raise InstanceError("missing required field 'format'", _at(name, "$"),
                             f"set \"format\" to one of: {', '.join(_READERS)}")
-    reader = _READERS.get(data["format"])
+    reader = _READERS.get(data["format"]) if isinstance(data["format"], str) else None
     if reader is None:
         raise InstanceError(f"unknown format {data['format']!r}", _at(name, "$.format"),
                             f"use one of: {', '.join(_READERS)}")

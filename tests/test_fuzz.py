@@ -109,7 +109,7 @@ def mutated(draw, data: dict) -> dict:
         action = draw(st.sampled_from(["replace", "scale", "drop", "rename", "add", "duplicate"]))
         value = parent[key]
         if action == "replace":
-            parent[key] = draw(JUNK)
+            parent[key] = copy.deepcopy(draw(JUNK))  # JUNK's objects are shared between examples
         elif action == "scale" and isinstance(value, (int, float)) and not isinstance(value, bool):
             factor = draw(st.sampled_from([-1, 0, 2, 1e-300, 1e300, 10**18]))
             parent[key] = value * factor if isinstance(factor, int) else float(value) * factor
@@ -118,7 +118,7 @@ def mutated(draw, data: dict) -> dict:
         elif action == "rename" and isinstance(parent, dict):
             parent[draw(st.sampled_from(["unknown", "\ud800", key + "x", ""]))] = parent.pop(key)
         elif action == "add" and isinstance(parent, dict):
-            parent[draw(st.sampled_from(["extra", "name", "format"]))] = draw(JUNK)
+            parent[draw(st.sampled_from(["extra", "name", "format"]))] = copy.deepcopy(draw(JUNK))
         elif action == "duplicate" and isinstance(parent, list):
             parent.insert(key, copy.deepcopy(value))
     return data
