@@ -52,7 +52,7 @@ def json_path(parts: Iterable[str | int]) -> str:
     return text
 
 
-def _at(where: str, place: str) -> str:
+def at(where: str, place: str) -> str:
     """`place` inside the file (or object) named `where`."""
     return f"{where}: {place}" if where else place
 
@@ -148,15 +148,15 @@ def load_json(path: FilePath) -> dict:
         raise InstanceError(f"invalid JSON: {err.msg}", f"{name}: line {err.lineno} column {err.colno}",
                             "fix the JSON syntax at that place") from None
     except _NonStandardConstant as err:
-        raise InstanceError(f"{err} is not a JSON number", _at(name, "$"), "write finite numbers") from None
+        raise InstanceError(f"{err} is not a JSON number", at(name, "$"), "write finite numbers") from None
     except RecursionError:
-        raise InstanceError(f"nested deeper than {MAX_DEPTH} levels", _at(name, "$"),
+        raise InstanceError(f"nested deeper than {MAX_DEPTH} levels", at(name, "$"),
                             "partopt's formats nest a few levels") from None
     except UnicodeDecodeError as err:
         raise InstanceError(f"not UTF-8 text ({err.reason} at byte {err.start})", name,
                             "instance files are UTF-8 JSON") from None
     except ValueError as err:  # an integer of more than 4300 digits (Python's limit on int parsing)
-        raise InstanceError(f"a number is too long: {err}".split(";")[0], _at(name, "$"),
+        raise InstanceError(f"a number is too long: {err}".split(";")[0], at(name, "$"),
                             "write numbers of sane size") from None
     except IsADirectoryError:
         raise InstanceError("is a directory, not a file", name, "give the path of a JSON file") from None
@@ -165,15 +165,15 @@ def load_json(path: FilePath) -> dict:
     bad = _check_tree(data)
     if bad:
         parts, cause, hint = bad
-        raise InstanceError(cause, _at(name, json_path(parts)), hint)
+        raise InstanceError(cause, at(name, json_path(parts)), hint)
     duplicate = _find_duplicate(data, [])
     if duplicate:
         parts, dup = duplicate
         raise InstanceError(
             f"key {dup.key!r} appears twice (values {json.dumps(dup.first)} and {json.dumps(dup.second)})",
-            _at(name, json_path(parts)), "name each key once: a dim has one size, a tensor one declaration")
+            at(name, json_path(parts)), "name each key once: a dim has one size, a tensor one declaration")
     if not isinstance(data, dict):
-        raise InstanceError(f"the file holds a JSON {_json_type(data)}, not an object", _at(name, "$"),
+        raise InstanceError(f"the file holds a JSON {_json_type(data)}, not an object", at(name, "$"),
                             "an instance file is one JSON object with a \"format\" field")
     return data
 
@@ -266,7 +266,7 @@ def _expect_format(data: Any, expected: str, where: str) -> None:
     """A file of another known kind (a cluster read as a graph) is named as such, before the
     schema would report its foreign fields one by one."""
     if isinstance(data, Mapping) and data.get("format", expected) != expected:
-        raise InstanceError(f"expected {expected!r}, got {data['format']!r}", _at(where, "$.format"),
+        raise InstanceError(f"expected {expected!r}, got {data['format']!r}", at(where, "$.format"),
                             f"this reader takes {expected} files; `partopt.io.read` takes any kind")
 
 
@@ -277,7 +277,7 @@ def validate_against_schema(data: Any, schema_name: str, where: str = "") -> Non
     if error is None:
         return
     parts, cause, hint = _explain(error)
-    raise InstanceError(cause, _at(where, _named_place(data, parts)), hint)
+    raise InstanceError(cause, at(where, _named_place(data, parts)), hint)
 
 
 # ---------------------------------------------------------------- graphs
@@ -330,7 +330,7 @@ def graph_from_dict(data: Any, where: str = "") -> Graph:
         return Graph(data["name"], data["dims"], tensors, ops,
                      **{k: data[k] for k in ("batch_dim", "dtype", "optimizer") if k in data})
     except InstanceError as err:
-        raise InstanceError(err.cause, _at(where, f"$.{err.where}" if err.where else "$"), err.hint) from None
+        raise InstanceError(err.cause, at(where, f"$.{err.where}" if err.where else "$"), err.hint) from None
 
 
 # ---------------------------------------------------------------- clusters
@@ -448,10 +448,10 @@ def read(path: FilePath) -> Graph | Cluster:
     data = load_json(path)
     name = str(path)
     if "format" not in data:
-        raise InstanceError("missing required field 'format'", _at(name, "$"),
+        raise InstanceError("missing required field 'format'", at(name, "$"),
                             f"set \"format\" to one of: {', '.join(_READERS)}")
     reader = _READERS.get(data["format"]) if isinstance(data["format"], str) else None
     if reader is None:
-        raise InstanceError(f"unknown format {data['format']!r}", _at(name, "$.format"),
+        raise InstanceError(f"unknown format {data['format']!r}", at(name, "$.format"),
                             f"use one of: {', '.join(_READERS)}")
     return reader(data, name)

@@ -17,6 +17,7 @@ import math
 from typing import Any
 
 from partopt import intra
+from partopt.io import at
 from partopt.cluster import Cluster
 from partopt.errors import InstanceError
 from partopt.export import parse_placement
@@ -29,10 +30,6 @@ TOLERANCE = 1e-6  # relative: stored figures are sums of the same floats in the 
 YEAR_S = 365.25 * 24 * 3600
 MESH_AXES = 2
 _REDO = "re-solve the plan with `partopt solve -o`, or fix the field"
-
-
-def _at(where: str, path: str) -> str:
-    return f"{where}: {path}"
 
 
 def close(a: float, b: float, tolerance: float = TOLERANCE) -> bool:
@@ -48,7 +45,7 @@ def _check_layers(plan: Plan, where: str) -> None:
         first, last = stage.layers
         if first != expected or last < first:
             raise InstanceError(f"stage {i} covers DP layers [{first}, {last}] but the next uncovered layer is {expected}",
-                                _at(where, f"$.stages[{i}].layers"), "stages cover the DP layers 0, 1, … once, in order")
+                                at(where, f"$.stages[{i}].layers"), "stages cover the DP layers 0, 1, … once, in order")
         expected = last + 1
 
 
@@ -62,28 +59,28 @@ def _check_devices(plan: Plan, where: str) -> None:
         n, k = stage.submesh
         if n > n_nodes or k > m or (n > 1 and k != m):
             raise InstanceError(f"submesh {stage.submesh} is not a submesh of the plan's {n_nodes} × {m} cluster",
-                                _at(where, f"{place}.submesh"), f"use [1, k] with k ≤ {m}, or [n, {m}] with n ≤ {n_nodes}")
+                                at(where, f"{place}.submesh"), f"use [1, k] with k ≤ {m}, or [n, {m}] with n ≤ {n_nodes}")
         a, b = stage.logical_mesh
         if a * b != n * k:
             raise InstanceError(f"logical mesh {stage.logical_mesh} has {a * b} devices, its submesh {stage.submesh} "
-                                f"has {n * k}", _at(where, f"{place}.logical_mesh"), "make a × b equal the submesh's devices")
+                                f"has {n * k}", at(where, f"{place}.logical_mesh"), "make a × b equal the submesh's devices")
         if len(stage.devices) != n * k:
             raise InstanceError(f"{len(stage.devices)} devices for submesh {stage.submesh} of {n * k}",
-                                _at(where, f"{place}.devices"), "list one device id per device of the submesh")
+                                at(where, f"{place}.devices"), "list one device id per device of the submesh")
         for j, d in enumerate(stage.devices):
             if d >= n_nodes * m:
                 raise InstanceError(f"device {d} does not exist in the plan's {n_nodes} × {m} cluster "
-                                    f"(ids 0–{n_nodes * m - 1})", _at(where, f"{place}.devices[{j}]"), _REDO)
+                                    f"(ids 0–{n_nodes * m - 1})", at(where, f"{place}.devices[{j}]"), _REDO)
             if d in owner:
-                raise InstanceError(f"device {d} is also used by stage {owner[d]}", _at(where, f"{place}.devices[{j}]"),
+                raise InstanceError(f"device {d} is also used by stage {owner[d]}", at(where, f"{place}.devices[{j}]"),
                                     "give every stage its own devices")
             owner[d] = i
         nodes = sorted({d // m for d in stage.devices})
         if len(nodes) != n:
             raise InstanceError(f"devices {stage.devices} span {len(nodes)} nodes, submesh {stage.submesh} spans {n}",
-                                _at(where, f"{place}.devices"), f"a [1, k] submesh lies in one node; [n, {m}] takes whole nodes")
+                                at(where, f"{place}.devices"), f"a [1, k] submesh lies in one node; [n, {m}] takes whole nodes")
     if len(owner) != n_nodes * m:
-        raise InstanceError(f"the stages use {len(owner)} of the cluster's {n_nodes * m} devices", _at(where, "$.stages"),
+        raise InstanceError(f"the stages use {len(owner)} of the cluster's {n_nodes * m} devices", at(where, "$.stages"),
                             "a plan's submeshes tile the whole cluster")
 
 
@@ -154,39 +151,39 @@ def check_plan(plan: Plan, where: str = "plan", figures: bool = True) -> None:
                 size = t["shape"][t["dims"].index(plan.batch_dim)]
                 if size != plan.microbatch_size:
                     raise InstanceError(f"tensor {name!r} holds {size} samples per microbatch, microbatch_size is "
-                                        f"{plan.microbatch_size}", _at(where, f"$.tensors[{name!r}].shape"), _REDO)
+                                        f"{plan.microbatch_size}", at(where, f"$.tensors[{name!r}].shape"), _REDO)
     for i, stage in enumerate(plan.stages):
-        _check_strategies(plan, stage, _at(where, f"$.stages[{i}]"))
+        _check_strategies(plan, stage, at(where, f"$.stages[{i}]"))
     for path, stored, derived in mismatches(plan) if figures else ():
         raise InstanceError(f"{path.rsplit('.', 1)[-1]} is {stored!r} but the plan's other figures give {derived!r}",
-                            _at(where, path), _REDO)
+                            at(where, path), _REDO)
 
 
 # ---------------------------------------------------------------- the plan against its graph and cluster
 
 def _check_target(plan: Plan, graph: Graph, cluster: Cluster, where: str) -> None:
     if plan.graph != graph.name:
-        raise InstanceError(f"the plan was made for graph {plan.graph!r}, not {graph.name!r}", _at(where, "$.graph"),
+        raise InstanceError(f"the plan was made for graph {plan.graph!r}, not {graph.name!r}", at(where, "$.graph"),
                             "give the graph the plan was made for")
     if (plan.cluster, plan.nodes, plan.devices_per_node) != (cluster.name, cluster.nodes, cluster.devices_per_node):
         raise InstanceError(f"the plan was made for {plan.cluster!r} with {plan.nodes} × {plan.devices_per_node} devices, "
                             f"not {cluster.name!r} with {cluster.nodes} × {cluster.devices_per_node}",
-                            _at(where, "$.cluster"),
+                            at(where, "$.cluster"),
                             f"give --cluster {plan.cluster} --nodes {plan.nodes}, or re-solve for this cluster")
     if plan.batch_dim != graph.batch_dim or graph.batch_dim is None:
         raise InstanceError(f"the plan splits batch dim {plan.batch_dim!r}, the graph's is {graph.batch_dim!r}",
-                            _at(where, "$.batch_dim"), "re-solve the plan for this graph")
+                            at(where, "$.batch_dim"), "re-solve the plan for this graph")
     batch = graph.dims[graph.batch_dim]
     if plan.num_microbatches * plan.microbatch_size != batch:
         raise InstanceError(f"{plan.num_microbatches} microbatches of {plan.microbatch_size} samples are not the graph's "
-                            f"batch of {batch}", _at(where, "$.num_microbatches"),
+                            f"batch of {batch}", at(where, "$.num_microbatches"),
                             "make num_microbatches × microbatch_size equal the batch")
 
 
 def _check_tensors(plan: Plan, g_mb: Graph, where: str) -> None:
     for name, t in (plan.tensors or {}).items():
         tensor = g_mb.tensors.get(name)
-        place = _at(where, f"$.tensors[{name!r}]")
+        place = at(where, f"$.tensors[{name!r}]")
         if tensor is None:
             raise InstanceError(f"tensor {name!r} is not in the graph", place, _REDO)
         expected = {"dims": list(tensor.dims), "shape": [g_mb.dims[d] for d in tensor.dims], "role": tensor.role}
@@ -202,7 +199,7 @@ def check_against(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan
     last = plan.stages[-1].layers[1]
     if last != len(layering.groups) - 1:
         raise InstanceError(f"the stages cover DP layers 0–{last}, the graph has {len(layering.groups)} "
-                            f"(with layers = {plan.options.get('layers')})", _at(where, "$.stages"),
+                            f"(with layers = {plan.options.get('layers')})", at(where, "$.stages"),
                             f"cover DP layers 0–{len(layering.groups) - 1}")
     g_mb = intra.with_batch(graph, plan.microbatch_size)
     _check_tensors(plan, g_mb, where)
@@ -211,7 +208,7 @@ def check_against(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan
         mesh = cluster.logical_mesh(tuple(stage.submesh), tuple(stage.logical_mesh))
         ops = {op.name: op for j in range(stage.layers[0], stage.layers[1] + 1) for op in layering.ops(j)}
         for name, info in stage.ops.items():
-            here = _at(where, f"{place}.ops[{name!r}]")
+            here = at(where, f"{place}.ops[{name!r}]")
             if name not in ops:
                 raise InstanceError(f"op {name!r} is {'not in the graph' if name not in graph.op_index else 'not in this stage'}"
                                     f" (layers {stage.layers[0]}–{stage.layers[1]})", here,
@@ -231,7 +228,7 @@ def check_against(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan
                 raise InstanceError(f"op {name}'s placements {recorded} do not follow from its axes {info['axes']}",
                                     here, _REDO)
         for name, info in stage.params.items():
-            here = _at(where, f"{place}.params[{name!r}]")
+            here = at(where, f"{place}.params[{name!r}]")
             tensor = g_mb.tensors.get(name)
             if tensor is None or tensor.role != "param":
                 raise InstanceError(f"{name!r} is not a parameter of the graph", here, _REDO)
