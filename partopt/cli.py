@@ -34,7 +34,7 @@ from partopt.solvers import BACKENDS
 from partopt.units import fmt_bytes, fmt_seconds
 
 EXIT_USER_ERROR = 2  # bad input: a file, a preset name or an impossible request
-EXIT_INCONSISTENT = 1  # `check`: a plan whose figures do not re-derive
+EXIT_INCONSISTENT = 1  # `check` and `solve`'s self-check: a plan whose figures do not re-derive
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT (128 + 2)
 PIPE_WIDTH = 1000  # columns of tables written to a pipe or file: wide enough that no cell is cut
 PEAK_DTYPES_SHOWN = ("fp16", "fp32")

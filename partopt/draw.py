@@ -23,8 +23,8 @@ from partopt.costmodel import DEFAULT_MEMORY_RESERVE, memory_budget
 from partopt.errors import InstanceError
 from partopt.plan import Plan
 from partopt.simulate import Simulation, StageTimes, simulate
-from partopt.validate import check_plan
 from partopt.units import fmt_bytes, fmt_seconds
+from partopt.validate import check_plan
 
 FORMATS: tuple[str, ...] = (".svg", ".png")
 GIB = 2.0**30

@@ -12,10 +12,11 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from partopt import io
-from partopt.cluster import preset
+from partopt.cluster import Cluster, preset
+from partopt.graph import Graph
 from partopt.inter import optimize
 from partopt.models import gpt
-from partopt.plan import write_plan
+from partopt.plan import Plan, write_plan
 
 settings.register_profile("ci", max_examples=25, deadline=timedelta(seconds=5), derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -25,12 +26,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 @dataclasses.dataclass(frozen=True)
 class Solved:
-    """A tiny graph, a 1 × 4 cluster and the plan partopt solved for them (two stages of (1, 2)), with
-    their files written in `directory`."""
+    """A tiny graph, a 1 × 4 cluster and the plan partopt solved for them (two stages of (1, 2)), and
+    the files they are written to."""
 
-    graph: object
-    cluster: object
-    plan: object
+    graph: Graph
+    cluster: Cluster
+    plan: Plan
     graph_file: str
     cluster_file: str
     plan_file: str
