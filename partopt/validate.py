@@ -253,10 +253,11 @@ def read_checked(path: str, graph: Graph | None = None, cluster: Cluster | None 
 # ---------------------------------------------------------------- absurd magnitudes
 
 def cluster_warnings(cluster: Cluster) -> list[str]:
-    """Valid but absurd cluster figures: links slower than 1 byte/s."""
-    return [f"cluster {cluster.name!r}: the {name} link moves {link.bandwidth:.3g} bytes/s, below 1 byte/s"
-            for name, link in (("intra-node", cluster.intra_node), ("inter-node", cluster.inter_node))
-            if link.bandwidth < 1]
+    """Valid but absurd cluster figures: links or device memory slower than 1 byte/s."""
+    rates = (("intra-node link", cluster.intra_node.bandwidth), ("inter-node link", cluster.inter_node.bandwidth),
+             ("device memory", cluster.device.memory_bandwidth))
+    return [f"cluster {cluster.name!r}: the {name} moves {rate:.3g} bytes/s, below 1 byte/s"
+            for name, rate in rates if rate < 1]
 
 
 def plan_warnings(plan: Plan) -> list[str]:

@@ -162,6 +162,7 @@ def test_mutated_plans_are_accepted_or_refused_in_one_line(tiny, scratch, data):
     command = data.draw(st.sampled_from([
         ["explain", path], ["export", path, "--to", "jax"], ["export", path, "--to", "megatron"],
         ["evaluate", tiny.graph_file, "--cluster", tiny.cluster_file, "--plan", path],
-        ["check", path, "--graph", tiny.graph_file, "--cluster", tiny.cluster_file]]))
+        ["check", path, "--graph", tiny.graph_file, "--cluster", tiny.cluster_file],
+        ["draw", path, "-o", scratch / "plan.svg"]]))
     # check reports figures that do not re-derive with exit 1; export may find a plan Megatron cannot express (2)
     assert_accepted_or_one_line(run(*command), (0, 1, 2) if command[0] == "check" else (0, 2))

@@ -121,6 +121,15 @@ def test_stored_numbers_that_are_not_finite_negative_or_inconsistent_are_refused
         one_error_line(run(*command), "$.iteration_time_s: iteration_time_s is")
 
 
+def test_a_plan_without_time_is_refused_not_a_division_by_zero(tiny, tmp_path):
+    def timeless(d):  # consistent (0 = 0 + 0), but explain's shares divide by the iteration time
+        d["iteration_time_s"] = 0
+        for s in d["stages"]:
+            s.update(stage_time_s=0, forward_s=0, send_time_s=0, sync_time_s=0)
+    path = mutated(tiny, tmp_path, timeless)
+    one_error_line(run("explain", path), "$.iteration_time_s: must be greater than 0, got 0")
+
+
 def test_microbatch_counts_that_would_blow_up_draw_are_refused(tiny, tmp_path):
     huge = mutated(tiny, tmp_path, lambda d: d.__setitem__("num_microbatches", 10**18))
     one_error_line(run("draw", huge, "-o", tmp_path / "x.svg"), "$.num_microbatches: must be at most 1048576")
@@ -217,15 +226,23 @@ def test_a_lone_surrogate_is_refused_before_anything_is_written(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("value", ["1e300", "Infinity", "1" + "0" * 400])
-def test_absurd_cluster_memory_is_refused_not_an_overflow(tmp_path, value):
-    text = (ROOT / "instances" / "clusters").glob("*.json").__next__().read_text()
-    data = json.loads(text)
-    data["device"]["memory_gib"] = 1
+def test_a_name_that_cannot_be_written_is_refused_before_writing(tmp_path):
+    out = tmp_path / "g.json"
+    result = run("generate", "gpt", "--hidden", "64", "--layers", "1", "--heads", "4", "--seq", "8", "--vocab", "32",
+                 "--batch", "4", "--name", "g\udcff", "-o", out)
+    one_error_line(result, str(out), "is not valid Unicode")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("value,fragment", [("1e300", "$.device.memory_gib: must be at most 1000000000.0, got 1e+300"),
+                                            ("Infinity", "$: Infinity is not a JSON number"),
+                                            ("1" + "0" * 400, "$.device.memory_gib: must be at most 1000000000.0, got 1000")])
+def test_absurd_cluster_memory_is_refused_not_an_overflow(tiny, tmp_path, value, fragment):
+    data = json.loads(Path(tiny.cluster_file).read_text())
+    data["device"]["memory_gib"] = 12345
     bad = tmp_path / "cluster.json"
-    bad.write_text(json.dumps(data).replace('"memory_gib": 1', f'"memory_gib": {value}'))
-    result = run("solve", MLP, "--cluster", bad)
-    one_error_line(result, str(bad))
+    bad.write_text(json.dumps(data).replace('"memory_gib": 12345', f'"memory_gib": {value}'))
+    one_error_line(run("solve", MLP, "--cluster", bad), str(bad), fragment)
 
 
 def test_an_output_directory_is_checked_before_the_solve(tmp_path, monkeypatch):
@@ -282,6 +299,9 @@ def test_absurd_magnitudes_are_warnings(tiny, tmp_path):
     slow.write_text(json.dumps(data))
     result = run("inspect", slow)
     assert result.exit_code == 0 and "warning: cluster 'four-v100': the inter-node link moves 0.001 bytes/s" in result.stderr
+    data["device"]["memory_bandwidth_gbps"] = 1e-10
+    slow.write_text(json.dumps(data))
+    assert "warning: cluster 'four-v100': the device memory moves 0.1 bytes/s" in run("inspect", slow).stderr
 
     def centuries(d):  # every time × 1e12: still consistent, but an iteration of ~years
         d["iteration_time_s"] *= 1e12
