@@ -130,6 +130,13 @@ def test_a_plan_without_time_is_refused_not_a_division_by_zero(tiny, tmp_path):
     one_error_line(run("explain", path), "$.iteration_time_s: must be greater than 0, got 0")
 
 
+def test_what_explain_reads_must_be_there_and_of_its_type(tiny, tmp_path):  # found by the fuzz suite
+    no_line = mutated(tiny, tmp_path, lambda d: d["stages"][0]["ops"][first_op(d)].pop("explanation"))
+    one_error_line(run("explain", no_line), f"missing required field 'explanation'")
+    scalar = mutated(tiny, tmp_path, lambda d: d["stages"][0]["breakdown"].__setitem__("comm_s", 1.0))
+    one_error_line(run("explain", scalar), "$.stages[0].breakdown.comm_s: expected object, got number")
+
+
 def test_microbatch_counts_that_would_blow_up_draw_are_refused(tiny, tmp_path):
     huge = mutated(tiny, tmp_path, lambda d: d.__setitem__("num_microbatches", 10**18))
     one_error_line(run("draw", huge, "-o", tmp_path / "x.svg"), "$.num_microbatches: must be at most 1048576")
