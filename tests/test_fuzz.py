@@ -95,10 +95,19 @@ def places(node: Any, prefix: tuple = ()) -> list[tuple]:
     return found
 
 
+def _strings(node: Any) -> list[str]:
+    """Every string value in `node`."""
+    if isinstance(node, str):
+        return [node]
+    children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+    return [s for child in children for s in _strings(child)]
+
+
 @st.composite
 def mutated(draw, data: dict) -> dict:
-    """`data` with one to three random changes: a value replaced, scaled to an extreme, retyped, a key dropped,
-    renamed or added, a list entry duplicated or dropped."""
+    """`data` with one to three random changes: a value replaced, scaled to an extreme, retyped, an integer
+    moved by one, a name swapped for another of the file, a key dropped, renamed or added, a list entry
+    duplicated or dropped."""
     data = copy.deepcopy(data)
     for _ in range(draw(st.integers(1, 3))):
         path = draw(st.sampled_from(places(data)[1:]))
@@ -106,13 +115,18 @@ def mutated(draw, data: dict) -> dict:
         for key in path[:-1]:
             parent = parent[key]
         key = path[-1]
-        action = draw(st.sampled_from(["replace", "scale", "drop", "rename", "add", "duplicate"]))
+        action = draw(st.sampled_from(["replace", "scale", "nudge", "swap", "drop", "rename", "add", "duplicate"]))
         value = parent[key]
         if action == "replace":
             parent[key] = copy.deepcopy(draw(JUNK))  # JUNK's objects are shared between examples
         elif action == "scale" and isinstance(value, (int, float)) and not isinstance(value, bool):
             factor = draw(st.sampled_from([-1, 0, 2, 1e-300, 1e300, 10**18]))
             parent[key] = value * factor if isinstance(factor, int) else float(value) * factor
+        elif action == "nudge" and isinstance(value, int) and not isinstance(value, bool):  # stays schema-valid often
+            parent[key] = value + draw(st.sampled_from([-1, 1]))
+        elif action == "swap" and isinstance(value, str):  # another name of the same file: a dim, op or tensor
+            strings = sorted({v for v in _strings(data) if len(v) < 40})
+            parent[key] = draw(st.sampled_from(strings))
         elif action == "drop":
             del parent[key]
         elif action == "rename" and isinstance(parent, dict):
