@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +52,17 @@ class PartoptGroup(click.Group):
             click.echo(f"error: {err.line()}", err=True)
             ctx.exit(EXIT_USER_ERROR)
         except KeyboardInterrupt:
+            _end_workers()
             click.echo("error: interrupted (Ctrl-C); nothing was written", err=True)
             ctx.exit(EXIT_INTERRUPTED)
+
+
+def _end_workers() -> None:
+    """After Ctrl-C: end the ILP worker processes now, not after their running solves, and keep the process
+    pool's bookkeeping thread quiet (on Python 3.11 it raises InvalidStateError for the jobs Ctrl-C cancelled)."""
+    threading.excepthook = lambda args: None
+    for child in multiprocessing.active_children():
+        child.terminate()
 
 
 @click.group(cls=PartoptGroup)

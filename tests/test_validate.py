@@ -252,11 +252,15 @@ def test_absurd_cluster_memory_is_refused_not_an_overflow(tiny, tmp_path, value,
     one_error_line(run("solve", MLP, "--cluster", bad), str(bad), fragment)
 
 
-def test_an_output_directory_is_checked_before_the_solve(tmp_path, monkeypatch):
+def test_an_output_directory_is_checked_before_the_work(tiny, tmp_path, monkeypatch):
     import partopt.cli
     monkeypatch.setattr(partopt.cli, "optimize", lambda *a, **k: pytest.fail("solved before checking the output"))
-    for command in (["solve", MLP, "--cluster", "p3.16xlarge", "-o"], ["generate", "gpt-350m", "-o"]):
-        one_error_line(run(*command, tmp_path / "missing" / "dir" / "plan.json"), "does not exist")
+    monkeypatch.setattr(partopt.cli.evaluate, "evaluate", lambda *a, **k: pytest.fail("priced before checking"))
+    monkeypatch.setattr(partopt.cli, "draw", lambda *a, **k: pytest.fail("drawn before checking the output"))
+    for command in (["solve", MLP, "--cluster", "p3.16xlarge", "-o"], ["generate", "gpt-350m", "-o"],
+                    ["evaluate", tiny.graph_file, "--cluster", tiny.cluster_file, "--plan", tiny.plan_file, "-o"],
+                    ["draw", tiny.plan_file, "-o"]):
+        one_error_line(run(*command, tmp_path / "missing" / "dir" / "out.svg"), "does not exist")
     one_error_line(run("solve", MLP, "--cluster", "p3.16xlarge", "-o", tmp_path), "is a directory")
     assert os.listdir(tmp_path) == []
 
@@ -327,3 +331,48 @@ def test_library_errors_carry_the_json_path(tiny):
     broken["stages"][1]["devices"] = [0, 1]
     with pytest.raises(InstanceError, match=r"^p.json: \$.stages\[1\].devices\[0\]: device 0 is also used by stage 0"):
         validate.check_plan(plan_from_dict(broken, "p.json"), "p.json")
+
+
+def _group(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (from /proc; zombies excluded)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process groups from /proc")
+def test_ctrl_c_during_a_parallel_solve_ends_every_worker(tmp_path):
+    """A real SIGINT to the whole process group (what a terminal's Ctrl-C sends) once the ILP workers run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "plan.json"
+    command = [sys.executable, "-c", "from partopt.cli import main; main()", "solve",
+               str(ROOT / "instances" / "gpt-6.7b.json"), "--cluster", "p3.16xlarge", "--nodes", "8", "--workers", "2",
+               "-o", str(out)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while len(_group(process.pid)) < 3 and time.monotonic() < deadline:  # the solve and two workers
+            time.sleep(0.2)
+        assert len(_group(process.pid)) >= 3, "the worker processes never started"
+        time.sleep(5)  # past the workers' start-up (a Ctrl-C while Python imports is Python's own traceback)
+        os.killpg(process.pid, signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130
+    assert stderr.splitlines() == ["error: interrupted (Ctrl-C); nothing was written"], stderr
+    time.sleep(1)
+    assert _group(process.pid) == [] and os.listdir(tmp_path) == []
