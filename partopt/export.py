@@ -157,9 +157,10 @@ def _devices_grid(stage: StagePlan) -> list[list[int]]:
 # ---------------------------------------------------------------- settings besides placements
 
 def recomputation(plan: Plan) -> dict[str, Any] | None:
-    """How the plan recomputes activations, or None: with `recompute` each layer (the unit each ILP prices:
-    one transformer block) keeps only its input for backward and reruns its forward — full recomputation of
-    every layer, Megatron's --recompute-granularity full --recompute-method uniform --recompute-num-layers 1."""
+    """How the plan recomputes activations, or None: with `recompute` each layer (the unit each ILP prices: a
+    tagged layer, one transformer block in the model zoo) keeps for backward only what it receives from the
+    previous layer and reruns its forward — full recomputation of every layer, Megatron's
+    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1."""
     if not plan.options.get("recompute"):
         return None
     return {"granularity": "full", "method": "uniform", "num_layers": 1}
