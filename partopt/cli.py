@@ -1,9 +1,15 @@
 """The `partopt` command line: one click command per function, sharing file loading and error
-printing. Any PartoptError a command raises becomes one `error: …` line on stderr, exit code 2."""
+printing. Any PartoptError a command raises becomes one `error: …` line on stderr, exit code 2;
+Ctrl-C becomes one line and exit code 130. Output files are checked before the work and written
+atomically (partopt.io.write_atomic), so neither leaves a partial file."""
 
 from __future__ import annotations
 
 import json
+import math
+import multiprocessing
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from partopt import evaluate, io, models, reproduce
+from partopt import check, evaluate, io, models, reproduce, validate
 from partopt.cluster import PRESETS, Cluster, Link, preset
 from partopt.costmodel import training_flops
 from partopt.draw import draw
@@ -25,13 +31,16 @@ from partopt.graph import OPTIMIZERS, Graph
 from partopt.inter import DEFAULT_MAX_LAYERS, optimize
 from partopt.intra import RECOMPUTE_MODES
 from partopt.ops import KINDS, is_matmul
-from partopt.plan import Plan, plan_to_dict, read_plan, write_plan
+from partopt.plan import Plan, plan_text, read_plan, write_plan
 from partopt.simulate import SCHEDULES
 from partopt.solvers import BACKENDS
 from partopt.units import fmt_bytes, fmt_seconds
 
 RECOMPUTE_CHOICES = ("auto", *RECOMPUTE_MODES)
 EXIT_USER_ERROR = 2  # bad input: a file, a preset name or an impossible request
+EXIT_INCONSISTENT = 1  # `check` and `solve`'s self-check: a plan whose figures do not re-derive
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT (128 + 2)
+PIPE_WIDTH = 1000  # columns of tables written to a pipe or file: wide enough that no cell is cut
 PEAK_DTYPES_SHOWN = ("fp16", "fp32")
 
 
@@ -44,6 +53,18 @@ class PartoptGroup(click.Group):
         except PartoptError as err:
             click.echo(f"error: {err.line()}", err=True)
             ctx.exit(EXIT_USER_ERROR)
+        except KeyboardInterrupt:
+            _end_workers()
+            click.echo("error: interrupted (Ctrl-C); nothing was written", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
+
+
+def _end_workers() -> None:
+    """After Ctrl-C: end the ILP worker processes now, not after their running solves, and keep the process
+    pool's bookkeeping thread quiet (on Python 3.11 it raises InvalidStateError for the jobs Ctrl-C cancelled)."""
+    threading.excepthook = lambda args: None
+    for child in multiprocessing.active_children():
+        child.terminate()
 
 
 @click.group(cls=PartoptGroup)
@@ -53,6 +74,35 @@ def main() -> None:
 
 
 # ---------------------------------------------------------------- shared helpers
+
+def console(stderr: bool = False) -> Console:
+    """A rich Console; when not writing to a terminal its width is PIPE_WIDTH, so piped tables keep
+    whole cells instead of being folded to 80 columns ("parto…")."""
+    stream = sys.stderr if stderr else sys.stdout
+    terminal = Console(stderr=stderr).is_terminal
+    return Console(file=stream, width=None if terminal else PIPE_WIDTH)
+
+
+def warn(lines: list[str]) -> None:
+    """Print each warning (an absurd but valid magnitude) as one line on stderr."""
+    for line in lines:
+        click.echo(f"warning: {line}", err=True)
+
+
+class FiniteFloat(click.ParamType):
+    """A float that is finite and positive (`--time-limit nan` or `inf` is refused, not planned with)."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not (math.isfinite(number) and number > 0):
+            self.fail(f"{value!r} is not a finite positive number of seconds", param, ctx)
+        return number
+
 
 def load_instance(source: str, nodes: int | None = None) -> Graph | Cluster:
     """A graph or cluster file, or else a cluster preset by name; `nodes` resizes a cluster."""
@@ -210,20 +260,22 @@ def _render_cluster(f: dict[str, Any]) -> list[Table]:
 def inspect(source: str, nodes: int | None, as_json: bool) -> None:
     """Summarise a graph or cluster FILE (or a cluster preset by name)."""
     instance = load_instance(source, nodes)
+    if isinstance(instance, Cluster):
+        warn(validate.cluster_warnings(instance))
     facts = graph_facts(instance) if isinstance(instance, Graph) else cluster_facts(instance)
     if as_json:
         print_json(facts)
         return
-    console = Console()
+    out = console()
     for table in (_render_graph if isinstance(instance, Graph) else _render_cluster)(facts):
-        console.print(table)
+        out.print(table)
 
 
 # ---------------------------------------------------------------- generate
 
 @main.command()
 @click.argument("model")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Graph file to write.")
+@click.option("-o", "--output", required=True, type=click.Path(), help="Graph file to write.")
 @click.option("--name", help="Name of the graph (default: the named model, or one made from the sizes).")
 @click.option("--hidden", type=int, help="Hidden size h (gpt, llama, bert, moe, moe-layer).")
 @click.option("--layers", type=int, help="Transformer blocks (gpt, llama, bert, moe).")
@@ -247,6 +299,7 @@ def inspect(source: str, nodes: int | None, as_json: bool) -> None:
 def generate(model: str, output: str, **params: Any) -> None:
     """Write the graph of MODEL to a file: a generator (gpt, llama, bert, moe, moe-layer, wresnet) with
     its sizes, or a named model of the corpus (gpt-39b, moe-70b, …) whose sizes the options override."""
+    io.check_output(output)
     given = {key: value for key, value in params.items() if value is not None}
     graph = models.preset(model, **given) if model in models.PRESETS else models.generate(model, **given)
     io.write_graph(graph, output)
@@ -289,7 +342,7 @@ def _render_plan(plan: Plan) -> list[Table]:
 @click.option("--layers", type=click.IntRange(min=1), default=DEFAULT_MAX_LAYERS, show_default=True,
               help="Most layers the stage DP cuts between (tagged layers are grouped by FLOPs).")
 @click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
-@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+@click.option("--time-limit", type=FiniteFloat(), default=60.0, show_default=True,
               help="Seconds per ILP.")
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
@@ -303,12 +356,15 @@ def _render_plan(plan: Plan) -> list[Table]:
 @click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), default="auto", show_default=True, is_flag=False,
               flag_value="full", help="Activation recomputation per stage: searched (auto), none, selective (the "
               "attention core) or full (each layer keeps only its input); --recompute alone means full.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the plan file here.")
+@click.option("-o", "--output", type=click.Path(), help="Write the plan file here.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the plan file to stdout.")
 def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches: str, layers: int, solver: str,
           time_limit: float, memory_reserve: float, search: str, logical_shapes: str, submeshes: str,
           workers: int | None, recompute: str, output: str | None, as_json: bool) -> None:
-    """Plan GRAPH on a cluster: pipeline stages, submeshes, logical meshes and per-op shardings."""
+    """Plan GRAPH on a cluster: pipeline stages, submeshes, logical meshes and per-op shardings.
+    The plan is re-derived (as `partopt check` does) before it is written or printed."""
+    if output:
+        io.check_output(output)
     graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
     counts = microbatches.split(",")
     if microbatches != "auto" and not all(c.strip().isdigit() for c in counts):
@@ -317,15 +373,22 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
     restrict = {"intra-only": {"intra_only": True}, "inter-only": {"inter_only": True},
                 "data-parallel-only": {"data_parallel_only": True},
                 "pp-dp": {"stage_data_parallel": True}}.get(search, {})
-    console = Console(stderr=True)
+    err = console(stderr=True)
     with Progress(TextColumn("pricing stage candidates"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
+                  TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("price", total=None)
         plan = optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
                         microbatches=microbatches if microbatches == "auto" else [int(c) for c in counts],
                         layers=layers, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
                         logical_shapes=logical_shapes, submesh_family=submeshes, workers=workers,
                         recompute=recompute, **restrict)
+    found = check.differences(plan, graph, cluster, "the solved plan")
+    if found:
+        for difference in found:
+            click.echo(f"error: {difference.line()}", err=True)
+        click.echo("error: the solved plan does not re-derive (a bug in partopt: please report it); nothing written",
+                   err=True)
+        raise SystemExit(EXIT_INCONSISTENT)
     _emit(plan, output, as_json)
 
 
@@ -334,17 +397,19 @@ def _graph_and_cluster(graph_file: str, cluster_source: str, nodes: int | None) 
     cluster = load_instance(cluster_source, nodes)
     if not isinstance(cluster, Cluster):
         raise InstanceError("--cluster must name a cluster file or preset, not a graph", cluster_source)
+    warn(validate.cluster_warnings(cluster))
     return graph, cluster
 
 
 def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
     """Write the plan file if asked, then print it as JSON or as the stage table and totals."""
+    warn(validate.plan_warnings(plan))
     if output:
         write_plan(plan, output)
     if as_json:
-        click.echo(json.dumps(plan_to_dict(plan), indent=1))
+        click.echo(plan_text(plan), nl=False)
         return
-    out = Console()
+    out = console()
     for table in _render_plan(plan):
         out.print(table)
     if output:
@@ -357,7 +422,7 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
 @click.argument("graph_file", metavar="GRAPH")
 @click.option("--cluster", "cluster_source", required=True, help="Cluster file or preset name.")
 @click.option("--nodes", type=click.IntRange(min=1), help="Resize the cluster to this many nodes.")
-@click.option("--plan", "plan_file", type=click.Path(dir_okay=False), help="A plan file to price as written.")
+@click.option("--plan", "plan_file", type=click.Path(), help="A plan file to price as written.")
 @click.option("--tp", type=click.IntRange(min=1), help="Tensor-parallel degree of a Megatron-style plan.")
 @click.option("--pp", type=click.IntRange(min=1), help="Pipeline stages of a Megatron-style plan.")
 @click.option("--dp", type=click.IntRange(min=1), help="Data-parallel degree of a Megatron-style plan.")
@@ -369,7 +434,7 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
 @click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the priced plan file here.")
+@click.option("-o", "--output", type=click.Path(), help="Write the priced plan file here.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the priced plan file to stdout.")
 def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, plan_file: str | None,
                      tp: int | None, pp: int | None, dp: int | None, microbatches: int | None, zero: bool,
@@ -377,6 +442,8 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
                      solver: str, memory_reserve: float, output: str | None, as_json: bool) -> None:
     """Price a plan of GRAPH under the cost model: a plan file (--plan) or a Megatron-style uniform
     plan (--tp T --pp P --dp D): P equal stages, each on a (D, T) mesh, batch over D."""
+    if output:
+        io.check_output(output)
     graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
     degrees = (tp, pp, dp)
     if (plan_file is None) == all(d is None for d in degrees) or (plan_file is None and None in degrees):
@@ -387,7 +454,8 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
                             "partopt evaluate", "edit the plan file instead")
     options = {"backend": solver, "memory_reserve": memory_reserve}
     if plan_file is not None:
-        plan = evaluate.evaluate(graph, cluster, read_plan(plan_file), where=plan_file, **options)
+        plan = evaluate.evaluate(graph, cluster, validate.read_checked(plan_file, graph, cluster), where=plan_file,
+                                 **options)
     else:
         plan = evaluate.uniform(graph, cluster, tp, pp, dp, microbatches, zero, recompute=recompute or "auto", **options)
     _emit(plan, output, as_json)
@@ -400,8 +468,9 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
 @click.option("--ops/--no-ops", default=True, show_default=True, help="List each op's strategy line.")
 def explain_command(plan_file: str, ops: bool) -> None:
     """Where PLAN's time and memory go, per stage, and why each op is sharded as it is."""
-    plan = read_plan(plan_file)
-    out = Console()
+    plan = validate.read_checked(plan_file)
+    warn(validate.plan_warnings(plan))
+    out = console()
     for stage, account in zip(plan.stages, explain(plan)):
         title = (f"Stage {account.index}: layers {stage.layers[0]}–{stage.layers[1]}, submesh "
                  f"({stage.submesh[0]}, {stage.submesh[1]}), logical mesh ({stage.logical_mesh[0]}, {stage.logical_mesh[1]})")
@@ -431,17 +500,36 @@ def explain_command(plan_file: str, ops: bool) -> None:
 @click.option("--to", "target", required=True, type=click.Choice(TARGETS), help="The runtime to export for.")
 def export_command(plan_file: str, target: str) -> None:
     """Turn PLAN into Megatron-LM arguments, JAX PartitionSpecs or PyTorch DTensor placements."""
-    click.echo(export(read_plan(plan_file), target))
+    click.echo(export(validate.read_checked(plan_file), target))
 
 
 @main.command("draw")
 @click.argument("plan_file", metavar="PLAN")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Image file: .svg or .png.")
+@click.option("-o", "--output", required=True, type=click.Path(), help="Image file: .svg or .png.")
 @click.option("--schedule", type=click.Choice(SCHEDULES), default="1f1b", show_default=True, help="Pipeline schedule.")
 def draw_command(plan_file: str, output: str, schedule: str) -> None:
     """Draw PLAN's pipeline schedule of one iteration and its memory per stage."""
-    draw(read_plan(plan_file), output, schedule)
+    io.check_output(output)
+    draw(validate.read_checked(plan_file), output, schedule)
     click.echo(f"wrote {output}")
+
+
+@main.command("check")
+@click.argument("plan_file", metavar="PLAN")
+@click.option("--graph", "graph_file", required=True, help="The graph file the plan was made for.")
+@click.option("--cluster", "cluster_source", required=True, help="Cluster file or preset name.")
+@click.option("--nodes", type=click.IntRange(min=1), help="Resize the cluster to this many nodes.")
+def check_command(plan_file: str, graph_file: str, cluster_source: str, nodes: int | None) -> None:
+    """Re-derive every figure of PLAN from scratch on its graph and cluster (devices, stage times, memory
+    against the device budget, iteration time) and list those that differ; exit 0 when all agree, 1 if not."""
+    graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
+    found = check.differences(read_plan(plan_file), graph, cluster, plan_file)
+    for difference in found:
+        click.echo(f"{plan_file}: {difference.line()}")
+    if found:
+        click.echo(f"{plan_file}: {len(found)} figures differ from their re-derivation", err=True)
+        raise SystemExit(EXIT_INCONSISTENT)
+    click.echo(f"{plan_file}: consistent (every figure re-derived within a relative {validate.TOLERANCE:g})")
 
 
 @main.group("reproduce")
@@ -454,7 +542,7 @@ def reproduce_group() -> None:
 def reproduce_alpa(quick: bool) -> None:
     """Alpa's Figure 7 cases with every planner, beside the paper's figures (scripts/reproduce_alpa.py also
     writes docs/benchmarks.md, the figure and the ablation)."""
-    out = Console()
+    out = console()
     selected = reproduce.cases(["gpt"], reproduce.QUICK_MAX_GPUS) if quick else reproduce.cases()
     results = reproduce.run(selected, lambda case, planner: out.log(
         f"{case.instance} on {case.gpus} GPUs: {reproduce.PLANNER_TITLES[planner]}"))

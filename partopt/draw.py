@@ -17,12 +17,14 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from partopt import io
 from partopt.cluster import PRESETS, preset
 from partopt.costmodel import DEFAULT_MEMORY_RESERVE, memory_budget
 from partopt.errors import InstanceError
 from partopt.plan import Plan
 from partopt.simulate import Simulation, StageTimes, simulate
 from partopt.units import fmt_bytes, fmt_seconds
+from partopt.validate import check_plan
 
 FORMATS: tuple[str, ...] = (".svg", ".png")
 GIB = 2.0**30
@@ -35,6 +37,7 @@ _TOP, _BOTTOM, _ROW, _MIN_PANEL = 0.8, 0.9, 0.42, 1.0
 _BAR = 0.7  # bar height, in rows
 _FONT = 6.5  # microbatch numbers, points
 _DPI = 150
+MAX_MICROBATCHES = 4096  # more are not legible, and simulating them costs memory in proportion
 
 
 def stage_times(plan: Plan) -> list[StageTimes]:
@@ -77,22 +80,24 @@ def draw(plan: Plan, path: str | Path, schedule: str = "1f1b", memory_budget_byt
     """Write the plan's pipeline timeline and per-stage memory as SVG or PNG (format from the suffix).
 
     `memory_budget_bytes` draws the budget line; by default it is derived for preset clusters.
+    The plan is validated first (`partopt.validate.check_plan`): no drawing of figures that disagree.
     """
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise InstanceError(f"cannot draw to {suffix or 'a file without suffix'!r}", str(path),
                             "name the output *.svg or *.png")
+    check_plan(plan)
+    if plan.num_microbatches > MAX_MICROBATCHES:
+        raise InstanceError(f"{plan.num_microbatches} microbatches are too many to draw (at most {MAX_MICROBATCHES})",
+                            "$.num_microbatches", "draw a plan with fewer microbatches")
     stages = stage_times(plan)
     simulation = simulate(stages, plan.num_microbatches, schedule)
     budget = plan_budget(plan) if memory_budget_bytes is None else memory_budget_bytes
     figure = _figure(plan, stages, simulation, budget)
     with matplotlib.rc_context({"svg.hashsalt": "partopt", "svg.fonttype": "path"}):
         metadata = {"Date": None} if suffix == ".svg" else {"Software": None}
-        try:
-            figure.savefig(path, format=suffix[1:], dpi=_DPI, metadata=metadata)
-        except OSError as err:
-            raise InstanceError(f"cannot write: {err.strerror}", str(path), "check that the directory exists") from None
+        io.write_atomic(path, lambda temporary: figure.savefig(temporary, format=suffix[1:], dpi=_DPI, metadata=metadata))
 
 
 def _figure(plan: Plan, stages: list[StageTimes], simulation: Simulation, budget: float | None) -> Figure:

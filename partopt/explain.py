@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partopt.plan import Plan
+from partopt.validate import check_plan
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,9 @@ def _label(kind: str) -> str:
 
 
 def explain(plan: Plan) -> list[StageExplanation]:
-    """The time and memory accounts of every stage of `plan`."""
+    """The time and memory accounts of every stage of `plan`, which must be consistent (`check_plan`):
+    its stored figures are shown, so figures that disagree are refused, not printed."""
+    check_plan(plan)
     B = plan.num_microbatches
     result = []
     for i, stage in enumerate(plan.stages):

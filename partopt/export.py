@@ -1,7 +1,9 @@
 """Exports of a plan for runtimes: JAX PartitionSpecs, PyTorch DTensor placements, Megatron-LM arguments.
 
 Mesh axis k of a stage's logical mesh is named AXIS_NAMES[k] ("x" = axis 0, "y" = axis 1, whose
-devices are consecutive). docs/FORMAT.md "Exports" documents every field and the Megatron rules.
+devices are consecutive). Every export carries what the plan's prices assume besides placements:
+the schedule (1F1B), microbatch size and count, activation recomputation, optimizer-state sharding
+and sequence parallelism. docs/FORMAT.md "Exports" documents every field and the Megatron rules.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ TARGETS = ("jax", "dtensor", "megatron")
 NORM_KINDS = ("layernorm", "rmsnorm")
 UNSUPPORTED_BY_MEGATRON = ("conv2d", "pool")  # Megatron-LM trains transformers
 OP_FIELDS = ("kind", "tensor", "axes", "inputs", "output")  # what exporters read of a plan's op
+SCHEDULE = "1f1b"  # the schedule a plan's in-flight microbatches and iteration time assume (min(S - i, B) kept)
 
 
 class NotExpressibleError(PartoptError):
@@ -151,6 +154,44 @@ def _devices_grid(stage: StagePlan) -> list[list[int]]:
     return [stage.devices[i * b:(i + 1) * b] for i in range(a)]
 
 
+# ---------------------------------------------------------------- settings besides placements
+
+RECOMPUTATION: dict[str, dict[str, Any] | None] = {
+    "none": None,
+    # the attention core (scores, softmax, context) reruns: Megatron's selective granularity
+    "selective": {"granularity": "selective"},
+    # each layer (the unit each ILP prices: a tagged layer, one transformer block in the model zoo) keeps only
+    # what it receives and reruns its forward: Megatron's full granularity, uniform method, one layer per chunk
+    "full": {"granularity": "full", "method": "uniform", "num_layers": 1},
+}
+
+
+def recomputation(stage: StagePlan) -> dict[str, Any] | None:
+    """How a stage recomputes activations, in Megatron-LM's terms, or None when it keeps them all."""
+    return RECOMPUTATION[stage.recompute]
+
+
+def _sequence_split(plan: Plan, i: int, stage: StagePlan) -> bool:
+    """Whether some norm of the stage splits a dim besides the batch and its feature dims (the sequence)."""
+    for op, info in stage.ops.items():
+        if info["kind"] not in NORM_KINDS:
+            continue
+        dims = _tensor_info(plan, info["tensor"], f"stages[{i}].ops.{op}")["dims"]
+        for k, dim in enumerate(info["axes"]):
+            if dim not in (None, plan.batch_dim) and not _is_feature_dim(info, dims, k, dim, f"stages[{i}].ops.{op}"):
+                return True
+    return False
+
+
+def training(plan: Plan) -> dict[str, Any]:
+    """What the runtime must do besides placing tensors, for the plan's time and memory to hold."""
+    return {"schedule": SCHEDULE, "num_microbatches": plan.num_microbatches, "microbatch_size": plan.microbatch_size,
+            "global_batch_size": plan.num_microbatches * plan.microbatch_size,
+            "recompute": [recomputation(s) for s in plan.stages],
+            "optimizer_state_sharded": any(info.get("zero_axes") for s in plan.stages for info in s.params.values()),
+            "sequence_parallel": [i for i, s in enumerate(plan.stages) if _sequence_split(plan, i, s)]}
+
+
 # ---------------------------------------------------------------- JAX
 
 def jax_spec(t: TensorPlacement) -> list[str | list[str] | None]:
@@ -210,7 +251,8 @@ def to_jax(plan: Plan) -> dict[str, Any]:
         stages.append({"stage": i, "mesh": {"axis_names": list(AXIS_NAMES), "shape": list(mesh),
                                             "devices": _devices_grid(stage)},
                        "params": params, "activations": activations})
-    return {"format": "partopt.export.jax", "version": 1, "graph": plan.graph, "stages": stages}
+    return {"format": "partopt.export.jax", "version": 1, "graph": plan.graph, "training": training(plan),
+            "stages": stages}
 
 
 # ---------------------------------------------------------------- PyTorch DTensor
@@ -251,7 +293,8 @@ def to_dtensor(plan: Plan) -> dict[str, Any]:
         stages.append({"stage": i, "device_mesh": {"device_type": "cuda", "shape": list(mesh),
                                                    "mesh": _devices_grid(stage), "mesh_dim_names": list(AXIS_NAMES)},
                        "params": params, "activations": activations})
-    return {"format": "partopt.export.dtensor", "version": 1, "graph": plan.graph, "stages": stages}
+    return {"format": "partopt.export.dtensor", "version": 1, "graph": plan.graph, "training": training(plan),
+            "stages": stages}
 
 
 # ---------------------------------------------------------------- Megatron-LM
@@ -439,6 +482,12 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
     if plan.microbatch_size % dp:
         raise _not_expressible(f"a microbatch of {plan.microbatch_size} samples does not split over {dp} "
                                f"data-parallel ranks", "microbatch_size")
+    modes = [s.recompute for s in plan.stages]
+    if len(set(modes)) > 1:
+        raise _not_expressible(f"the stages recompute differently ({', '.join(modes)}) but Megatron-LM applies one "
+                               "setting to every stage", "stages[*].recompute",
+                               "plan with --recompute none, selective or full to export to Megatron-LM, or export "
+                               "with --to jax or --to dtensor")
     counts = _layer_counts(plan)
     first, last = _uneven_ends(counts)
     zero = any(k in roles[0].dp_axes for s in plan.stages for info in s.params.values()
@@ -450,7 +499,7 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
             "num_layers": sum(counts), "layers_per_stage": counts,
             "first_stage_layers": first, "last_stage_layers": last,
             "sequence_parallel": roles[0].sequence_parallel and tp > 1,
-            "distributed_optimizer": zero}
+            "distributed_optimizer": zero, "recompute": recomputation(plan.stages[0])}
 
 
 def _span(ids: Sequence[int]) -> str:
@@ -474,6 +523,11 @@ def to_megatron(plan: Plan) -> list[str]:
         args.append("--sequence-parallel")
     if c["distributed_optimizer"]:
         args.append("--use-distributed-optimizer")
+    if c["recompute"]:
+        r = c["recompute"]
+        args += ["--recompute-granularity", r["granularity"]]
+        if "method" in r:
+            args += ["--recompute-method", r["method"], "--recompute-num-layers", str(r["num_layers"])]
     return args
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import math
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -415,6 +416,7 @@ _WORKER: dict = {}
 
 def _worker_init(graph: Graph, options: Options) -> None:
     _WORKER.update(graph=graph, options=options)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the planner's to handle (the CLI ends its workers)
     parent = os.getppid()
 
     def orphaned() -> None:  # a killed planner must not leave its workers running

@@ -9,11 +9,14 @@ one tensor or op per line, which keeps them small and diffable.
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from importlib import resources
 from os import PathLike
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import jsonschema
@@ -30,6 +33,8 @@ VERSION = 1
 FilePath = str | PathLike[str]
 _GRAPH_ROWS = ("tensors", "ops")  # graph fields written one entry per line
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MAX_DEPTH = 64  # JSON nesting an instance or plan file may use (the formats need 6)
+MAX_FILE_BYTES = 2**30  # larger files are refused before parsing (the largest corpus graph is ~2 MB)
 
 
 # ---------------------------------------------------------------- places
@@ -47,7 +52,7 @@ def json_path(parts: Iterable[str | int]) -> str:
     return text
 
 
-def _at(where: str, place: str) -> str:
+def at(where: str, place: str) -> str:
     """`place` inside the file (or object) named `where`."""
     return f"{where}: {place}" if where else place
 
@@ -97,31 +102,78 @@ def _find_duplicate(node: Any, parts: list[str | int]) -> tuple[list[str | int],
     return None
 
 
+class _NonStandardConstant(ValueError):
+    """NaN or ±Infinity in a file: Python's parser accepts them, JSON does not."""
+
+
+def _refuse_constant(text: str) -> Any:
+    raise _NonStandardConstant(text)
+
+
+def _check_tree(data: Any) -> tuple[list[str | int], str, str] | None:
+    """The first place (path, cause, hint) nested deeper than MAX_DEPTH or holding a string that is
+    not valid Unicode (a lone surrogate such as "\\ud800" cannot be written back as UTF-8)."""
+    stack: list[tuple[Any, list[str | int]]] = [(data, [])]
+    while stack:
+        node, parts = stack.pop()
+        if len(parts) > MAX_DEPTH:
+            return parts[:MAX_DEPTH], f"nested deeper than {MAX_DEPTH} levels", "partopt's formats nest a few levels"
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, child in items:
+            for text, place in ((key, parts), (child, [*parts, key])):
+                if isinstance(text, str):
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return place, f"{text!r} is not valid Unicode (a lone surrogate escape)", \
+                            "use characters, or escape pairs such as \\ud83d\\ude00"
+            stack.append((child, [*parts, key]))
+    return None
+
+
 def load_json(path: FilePath) -> dict:
-    """Parse a JSON file into a dict; syntax errors and duplicate keys (a dim given two sizes,
-    a tensor declared twice) are InstanceErrors naming the line or the JSON path."""
+    """Parse a JSON file into a dict; syntax errors, duplicate keys (a dim given two sizes, a tensor
+    declared twice), NaN/Infinity, lone surrogates, deep nesting and huge files are InstanceErrors
+    naming the line or the JSON path."""
     name = str(path)
     try:
+        if os.path.getsize(path) > MAX_FILE_BYTES:
+            raise InstanceError(f"the file is larger than {MAX_FILE_BYTES // 2**20} MiB", name,
+                                "partopt reads instance and plan files of at most that size")
         with open(path, encoding="utf-8") as f:
-            data = json.load(f, object_pairs_hook=_object_without_duplicates)
+            data = json.load(f, object_pairs_hook=_object_without_duplicates, parse_constant=_refuse_constant)
     except FileNotFoundError:
         raise InstanceError("no such file", name, "check the path") from None
     except json.JSONDecodeError as err:
         raise InstanceError(f"invalid JSON: {err.msg}", f"{name}: line {err.lineno} column {err.colno}",
                             "fix the JSON syntax at that place") from None
+    except _NonStandardConstant as err:
+        raise InstanceError(f"{err} is not a JSON number", at(name, "$"), "write finite numbers") from None
+    except RecursionError:
+        raise InstanceError(f"nested deeper than {MAX_DEPTH} levels", at(name, "$"),
+                            "partopt's formats nest a few levels") from None
     except UnicodeDecodeError as err:
         raise InstanceError(f"not UTF-8 text ({err.reason} at byte {err.start})", name,
                             "instance files are UTF-8 JSON") from None
+    except ValueError as err:  # an integer of more than 4300 digits (Python's limit on int parsing)
+        raise InstanceError(f"a number is too long: {err}".split(";")[0], at(name, "$"),
+                            "write numbers of sane size") from None
+    except IsADirectoryError:
+        raise InstanceError("is a directory, not a file", name, "give the path of a JSON file") from None
     except OSError as err:
         raise InstanceError(f"cannot read the file: {err.strerror}", name) from None
+    bad = _check_tree(data)
+    if bad:
+        parts, cause, hint = bad
+        raise InstanceError(cause, at(name, json_path(parts)), hint)
     duplicate = _find_duplicate(data, [])
     if duplicate:
         parts, dup = duplicate
         raise InstanceError(
             f"key {dup.key!r} appears twice (values {json.dumps(dup.first)} and {json.dumps(dup.second)})",
-            _at(name, json_path(parts)), "name each key once: a dim has one size, a tensor one declaration")
+            at(name, json_path(parts)), "name each key once: a dim has one size, a tensor one declaration")
     if not isinstance(data, dict):
-        raise InstanceError(f"the file holds a JSON {_json_type(data)}, not an object", _at(name, "$"),
+        raise InstanceError(f"the file holds a JSON {_json_type(data)}, not an object", at(name, "$"),
                             "an instance file is one JSON object with a \"format\" field")
     return data
 
@@ -170,6 +222,12 @@ def _validator(schema_name: str) -> jsonschema.protocols.Validator:
     return _Validator(_inline_refs(schema, schema.get("$defs", {})))
 
 
+def _short(value: Any, limit: int = 40) -> str:
+    """`repr(value)`, cut to `limit` characters (a 400-digit number stays one readable line)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def _explain(error: ValidationError) -> tuple[list[str | int], str, str | None]:
     """Path, one-line cause and hint for a schema violation (jsonschema's own wording is long)."""
     parts = list(error.absolute_path)
@@ -190,9 +248,17 @@ def _explain(error: ValidationError) -> tuple[list[str | int], str, str | None]:
     if error.validator == "type":
         return parts, f"expected {'/'.join(rule) if isinstance(rule, list) else rule}, got {_json_type(value)}", hint
     if error.validator == "exclusiveMinimum":
-        return parts, f"must be greater than {rule}, got {value!r}", hint
+        return parts, f"must be greater than {rule}, got {_short(value)}", hint
     if error.validator == "minimum":
-        return parts, f"must be at least {rule}, got {value!r}", hint
+        return parts, f"must be at least {rule}, got {_short(value)}", hint
+    if error.validator == "maximum":
+        return parts, f"must be at most {rule}, got {_short(value)}", hint
+    if error.validator == "exclusiveMaximum":
+        return parts, f"must be less than {rule}, got {_short(value)}", hint
+    if error.validator in ("minItems", "maxItems"):
+        return parts, f"has {len(value)} entries, expected {'at least' if error.validator == 'minItems' else 'at most'} {rule}", hint
+    if error.validator == "uniqueItems":
+        return parts, "names an entry twice", hint
     return parts, error.message, hint
 
 
@@ -200,7 +266,7 @@ def _expect_format(data: Any, expected: str, where: str) -> None:
     """A file of another known kind (a cluster read as a graph) is named as such, before the
     schema would report its foreign fields one by one."""
     if isinstance(data, Mapping) and data.get("format", expected) != expected:
-        raise InstanceError(f"expected {expected!r}, got {data['format']!r}", _at(where, "$.format"),
+        raise InstanceError(f"expected {expected!r}, got {data['format']!r}", at(where, "$.format"),
                             f"this reader takes {expected} files; `partopt.io.read` takes any kind")
 
 
@@ -211,7 +277,7 @@ def validate_against_schema(data: Any, schema_name: str, where: str = "") -> Non
     if error is None:
         return
     parts, cause, hint = _explain(error)
-    raise InstanceError(cause, _at(where, _named_place(data, parts)), hint)
+    raise InstanceError(cause, at(where, _named_place(data, parts)), hint)
 
 
 # ---------------------------------------------------------------- graphs
@@ -264,7 +330,7 @@ def graph_from_dict(data: Any, where: str = "") -> Graph:
         return Graph(data["name"], data["dims"], tensors, ops,
                      **{k: data[k] for k in ("batch_dim", "dtype", "optimizer") if k in data})
     except InstanceError as err:
-        raise InstanceError(err.cause, _at(where, f"$.{err.where}" if err.where else "$"), err.hint) from None
+        raise InstanceError(err.cause, at(where, f"$.{err.where}" if err.where else "$"), err.hint) from None
 
 
 # ---------------------------------------------------------------- clusters
@@ -301,14 +367,54 @@ def dumps(data: Mapping[str, Any], rows: tuple[str, ...] = ()) -> str:
     return "{\n" + "\n".join(lines) + "\n}\n"
 
 
-def write_json(data: Mapping[str, Any], path: FilePath, rows: tuple[str, ...] = ()) -> None:
-    """Write `data` in the layout of `dumps`; an unwritable path is an InstanceError."""
+def check_output(path: FilePath) -> None:
+    """Refuse, before any work, an output path whose directory is missing or not writable, or that is
+    a directory itself (so a long solve never ends in an unwritable path)."""
+    name = str(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise InstanceError("is a directory", name, "give a file name for the output")
+    if not os.path.isdir(directory):
+        raise InstanceError(f"the directory {directory} does not exist", name, "create it first or write elsewhere")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise InstanceError(f"the directory {directory} is not writable", name, "write elsewhere")
+
+
+def write_atomic(path: FilePath, write: Callable[[str], None]) -> None:
+    """Call `write(temporary path)` for a file in `path`'s directory, then rename it onto `path`, so a
+    failure or Ctrl-C never leaves a partial file; OSError becomes an InstanceError."""
+    check_output(path)
+    directory, base = os.path.split(os.path.abspath(path))
+    fd, temporary = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+    os.close(fd)
     try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(dumps(data, rows))
+        write(temporary)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(temporary, 0o666 & ~mask)  # mkstemp's 0600 would hide the file from others
+        os.replace(temporary, path)
     except OSError as err:
         raise InstanceError(f"cannot write the file: {err.strerror}", str(path),
                             "check that the directory exists and is writable") from None
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def write_text(text: str, path: FilePath) -> None:
+    """Write UTF-8 `text` to `path` atomically (see `write_atomic`); text that cannot be encoded (a lone
+    surrogate from a command-line name) is refused before anything is written."""
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InstanceError(f"the text holds {err.object[err.start:err.end]!r}, which is not valid Unicode", str(path),
+                            "use names made of characters") from None
+    write_atomic(path, lambda temporary: Path(temporary).write_bytes(data))
+
+
+def write_json(data: Mapping[str, Any], path: FilePath, rows: tuple[str, ...] = ()) -> None:
+    """Write `data` in the layout of `dumps`, atomically; an unwritable path is an InstanceError."""
+    write_text(dumps(data, rows), path)
 
 
 def read_graph(path: FilePath) -> Graph:
@@ -342,10 +448,10 @@ def read(path: FilePath) -> Graph | Cluster:
     data = load_json(path)
     name = str(path)
     if "format" not in data:
-        raise InstanceError("missing required field 'format'", _at(name, "$"),
+        raise InstanceError("missing required field 'format'", at(name, "$"),
                             f"set \"format\" to one of: {', '.join(_READERS)}")
-    reader = _READERS.get(data["format"])
+    reader = _READERS.get(data["format"]) if isinstance(data["format"], str) else None
     if reader is None:
-        raise InstanceError(f"unknown format {data['format']!r}", _at(name, "$.format"),
+        raise InstanceError(f"unknown format {data['format']!r}", at(name, "$.format"),
                             f"use one of: {', '.join(_READERS)}")
     return reader(data, name)

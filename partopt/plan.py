@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from partopt import io
 from partopt.errors import InstanceError
 
 FORMAT = "partopt.plan"
@@ -55,34 +56,41 @@ class Plan:
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The file form of `plan`: format and version first, then the fields in dataclass order."""
     data = asdict(plan)
     head = {"format": data.pop("format"), "version": data.pop("version")}
     return {**head, **data}
 
 
-def plan_from_dict(data: dict[str, Any], where: str = "plan") -> Plan:
-    if data.get("format") != FORMAT or data.get("version") != VERSION:
-        raise InstanceError(f"not a {FORMAT} v{VERSION} file (format {data.get('format')!r}, "
-                            f"version {data.get('version')!r})", where, "write plans with `partopt solve -o`")
+def plan_from_dict(data: Any, where: str = "plan") -> Plan:
+    """A Plan from its file form, checked against the packaged schema (`partopt/schemas/plan.schema.json`);
+    errors name `where` and the JSON path. Semantic checks are `partopt.validate`'s."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
+        found = (data.get("format"), data.get("version")) if isinstance(data, dict) else (None, None)
+        raise InstanceError(f"not a {FORMAT} v{VERSION} file (format {found[0]!r}, version {found[1]!r})",
+                            f"{where}: $.format", "write plans with `partopt solve -o`")
+    io.validate_against_schema(data, "plan", where)
+    # plans written before per-stage modes carry one flag in their options: true meant full recomputation
+    default = "full" if data.get("options", {}).get("recompute") is True else "none"
+    stages = [StagePlan(**{"recompute": default, **s}) for s in data["stages"]]
+    rest = {k: v for k, v in data.items() if k not in ("stages", "format", "version")}
+    return Plan(stages=stages, **rest)
+
+
+def plan_text(plan: Plan) -> str:
+    """The plan file's text (indented JSON); a non-finite number is refused, as the reader would."""
     try:
-        # plans written before per-stage modes carry one flag in their options: true meant full recomputation
-        default = "full" if data.get("options", {}).get("recompute") is True else "none"
-        stages = [StagePlan(**{"recompute": default, **s}) for s in data["stages"]]
-        rest = {k: v for k, v in data.items() if k not in ("stages", "format", "version")}
-        return Plan(stages=stages, **rest)
-    except (TypeError, KeyError) as err:
-        raise InstanceError(f"malformed plan: {err}", where, "compare with docs/FORMAT.md") from None
+        return json.dumps(plan_to_dict(plan), indent=1, ensure_ascii=False, allow_nan=False) + "\n"
+    except ValueError:
+        raise InstanceError("the plan holds a number that is not finite (nan or inf)", "plan",
+                            "report this: a plan's figures are finite") from None
 
 
 def write_plan(plan: Plan, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(plan_to_dict(plan), indent=1) + "\n")
+    """Write the plan file atomically (a temporary file renamed onto `path`)."""
+    io.write_text(plan_text(plan), path)
 
 
 def read_plan(path: str | Path) -> Plan:
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as err:
-        raise InstanceError(f"cannot read: {err.strerror}", str(path)) from None
-    except json.JSONDecodeError as err:
-        raise InstanceError(f"line {err.lineno} column {err.colno}: invalid JSON: {err.msg}", str(path)) from None
-    return plan_from_dict(data, str(path))
+    """Load a plan file and check it against the plan schema (see `partopt.validate` for the rest)."""
+    return plan_from_dict(io.load_json(path), str(path))

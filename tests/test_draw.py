@@ -27,7 +27,8 @@ def _stage(i: int, num: int, stage_time: float, forward: float, send: float, syn
 
 
 def _plan(stages: list[StagePlan], microbatches: int, cluster: str = "p3.16xlarge", iteration: float = 0.0) -> Plan:
-    return Plan(graph="hand", cluster=cluster, nodes=1, devices_per_node=8, iteration_time_s=iteration,
+    """A one-node plan whose node holds exactly its stages' devices (so they tile it, as a valid plan's must)."""
+    return Plan(graph="hand", cluster=cluster, nodes=1, devices_per_node=2 * len(stages), iteration_time_s=iteration,
                 num_microbatches=microbatches, microbatch_size=2, stages=stages,
                 memory_peak_bytes=max(s.memory_bytes for s in stages), throughput={}, solver={},
                 options={"memory_reserve": 0.1})
@@ -138,7 +139,8 @@ def test_svg_has_one_block_per_stage_and_microbatch(tmp_path, schedule):
 
 
 def test_no_budget_line_for_an_unknown_cluster(tmp_path):
-    draw(_plan(_four_stages().stages, 4, cluster="my-own-cluster"), tmp_path / "t.svg")
+    draw(_plan(_four_stages().stages, 4, cluster="my-own-cluster", iteration=_four_stages().iteration_time_s),
+         tmp_path / "t.svg")
     root = ET.parse(tmp_path / "t.svg").getroot()
     assert not any(g.get("id") == "memory-budget" for g in root.iter(f"{SVG}g"))
 
@@ -177,8 +179,9 @@ def test_bad_suffix_is_an_instance_error(tmp_path, name):
 
 
 def test_missing_directory_is_an_instance_error(tmp_path):
-    with pytest.raises(InstanceError, match="cannot write"):
+    with pytest.raises(InstanceError, match="does not exist"):
         draw(_one_stage(), tmp_path / "no" / "such" / "t.png")
+    assert not (tmp_path / "no").exists()
 
 
 def test_unknown_schedule_is_an_instance_error(tmp_path):

@@ -14,7 +14,8 @@ from partopt.errors import InstanceError, PartoptError
 from partopt.inter import optimize
 from partopt.io import read_graph
 from partopt.models import gpt
-from partopt.plan import Plan, StagePlan
+from partopt.evaluate import evaluate
+from partopt.plan import Plan, StagePlan, plan_from_dict, plan_to_dict
 from partopt.sharding import P, R, Shard, fmt
 
 INSTANCES = Path(__file__).parent.parent / "instances"
@@ -340,3 +341,94 @@ def test_data_parallel_only_solves_export_as_pure_data_parallelism():
     devices = len(p.stages[0].devices)
     assert c is not None and c["tp"] == 1 and c["dp"] == devices
     assert c["global_batch_size"] == SMALL_GPT["batch"] and c["num_layers"] == SMALL_GPT["layers"]
+
+
+# ---------------------------------------------------------------- exports carry what the plan's prices assume
+
+def megatron_settings(args: list[str], devices: int) -> dict:
+    """What Megatron-LM would run, read back from its arguments alone (flags: present or not)."""
+    values = {a: b for a, b in zip(args, args[1:]) if a.startswith("--") and not b.startswith("--")}
+    tp, pp = int(values["--tensor-model-parallel-size"]), int(values["--pipeline-model-parallel-size"])
+    dp = devices // (tp * pp)
+    micro, total = int(values["--micro-batch-size"]), int(values["--global-batch-size"])
+    recompute = values.get("--recompute-granularity", "none")
+    if recompute == "full":  # partopt's full recomputation: every layer, in full
+        assert (values["--recompute-method"], values["--recompute-num-layers"]) == ("uniform", "1")
+    return {"tp": tp, "pp": pp, "dp": dp, "microbatches": total // (micro * dp),
+            "zero": "--use-distributed-optimizer" in args, "recompute": recompute}
+
+
+@pytest.mark.parametrize("zero,recompute", [(False, "full"), (True, "full"), (True, "none"), (False, "selective")])
+def test_megatron_arguments_re_price_to_the_plans_time_and_memory(zero, recompute):
+    """The issue's case: a recomputing plan exported without --recompute-* would need far more memory."""
+    from partopt.evaluate import uniform
+    graph = gpt(hidden=2048, layers=4, heads=16, seq=1024, vocab=1024, batch=16)
+    cluster = preset("p3.16xlarge", 1)
+    plan = uniform(graph, cluster, 2, 2, 2, microbatches=4, zero=zero, recompute=recompute)
+    read = megatron_settings(ex.to_megatron(plan), cluster.num_devices)
+    assert (read["zero"], read["recompute"]) == (zero, recompute)
+    again = uniform(graph, cluster, read["tp"], read["pp"], read["dp"], read["microbatches"], zero=read["zero"],
+                    recompute=read["recompute"])
+    assert again.iteration_time_s == pytest.approx(plan.iteration_time_s, rel=1e-9)
+    assert again.memory_peak_bytes == pytest.approx(plan.memory_peak_bytes, rel=1e-9)
+    if recompute != "none":  # without the flags the runtime keeps every activation: the export must not drop them
+        dropped = uniform(graph, cluster, read["tp"], read["pp"], read["dp"], read["microbatches"], zero=read["zero"],
+                          recompute="none")
+        assert dropped.memory_peak_bytes > (1.5 if recompute == "full" else 1.0) * plan.memory_peak_bytes
+
+
+def settings_from_export(plan: Plan, exported: dict, target: str) -> Plan:
+    """`plan` with everything the export states put back from the export: microbatches, recompute, each stage's
+    mesh, devices, parameter placements and optimizer-state axes (ops keep the plan's own strategies)."""
+    data = plan_to_dict(plan)
+    t = exported["training"]
+    assert t["schedule"] == "1f1b" and t["global_batch_size"] == t["num_microbatches"] * t["microbatch_size"]
+    data.update(num_microbatches=t["num_microbatches"], microbatch_size=t["microbatch_size"])
+    for stage, out, recompute in zip(data["stages"], exported["stages"], t["recompute"]):
+        stage["recompute"] = "none" if recompute is None else recompute["granularity"]
+        mesh = out["mesh"] if target == "jax" else out["device_mesh"]
+        grid = mesh["devices"] if target == "jax" else mesh["mesh"]
+        stage.update(logical_mesh=mesh["shape"], devices=[d for row in grid for d in row])
+        params = {}
+        for name, entry in out["params"].items():
+            state = entry.get("optimizer_state")
+            zero = set()
+            if state:  # the axes the state is split over beyond the parameter's own, and the flat ones
+                zero = (_axes_of(state, target) - _axes_of(entry, target)) | {ex.AXIS_NAMES.index(a) for a in state["flat_axes"]}
+            params[name] = {"placement": entry["placement"], "zero_axes": sorted(zero)}
+        stage["params"] = params
+    return plan_from_dict(data)
+
+
+def _axes_of(entry: dict, target: str) -> set[int]:
+    """Mesh axes that split some tensor dim in a JAX spec or a DTensor placements list."""
+    if target == "jax":
+        return {ex.AXIS_NAMES.index(n) for e in entry["spec"] if e is not None for n in ([e] if isinstance(e, str) else e)}
+    return {k for k, p in enumerate(entry["placements"]) if p["type"] == "Shard"}
+
+
+@pytest.mark.parametrize("target", ["jax", "dtensor"])
+def test_jax_and_dtensor_exports_re_price_to_the_plans_time_and_memory(tiny, target):
+    plan = optimize(tiny.graph, tiny.cluster, microbatches=2, layers=2, logical_shapes=[(2, 1)], workers=1, recompute=True)
+    assert any(info["zero_axes"] for s in plan.stages for info in s.params.values())  # ZeRO is exercised too
+    exported = json.loads(ex.export(plan, target))
+    assert exported["training"]["recompute"] == [{"granularity": "full", "method": "uniform", "num_layers": 1}] * len(plan.stages)
+    again = evaluate(tiny.graph, tiny.cluster, settings_from_export(plan, exported, target))
+    assert again.iteration_time_s == pytest.approx(plan.iteration_time_s, rel=1e-9)
+    assert [s.memory_bytes for s in again.stages] == pytest.approx([s.memory_bytes for s in plan.stages], rel=1e-9)
+    exported["training"]["recompute"] = [None] * len(plan.stages)  # what the export used to say: every activation kept
+    kept = evaluate(tiny.graph, tiny.cluster, settings_from_export(plan, exported, target))
+    assert kept.memory_peak_bytes > plan.memory_peak_bytes
+
+
+def test_exports_state_the_schedule_microbatches_and_sequence_parallelism(solved):
+    graph, p = solved[0]
+    for target in ("jax", "dtensor"):
+        t = json.loads(ex.export(p, target))["training"]
+        assert (t["schedule"], t["num_microbatches"], t["microbatch_size"]) == ("1f1b", 2, 16)
+        assert t["recompute"] == [ex.recomputation(s) for s in p.stages]
+        assert t["optimizer_state_sharded"] == any(i["zero_axes"] for s in p.stages for i in s.params.values())
+        assert set(t["sequence_parallel"]) <= set(range(len(p.stages)))
+    seq = plan([megatron_stage(norm_axes=("b", "s"))], MLP_TENSORS)
+    assert ex.training(seq)["sequence_parallel"] == [0]
+    assert ex.training(plan([megatron_stage(norm_axes=("b", None))], MLP_TENSORS))["sequence_parallel"] == []

@@ -1,0 +1,76 @@
+"""Re-derive a plan's figures from scratch and list those that differ (what `partopt check` reports).
+
+The plan is first validated (`partopt.validate`), then priced again by `partopt.evaluate.evaluate`
+on the graph and cluster with its own options (backend, memory reserve, layers, recompute): the
+devices each stage gets, its latency, forward share, sends, synchronisation, memory and in-flight
+microbatches, the iteration time, peak memory and throughput must all come back within a relative
+1e-6, and every stage's memory must fit the device's budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from partopt import costmodel, evaluate
+from partopt.cluster import Cluster
+from partopt.errors import InfeasibleError
+from partopt.graph import Graph
+from partopt.plan import Plan
+from partopt.solvers import BACKENDS
+from partopt.validate import check_against, check_plan, close, mismatches
+
+PLAN_FIELDS = ("num_microbatches", "microbatch_size", "iteration_time_s", "memory_peak_bytes")
+STAGE_FIELDS = ("layers", "submesh", "logical_mesh", "devices", "stage_time_s", "forward_s", "send_time_s",
+                "sync_time_s", "memory_bytes", "inflight_microbatches")
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One figure of the plan file that the re-derivation does not reproduce."""
+
+    place: str  # JSON path in the plan file
+    stored: Any
+    derived: Any
+
+    def line(self) -> str:
+        return f"{self.place}: the plan says {self.stored!r}, re-derived {self.derived!r}"
+
+
+def _same(stored: Any, derived: Any) -> bool:
+    if isinstance(stored, (int, float)) and isinstance(derived, (int, float)) and not isinstance(stored, bool):
+        return close(float(stored), float(derived))
+    return stored == derived
+
+
+def compare(plan: Plan, derived: Plan) -> list[Difference]:
+    """The figures of `plan` that `derived` (the same plan priced again) does not reproduce."""
+    found = [Difference(f"$.{name}", getattr(plan, name), getattr(derived, name))
+             for name in PLAN_FIELDS if not _same(getattr(plan, name), getattr(derived, name))]
+    found += [Difference(f"$.throughput.{k}", plan.throughput[k], derived.throughput[k])
+              for k in derived.throughput if k in plan.throughput and not _same(plan.throughput[k], derived.throughput[k])]
+    for i, (mine, theirs) in enumerate(zip(plan.stages, derived.stages)):
+        found += [Difference(f"$.stages[{i}].{name}", getattr(mine, name), getattr(theirs, name))
+                  for name in STAGE_FIELDS if not _same(getattr(mine, name), getattr(theirs, name))]
+    return found
+
+
+def differences(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan") -> list[Difference]:
+    """Every figure of `plan` that does not hold on `graph` and `cluster` (empty: consistent).
+
+    An invalid plan raises InstanceError (see `partopt.validate`); a plan whose re-derived memory
+    does not fit is a difference, not an error."""
+    check_plan(plan, where, figures=False)
+    check_against(plan, graph, cluster, where)
+    found = [Difference(*mismatch) for mismatch in mismatches(plan)]
+    reserve = plan.options.get("memory_reserve", costmodel.DEFAULT_MEMORY_RESERVE)
+    budget = costmodel.memory_budget(cluster.device, reserve)
+    found += [Difference(f"$.stages[{i}].memory_bytes", stage.memory_bytes, f"over the budget of {budget!r} bytes")
+              for i, stage in enumerate(plan.stages) if stage.memory_bytes > budget * (1 + 1e-12)]
+    backend = plan.solver.get("backend")
+    try:
+        derived = evaluate.evaluate(graph, cluster, plan, where=where, memory_reserve=reserve,
+                                    **({"backend": backend} if backend in BACKENDS else {}))
+    except InfeasibleError as err:
+        return [*found, Difference(err.where or "$.stages", "fits the device memory", err.cause)]
+    return found + [d for d in compare(plan, derived) if d not in found]

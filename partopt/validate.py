@@ -1,0 +1,267 @@
+"""Semantic checks of a plan: what its schema cannot say, on its own and against a graph and a cluster.
+
+`check_plan` needs only the plan: stages cover the DP layers once and in order, submeshes are
+shapes of the plan's cluster that its stages tile exactly with distinct devices, logical meshes
+factor their submesh, placements parse, and the stored figures agree with each other
+(memory = state + in-flight activations + working set, iteration = Σt + (B − 1)·max t + max sync).
+`check_against` adds the graph and the cluster: the plan was made for them, its microbatches
+divide the graph's batch, its stages cover the graph's layers, and every op and parameter it
+names exists, sits in its stage and has a strategy that is legal for its dims on that mesh.
+Each problem is an InstanceError naming the file, the JSON path, what is wrong and what to do.
+`cluster_warnings` and `plan_warnings` list absurd but valid magnitudes (an iteration beyond a year, a link below 1 byte/s).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from partopt import intra
+from partopt.cluster import Cluster
+from partopt.errors import InstanceError
+from partopt.export import parse_placement
+from partopt.graph import Graph
+from partopt.io import at
+from partopt.layering import build_layers
+from partopt.plan import Plan, StagePlan, read_plan
+from partopt.sharding import Shard, fmt, op_strategies, param_strategies
+
+TOLERANCE = 1e-6  # relative: stored figures are sums of the same floats in the same order
+YEAR_S = 365.25 * 24 * 3600
+MESH_AXES = 2
+_REDO = "re-solve the plan with `partopt solve -o`, or fix the field"
+
+
+def close(a: float, b: float, tolerance: float = TOLERANCE) -> bool:
+    """Whether two stored figures agree within `tolerance`, relative to the larger."""
+    return abs(a - b) <= tolerance * max(abs(a), abs(b))
+
+
+# ---------------------------------------------------------------- the plan on its own
+
+def _check_layers(plan: Plan, where: str) -> None:
+    """Stages cover DP layers 0, 1, … once and in order (how many there are needs the graph)."""
+    expected = 0
+    for i, stage in enumerate(plan.stages):
+        first, last = stage.layers
+        if first != expected or last < first:
+            raise InstanceError(f"stage {i} covers DP layers [{first}, {last}] but the next uncovered layer is {expected}",
+                                at(where, f"$.stages[{i}].layers"), "stages cover the DP layers 0, 1, … once, in order")
+        expected = last + 1
+
+
+def _check_devices(plan: Plan, where: str) -> None:
+    """Submeshes are (1, k) or (n, M) shapes of the plan's cluster, each stage's devices are one such
+    block (k devices of one node, or n whole nodes), and the stages tile the cluster exactly."""
+    n_nodes, m = plan.nodes, plan.devices_per_node
+    owner: dict[int, int] = {}
+    for i, stage in enumerate(plan.stages):
+        place = f"$.stages[{i}]"
+        n, k = stage.submesh
+        if n > n_nodes or k > m or (n > 1 and k != m):
+            raise InstanceError(f"submesh {stage.submesh} is not a submesh of the plan's {n_nodes} × {m} cluster",
+                                at(where, f"{place}.submesh"), f"use [1, k] with k ≤ {m}, or [n, {m}] with n ≤ {n_nodes}")
+        a, b = stage.logical_mesh
+        if a * b != n * k:
+            raise InstanceError(f"logical mesh {stage.logical_mesh} has {a * b} devices, its submesh {stage.submesh} "
+                                f"has {n * k}", at(where, f"{place}.logical_mesh"), "make a × b equal the submesh's devices")
+        if len(stage.devices) != n * k:
+            raise InstanceError(f"{len(stage.devices)} devices for submesh {stage.submesh} of {n * k}",
+                                at(where, f"{place}.devices"), "list one device id per device of the submesh")
+        for j, d in enumerate(stage.devices):
+            if d >= n_nodes * m:
+                raise InstanceError(f"device {d} does not exist in the plan's {n_nodes} × {m} cluster "
+                                    f"(ids 0–{n_nodes * m - 1})", at(where, f"{place}.devices[{j}]"), _REDO)
+            if d in owner:
+                raise InstanceError(f"device {d} is also used by stage {owner[d]}", at(where, f"{place}.devices[{j}]"),
+                                    "give every stage its own devices")
+            owner[d] = i
+        nodes = sorted({d // m for d in stage.devices})
+        if len(nodes) != n:
+            raise InstanceError(f"devices {stage.devices} span {len(nodes)} nodes, submesh {stage.submesh} spans {n}",
+                                at(where, f"{place}.devices"), f"a [1, k] submesh lies in one node; [n, {m}] takes whole nodes")
+    if len(owner) != n_nodes * m:
+        raise InstanceError(f"the stages use {len(owner)} of the cluster's {n_nodes * m} devices", at(where, "$.stages"),
+                            "a plan's submeshes tile the whole cluster")
+
+
+def _check_placement(text: str, tensor: dict[str, Any] | None, place: str) -> None:
+    placement = parse_placement(text, place)
+    if len(placement) != MESH_AXES:
+        raise InstanceError(f"placement {text} has {len(placement)} entries for a {MESH_AXES}-axis mesh", place,
+                            "give one entry (S(dim), R or P) per mesh axis")
+    if tensor is not None:
+        for p in placement:
+            if isinstance(p, Shard) and p.dim not in tensor["dims"]:
+                raise InstanceError(f"placement {text} splits {p.dim!r}, which the tensor {tensor['dims']} lacks", place,
+                                    "split only the tensor's own dims")
+
+
+def _check_strategies(plan: Plan, stage: StagePlan, place: str) -> None:
+    tensors = plan.tensors or {}
+    for op, info in stage.ops.items():
+        here = f"{place}.ops[{op!r}]"
+        if len(info["axes"]) != MESH_AXES:
+            raise InstanceError(f"op {op} has {len(info['axes'])} axis entries for a {MESH_AXES}-axis mesh",
+                                f"{here}.axes", "give one dim (or null) per mesh axis")
+        if tensors and info["tensor"] not in tensors:
+            raise InstanceError(f"op {op}'s tensor {info['tensor']!r} is not in the plan's tensors", f"{here}.tensor", _REDO)
+        _check_placement(info["output"], tensors.get(info["tensor"]), f"{here}.output")
+        for j, text in enumerate(info["inputs"]):
+            _check_placement(text, None, f"{here}.inputs[{j}]")
+    for name, info in stage.params.items():
+        here = f"{place}.params[{name!r}]"
+        if tensors and name not in tensors:
+            raise InstanceError(f"parameter {name!r} is not in the plan's tensors", here, _REDO)
+        _check_placement(info["placement"], tensors.get(name), f"{here}.placement")
+
+
+def mismatches(plan: Plan) -> list[tuple[str, float, float]]:
+    """The stored figures that disagree with the others (JSON path, stored, derived from its parts):
+    what `explain` and `draw` would show without re-pricing."""
+    S, B = len(plan.stages), plan.num_microbatches
+    found = []
+    for i, stage in enumerate(plan.stages):
+        bd = stage.breakdown
+        if stage.inflight_microbatches != min(S - i, B):
+            found.append((f"$.stages[{i}].inflight_microbatches", stage.inflight_microbatches, min(S - i, B)))
+        for name in ("forward_s", "send_time_s"):
+            if getattr(stage, name) > stage.stage_time_s * (1 + TOLERANCE):
+                found.append((f"$.stages[{i}].{name}", getattr(stage, name), f"at most stage_time_s {stage.stage_time_s!r}"))
+        memory = bd["param_bytes"] + stage.inflight_microbatches * bd["activation_bytes"] + bd.get("working_bytes", 0.0)
+        if not close(stage.memory_bytes, memory):
+            found.append((f"$.stages[{i}].memory_bytes", stage.memory_bytes, memory))
+    peak = max(s.memory_bytes for s in plan.stages)
+    if not close(plan.memory_peak_bytes, peak):
+        found.append(("$.memory_peak_bytes", plan.memory_peak_bytes, peak))
+    times = [s.stage_time_s for s in plan.stages]
+    iteration = sum(times) + (B - 1) * max(times) + max(s.sync_time_s for s in plan.stages)
+    if not close(plan.iteration_time_s, iteration):
+        found.append(("$.iteration_time_s", plan.iteration_time_s, iteration))
+    return found
+
+
+def check_plan(plan: Plan, where: str = "plan", figures: bool = True) -> None:
+    """InstanceError unless `plan` is consistent on its own (see the module docstring); `figures=False`
+    leaves the stored figures' agreement to the caller (`partopt check` lists every mismatch)."""
+    _check_layers(plan, where)
+    _check_devices(plan, where)
+    if plan.batch_dim is not None:
+        for name, t in (plan.tensors or {}).items():
+            if plan.batch_dim in t["dims"] and len(t["shape"]) == len(t["dims"]):
+                size = t["shape"][t["dims"].index(plan.batch_dim)]
+                if size != plan.microbatch_size:
+                    raise InstanceError(f"tensor {name!r} holds {size} samples per microbatch, microbatch_size is "
+                                        f"{plan.microbatch_size}", at(where, f"$.tensors[{name!r}].shape"), _REDO)
+    for i, stage in enumerate(plan.stages):
+        _check_strategies(plan, stage, at(where, f"$.stages[{i}]"))
+    found = mismatches(plan) if figures else []
+    if found:
+        path, stored, derived = found[0]
+        raise InstanceError(f"{path.rsplit('.', 1)[-1]} is {stored!r} but the plan's other figures give {derived!r}",
+                            at(where, path), _REDO)
+
+
+# ---------------------------------------------------------------- the plan against its graph and cluster
+
+def _check_target(plan: Plan, graph: Graph, cluster: Cluster, where: str) -> None:
+    if plan.graph != graph.name:
+        raise InstanceError(f"the plan was made for graph {plan.graph!r}, not {graph.name!r}", at(where, "$.graph"),
+                            "give the graph the plan was made for")
+    if (plan.cluster, plan.nodes, plan.devices_per_node) != (cluster.name, cluster.nodes, cluster.devices_per_node):
+        raise InstanceError(f"the plan was made for {plan.cluster!r} with {plan.nodes} × {plan.devices_per_node} devices, "
+                            f"not {cluster.name!r} with {cluster.nodes} × {cluster.devices_per_node}",
+                            at(where, "$.cluster"),
+                            f"give --cluster {plan.cluster} --nodes {plan.nodes}, or re-solve for this cluster")
+    if plan.batch_dim != graph.batch_dim or graph.batch_dim is None:
+        raise InstanceError(f"the plan splits batch dim {plan.batch_dim!r}, the graph's is {graph.batch_dim!r}",
+                            at(where, "$.batch_dim"), "re-solve the plan for this graph")
+    batch = graph.dims[graph.batch_dim]
+    if plan.num_microbatches * plan.microbatch_size != batch:
+        raise InstanceError(f"{plan.num_microbatches} microbatches of {plan.microbatch_size} samples are not the graph's "
+                            f"batch of {batch}", at(where, "$.num_microbatches"),
+                            "make num_microbatches × microbatch_size equal the batch")
+
+
+def _check_tensors(plan: Plan, g_mb: Graph, where: str) -> None:
+    for name, t in (plan.tensors or {}).items():
+        tensor = g_mb.tensors.get(name)
+        place = at(where, f"$.tensors[{name!r}]")
+        if tensor is None:
+            raise InstanceError(f"tensor {name!r} is not in the graph", place, _REDO)
+        expected = {"dims": list(tensor.dims), "shape": [g_mb.dims[d] for d in tensor.dims], "role": tensor.role}
+        if {k: t[k] for k in expected} != expected:
+            raise InstanceError(f"tensor {name!r} is {t['dims']} {t['shape']} {t['role']}, the graph's (one microbatch) is "
+                                f"{expected['dims']} {expected['shape']} {expected['role']}", place, _REDO)
+
+
+def check_against(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan") -> None:
+    """InstanceError unless `plan` (already `check_plan`-ed) fits `graph` and `cluster` (module docstring)."""
+    _check_target(plan, graph, cluster, where)
+    layering = build_layers(graph, plan.options.get("layers"))
+    last = plan.stages[-1].layers[1]
+    if last != len(layering.groups) - 1:
+        raise InstanceError(f"the stages cover DP layers 0–{last}, the graph has {len(layering.groups)} "
+                            f"(with layers = {plan.options.get('layers')})", at(where, "$.stages"),
+                            f"cover DP layers 0–{len(layering.groups) - 1}")
+    g_mb = intra.with_batch(graph, plan.microbatch_size)
+    _check_tensors(plan, g_mb, where)
+    for i, stage in enumerate(plan.stages):
+        place = f"$.stages[{i}]"
+        mesh = cluster.logical_mesh(tuple(stage.submesh), tuple(stage.logical_mesh))
+        ops = {op.name: op for j in range(stage.layers[0], stage.layers[1] + 1) for op in layering.ops(j)}
+        for name, info in stage.ops.items():
+            here = at(where, f"{place}.ops[{name!r}]")
+            if name not in ops:
+                raise InstanceError(f"op {name!r} is {'not in the graph' if name not in graph.op_index else 'not in this stage'}"
+                                    f" (layers {stage.layers[0]}–{stage.layers[1]})", here,
+                                    "list each op under the stage that runs it")
+            op = g_mb.op_index[name]
+            if (info["kind"], info["tensor"]) != (op.kind, op.output):
+                raise InstanceError(f"op {name} is recorded as a {info['kind']} making {info['tensor']!r}; the graph's is a "
+                                    f"{op.kind} making {op.output!r}", here, _REDO)
+            legal = {tuple(s.axes): s for s in op_strategies(g_mb, op, mesh)}
+            strategy = legal.get(tuple(info["axes"]))
+            if strategy is None:
+                raise InstanceError(f"op {name} cannot split {info['axes']} on mesh {stage.logical_mesh} (a dim it lacks, or "
+                                    f"a split that does not divide its size)", f"{here}.axes",
+                                    f"use one of {sorted(map(str, legal), key=len)[:4]} …")
+            recorded = (info["inputs"], info["output"])
+            if recorded != ([fmt(x) for x in strategy.inputs], fmt(strategy.output)):
+                raise InstanceError(f"op {name}'s placements {recorded} do not follow from its axes {info['axes']}",
+                                    here, _REDO)
+        for name, info in stage.params.items():
+            here = at(where, f"{place}.params[{name!r}]")
+            tensor = g_mb.tensors.get(name)
+            if tensor is None or tensor.role != "param":
+                raise InstanceError(f"{name!r} is not a parameter of the graph", here, _REDO)
+            legal = {(fmt(s.placement), tuple(s.zero_axes)) for s in param_strategies(g_mb, tensor, mesh)}
+            if (info["placement"], tuple(info.get("zero_axes", ()))) not in legal:
+                raise InstanceError(f"parameter {name} cannot be placed {info['placement']} with zero_axes "
+                                    f"{info.get('zero_axes', [])} on mesh {stage.logical_mesh}", here,
+                                    "split only its dims, by divisors of their sizes; ZeRO only over replicated axes")
+
+
+def read_checked(path: str, graph: Graph | None = None, cluster: Cluster | None = None) -> Plan:
+    """A plan file, schema- and `check_plan`-checked, and `check_against` the graph and cluster when given."""
+    plan = read_plan(path)
+    check_plan(plan, path)
+    if graph is not None and cluster is not None:
+        check_against(plan, graph, cluster, path)
+    return plan
+
+
+# ---------------------------------------------------------------- absurd magnitudes
+
+def cluster_warnings(cluster: Cluster) -> list[str]:
+    """Valid but absurd cluster figures: links or device memory slower than 1 byte/s."""
+    rates = (("intra-node link", cluster.intra_node.bandwidth), ("inter-node link", cluster.inter_node.bandwidth),
+             ("device memory", cluster.device.memory_bandwidth))
+    return [f"cluster {cluster.name!r}: the {name} moves {rate:.3g} bytes/s, below 1 byte/s"
+            for name, rate in rates if rate < 1]
+
+
+def plan_warnings(plan: Plan) -> list[str]:
+    """Valid but absurd plan figures: an iteration longer than a year."""
+    if plan.iteration_time_s > YEAR_S:
+        return [f"one iteration of the plan takes {plan.iteration_time_s / YEAR_S:.3g} years"]
+    return []

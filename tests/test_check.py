@@ -1,0 +1,108 @@
+"""`partopt check`: solved plans re-derive clean; an edited time, memory or device list is reported
+(exit 1), as is a plan whose memory no longer fits; `solve` refuses to write a plan that does not
+re-derive."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from partopt import check
+from partopt.cli import main
+from partopt.inter import optimize
+from partopt.plan import plan_from_dict
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def edited(tiny, tmp_path, change) -> str:
+    data = json.loads(Path(tiny.plan_file).read_text())
+    change(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def check_cli(tiny, plan: str):
+    return run("check", plan, "--graph", tiny.graph_file, "--cluster", tiny.cluster_file)
+
+
+def test_a_solved_plan_checks_clean(tiny):
+    result = check_cli(tiny, tiny.plan_file)
+    assert result.exit_code == 0, result.output + result.stderr
+    assert "consistent" in result.stdout
+
+
+@pytest.mark.parametrize("search", [{"inter_only": True}, {"intra_only": True}, {"data_parallel_only": True},
+                                    {"stage_data_parallel": True}, {"recompute": True},
+                                    {"logical_shapes": "all", "microbatches": [1, 2], "layers": 3}])
+def test_solved_plans_of_every_search_re_derive(tiny, search):
+    options = {"microbatches": 2, "layers": 2, "workers": 1, **search}
+    # inter-only puts each stage on one device: two devices for the tiny graph's two layers
+    cluster = dataclasses.replace(tiny.cluster, devices_per_node=2) if "inter_only" in search else tiny.cluster
+    plan = optimize(tiny.graph, cluster, **options)
+    assert check.differences(plan, tiny.graph, cluster) == []
+
+
+def test_an_edited_stage_time_is_reported_with_the_iteration_it_implies(tiny, tmp_path):
+    slower = edited(tiny, tmp_path, lambda d: d["stages"][1].__setitem__("stage_time_s", d["stages"][1]["stage_time_s"] * 2))
+    result = check_cli(tiny, slower)
+    assert result.exit_code == 1
+    stored = json.loads(Path(tiny.plan_file).read_text())["stages"][1]["stage_time_s"]
+    lines = result.stdout.splitlines()
+    assert f"{slower}: $.stages[1].stage_time_s: the plan says {stored * 2!r}, re-derived {stored!r}" in lines
+    assert any(line.startswith(f"{slower}: $.iteration_time_s: the plan says") for line in lines)
+
+
+def test_an_edited_memory_is_reported(tiny, tmp_path):
+    def smaller(d):  # consistent on its own (parts and total halved), but not what the graph needs
+        s = d["stages"][0]
+        s["breakdown"]["param_bytes"] /= 2
+        s["memory_bytes"] = s["breakdown"]["param_bytes"] + s["inflight_microbatches"] * s["breakdown"]["activation_bytes"] \
+            + s["breakdown"]["working_bytes"]
+        d["memory_peak_bytes"] = max(x["memory_bytes"] for x in d["stages"])
+    result = check_cli(tiny, edited(tiny, tmp_path, smaller))
+    assert result.exit_code == 1
+    assert "$.stages[0].memory_bytes: the plan says" in result.stdout
+
+
+def test_swapped_devices_are_reported(tiny, tmp_path):
+    def swap(d):
+        d["stages"][0]["devices"], d["stages"][1]["devices"] = d["stages"][1]["devices"], d["stages"][0]["devices"]
+    result = check_cli(tiny, edited(tiny, tmp_path, swap))
+    assert result.exit_code == 1
+    assert "$.stages[0].devices: the plan says [2, 3], re-derived [0, 1]" in result.stdout
+
+
+def test_memory_over_the_device_budget_is_reported(tiny, tmp_path):
+    # a reserve leaving 1e-9 of the 16 GiB (17 bytes) to a stage that needs megabytes
+    squeezed = edited(tiny, tmp_path, lambda d: d["options"].__setitem__("memory_reserve", 1 - 1e-9))
+    result = check_cli(tiny, squeezed)
+    assert result.exit_code == 1
+    assert "$.stages[0].memory_bytes" in result.stdout and "over the budget" in result.stdout
+
+
+def test_solve_refuses_to_write_a_plan_that_does_not_re_derive(tiny, tmp_path, monkeypatch):
+    import partopt.cli
+
+    def off_by_a_bit(graph, cluster, **kwargs):
+        plan = optimize(graph, cluster, microbatches=2, layers=2, logical_shapes=[(2, 1)], workers=1)
+        stages = [dataclasses.replace(plan.stages[0], sync_time_s=plan.stages[0].sync_time_s * 1.01), *plan.stages[1:]]
+        return dataclasses.replace(plan, stages=stages)
+    monkeypatch.setattr(partopt.cli, "optimize", off_by_a_bit)
+    out = tmp_path / "plan.json"
+    result = run("solve", tiny.graph_file, "--cluster", tiny.cluster_file, "-o", out)
+    assert result.exit_code == 1
+    assert "$.stages[0].sync_time_s" in result.stderr and "nothing written" in result.stderr
+    assert not out.exists()
+
+
+def test_differences_of_a_plan_read_back_are_none(tiny):
+    plan = plan_from_dict(json.loads(Path(tiny.plan_file).read_text()))
+    assert check.compare(plan, tiny.plan) == []
