@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from partopt import evaluate, io, models, reproduce
+from partopt import evaluate, io, models
 from partopt.cluster import PRESETS, Cluster, Link, preset
 from partopt.costmodel import training_flops
 from partopt.draw import draw
@@ -446,13 +446,15 @@ def reproduce_group() -> None:
 def reproduce_alpa(quick: bool) -> None:
     """Alpa's Figure 7 cases with every planner, beside the paper's figures (scripts/reproduce_alpa.py also
     writes docs/benchmarks.md, the figure and the ablation)."""
+    from partopt.bench import alpa, harness, report  # the benchmarks are not the planner: loaded only here
+
     out = Console()
-    selected = reproduce.cases(["gpt"], reproduce.QUICK_MAX_GPUS) if quick else reproduce.cases()
-    results = reproduce.run(selected, lambda case, planner: out.log(
-        f"{case.instance} on {case.gpus} GPUs: {reproduce.PLANNER_TITLES[planner]}"))
-    for model in reproduce.MODELS:
-        for title, (header, rows) in ((f"{model}: per-GPU TFLOP/s, predicted (paper)", reproduce.results_rows(model, results)),
-                                      (f"{model}: plans", reproduce.plan_rows(model, results))):
+    selected = alpa.cases(["gpt"], alpa.QUICK_MAX_GPUS) if quick else alpa.cases()
+    results = harness.run(selected, lambda case, planner: out.log(
+        f"{case.instance} on {case.gpus} GPUs: {alpa.PLANNER_TITLES[planner]}"))
+    for model in alpa.MODELS:
+        for title, (header, rows) in ((f"{model}: per-GPU TFLOP/s, predicted (paper)", report.results_rows(model, results)),
+                                      (f"{model}: plans", report.plan_rows(model, results))):
             if rows:
                 table = Table(title=title)
                 for column in header:
@@ -460,7 +462,7 @@ def reproduce_alpa(quick: bool) -> None:
                 for row in rows:
                     table.add_row(*row)
                 out.print(table)
-    found = reproduce.checks(results)
+    found = harness.checks(results)
     for check in found:
         out.print(f"{'PASS' if check.passed else 'FAIL'} {check.name} — {check.detail}")
     if not all(check.passed for check in found):
