@@ -27,7 +27,7 @@ from partopt.ops import KINDS, is_matmul
 from partopt.plan import Plan, plan_to_dict, read_plan, write_plan
 from partopt.simulate import SCHEDULES
 from partopt.solvers import BACKENDS
-from partopt.units import fmt_bytes, fmt_seconds
+from partopt.units import fmt_bytes, fmt_scaled, fmt_seconds
 
 EXIT_USER_ERROR = 2  # bad input: a file, a preset name or an impossible request
 PEAK_DTYPES_SHOWN = ("fp16", "fp32")
@@ -71,16 +71,6 @@ def load_instance(source: str, nodes: int | None = None) -> Graph | Cluster:
 def print_json(facts: dict[str, Any]) -> None:
     """The facts as one JSON object on stdout (keys in a fixed order, numbers unformatted)."""
     click.echo(json.dumps(facts, indent=2))
-
-
-def _scaled(value: float, unit: str, binary: bool = False) -> str:
-    """`value` with an SI (or binary, for bytes) prefix: 3.2e12 FLOP -> '3.2 TFLOP'."""
-    base, prefixes = (1024, ("", "Ki", "Mi", "Gi", "Ti", "Pi")) if binary else (1000, ("", "k", "M", "G", "T", "P", "E"))
-    i = 0
-    while abs(value) >= base and i < len(prefixes) - 1:
-        value /= base
-        i += 1
-    return f"{value:.4g} {prefixes[i]}{unit}"
 
 
 def _facts_table(title: str, rows: list[tuple[str, str]]) -> Table:
@@ -154,8 +144,8 @@ def cluster_facts(cluster: Cluster) -> dict[str, Any]:
 
 
 def _per_sample(total: float, per_sample: float | None) -> str:
-    text = _scaled(total, "FLOP")
-    return text if per_sample is None else f"{_scaled(per_sample, 'FLOP')} per sample ({text} per batch)"
+    text = fmt_scaled(total, "FLOP")
+    return text if per_sample is None else f"{fmt_scaled(per_sample, 'FLOP')} per sample ({text} per batch)"
 
 
 def _render_graph(f: dict[str, Any]) -> list[Table]:
@@ -166,11 +156,11 @@ def _render_graph(f: dict[str, Any]) -> list[Table]:
         ("ops", str(f["ops"])),
         ("layers", str(f["layers"])),
         ("parameters", f"{f['params']:,} ({f['params_billions']:.4g} B)"),
-        ("parameter bytes", _scaled(f["param_bytes"], "B", binary=True)),
+        ("parameter bytes", fmt_bytes(f["param_bytes"])),
         ("forward", _per_sample(f["forward_flops"], f["forward_flops_per_sample"])),
         ("training (fwd + bwd)", _per_sample(f["training_flops"], f["training_flops_per_sample"])),
         ("largest activation", "none" if largest is None else
-         f"{largest['name']} [{', '.join(largest['dims'])}] {_scaled(largest['bytes'], 'B', binary=True)}"),
+         f"{largest['name']} [{', '.join(largest['dims'])}] {fmt_bytes(largest['bytes'])}"),
     ])
     kinds = Table(title="ops by kind", title_justify="left")
     for column in ("kind", "ops", "forward GFLOP", "share"):
@@ -191,8 +181,8 @@ def _render_cluster(f: dict[str, Any]) -> list[Table]:
     return [_facts_table(f"cluster {f['name']}", [
         ("devices", f"{f['nodes']} nodes × {f['devices_per_node']} = {f['devices']} × {f['device']}"),
         ("peak PFLOP/s (cluster)", peaks),
-        ("memory", f"{_scaled(f['memory_bytes_per_device'], 'B', binary=True)} per device, "
-                   f"{_scaled(f['memory_bytes_total'], 'B', binary=True)} total"),
+        ("memory", f"{fmt_bytes(f['memory_bytes_per_device'])} per device, "
+                   f"{fmt_bytes(f['memory_bytes_total'])} total"),
         ("HBM bandwidth", f"{f['memory_bandwidth_bytes_per_s'] / 1e9:.4g} GB/s per device"),
         ("efficiency", f"matmul {f['matmul_efficiency']:.0%} of peak, memory {f['memory_efficiency']:.0%} of HBM"),
         ("intra-node link", link(f["intra_node"])),
