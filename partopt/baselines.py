@@ -55,7 +55,7 @@ def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32, **options
     return best
 
 
-def megatron_config(plan: Plan) -> str:
+def megatron_grid_point(plan: Plan) -> str:
     """'tp 2 · pp 4 · dp 1 · B 64' of a uniform plan."""
     tp_dp = plan.stages[0].logical_mesh
     return f"tp {tp_dp[1]} · pp {len(plan.stages)} · dp {tp_dp[0]} · B {plan.num_microbatches}"

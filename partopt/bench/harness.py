@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from partopt.bench.alpa import (ABLATION_METHODS, ABLATION_REPORTED, ERROR_BAND, MODELS, PLANNER_TITLES,
                                 Case, Efficiency, cases, cluster_for, format_meshes, load, model_options, plan_with,
                                 tflops_per_gpu)
-from partopt.baselines import megatron_config
+from partopt.baselines import megatron_grid_point
 from partopt.cluster import Cluster
 from partopt.errors import InfeasibleError
 from partopt.evaluate import price
@@ -71,7 +71,7 @@ def run_case(case: Case, planners: Sequence[str] | None = None, microbatches: in
         except InfeasibleError as err:
             cells[planner] = Cell(planner, None, None, time.perf_counter() - start, err.line())
             continue
-        detail = megatron_config(plan) if planner == "megatron" else ""
+        detail = megatron_grid_point(plan) if planner == "megatron" else ""
         cells[planner] = Cell(planner, tflops_per_gpu(case.model, graph, plan), plan, time.perf_counter() - start, detail)
     return CaseResult(case, cells, cache)
 
