@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from partopt import evaluate, io, models
+from partopt import baselines, evaluate, io, models
 from partopt.cluster import PRESETS, Cluster, Link, preset
 from partopt.costmodel import training_flops
 from partopt.draw import draw
@@ -280,8 +280,11 @@ def _render_plan(plan: Plan) -> list[Table]:
               help="Seconds per ILP.")
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
-@click.option("--search", type=click.Choice(["full", "intra-only", "inter-only", "data-parallel-only", "pp-dp"]),
-              default="full", show_default=True, help="Restrict the search (baselines).")
+@click.option("--search", type=click.Choice(["full", "intra-only", "inter-only", "data-parallel-only", "pp-dp", "megatron"]),
+              default="full", show_default=True,
+              help="Restrict the search (baselines); megatron: the best uniform (tp, pp, dp, microbatches) grid point "
+              "(it searches its own microbatches and stages: --microbatches, --layers, --logical-shapes, --submeshes "
+              "and --workers do not apply).")
 @click.option("--logical-shapes", type=click.Choice(["node_local", "all"]), default="node_local", show_default=True,
               help="Logical meshes per submesh: second axis inside a node (Alpa's space), or every factorisation.")
 @click.option("--submeshes", type=click.Choice(["alpa", "power_of_two"]), default="alpa", show_default=True,
@@ -302,6 +305,10 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
     restrict = {"intra-only": {"intra_only": True}, "inter-only": {"inter_only": True},
                 "data-parallel-only": {"data_parallel_only": True},
                 "pp-dp": {"stage_data_parallel": True}}.get(search, {})
+    if search == "megatron":
+        _emit(baselines.megatron(graph, cluster, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
+                                 recompute=recompute), output, as_json)
+        return
     console = Console(stderr=True)
     with Progress(TextColumn("pricing stage candidates"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:

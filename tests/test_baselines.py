@@ -43,3 +43,19 @@ def test_deepspeed_is_one_data_parallel_stage_and_ppdp_has_no_zero(small):
     plan = baselines.ppdp(graph, cluster, microbatches=4)
     assert all(not p["zero_axes"] for s in plan.stages for p in s.params.values())
     assert set(baselines.BASELINES) == {"megatron", "deepspeed", "ppdp"}
+
+
+def test_solve_search_megatron_writes_the_grid_search_plan(small, tmp_path):
+    from click.testing import CliRunner
+
+    from partopt.cli import main
+    from partopt.io import write_cluster, write_graph
+    from partopt.plan import read_plan
+
+    graph, cluster = small
+    write_graph(graph, tmp_path / "g.json")
+    write_cluster(cluster, tmp_path / "c.json")
+    result = CliRunner().invoke(main, ["solve", str(tmp_path / "g.json"), "--cluster", str(tmp_path / "c.json"),
+                                       "--search", "megatron", "-o", str(tmp_path / "plan.json")])
+    assert result.exit_code == 0, result.output
+    assert read_plan(tmp_path / "plan.json").iteration_time_s == baselines.megatron(graph, cluster).iteration_time_s
