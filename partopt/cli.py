@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from partopt import check, evaluate, io, models, reproduce, validate
+from partopt import baselines, check, evaluate, io, models, validate
 from partopt.cluster import PRESETS, Cluster, Link, preset
 from partopt.costmodel import training_flops
 from partopt.draw import draw
@@ -34,7 +34,7 @@ from partopt.ops import KINDS, is_matmul
 from partopt.plan import Plan, plan_text, read_plan, write_plan
 from partopt.simulate import SCHEDULES
 from partopt.solvers import BACKENDS
-from partopt.units import fmt_bytes, fmt_seconds
+from partopt.units import fmt_bytes, fmt_scaled, fmt_seconds
 
 RECOMPUTE_CHOICES = ("auto", *RECOMPUTE_MODES)
 EXIT_USER_ERROR = 2  # bad input: a file, a preset name or an impossible request
@@ -125,16 +125,6 @@ def print_json(facts: dict[str, Any]) -> None:
     click.echo(json.dumps(facts, indent=2))
 
 
-def _scaled(value: float, unit: str, binary: bool = False) -> str:
-    """`value` with an SI (or binary, for bytes) prefix: 3.2e12 FLOP -> '3.2 TFLOP'."""
-    base, prefixes = (1024, ("", "Ki", "Mi", "Gi", "Ti", "Pi")) if binary else (1000, ("", "k", "M", "G", "T", "P", "E"))
-    i = 0
-    while abs(value) >= base and i < len(prefixes) - 1:
-        value /= base
-        i += 1
-    return f"{value:.4g} {prefixes[i]}{unit}"
-
-
 def _facts_table(title: str, rows: list[tuple[str, str]]) -> Table:
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold")
@@ -206,8 +196,8 @@ def cluster_facts(cluster: Cluster) -> dict[str, Any]:
 
 
 def _per_sample(total: float, per_sample: float | None) -> str:
-    text = _scaled(total, "FLOP")
-    return text if per_sample is None else f"{_scaled(per_sample, 'FLOP')} per sample ({text} per batch)"
+    text = fmt_scaled(total, "FLOP")
+    return text if per_sample is None else f"{fmt_scaled(per_sample, 'FLOP')} per sample ({text} per batch)"
 
 
 def _render_graph(f: dict[str, Any]) -> list[Table]:
@@ -218,11 +208,11 @@ def _render_graph(f: dict[str, Any]) -> list[Table]:
         ("ops", str(f["ops"])),
         ("layers", str(f["layers"])),
         ("parameters", f"{f['params']:,} ({f['params_billions']:.4g} B)"),
-        ("parameter bytes", _scaled(f["param_bytes"], "B", binary=True)),
+        ("parameter bytes", fmt_bytes(f["param_bytes"])),
         ("forward", _per_sample(f["forward_flops"], f["forward_flops_per_sample"])),
         ("training (fwd + bwd)", _per_sample(f["training_flops"], f["training_flops_per_sample"])),
         ("largest activation", "none" if largest is None else
-         f"{largest['name']} [{', '.join(largest['dims'])}] {_scaled(largest['bytes'], 'B', binary=True)}"),
+         f"{largest['name']} [{', '.join(largest['dims'])}] {fmt_bytes(largest['bytes'])}"),
     ])
     kinds = Table(title="ops by kind", title_justify="left")
     for column in ("kind", "ops", "forward GFLOP", "share"):
@@ -243,8 +233,8 @@ def _render_cluster(f: dict[str, Any]) -> list[Table]:
     return [_facts_table(f"cluster {f['name']}", [
         ("devices", f"{f['nodes']} nodes × {f['devices_per_node']} = {f['devices']} × {f['device']}"),
         ("peak PFLOP/s (cluster)", peaks),
-        ("memory", f"{_scaled(f['memory_bytes_per_device'], 'B', binary=True)} per device, "
-                   f"{_scaled(f['memory_bytes_total'], 'B', binary=True)} total"),
+        ("memory", f"{fmt_bytes(f['memory_bytes_per_device'])} per device, "
+                   f"{fmt_bytes(f['memory_bytes_total'])} total"),
         ("HBM bandwidth", f"{f['memory_bandwidth_bytes_per_s'] / 1e9:.4g} GB/s per device"),
         ("efficiency", f"matmul {f['matmul_efficiency']:.0%} of peak, memory {f['memory_efficiency']:.0%} of HBM"),
         ("intra-node link", link(f["intra_node"])),
@@ -346,8 +336,11 @@ def _render_plan(plan: Plan) -> list[Table]:
               help="Seconds per ILP.")
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
-@click.option("--search", type=click.Choice(["full", "intra-only", "inter-only", "data-parallel-only", "pp-dp"]),
-              default="full", show_default=True, help="Restrict the search (baselines).")
+@click.option("--search", type=click.Choice(["full", "intra-only", "inter-only", "data-parallel-only", "pp-dp", "megatron"]),
+              default="full", show_default=True,
+              help="Restrict the search (baselines); megatron: the best uniform (tp, pp, dp, microbatches) grid point "
+              "(it searches its own microbatches and stages: --microbatches, --layers, --logical-shapes, --submeshes "
+              "and --workers do not apply).")
 @click.option("--logical-shapes", type=click.Choice(["node_local", "all"]), default="node_local", show_default=True,
               help="Logical meshes per submesh: second axis inside a node (Alpa's space), or every factorisation.")
 @click.option("--submeshes", type=click.Choice(["alpa", "power_of_two"]), default="alpa", show_default=True,
@@ -377,7 +370,8 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
     with Progress(TextColumn("pricing stage candidates"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("price", total=None)
-        plan = optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
+        plan = baselines.megatron(graph, cluster, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
+                                  recompute=recompute) if search == "megatron" else optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
                         microbatches=microbatches if microbatches == "auto" else [int(c) for c in counts],
                         layers=layers, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
                         logical_shapes=logical_shapes, submesh_family=submeshes, workers=workers,
@@ -542,13 +536,15 @@ def reproduce_group() -> None:
 def reproduce_alpa(quick: bool) -> None:
     """Alpa's Figure 7 cases with every planner, beside the paper's figures (scripts/reproduce_alpa.py also
     writes docs/benchmarks.md, the figure and the ablation)."""
+    from partopt.bench import alpa, harness, report  # the benchmarks are not the planner: loaded only here
+
     out = console()
-    selected = reproduce.cases(["gpt"], reproduce.QUICK_MAX_GPUS) if quick else reproduce.cases()
-    results = reproduce.run(selected, lambda case, planner: out.log(
-        f"{case.instance} on {case.gpus} GPUs: {reproduce.PLANNER_TITLES[planner]}"))
-    for model in reproduce.MODELS:
-        for title, (header, rows) in ((f"{model}: per-GPU TFLOP/s, predicted (paper)", reproduce.results_rows(model, results)),
-                                      (f"{model}: plans", reproduce.plan_rows(model, results))):
+    selected = alpa.cases(["gpt"], alpa.QUICK_MAX_GPUS) if quick else alpa.cases()
+    results = harness.run(selected, lambda case, planner: out.log(
+        f"{case.instance} on {case.gpus} GPUs: {alpa.PLANNER_TITLES[planner]}"))
+    for model in alpa.MODELS:
+        for title, (header, rows) in ((f"{model}: per-GPU TFLOP/s, predicted (paper)", report.results_rows(model, results)),
+                                      (f"{model}: plans", report.plan_rows(model, results))):
             if rows:
                 table = Table(title=title)
                 for column in header:
@@ -556,7 +552,7 @@ def reproduce_alpa(quick: bool) -> None:
                 for row in rows:
                     table.add_row(*row)
                 out.print(table)
-    found = reproduce.checks(results)
+    found = harness.checks(results)
     for check in found:
         out.print(f"{'PASS' if check.passed else 'FAIL'} {check.name} — {check.detail}")
     if not all(check.passed for check in found):

@@ -176,15 +176,24 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
     return plan
 
 
+def _records_graph(plan: Plan, graph: Graph) -> bool:
+    """True when the plan's tensor table is `graph`'s (names, dims, one microbatch's shape, roles):
+    the plan was made for this graph under another name (a renamed or copied graph file)."""
+    mb = {graph.batch_dim: plan.microbatch_size} if graph.batch_dim else {}
+    tensors = {name: {"dims": list(t.dims), "shape": [mb.get(d, graph.dims[d]) for d in t.dims], "role": t.role}
+               for name, t in graph.tensors.items()}
+    return bool(plan.tensors) and plan.tensors == tensors
+
+
 def evaluate(graph: Graph, cluster: Cluster, plan: Plan, where: str = "plan", **kwargs) -> Plan:
     """`plan` priced on `graph` and `cluster` as written: its stages, meshes, microbatches and strategies.
 
     Keywords are `optimize`'s options (backend, time_limit_s, memory_reserve, seed); the plan's
     own `layers` option rebuilds its DP layers.
     """
-    if plan.graph != graph.name:
-        raise InstanceError(f"the plan was made for graph {plan.graph!r}, not {graph.name!r}", f"{where}.graph",
-                            "evaluate a plan on the graph it was made for")
+    if plan.graph != graph.name and not _records_graph(plan, graph):
+        raise InstanceError(f"the plan was made for graph {plan.graph!r}, not {graph.name!r}, and its tensors "
+                            "differ from this graph's", f"{where}.graph", "evaluate a plan on the graph it was made for")
     if graph.batch_dim is None:
         raise InstanceError("the graph names no batch dim", "batch_dim", "set `batch_dim` to plan microbatches")
     options = Options(**{"layers": plan.options.get("layers"), "recompute": plan.options.get("recompute", False),

@@ -299,7 +299,7 @@ def _picks(alive: list[np.ndarray], var: list[np.ndarray], values: list[int]) ->
     return picks
 
 
-def solve(graph: CostGraph, budget: float | None = None, backend: str = "cpsat",
+def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
           time_limit_s: float = 60.0, seed: int = 0, reduce_first: bool = True) -> Solution:
     """Choose one strategy per node: least total cost with summed memory ≤ budget.
 

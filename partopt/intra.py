@@ -596,7 +596,7 @@ def mesh_text(mesh: LogicalMesh) -> str:
 
 def shard_stage(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, *,
                 microbatch: int | None = None, microbatches: int = 1, inflight: int = 1,
-                memory_budget: float | None = None, backend: str = "cpsat", time_limit_s: float = 60.0,
+                memory_budget: float | None = None, backend: str = "highs", time_limit_s: float = 60.0,
                 seed: int = 0, allow_zero: bool = True, data_parallel: bool = False,
                 restriction: Restriction | None = None, reduce_first: bool = True,
                 recompute: str = "none") -> StageSharding:

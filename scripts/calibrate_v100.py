@@ -17,7 +17,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from partopt import reproduce as rp
+from partopt.bench import alpa, calibrate, report
 from partopt.cluster import preset
 from partopt.errors import InfeasibleError
 
@@ -32,15 +32,15 @@ def main(write: bool) -> None:
     """Grid-search the two efficiencies by least squares of log error over the measured points."""
     console = Console(width=None if sys.stdout.isatty() else 160)
     start = time.perf_counter()
-    device = preset(rp.MACHINE).device
+    device = preset(alpa.MACHINE).device
     points, skipped = [], []
-    for point in rp.CALIBRATION_POINTS:
+    for point in calibrate.CALIBRATION_POINTS:
         try:
-            rp.predict_point(point, device.matmul_efficiency, device.memory_efficiency)
+            calibrate.predict_point(point, device.matmul_efficiency, device.memory_efficiency)
             points.append(point)
         except InfeasibleError as err:
             skipped.append((point, err.line()))
-    fit = rp.calibrate(points)
+    fit = calibrate.calibrate(points)
     wall = time.perf_counter() - start
     table = Table(title=f"V100 calibration: matmul_efficiency {fit.matmul_efficiency:.3f}, "
                         f"memory_efficiency {fit.memory_efficiency:.3f}", title_justify="left")
@@ -57,7 +57,7 @@ def main(write: bool) -> None:
     if not write:
         return
     lines = ["### Fitted V100 efficiencies (`python scripts/calibrate_v100.py`)", "",
-             (f"Fitted once by `partopt.reproduce.calibrate` in {wall / 60:.1f} min: a grid over "
+             (f"Fitted once by `partopt.bench.calibrate.calibrate` in {wall / 60:.1f} min: a grid over "
               "matmul_efficiency 0.3–0.9 × memory_efficiency 0.5–1.0 (step 0.1, then step 0.025 within ±0.05 of "
               "the coarse optimum), minimising the sum of squared log errors of the predicted per-GPU TFLOP/s against "
               "the measured points below, and nothing else. Single-GPU points are planned by `optimize` with "
@@ -77,7 +77,7 @@ def main(write: bool) -> None:
     lines += ["", (f"The p3.16xlarge preset {'uses these values' if adopted else 'holds other values'} "
                    f"(matmul {device.matmul_efficiency}, memory {device.memory_efficiency}, "
                    "`partopt/cluster.py`); the benchmark tables in docs/benchmarks.md say which values they ran with.")]
-    rp.replace_marked(DOC, BEGIN, END, "\n".join(lines))
+    report.replace_marked(DOC, BEGIN, END, "\n".join(lines))
     console.print(f"wrote {DOC.relative_to(ROOT)}")
 
 

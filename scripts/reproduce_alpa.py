@@ -19,7 +19,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from partopt import reproduce as rp
+from partopt.bench import alpa, harness, report
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -43,7 +43,7 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def figure(results: list[rp.CaseResult], path: Path) -> None:
+def figure(results: list[harness.CaseResult], path: Path) -> None:
     """Figure 7's shape: a panel per model, per-GPU TFLOP/s against GPUs (log2); lines are partopt's
     predictions per planner, hollow markers the paper's reported figures, × out of memory."""
     import matplotlib
@@ -51,14 +51,14 @@ def figure(results: list[rp.CaseResult], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = [m for m in rp.MODELS if any(r.case.model == m for r in results)]
+    models = [m for m in alpa.MODELS if any(r.case.model == m for r in results)]
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     colours = {"partopt": "C3", "inter_only": "C0", "intra_only": "C2", "megatron": "C1", "deepspeed": "C1", "ppdp": "C1"}
     for ax, model in zip(axes[0], models):
         rows = [r for r in results if r.case.model == model]
         gpus = [r.case.gpus for r in rows]
         for planner in reversed(rows[0].case.planners):  # partopt drawn last, on top
-            colour, label = colours[planner], rp.PLANNER_TITLES[planner]
+            colour, label = colours[planner], alpa.PLANNER_TITLES[planner]
             paper = "Alpa" if planner == "partopt" else label
             predicted = [r.cells[planner].tflops for r in rows]
             ax.plot(gpus, [math.nan if v is None else v for v in predicted], "-o", color=colour,
@@ -84,10 +84,10 @@ def write_docs(section: str, path: Path = DOCS) -> None:
     """Replace the text between the alpa markers of `path` (append the section if absent); the rest stays."""
     if not path.exists():
         path.write_text("# Benchmarks\n")
-    rp.replace_marked(path, BEGIN, END, section)
+    report.replace_marked(path, BEGIN, END, section)
 
 
-def markdown(results, ablations, found, command: str, wall_s: float, efficiency: rp.Efficiency) -> str:
+def markdown(results, ablations, found, command: str, wall_s: float, efficiency: alpa.Efficiency) -> str:
     out = ["## Alpa benchmarks", "",
            (f"Written by `{command}` in {wall_s / 60:.1f} min of wall time on the project's 2-core machine "
             "(shared, noisy). Every number below is the script's; rerun it to refresh them. V100 efficiencies: "
@@ -99,22 +99,22 @@ def markdown(results, ablations, found, command: str, wall_s: float, efficiency:
            "best uniform (tp, pp, dp, microbatches) grid point; DeepSpeed is one data-parallel stage with ZeRO; "
            "PP-DP a pipeline of plain data-parallel stages. OOM: the paper's run ran out of memory; \"no plan\": "
             "the planner returned no plan (out of memory, or the error shown in the plans table). partopt's "
-            "searches try the microbatch counts Alpa's benchmark suite tried in each case (`reproduce."
+            "searches try the microbatch counts Alpa's benchmark suite tried in each case (`partopt.bench.alpa."
             "ALPA_MICROBATCHES`; every power of two where the suite lists none that divides the batch); "
             "Megatron-LM searches its own grid."), "",
            f"![Figure 7 reproduced]({FIGURE.name})", ""]
-    for model in rp.MODELS:
+    for model in alpa.MODELS:
         if not any(r.case.model == model for r in results):
             continue
         sub = [r for r in results if r.case.model == model]
-        med = rp.median_error(sub)
-        out += [f"### {MODEL_TITLES[model]}", "", markdown_table(*rp.results_rows(model, results)), "",
+        med = harness.median_error(sub)
+        out += [f"### {MODEL_TITLES[model]}", "", markdown_table(*report.results_rows(model, results)), "",
                 f"Median |error| of partopt vs Alpa: {'—' if med is None else f'{med:.1%}'}.", "",
-                markdown_table(*rp.plan_rows(model, results)), ""]
-        differences = [(r.case.gpus, rp.plan_difference(r)) for r in sub]
+                markdown_table(*report.plan_rows(model, results)), ""]
+        differences = [(r.case.gpus, report.plan_difference(r)) for r in sub]
         if any(d for _, d in differences):
             out += ["partopt's plan against Alpa's: " + "; ".join(f"**{g} GPUs** {d}" for g, d in differences if d) + ".", ""]
-    med = rp.median_error(results)
+    med = harness.median_error(results)
     out += [f"Median |error| over all rows: {'—' if med is None else f'{med:.1%}'}.", "", "### Checks", ""]
     out += [f"* **{'PASS' if c.passed else 'FAIL'}** {c.name} — {c.detail}" for c in found]
     if ablations:
@@ -125,13 +125,13 @@ def markdown(results, ablations, found, command: str, wall_s: float, efficiency:
                 "layers' fastest shardings or, where those overflow a device, with the stage's layers made to fit "
                 "its memory together. For each the best stage count and logical shape is kept. The paper's figure "
                 "is in parentheses."), "",
-                markdown_table(*rp.ablation_rows(ablations))]
+                markdown_table(*report.ablation_rows(ablations))]
     return "\n".join(out) + "\n"
 
 
 @click.command()
 @click.option("--quick", is_flag=True, help="GPT only, up to 8 GPUs, no ablation.")
-@click.option("--models", default=",".join(rp.MODELS), help="Comma-separated model families.")
+@click.option("--models", default=",".join(alpa.MODELS), help="Comma-separated model families.")
 @click.option("--max-gpus", type=int, default=64, help="Largest GPU count to run.")
 @click.option("--ablation/--no-ablation", default=True, help="Run the inter-op ablation (cases it needs only).")
 @click.option("--write/--no-write", default=True, help="Write docs/benchmarks.md's section and the figure.")
@@ -144,33 +144,33 @@ def main(quick: bool, models: str, max_gpus: int, ablation: bool, write: bool,
     """Run the Alpa benchmark cases with every planner and print the comparison."""
     console = Console(width=None if sys.stdout.isatty() else 200)
     start = time.perf_counter()
-    device = rp.cluster_for(1, efficiency).device
+    device = alpa.cluster_for(1, efficiency).device
     used = (device.matmul_efficiency, device.memory_efficiency)
     chosen = ["gpt"] if quick else models.split(",")
-    selected = rp.cases(chosen, min(max_gpus, rp.QUICK_MAX_GPUS) if quick else max_gpus)
+    selected = alpa.cases(chosen, min(max_gpus, alpa.QUICK_MAX_GPUS) if quick else max_gpus)
 
-    def progress(case: rp.Case, planner: str) -> None:
-        console.log(f"{case.instance} on {case.gpus} GPUs: {rp.PLANNER_TITLES[planner]}")
+    def progress(case: alpa.Case, planner: str) -> None:
+        console.log(f"{case.instance} on {case.gpus} GPUs: {alpa.PLANNER_TITLES[planner]}")
 
-    results = rp.run(selected, progress, None if microbatches == "suite" else "auto", efficiency=efficiency)
+    results = harness.run(selected, progress, None if microbatches == "suite" else "auto", efficiency=efficiency)
     ablations = []
     if ablation and not quick:
-        for model, gpus in rp.ABLATION_REPORTED:
+        for model, gpus in alpa.ABLATION_REPORTED:
             done = next((r for r in results if r.case.model == model and r.case.gpus == gpus), None)
             if done is not None:
                 console.log(f"ablation: {model} on {gpus} GPUs")
-                ablations.append(rp.ablation(model, gpus, done.cells["partopt"].plan, efficiency, done.cache))
-    found = rp.checks(results)
+                ablations.append(harness.ablation(model, gpus, done.cells["partopt"].plan, efficiency, done.cache))
+    found = harness.checks(results)
     wall = time.perf_counter() - start
 
-    for model in rp.MODELS:
+    for model in alpa.MODELS:
         if any(r.case.model == model for r in results):
-            console.print(rich_table(f"{MODEL_TITLES[model]}: per-GPU TFLOP/s, predicted (paper)", *rp.results_rows(model, results)))
-            console.print(rich_table(f"{MODEL_TITLES[model]}: plans", *rp.plan_rows(model, results)))
-            med = rp.median_error([r for r in results if r.case.model == model])
+            console.print(rich_table(f"{MODEL_TITLES[model]}: per-GPU TFLOP/s, predicted (paper)", *report.results_rows(model, results)))
+            console.print(rich_table(f"{MODEL_TITLES[model]}: plans", *report.plan_rows(model, results)))
+            med = harness.median_error([r for r in results if r.case.model == model])
             console.print(f"median |error| vs Alpa: {'—' if med is None else f'{med:.1%}'}")
     if ablations:
-        console.print(rich_table("Inter-op ablation: per-GPU TFLOP/s, predicted (paper)", *rp.ablation_rows(ablations)))
+        console.print(rich_table("Inter-op ablation: per-GPU TFLOP/s, predicted (paper)", *report.ablation_rows(ablations)))
     for c in found:
         console.print(f"[{'green' if c.passed else 'red'}]{'PASS' if c.passed else 'FAIL'}[/] {c.name} — {c.detail}")
     console.print(f"wall time {wall:.1f} s (V100 efficiencies: matmul {used[0]:g}, memory {used[1]:g})")

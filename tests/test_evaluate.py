@@ -189,3 +189,19 @@ def test_megatron_arguments_re_read_into_a_uniform_plan_evaluate_to_the_same_tim
     again = uniform(graph, cluster, config["tp"], config["pp"], config["dp"], config["num_microbatches"],
                     zero=config["distributed_optimizer"])
     assert again.iteration_time_s == plan.iteration_time_s
+
+
+def test_a_plan_evaluates_on_its_graph_under_another_name_but_not_on_another_graph(small_gpt, tmp_path):
+    cluster = preset("p3.16xlarge", 1)
+    plan = optimize(small_gpt, cluster, microbatches=8)
+    write_plan(plan, tmp_path / "plan.json")
+    renamed = dataclasses.replace(small_gpt, name="my-copy")  # the same graph saved under another name
+    again = evaluate(renamed, cluster, read_plan(tmp_path / "plan.json"))
+    assert again.iteration_time_s == plan.iteration_time_s
+    wider = models.gpt(hidden=512, layers=8, heads=4, seq=128, vocab=1024, batch=64)  # same tensor names, other sizes
+    other = dataclasses.replace(wider, name="my-copy")
+    with pytest.raises(InstanceError, match="made for graph .* its tensors differ"):
+        evaluate(other, cluster, read_plan(tmp_path / "plan.json"))
+    plan.tensors = {}  # a hand-written plan without its tensor table: the names must agree
+    with pytest.raises(InstanceError, match="made for graph"):
+        evaluate(renamed, cluster, plan)

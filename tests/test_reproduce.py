@@ -1,4 +1,4 @@
-"""Tests of partopt.reproduce and scripts/reproduce_alpa.py: the paper's metric by hand, the cases
+"""Tests of partopt.bench and scripts/reproduce_alpa.py: the paper's metric by hand, the cases
 against REFERENCE.md §3, the checks' logic, the calibration fit, and a small end-to-end slice."""
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import pytest
 from click.testing import CliRunner
 
 from partopt import intra
-from partopt import reproduce as rp
+from partopt.bench import alpa, calibrate, harness, report
 from partopt.cli import main
-from partopt.errors import InstanceError
+from partopt.errors import InfeasibleError, InstanceError
+from partopt.inter import Options, StageSpec
+from partopt.layering import build_layers
 from partopt.io import read_graph
 from partopt.plan import Plan, StagePlan
 
@@ -39,35 +41,35 @@ def _plan(iteration_s: float, nodes: int, per_node: int, tflops: float = 0.0, ha
 
 def test_gpt_closed_form_reproduces_the_measured_point():
     # REFERENCE §3: GPT 2.6B, batch 32, 2.464 s per iteration on 8 GPUs = 37.01 TFLOP/s per GPU.
-    flops = rp.gpt_flops(32, 1024, 32, 2560, 51200)
+    flops = alpa.gpt_flops(32, 1024, 32, 2560, 51200)
     by_hand = 96 * 32 * 1024 * 32 * 2560**2 * (1 + 1024 / (6 * 2560) + 51200 / (16 * 32 * 2560))
     assert flops == pytest.approx(by_hand, rel=1e-12)
     assert flops / 2.464 / 8 / 1e12 == pytest.approx(37.01, abs=0.01)
-    assert rp.gpt_flops(32, 1024, 32, 2560, 51200, recompute=False) == pytest.approx(0.75 * flops)
+    assert alpa.gpt_flops(32, 1024, 32, 2560, 51200, recompute=False) == pytest.approx(0.75 * flops)
 
 
 def test_tflops_per_gpu_gpt_uses_the_96_form_of_the_graph():
     graph = intra.with_batch(read_graph(ROOT / "instances" / "gpt-2.6b.json"), 32)
-    assert rp.gpt_shape(graph) == (32, 1024, 32, 2560, 51200)  # REFERENCE §3 table
-    assert rp.tflops_per_gpu("gpt", graph, _plan(2.464, 1, 8)) == pytest.approx(37.01, abs=0.01)
+    assert alpa.gpt_shape(graph) == (32, 1024, 32, 2560, 51200)  # REFERENCE §3 table
+    assert alpa.tflops_per_gpu("gpt", graph, _plan(2.464, 1, 8)) == pytest.approx(37.01, abs=0.01)
 
 
 def test_tflops_per_gpu_other_models_count_the_recomputed_forward():
     graph = read_graph(ROOT / "instances" / "moe-380m.json")
-    assert rp.tflops_per_gpu("moe", graph, _plan(1.0, 1, 1, tflops=12.5, hardware=16.0)) == 16.0
+    assert alpa.tflops_per_gpu("moe", graph, _plan(1.0, 1, 1, tflops=12.5, hardware=16.0)) == 16.0
     # a real one-GPU plan: model FLOPs (forward + backward) plus one more forward, over the iteration
-    plan = rp.plan_with("partopt", graph, rp.cluster_for(1), 64, "moe")
+    plan = alpa.plan_with("partopt", graph, alpa.cluster_for(1), 64, "moe")
     forward = sum(graph.flops(op) for op in graph.ops)
     executed = plan.throughput["tflops_per_device"] * plan.iteration_time_s * 1e12 + forward
-    assert rp.tflops_per_gpu("moe", graph, plan) == pytest.approx(executed / plan.iteration_time_s / 1e12, rel=1e-9)
+    assert alpa.tflops_per_gpu("moe", graph, plan) == pytest.approx(executed / plan.iteration_time_s / 1e12, rel=1e-9)
 
 
 # ---------------------------------------------------------------- cases and clusters
 
 def test_cases_follow_reference_section_3():
-    every = rp.cases()
+    every = alpa.cases()
     assert len(every) == 21
-    assert [c.gpus for c in rp.cases(["gpt"], rp.QUICK_MAX_GPUS)] == [1, 2, 4, 8]
+    assert [c.gpus for c in alpa.cases(["gpt"], alpa.QUICK_MAX_GPUS)] == [1, 2, 4, 8]
     by = {(c.model, c.gpus): c for c in every}
     assert by[("gpt", 64)].instance == "gpt-39b" and by[("gpt", 64)].reported["intra_only"] == 2.11
     assert by[("moe", 32)].reported["inter_only"] is None  # reported out of memory
@@ -78,7 +80,7 @@ def test_cases_follow_reference_section_3():
     assert by[("moe", 8)].alpa_plan is None
     assert by[("wresnet", 4)].planners == ("partopt", "inter_only", "intra_only", "ppdp")
     with pytest.raises(InstanceError):
-        rp.cases(["bert"])
+        alpa.cases(["bert"])
 
 
 def test_wresnet_13b_runs_batch_1520():
@@ -87,28 +89,28 @@ def test_wresnet_13b_runs_batch_1520():
 
 
 def test_each_case_searches_the_microbatch_counts_of_alpas_suite():
-    by = {(c.model, c.gpus): c for c in rp.cases()}
+    by = {(c.model, c.gpus): c for c in alpa.cases()}
     assert by[("gpt", 64)].microbatches(1024) == (128, 256, 512, 1024)  # Alpa's reported B = 1024 among them
     assert by[("moe", 64)].microbatches(1024) == (64,)
     assert by[("gpt", 1)].microbatches(1024) == "auto"  # no 1-GPU case in the suite
     assert by[("wresnet", 64)].microbatches(1520) == (38,)  # 32, 48, 42 were run with batches 1536 and 1512
     assert by[("wresnet", 32)].microbatches(1520) == (38,)  # 42 was run with batch 1512
     assert by[("wresnet", 16)].microbatches(1536) == (24, 32)
-    for c in rp.cases():  # every reported Alpa plan's count is one the suite searched
+    for c in alpa.cases():  # every reported Alpa plan's count is one the suite searched
         if c.alpa_plan and c.gpus > 1:
             assert c.alpa_plan.microbatches in c.suite_microbatches
 
 
 def test_cluster_for_gpu_counts():
-    assert (rp.cluster_for(4).nodes, rp.cluster_for(4).devices_per_node) == (1, 4)
-    assert (rp.cluster_for(32).nodes, rp.cluster_for(32).devices_per_node) == (4, 8)
+    assert (alpa.cluster_for(4).nodes, alpa.cluster_for(4).devices_per_node) == (1, 4)
+    assert (alpa.cluster_for(32).nodes, alpa.cluster_for(32).devices_per_node) == (4, 8)
     with pytest.raises(InstanceError):
-        rp.cluster_for(12)
+        alpa.cluster_for(12)
 
 
 def test_format_meshes_and_even_cuts():
-    assert rp.format_meshes([(1, 8), (1, 8), (1, 4)]) == "(1,8) ×2, (1,4)"
-    cuts = rp._even_cuts(10, 3)
+    assert alpa.format_meshes([(1, 8), (1, 8), (1, 4)]) == "(1,8) ×2, (1,4)"
+    cuts = harness._even_cuts(10, 3)
     assert cuts[0][0] == 0 and cuts[-1][1] == 9
     assert all(b[0] == a[1] + 1 for a, b in itertools.pairwise(cuts))
     lengths = [last - first + 1 for first, last in cuts]
@@ -117,19 +119,19 @@ def test_format_meshes_and_even_cuts():
 
 # ---------------------------------------------------------------- checks
 
-def _result(model: str, gpus: int, values: dict[str, float | None]) -> rp.CaseResult:
-    case = next(c for c in rp.cases([model]) if c.gpus == gpus)
-    return rp.CaseResult(case, {p: rp.Cell(p, v, None, 0.0) for p, v in values.items()})
+def _result(model: str, gpus: int, values: dict[str, float | None]) -> harness.CaseResult:
+    case = next(c for c in alpa.cases([model]) if c.gpus == gpus)
+    return harness.CaseResult(case, {p: harness.Cell(p, v, None, 0.0) for p, v in values.items()})
 
 
 def test_checks_fail_when_a_baseline_beats_partopt_and_pass_otherwise():
     good = _result("gpt", 64, {"partopt": 57.0, "inter_only": 50.0, "intra_only": 2.0, "megatron": None})
-    found = {c.name: c for c in rp.checks([good])}
+    found = {c.name: c for c in harness.checks([good])}
     assert found["partopt ≥ every baseline on every case"].passed
     assert found["GPT 64 GPUs: intra-op only < 1/4 of partopt"].passed
     assert found["gpt: partopt within ±25% of Alpa on every row"].passed  # 57 vs 57
     bad = _result("gpt", 64, {"partopt": 40.0, "inter_only": 50.0, "intra_only": 20.0, "megatron": 41.0})
-    found = {c.name: c for c in rp.checks([bad])}
+    found = {c.name: c for c in harness.checks([bad])}
     assert not found["partopt ≥ every baseline on every case"].passed
     assert "inter_only 50.00 > partopt 40.00" in found["partopt ≥ every baseline on every case"].detail
     assert not found["GPT 64 GPUs: intra-op only < 1/4 of partopt"].passed
@@ -139,17 +141,17 @@ def test_checks_fail_when_a_baseline_beats_partopt_and_pass_otherwise():
 def test_checks_moe_and_wresnet_claims():
     moe = _result("moe", 16, {"partopt": 45.0, "inter_only": 30.0, "intra_only": 20.0, "deepspeed": 30.0})
     wres = _result("wresnet", 32, {"partopt": 6.6, "inter_only": None, "intra_only": 2.0, "ppdp": None})
-    found = {c.name: c for c in rp.checks([moe, wres])}
+    found = {c.name: c for c in harness.checks([moe, wres])}
     assert not found["MoE 16 GPUs: DeepSpeed far behind (< 1/2 of partopt)"].passed
     assert found["Wide-ResNet 32 GPUs: PP-DP out of memory"].passed
-    assert rp.median_error([moe, wres]) == pytest.approx((abs(45 / 45.36 - 1) + 0.0) / 2)  # median of two
+    assert harness.median_error([moe, wres]) == pytest.approx((abs(45 / 45.36 - 1) + 0.0) / 2)  # median of two
 
 
 # ---------------------------------------------------------------- calibration
 
 def test_fit_recovers_known_efficiencies():
     # a synthetic device: time ∝ a/matmul + b/memory per point, truth (0.5, 0.8) reproduces every figure
-    points = rp.CALIBRATION_POINTS
+    points = calibrate.CALIBRATION_POINTS
     weights = {p.label: (0.9 - 0.2 * i, 0.1 + 0.2 * i) for i, p in enumerate(points)}
 
     def predict(point, matmul, memory):
@@ -157,17 +159,17 @@ def test_fit_recovers_known_efficiencies():
         truth = a / 0.5 + b / 0.8
         return point.reported * truth / (a / matmul + b / memory)
 
-    fit = rp.fit_efficiencies(predict, points, [0.3, 0.4, 0.5, 0.6], [0.6, 0.7, 0.8, 0.9])
+    fit = calibrate.fit_efficiencies(predict, points, [0.3, 0.4, 0.5, 0.6], [0.6, 0.7, 0.8, 0.9])
     assert (fit.matmul_efficiency, fit.memory_efficiency) == (0.5, 0.8)
     assert fit.rms_log_error == pytest.approx(0.0, abs=1e-12)
     assert fit.evaluated == 16
-    two_stage = rp.calibrate(points, predict, (0.3, 0.9), (0.5, 1.0), coarse=0.1, fine=0.05)
+    two_stage = calibrate.calibrate(points, predict, (0.3, 0.9), (0.5, 1.0), coarse=0.1, fine=0.05)
     assert two_stage.matmul_efficiency == pytest.approx(0.5) and two_stage.memory_efficiency == pytest.approx(0.8)
     assert two_stage.evaluated == 7 * 6 + 3 * 3  # coarse grid, then ±0.05 in steps of 0.05
 
 
 def test_residual_log_error():
-    assert rp.Residual("x", 40.0, 40.0 * math.e).log_error == pytest.approx(1.0)
+    assert calibrate.Residual("x", 40.0, 40.0 * math.e).log_error == pytest.approx(1.0)
 
 
 # ---------------------------------------------------------------- end to end: `--quick` (GPT on 1-8 GPUs)
@@ -175,7 +177,7 @@ def test_residual_log_error():
 @pytest.fixture(scope="module")
 def quick_run():
     """What `partopt reproduce alpa --quick` computes: every planner on GPT at 1, 2, 4 and 8 GPUs."""
-    return rp.run(rp.cases(["gpt"], rp.QUICK_MAX_GPUS))
+    return harness.run(alpa.cases(["gpt"], alpa.QUICK_MAX_GPUS))
 
 
 @pytest.fixture(scope="module")
@@ -185,11 +187,11 @@ def small_run(quick_run):
 
 def test_quick_holds_the_papers_ordering_and_error_band(quick_run, monkeypatch):
     assert [r.case.gpus for r in quick_run] == [1, 2, 4, 8]
-    found = {c.name: c for c in rp.checks(quick_run)}
+    found = {c.name: c for c in harness.checks(quick_run)}
     assert found["partopt ≥ every baseline on every case"].passed, found["partopt ≥ every baseline on every case"].detail
     assert found["gpt: partopt within ±25% of Alpa on every row"].passed
     # the CLI prints the same checks and exits 0 only when all pass
-    monkeypatch.setattr(rp, "run", lambda selected, progress=None, **kw: quick_run)
+    monkeypatch.setattr(harness, "run", lambda selected, progress=None, **kw: quick_run)
     result = CliRunner().invoke(main, ["reproduce", "alpa", "--quick"])
     assert result.exit_code == 0, result.output
     assert "PASS partopt ≥ every baseline on every case" in result.output and "FAIL" not in result.output
@@ -203,17 +205,17 @@ def test_small_slice_runs_and_partopt_beats_every_baseline(small_run):
         assert ours is not None and ours > 0
         for cell in r.cells.values():
             assert cell.tflops is None or cell.tflops <= ours * (1 + 1e-9)
-    assert rp.checks(small_run)[0].passed
+    assert harness.checks(small_run)[0].passed
     # one GPU: every restricted search is the same single-device plan
     one = small_run[0].cells
     assert one["intra_only"].tflops == pytest.approx(one["partopt"].tflops)
 
 
 def test_tables_have_a_row_per_case(small_run, tmp_path):
-    header, rows = rp.plan_rows("gpt", small_run)
+    header, rows = report.plan_rows("gpt", small_run)
     assert len(rows) == 2 and len(header) == len(rows[0])
     assert rows[1][5:9] == ["128", "2", "(1,1) ×2", "(1,1) ×2"]  # Alpa's 2-GPU plan, REFERENCE §3
-    header, rows = rp.results_rows("gpt", small_run)
+    header, rows = report.results_rows("gpt", small_run)
     assert [row[0] for row in rows] == ["1", "2"] and "(45.07)" in rows[0][2]
     script = _script()
     doc = tmp_path / "benchmarks.md"
@@ -232,11 +234,11 @@ def _staged(count: int, meshes: list[tuple[tuple[int, int], tuple[int, int]]]) -
 
 
 def test_plan_difference_names_each_difference():
-    case = next(c for c in rp.cases(["gpt"]) if c.gpus == 8)  # Alpa: B 128, (1,2) (1,2) (1,4), (2,1) (2,1) (4,1)
+    case = next(c for c in alpa.cases(["gpt"]) if c.gpus == 8)  # Alpa: B 128, (1,2) (1,2) (1,4), (2,1) (2,1) (4,1)
     same = _staged(128, [((1, 2), (2, 1)), ((1, 2), (2, 1)), ((1, 4), (4, 1))])
-    assert rp.plan_difference(rp.CaseResult(case, {"partopt": rp.Cell("partopt", 1.0, same, 0.0)})) == "same plan"
+    assert report.plan_difference(harness.CaseResult(case, {"partopt": harness.Cell("partopt", 1.0, same, 0.0)})) == "same plan"
     other = _staged(512, [((1, 2), (2, 1)), ((1, 4), (2, 2)), ((1, 2), (2, 1))])
-    text = rp.plan_difference(rp.CaseResult(case, {"partopt": rp.Cell("partopt", 1.0, other, 0.0)}))
+    text = report.plan_difference(harness.CaseResult(case, {"partopt": harness.Cell("partopt", 1.0, other, 0.0)}))
     assert text == ("B 512 vs 128; the same submeshes in another order; "
                     "logical meshes (2,1), (2,2), (2,1) vs (2,1) ×2, (4,1)")
 
@@ -244,22 +246,22 @@ def test_plan_difference_names_each_difference():
 # ---------------------------------------------------------------- the ablation's even splits
 
 def test_even_cuts_and_even_submeshes():
-    assert rp._even_cuts(10, 3) == [(0, 2), (3, 6), (7, 9)]  # lengths 3, 4, 3
-    assert rp._even_cuts(4, 4) == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert harness._even_cuts(10, 3) == [(0, 2), (3, 6), (7, 9)]  # lengths 3, 4, 3
+    assert harness._even_cuts(4, 4) == [(0, 0), (1, 1), (2, 2), (3, 3)]
     # 32 GPUs: every submesh of Alpa's family that tiles 4 nodes of 8 — not (3, 8)
-    assert set(rp._even_submeshes(rp.cluster_for(32))) == {
+    assert set(harness._even_submeshes(alpa.cluster_for(32))) == {
         (32, (1, 1)), (16, (1, 2)), (8, (1, 4)), (4, (1, 8)), (2, (2, 8)), (1, (4, 8))}
 
 
 def test_even_splits_share_their_layer_solutions():
     from test_intra import mlp
 
-    graph, cluster = mlp(4, 1024, 512), rp.cluster_for(8)
-    layering = rp.build_layers(graph, None)
+    graph, cluster = mlp(4, 1024, 512), alpa.cluster_for(8)
+    layering = build_layers(graph, None)
     cache: dict = {}
-    first, _ = rp._best_even_split(graph, cluster, layering, 4, 2, (1, 4), {}, cache)
-    again, _ = rp._best_even_split(graph, cluster, layering, 4, 2, (1, 4), {}, cache)
-    alone, _ = rp._best_even_split(graph, cluster, layering, 4, 2, (1, 4), {}, {})
+    first, _ = harness._best_even_split(graph, cluster, layering, 4, 2, (1, 4), {}, cache)
+    again, _ = harness._best_even_split(graph, cluster, layering, 4, 2, (1, 4), {}, cache)
+    alone, _ = harness._best_even_split(graph, cluster, layering, 4, 2, (1, 4), {}, {})
     assert first.solver["ilps"] > 0 and again.solver["ilps"] == 0
     assert again.iteration_time_s == alone.iteration_time_s == first.iteration_time_s
     assert [s.layers for s in first.stages] == [[0, 1], [2, 3]]
@@ -271,9 +273,9 @@ def test_equal_operators_cut_the_order_evenly_into_pieces_of_one_layer_each():
     graph = models.gpt(hidden=64, layers=3, heads=2, seq=16, vocab=32, batch=4)
     order = list(graph.order)
     for stages in (2, 3, 5):
-        layering = rp._equal_operators(graph, stages)
+        layering = harness._equal_operators(graph, stages)
         assert [op for piece in layering.base for op in piece] == order  # every op once, in order
-        cuts = rp._even_cuts(len(order), stages)
+        cuts = harness._even_cuts(len(order), stages)
         assert [len(layering.ops(g)) for g in range(stages)] == [last - first + 1 for first, last in cuts]
         for first, last in layering.groups:
             pieces = layering.base[first:last + 1]
@@ -282,7 +284,7 @@ def test_equal_operators_cut_the_order_evenly_into_pieces_of_one_layer_each():
     # six blocks in two stages: the whole middle blocks of either stage are one structure (one ILP)
     graph = models.gpt(hidden=64, layers=6, heads=2, seq=16, vocab=32, batch=4)
     block = graph.subgraph_ops([2])
-    whole = [piece for piece in rp._equal_operators(graph, 2).base if len(piece) == len(block)]
+    whole = [piece for piece in harness._equal_operators(graph, 2).base if len(piece) == len(block)]
     assert len(whole) >= 3 and {graph.structural_hash(piece) for piece in whole} == {graph.structural_hash(block)}
 
 
@@ -294,13 +296,13 @@ def test_an_even_split_whose_fastest_shardings_overflow_is_priced_to_fit_memory(
 
     # 20 layers of 8192² fp32 weights on a data-parallel (8, 1) mesh: at their fastest the weights and
     # gradients are replicated (11.2 GiB of parameter state, 16.2 GiB in all, over the 14.4 GiB budget)
-    graph, cluster = mlp(20, 65536, 8192), rp.cluster_for(8)
+    graph, cluster = mlp(20, 65536, 8192), alpa.cluster_for(8)
     monkeypatch.setattr(type(cluster), "logical_shapes", lambda self, submesh: [(8, 1)])
-    layering, budget = rp.build_layers(graph, None), costmodel.memory_budget(cluster.device)
-    specs = [rp.StageSpec(0, 19, (1, 8), (8, 1), 1)]
-    with pytest.raises(rp.InfeasibleError):
-        price(graph, cluster, layering, 1, specs, None, rp.Options(layers=None))
-    plan, _ = rp._best_even_split(graph, cluster, layering, 1, 1, (1, 8), {}, {})
+    layering, budget = build_layers(graph, None), costmodel.memory_budget(cluster.device)
+    specs = [StageSpec(0, 19, (1, 8), (8, 1), 1)]
+    with pytest.raises(InfeasibleError):
+        price(graph, cluster, layering, 1, specs, None, Options(layers=None))
+    plan, _ = harness._best_even_split(graph, cluster, layering, 1, 1, (1, 8), {}, {})
     assert plan is not None and plan.memory_peak_bytes <= budget
-    fitted = price(graph, cluster, layering, 1, specs, None, rp.Options(layers=None), fit_memory=True)
+    fitted = price(graph, cluster, layering, 1, specs, None, Options(layers=None), fit_memory=True)
     assert plan.iteration_time_s == fitted.iteration_time_s

@@ -1,7 +1,7 @@
 """0-1 linear programs and the backends that solve them, behind one interface.
 
 `Model` holds binary variables with objective costs and sparse rows `lo <= a·x <= hi`;
-`solve(model, backend=...)` hands it to OR-Tools CP-SAT (default), HiGHS or CBC (via PuLP)
+`solve(model, backend=...)` hands it to HiGHS (default: the fastest, docs/benchmarks.md), OR-Tools CP-SAT or CBC (via PuLP)
 and returns a `Result` with status, objective, best bound, gap and time. Every backend is
 seeded and single-threaded or interleaved, so the same model gives the same answer.
 """
@@ -78,7 +78,7 @@ def _backends() -> dict[str, Callable[[Model, Options], Result]]:
 BACKENDS = ("cpsat", "highs", "cbc")
 
 
-def solve(model: Model, backend: str = "cpsat", time_limit_s: float = 60.0, seed: int = 0) -> Result:
+def solve(model: Model, backend: str = "highs", time_limit_s: float = 60.0, seed: int = 0) -> Result:
     """Solve `model` with the named backend."""
     table = _backends()
     if backend not in table:

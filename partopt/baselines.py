@@ -1,0 +1,74 @@
+"""The published systems partopt is compared against, as plans: Megatron-LM's best uniform
+(tp, pp, dp, microbatches) grid point, DeepSpeed-style one data-parallel stage with ZeRO, and
+PP-DP (a pipeline of plain data-parallel stages). Each returns a `Plan` under partopt's cost
+model, so it can be written, evaluated, explained and compared like partopt's own."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from partopt import costmodel
+from partopt.cluster import Cluster
+from partopt.errors import InfeasibleError
+from partopt.evaluate import uniform
+from partopt.graph import Graph
+from partopt.inter import optimize
+from partopt.plan import Plan
+
+
+def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32, **options) -> Plan:
+    """The best Megatron-style uniform plan over the (tp ≤ node, pp, dp, microbatches) grid.
+
+    For each (tp, pp, dp) the per-rank microbatch grows through the powers of two (1 … `max_microbatch`,
+    at least pp microbatches) until the plan stops fitting or gets slower: the iteration time
+    (B + pp - 1)·(a + c·mb) + sync with B = batch / mb is convex in mb, and memory only grows with it.
+    A grid point whose parameter state split only by tp·pp exceeds the device is skipped unpriced.
+    `options` are `evaluate.uniform`'s keywords (backend, time_limit_s, memory_reserve, recompute).
+    """
+    batch, g, m = graph.dims[graph.batch_dim], cluster.num_devices, cluster.devices_per_node
+    layers = len(graph.layers)
+    state = costmodel.param_memory(graph.num_params, graph.dtype, graph.optimizer).total
+    best: Plan | None = None
+    last_error: InfeasibleError | None = None
+    for tp in (t for t in range(1, min(g, m) + 1) if g % t == 0):
+        for pp in (p for p in range(1, g // tp + 1) if (g // tp) % p == 0 and layers % p == 0):
+            dp = g // (tp * pp)
+            if ((tp * dp) % m and m % (tp * dp)) or state / (tp * pp) > cluster.device.memory_bytes:
+                continue
+            previous = math.inf
+            for count in sorted((c for c in (2**e for e in range(batch.bit_length()))
+                                 if c >= pp and batch % c == 0 and (batch // c) % dp == 0
+                                 and batch // c // dp <= max_microbatch), reverse=True):
+                try:
+                    plan = uniform(graph, cluster, tp, pp, dp, count, **options)
+                except InfeasibleError as err:
+                    last_error = err
+                    break
+                if plan.iteration_time_s > previous:
+                    break
+                previous = plan.iteration_time_s
+                if best is None or plan.iteration_time_s < best.iteration_time_s:
+                    best = plan
+    if best is None:
+        raise last_error or InfeasibleError("no Megatron grid point fits", graph.name, "use more GPUs")
+    return best
+
+
+def megatron_grid_point(plan: Plan) -> str:
+    """'tp 2 · pp 4 · dp 1 · B 64' of a uniform plan."""
+    tp_dp = plan.stages[0].logical_mesh
+    return f"tp {tp_dp[1]} · pp {len(plan.stages)} · dp {tp_dp[0]} · B {plan.num_microbatches}"
+
+
+def deepspeed(graph: Graph, cluster: Cluster, **options) -> Plan:
+    """DeepSpeed-style: one stage on every device, data parallel with ZeRO (`optimize`'s keywords)."""
+    return optimize(graph, cluster, data_parallel_only=True, **options)
+
+
+def ppdp(graph: Graph, cluster: Cluster, **options) -> Plan:
+    """PP-DP: the stage DP over plain data-parallel stages, no ZeRO (`optimize`'s keywords)."""
+    return optimize(graph, cluster, stage_data_parallel=True, **options)
+
+
+BASELINES: dict[str, Callable[..., Plan]] = {"megatron": megatron, "deepspeed": deepspeed, "ppdp": ppdp}
