@@ -251,6 +251,45 @@ def generate(model: str, output: str, **params: Any) -> None:
     click.echo(f"wrote {output}: {graph.name}, {len(graph.ops)} ops, {graph.num_params:,} parameters")
 
 
+# ---------------------------------------------------------------- import (frontends load their framework lazily)
+
+@main.group("import")
+def import_group() -> None:
+    """Import a model from a framework (JAX, ONNX) as a partopt graph file."""
+
+
+def _wrote(graph: Graph, output: str) -> None:
+    io.write_graph(graph, output)
+    click.echo(f"wrote {output}: {graph.name}, {len(graph.ops)} ops, {len(graph.layers)} layers, "
+               f"{graph.num_params:,} parameters, {_scaled(graph.forward_flops, 'FLOP')} forward")
+
+
+@import_group.command("jax")
+@click.argument("source")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Graph file to write.")
+@click.option("--opaque", is_flag=True, help="Keep primitives with no mapping as opaque ops (never sharded).")
+@click.option("--name", help="Name of the graph (default: the function's name).")
+def import_jax(source: str, output: str, opaque: bool, name: str | None) -> None:
+    """Trace SOURCE, `pkg.mod:make_model` or `file.py:make_model`, to a graph file. make_model() returns
+    (fn, args): the loss (or forward) and its arguments, params first, as arrays or jax.ShapeDtypeStruct."""
+    from partopt.frontends import jax as jax_frontend
+
+    fn, args = jax_frontend.load_model(source)
+    _wrote(jax_frontend.from_function(fn, *args, opaque=opaque, name=name), output)
+
+
+@import_group.command("onnx")
+@click.argument("source", metavar="MODEL.onnx")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Graph file to write.")
+@click.option("--opaque", is_flag=True, help="Keep ops with no mapping as opaque ops (never sharded).")
+@click.option("--name", help="Name of the graph (default: the model's graph name).")
+def import_onnx(source: str, output: str, opaque: bool, name: str | None) -> None:
+    """Read an ONNX model (shapes inferred; dynamic dims must be fixed in the file) into a graph file."""
+    from partopt.frontends import onnx as onnx_frontend
+
+    _wrote(onnx_frontend.from_model(source, opaque=opaque, name=name), output)
+
+
 # ---------------------------------------------------------------- solve
 
 def _render_plan(plan: Plan) -> list[Table]:
