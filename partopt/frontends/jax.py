@@ -217,7 +217,7 @@ class _Importer(Values):
         if prim == "gather":
             return [self.gather(eqn, ins, name, scope)]
         if prim == "concatenate":
-            return [self.concatenate(eqn, ins, name, scope)]
+            return [self.concatenate(ins, params["dimension"], out.shape, _dtype(out.dtype), name, scope)]
         raise NoMapping("")
 
     # ------------------------------------------------------------ primitives
@@ -243,13 +243,6 @@ class _Importer(Values):
         out = eqn.outvars[0].aval
         return self.lookup(table, collapsed[0], ids, ids.axes[:-1], tuple(numbers.offset_dims), len(out.shape),
                            _dtype(out.dtype), name, scope)
-
-    def concatenate(self, eqn: Any, ins: list[Value], name: str, scope: Scope) -> Value:
-        """A concatenation: an opaque op (the IR has none) that keeps the other axes' dims, 0 FLOPs."""
-        axis = eqn.params["dimension"]
-        out = eqn.outvars[0].aval
-        keep = [(-1, 0) if k == axis else (0, k) for k in range(len(out.shape))]
-        return self.opaque(ins, out.shape, _dtype(out.dtype), name, scope, "concatenate", 0, keep)
 
     def scan(self, eqn: Any, ins: list[Value], scope: Scope) -> list[Value]:
         """Unroll a scan: each step's body runs on the step's slices of the stacked inputs."""

@@ -220,3 +220,14 @@ class Values:
         out = self.draft.op("opaque", name, tensors, [a for a in axes if a is not None], dtype, scope,
                             primitive=primitive, flops=int(flops))
         return Value(out, tuple(axes))
+
+    def concatenate(self, ins: Sequence[Value], axis: int, shape: Sequence[int], dtype: str, name: str,
+                    scope: Scope) -> Value:
+        """A concatenation: an opaque op (the IR has none, 0 FLOPs) whose other axes are the inputs' dims."""
+        ins = list(ins)
+        for k in range(1, len(ins)):
+            for a in range(len(shape)):
+                if a != axis:
+                    ins[0], ins[k] = self.pair(ins[0], a, ins[k], a, scope)
+        keep = [(-1, 0) if k == axis else (0, k) for k in range(len(shape))]
+        return self.opaque(ins, shape, dtype, name, scope, "concatenate", 0, keep)
