@@ -58,6 +58,7 @@ class Draft:
         self.tensors: dict[str, DraftTensor] = {}
         self.ops: list[DraftOp] = []
         self._counter = itertools.count()
+        self.names: dict[int, str] = {}  # dim class -> its name in the Graph (set by finish)
 
     # ------------------------------------------------------------ dims
     def new_dim(self, size: int) -> int:
@@ -92,6 +93,10 @@ class Draft:
         while name in self.tensors:
             name = f"{base}_{next(self._counter)}"
         return name
+
+    def name_of(self, d: int | None) -> str | None:
+        """The Graph's name of dim `d` (after finish), None for a size-1 axis or a dim no tensor holds."""
+        return None if d is None else self.names.get(self.find(d))
 
     def dims_of(self, tensor: str) -> list[int]:
         return [self.find(d) for d in self.tensors[tensor].dims]
@@ -315,6 +320,8 @@ def _to_graph(draft: Draft, name: str, batch_dim: int | None, dtype: str) -> Gra
         k = taken.get(size, 0)
         taken[size] = k + 1
         names[r] = f"d{size}" if k == 0 else f"d{size}_{k}"
+
+    draft.names = names
 
     def dim(d: int) -> str:
         return names[draft.find(d)]

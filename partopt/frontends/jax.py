@@ -12,7 +12,8 @@ params (`params/blocks/3/mlp/w1`); a parameter stacked for `scan` becomes one te
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -21,9 +22,7 @@ from jax.extend import core as jcore
 from partopt.errors import PartoptError
 from partopt.frontends.draft import Draft, UnsupportedError
 from partopt.frontends.values import NoMapping, Scope, Value, Values
-
-if TYPE_CHECKING:  # pragma: no cover
-    from partopt.graph import Graph
+from partopt.graph import Graph
 
 ELEMENTWISE = frozenset({
     "add", "sub", "mul", "div", "rem", "pow", "integer_pow", "max", "min", "neg", "sign", "abs", "floor", "ceil",
@@ -42,8 +41,18 @@ DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int32": "in
           "int8": "int8", "uint8": "int8", "uint32": "int32", "int16": "int32", "bool": "bool"}
 
 
+@dataclass
+class Traced:
+    """An imported function: its Graph, and where each graph tensor lives in the jaxpr (for `verify`)."""
+
+    graph: Graph
+    closed: Any  # the ClosedJaxpr
+    leaves: list[tuple[str, tuple[str | None, ...]]]  # per flattened argument: tensor name, dim name per axis
+    origins: dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]  # activation -> (equation path, dims)
+
+
 def from_function(fn: Callable[..., Any], *abstract_args: Any, params_argnum: int = 0, opaque: bool = False,
-                  name: str | None = None, arg_names: Sequence[str] | None = None) -> "Graph":
+                  name: str | None = None, arg_names: Sequence[str] | None = None) -> Graph:
     """The training graph of `fn(*abstract_args)` (the loss, or the forward) as a partopt Graph.
 
     Leaves of argument `params_argnum` are parameters, the others data inputs; the batch dim is axis 0
@@ -51,6 +60,12 @@ def from_function(fn: Callable[..., Any], *abstract_args: Any, params_argnum: in
     An unmapped primitive raises UnsupportedError naming it and its source line; with `opaque` it
     becomes an `opaque` op priced by XLA's FLOP count for it, never sharded.
     """
+    return trace(fn, *abstract_args, params_argnum=params_argnum, opaque=opaque, name=name, arg_names=arg_names).graph
+
+
+def trace(fn: Callable[..., Any], *abstract_args: Any, params_argnum: int = 0, opaque: bool = False,
+          name: str | None = None, arg_names: Sequence[str] | None = None) -> Traced:
+    """`from_function`, keeping the jaxpr and where each tensor comes from."""
     names = list(arg_names) if arg_names is not None else [
         "params" if i == params_argnum else ("batch" if len(abstract_args) == 2 else f"arg{i}")
         for i in range(len(abstract_args))]
@@ -75,7 +90,7 @@ def from_function(fn: Callable[..., Any], *abstract_args: Any, params_argnum: in
         if role == "input" and batch_dim is None and value.axes and value.axes[0] is not None:
             batch_dim = value.axes[0]
         args.append(value)
-    outs = importer.run(closed.jaxpr, args, ())
+    outs = importer.run(closed.jaxpr, args, (), path=())
     outputs = []
     for i, out in enumerate(outs):
         if out.missing or out.tensor is None:
@@ -83,8 +98,12 @@ def from_function(fn: Callable[..., Any], *abstract_args: Any, params_argnum: in
                                    "return the loss computed from params and batch")
         outputs.append(out.tensor)
     importer.drop_stacked()
-    dtype = _graph_dtype(importer.draft)
-    return importer.draft.finish(title, batch_dim, dtype, list(dict.fromkeys(outputs)))
+    draft = importer.draft
+    graph = draft.finish(title, batch_dim, _graph_dtype(draft), list(dict.fromkeys(outputs)))
+    return Traced(graph, closed,
+                  [(a.tensor or "", tuple(draft.name_of(d) for d in a.axes)) for a in args],
+                  {t: (where, tuple(draft.name_of(d) for d in axes))
+                   for t, (where, axes) in importer.origins.items() if t in graph.tensors})
 
 
 def _key(entry: Any) -> str:
@@ -142,6 +161,7 @@ class _Importer(Values):
         self.opaque = opaque
         self.stacked: set[str] = set()  # params handed to scan as per-step slices
         self._scans = itertools.count()
+        self.origins: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {}  # activation -> where, axes
 
     def unsupported(self, eqn: Any, why: str = "") -> UnsupportedError:
         name = eqn.primitive.name
@@ -157,7 +177,9 @@ class _Importer(Values):
             del self.draft.tensors[name]
 
     # ------------------------------------------------------------ walking
-    def run(self, jaxpr: Any, args: Sequence[Value], scope: Scope, consts: Sequence[Any] = ()) -> list[Value]:
+    def run(self, jaxpr: Any, args: Sequence[Value], scope: Scope, consts: Sequence[Any] = (),
+            path: tuple[int, ...] = ()) -> list[Value]:
+        """Map a jaxpr's equations; `path` locates it (equation indices, scan steps) for `origins`."""
         env: dict[Any, Value] = {}
         for var in jaxpr.constvars:
             env[var] = self.constant(var.aval.shape)
@@ -167,7 +189,7 @@ class _Importer(Values):
         def read(atom: Any) -> Value:
             return self.constant(getattr(atom.aval, "shape", ())) if isinstance(atom, jcore.Literal) else env[atom]
 
-        for eqn in jaxpr.eqns:
+        for k, eqn in enumerate(jaxpr.eqns):
             inner = _scope(eqn)
             here = inner if inner[:len(scope)] == scope and inner else scope + inner
             ins = [read(a) for a in eqn.invars]
@@ -176,24 +198,27 @@ class _Importer(Values):
                 raise UnsupportedError(f"{eqn.primitive.name} reads {blocked}", source_line(eqn),
                                        "carry the value through the scan instead of stacking it")
             try:
-                outs = self.equation(eqn, ins, here)
+                outs = self.equation(eqn, ins, here, (*path, k))
             except NoMapping as err:
                 if not self.opaque:
                     raise self.unsupported(eqn, str(err)) from None
                 outs = self.opaque_op(eqn, ins, here)
-            for var, value in zip(eqn.outvars, outs):
+            for o, (var, value) in enumerate(zip(eqn.outvars, outs)):
                 env[var] = value
+                if value.tensor and value.tensor not in self.origins \
+                        and self.draft.tensors[value.tensor].role not in ("param", "input"):
+                    self.origins[value.tensor] = ((*path, k, o), value.axes)
         return [read(a) for a in jaxpr.outvars]
 
-    def equation(self, eqn: Any, ins: list[Value], scope: Scope) -> list[Value]:
+    def equation(self, eqn: Any, ins: list[Value], scope: Scope, path: tuple[int, ...]) -> list[Value]:
         prim, params = eqn.primitive.name, eqn.params
         out = eqn.outvars[0].aval if eqn.outvars else None
         name = "/".join([*scope, prim])
         if prim in CALLS:
             sub, consts = _sub_jaxpr(eqn)
-            return self.run(sub, ins[len(ins) - len(sub.invars):], scope, consts)
+            return self.run(sub, ins[len(ins) - len(sub.invars):], scope, consts, path)
         if prim == "scan":
-            return self.scan(eqn, ins, scope)
+            return self.scan(eqn, ins, scope, path)
         if all(v.tensor is None for v in ins):
             return [self.constant(getattr(v.aval, "shape", ())) for v in eqn.outvars]  # known at trace time
         if prim in ALIASES:
@@ -244,7 +269,7 @@ class _Importer(Values):
         return self.lookup(table, collapsed[0], ids, ids.axes[:-1], tuple(numbers.offset_dims), len(out.shape),
                            _dtype(out.dtype), name, scope)
 
-    def scan(self, eqn: Any, ins: list[Value], scope: Scope) -> list[Value]:
+    def scan(self, eqn: Any, ins: list[Value], scope: Scope, path: tuple[int, ...]) -> list[Value]:
         """Unroll a scan: each step's body runs on the step's slices of the stacked inputs."""
         p = eqn.params
         body, consts = _sub_jaxpr(eqn)
@@ -254,7 +279,7 @@ class _Importer(Values):
         steps = range(length - 1, -1, -1) if p.get("reverse") else range(length)
         for i in steps:
             sliced = [self.step_slice(v, i, eqn) for v in stacked]
-            outs = self.run(body, [*fixed, *carry, *sliced], (*scope, f"{label}[{i}]"), consts)
+            outs = self.run(body, [*fixed, *carry, *sliced], (*scope, f"{label}[{i}]"), consts, (*path, i))
             carry = outs[:n_carry]
         where = f"the stacked outputs of the scan at {source_line(eqn)}"
         ys = [Value(None, (), missing=where) for _ in eqn.outvars[n_carry:]]
