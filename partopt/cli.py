@@ -4,6 +4,7 @@ printing. Any PartoptError a command raises becomes one `error: …` line on std
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -463,6 +464,61 @@ def explain_command(plan_file: str, ops: bool) -> None:
 def export_command(plan_file: str, target: str) -> None:
     """Turn PLAN into Megatron-LM arguments, JAX PartitionSpecs or PyTorch DTensor placements."""
     click.echo(export(read_plan(plan_file), target))
+
+
+VERIFY_TARGETS = ("jax",)
+
+
+@main.command("verify")
+@click.argument("plan_file", metavar="PLAN")
+@click.option("--against", required=True, type=click.Choice(VERIFY_TARGETS), help="The framework to run the plan in.")
+@click.option("--model", "source", required=True,
+              help="The model PLAN was solved for: `pkg.mod:make_model` or `file.py:make_model` (as for import).")
+def verify_command(plan_file: str, against: str, source: str) -> None:
+    """Run PLAN's shardings in a framework on host CPU devices: per stage, loss and gradients against the
+    unsharded run, and the compiled program's collectives against the plan's. Exit 1 on a mismatch."""
+    import os
+    import subprocess
+    import sys
+
+    needed = max(math.prod(s.logical_mesh) for s in read_plan(plan_file).stages)
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
+                                     f"--xla_force_host_platform_device_count={needed}".strip())
+    done = subprocess.run([sys.executable, "-m", "partopt.verify_jax", plan_file, source], env=env,
+                          capture_output=True, text=True)
+    try:
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise PartoptError(f"the verification process failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}",
+                           "partopt verify", "run python -m partopt.verify_jax PLAN SOURCE to see it whole") from None
+    if "error" in result:
+        raise PartoptError(result["error"])
+    out = Console()
+    for stage in result["stages"]:
+        _render_verification(out, stage)
+    out.print("verified: the plan runs as planned" if result["ok"] else "MISMATCH: see the stages above")
+    if not result["ok"]:
+        raise SystemExit(1)
+
+
+def _render_verification(out: Console, stage: dict[str, Any]) -> None:
+    """One stage's verification: numerics, then compiled vs planned collectives per (kind, mesh axis)."""
+    numerics = "match" if stage["numerics_ok"] else "DIFFER"
+    out.print(f"stage {stage['stage']} on a {stage['mesh'][0]} x {stage['mesh'][1]} mesh: loss {stage['loss']:.6g} "
+              f"(unsharded {stage['reference_loss']:.6g}), largest gradient difference {stage['max_grad_error']:.2g}: "
+              f"{numerics}")
+    totals: dict[tuple[str, str], list[float]] = {}
+    for side, key in ((0, "compiled"), (1, "planned")):
+        for c in stage[key]:
+            totals.setdefault((c["kind"], c["axis"]), [0.0, 0.0])[side] += c["bytes"]
+    table = Table(title=f"stage {stage['stage']}: collectives of one training step (one microbatch)", box=box.SIMPLE)
+    for column in ("collective", "mesh axis", "compiled", "planned"):
+        table.add_column(column, justify="right" if column in ("compiled", "planned") else "left")
+    for (kind, axis), (got, want) in sorted(totals.items()):
+        table.add_row(kind, axis, fmt_bytes(got), fmt_bytes(want))
+    out.print(table)
+    for line in stage["mismatches"]:
+        out.print(Text(f"mismatch: {line}"))
 
 
 @main.command("draw")

@@ -87,3 +87,16 @@ def make_model() -> tuple[Any, tuple[Any, ...]]:
 def make_scan_model() -> tuple[Any, tuple[Any, ...]]:
     """The scanned GPT, for `partopt import jax tests/jax_models.py:make_scan_model`."""
     return gpt_scan_loss, gpt_shapes(**CONFIG, stacked=True)
+
+
+def mlp_loss(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean squared error of a two-layer ReLU MLP: the smallest model whose plans `verify` checks."""
+    h = jax.nn.relu(batch["x"] @ params["w1"])
+    return ((h @ params["w2"] - batch["y"]) ** 2).mean()
+
+
+def make_mlp() -> tuple[Any, tuple[Any, ...]]:
+    """A 2-layer MLP, batch 16, 64 -> 256 -> 64 (`partopt verify` tests)."""
+    s = jax.ShapeDtypeStruct
+    params = {"w1": s((64, 256), jnp.float32), "w2": s((256, 64), jnp.float32)}
+    return mlp_loss, (params, {"x": s((16, 64), jnp.float32), "y": s((16, 64), jnp.float32)})
