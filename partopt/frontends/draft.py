@@ -19,7 +19,7 @@ from partopt.errors import PartoptError
 from partopt.graph import Graph, Op, Tensor
 
 INTEGER_DTYPES = ("int8", "int32", "int64", "bool")
-PREPARING = ("mul", "div", "select_n", "add", "sub")  # by constants: softmax's scale and mask fold into it
+PREPARING = ("mul", "div", "select_n", "add", "sub")  # by constants: scale, mask, square fold into a norm
 NORM_PARAMS = {"rmsnorm": ("mul",), "layernorm": ("mul", "add")}  # fn consuming scale, shift
 
 
@@ -161,29 +161,41 @@ def _replace(draft: Draft, region: list[DraftOp], new: DraftOp) -> None:
 
 
 def _grow_region(draft: Draft, start: DraftOp, consumers: dict[str, list[DraftOp]]) -> tuple[str, list[DraftOp]] | None:
-    """The elementwise/reduce ops around a reduce: (root input, ops), or None when none can be grown."""
+    """The elementwise/reduce ops around a reduce: (root input, ops), or None when they do not close."""
     x = start.inputs[0]
     whole = set(draft.dims_of(x))
     producers = {op.output: op for op in draft.ops}
-    region = [start]
-    produced = {start.output}
+
+    def preparing(t: str) -> DraftOp | None:
+        """The op making `t` from one tensor by constants (softmax's scale and mask, RMSNorm's square)."""
+        p = producers.get(t)
+        if p is not None and p.kind == "elementwise" and p.attrs.get("fn") in PREPARING and len(p.inputs) == 1 \
+                and set(draft.dims_of(p.inputs[0])) == whole:
+            return p
+        return None
+
+    chain = [x]
+    while preparing(chain[-1]) is not None:
+        chain.append(preparing(chain[-1]).inputs[0])  # type: ignore[union-attr]
 
     def side(t: str) -> bool:
         info = draft.tensors[t]
-        return t == x or (set(draft.dims_of(t)) <= whole and (info.role == "param" or info.dtype in INTEGER_DTYPES))
+        return set(draft.dims_of(t)) <= whole and (info.role == "param" or info.dtype in INTEGER_DTYPES)
 
+    region = [start]
+    produced = {start.output}
     for op in draft.ops[draft.ops.index(start) + 1:]:
         if op.kind not in ("elementwise", "reduce") or not any(t in produced for t in op.inputs):
             continue
-        if all(t in produced or side(t) for t in op.inputs) and set(draft.dims_of(op.output)) <= whole:
+        if all(t in produced or t in chain or side(t) for t in op.inputs) and set(draft.dims_of(op.output)) <= whole:
             region.append(op)
             produced.add(op.output)
-    # ops before the reduce that only prepare the root by constants (softmax's scale and mask)
-    while x in producers and producers[x].kind == "elementwise" and producers[x].attrs.get("fn") in PREPARING \
-            and len(producers[x].inputs) == 1 and set(draft.dims_of(producers[x].inputs[0])) == whole \
-            and all(c in region for c in consumers[x]):
-        region.insert(0, producers[x])
-        x = producers[x].inputs[0]
+    while preparing(x) is not None and all(c in region for c in consumers[x]):
+        region.insert(0, preparing(x))  # type: ignore[arg-type]
+        x = region[0].inputs[0]
+    produced = {op.output for op in region}
+    if any(t not in produced and t != x and not side(t) for op in region for t in op.inputs):
+        return None  # reads a prepared tensor that other ops read too: not one normalisation
     return x, region
 
 

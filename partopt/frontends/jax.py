@@ -129,12 +129,12 @@ def _graph_dtype(draft: Draft) -> str:
 
 
 def source_line(eqn: Any) -> str:
-    """Where the user's code made this equation (file:line (function)), as JAX reports it."""
+    """Where the user's code made this equation (file:line (function)), as JAX reports it ("" if unknown)."""
     try:
         from jax._src import source_info_util  # JAX's own summary; private, hence the fallback
         return source_info_util.summarize(eqn.source_info)
     except Exception:  # noqa: BLE001  any failure here must not hide the real error
-        return "an unknown line"
+        return ""
 
 
 def _scope(eqn: Any) -> tuple[str, ...]:
@@ -158,15 +158,16 @@ class _Importer(Values):
 
     def __init__(self, opaque: bool):
         super().__init__()
-        self.opaque = opaque
+        self.opaque_ok = opaque
         self.stacked: set[str] = set()  # params handed to scan as per-step slices
         self._scans = itertools.count()
         self.origins: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {}  # activation -> where, axes
+        self.lines: list[str] = []  # source lines of the equations being mapped, outermost first
 
     def unsupported(self, eqn: Any, why: str = "") -> UnsupportedError:
         name = eqn.primitive.name
         cause = f"JAX primitive {name!r} has no partopt mapping" + (f" ({why})" if why else "")
-        return UnsupportedError(cause, source_line(eqn),
+        return UnsupportedError(cause, self.lines[-1] if self.lines else source_line(eqn),
                                 "import with opaque=True (--opaque) to keep it as an unsharded opaque op, "
                                 "or express it with mapped primitives (docs/FRONTENDS.md)")
 
@@ -194,15 +195,18 @@ class _Importer(Values):
             here = inner if inner[:len(scope)] == scope and inner else scope + inner
             ins = [read(a) for a in eqn.invars]
             blocked = next((v.missing for v in ins if v.missing), None)
+            line = source_line(eqn)
+            self.lines.append(line if line else self.lines[-1] if self.lines else "an unknown line")
             if blocked:
-                raise UnsupportedError(f"{eqn.primitive.name} reads {blocked}", source_line(eqn),
+                raise UnsupportedError(f"{eqn.primitive.name} reads {blocked}", self.lines[-1],
                                        "carry the value through the scan instead of stacking it")
             try:
                 outs = self.equation(eqn, ins, here, (*path, k))
             except NoMapping as err:
-                if not self.opaque:
+                if not self.opaque_ok:
                     raise self.unsupported(eqn, str(err)) from None
                 outs = self.opaque_op(eqn, ins, here)
+            self.lines.pop()
             for o, (var, value) in enumerate(zip(eqn.outvars, outs)):
                 env[var] = value
                 if value.tensor and value.tensor not in self.origins \
