@@ -1,7 +1,7 @@
 """ONNX frontend: an .onnx model (shapes inferred by onnx.shape_inference) as a partopt Graph.
 
-Initializers are parameters (named as in the file), except BatchNormalization's running mean and
-variance, which are statistics, not trained; graph inputs are data (the batch dim is axis 0 of the
+Floating-point initializers are parameters (named as in the file), except BatchNormalization's
+running mean and variance, which are statistics, not trained (integer ones are constants); graph inputs are data (the batch dim is axis 0 of the
 first). Conv, Gemm, MatMul, BatchNormalization, pooling, activations and arithmetic, Concat,
 Reshape/Flatten, Transpose, Softmax and LayerNormalization map (docs/FRONTENDS.md has the table).
 Every dim must be static: fix dynamic dims in the file before importing. Requires onnx.
@@ -18,7 +18,7 @@ import onnx
 from onnx import numpy_helper, shape_inference
 
 from partopt.errors import InstanceError
-from partopt.frontends.draft import UnsupportedError
+from partopt.frontends.draft import INTEGER_DTYPES, UnsupportedError
 from partopt.frontends.values import NoMapping, Scope, Value, Values
 from partopt.graph import Graph
 
@@ -96,8 +96,8 @@ class _Importer(Values):
         statistics = {n.input[k] for n in self.graph.node if n.op_type == "BatchNormalization" for k in (3, 4)
                       if len(n.input) > k}
         batch_dim = None
-        for t in self.graph.initializer:
-            if t.name not in statistics:
+        for t in self.graph.initializer:  # integer initializers (shapes, axes, indices) are constants
+            if t.name not in statistics and _dtype(t.data_type, t.name) not in INTEGER_DTYPES:
                 self.env[t.name] = self.leaf(t.name, tuple(t.dims), "param", _dtype(t.data_type, t.name))
         for info in self.graph.input:
             if info.name in self.env or info.name in self.consts:
