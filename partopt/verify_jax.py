@@ -311,7 +311,10 @@ def mesh_axis(groups: list[list[int]], shape: tuple[int, int]) -> str:
 
 
 def hlo_collectives(text: str, shape: tuple[int, int]) -> list[Collective]:
-    """The collectives of compiled HLO text, with the buffer partopt prices (reduce-scatter: its input)."""
+    """The collectives of compiled HLO text, with the buffer partopt prices (reduce-scatter: its input).
+
+    An all-reduce over the whole mesh counts once per mesh axis with the same buffer, as partopt prices
+    a sum over both axes (hierarchically); the op names are XLA's metadata (which user ops it serves)."""
     found = []
     for line in text.splitlines():
         line = re.sub(r"/\*.*?\*/", "", line)  # XLA's /*index=5*/ comments inside tuple types
@@ -329,7 +332,13 @@ def hlo_collectives(text: str, shape: tuple[int, int]) -> list[Collective]:
         if kind == "reduce_scatter":
             size *= n
         where = _OP_NAME.search(line)
-        found.append(Collective(kind, mesh_axis(members, shape), float(size), where["name"] if where else "?"))
+        axis = mesh_axis(members, shape)
+        name = where["name"] if where else "?"
+        name = name if len(name) <= 60 else name[:57] + "..."  # XLA joins every op a fused collective serves
+        if kind == "all_reduce" and axis == "x,y":  # partopt prices it per axis: the same buffer on x, then y
+            found += [Collective(kind, a, float(size), f"{name} (over the whole mesh)") for a in AXIS_NAMES]
+        else:
+            found.append(Collective(kind, axis, float(size), name))
     return found
 
 

@@ -37,7 +37,7 @@ def test_hlo_collectives_in_every_replica_group_spelling():
     assert [(c.kind, c.axis, c.bytes) for c in found] == [
         ("all_reduce", "y", 4.0),  # named mesh axes
         ("all_reduce", "x", 4.0 + 32 * 64 * 4),  # explicit groups {0,2},{1,3}: the first axis; a combined tuple
-        ("all_gather", "x,y", 8 * 64 * 4.0),  # iota over all four devices
+        ("all_gather", "x,y", 8 * 64 * 4.0),  # iota over all four devices (a gather stays one collective)
         ("reduce_scatter", "x", 2 * 4 * 64 * 4.0),  # transposed iota {0,2},{1,3}; buffer = result x group size
     ]  # groups of one device move nothing and are left out
     assert found[0].where == "jit(f)/reduce_sum"
@@ -101,3 +101,9 @@ def test_verify_rejects_a_plan_of_another_model(tmp_path):
     write_plan(optimize(graph, cluster, workers=1, microbatches=[1], data_parallel_only=True), path)
     result = CliRunner().invoke(main, ["verify", str(path), "--against", "jax", "--model", MLP])
     assert result.exit_code == 2 and "tensors the model lacks" in result.output and "Traceback" not in result.output
+
+
+def test_an_all_reduce_over_the_whole_mesh_counts_on_each_axis():
+    line = "  %ar = f32[16]{0} all-reduce(%g), replica_groups=[1,4]<=[4], to_apply=%add"
+    assert [(c.kind, c.axis, c.bytes) for c in hlo_collectives(line, (2, 2))] == [
+        ("all_reduce", "x", 64.0), ("all_reduce", "y", 64.0)]
