@@ -31,7 +31,7 @@ from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from partopt.errors import PartoptError
-from partopt.export import AXIS_NAMES, TensorPlacement, stage_tensors
+from partopt.export import AXIS_NAMES, TensorPlacement, parse_placement, stage_tensors
 from partopt.frontends.jax import CALLS, Traced, _sub_jaxpr, trace
 from partopt.graph import Graph
 from partopt.plan import Plan, StagePlan
@@ -173,7 +173,19 @@ def _check_stage(plan: Plan, index: int, stage: StagePlan, traced: Traced, flat:
             constraints[where] = NamedSharding(mesh, PartitionSpec())
         elif t.role == "activation" and not any(isinstance(p, Partial) for p in t.placement):
             constraints[where] = NamedSharding(mesh, _spec(dims, t))
-    run = _constrained(traced.closed, constraints)
+    operands = {}  # pin each op's operands to the layout the plan gives them, so XLA reshards as planned
+    for op_name, info in stage.ops.items():
+        op = traced.graph.op_index[op_name]
+        for t, text in zip(op.inputs, info["inputs"]):
+            need = parse_placement(text)
+            if any(isinstance(p, Partial) for p in need):
+                continue
+            holder = TensorPlacement(t, "operand", traced.graph.tensors[t].dims, (), need)
+            for where in traced.equations.get(op_name, ()):
+                for j, (tensor, dims) in enumerate(traced.reads.get(where, ())):
+                    if tensor == t:
+                        operands[(*where, "in", j)] = NamedSharding(mesh, _spec(dims, holder))
+    run = _constrained(traced.closed, {**constraints, **operands})
 
     def step(*leaves: Any) -> Any:
         return run(*leaves)
@@ -206,8 +218,6 @@ def _check_stage(plan: Plan, index: int, stage: StagePlan, traced: Traced, flat:
 
 def _input_placements(plan: Plan, stage: StagePlan, graph: Graph) -> dict[str, TensorPlacement]:
     """Data inputs read by the stage, placed as the first op reading them requires."""
-    from partopt.export import parse_placement
-
     result: dict[str, TensorPlacement] = {}
     for op_name, info in stage.ops.items():
         op = graph.op_index.get(op_name)
@@ -228,8 +238,9 @@ def _stacked(placed: dict[str, TensorPlacement], name: str, dims: Sequence[str |
     return PartitionSpec(None, *_spec(dims[1:], steps[0]))
 
 
-def _constrained(closed: Any, constraints: dict[tuple[int, ...], NamedSharding]) -> Callable[..., list[Any]]:
-    """The jaxpr as a function that pins the outputs at `constraints` (equation paths as the importer numbers them)."""
+def _constrained(closed: Any, constraints: dict[tuple[Any, ...], NamedSharding]) -> Callable[..., list[Any]]:
+    """The jaxpr as a function that pins values at `constraints`: (equation path, output index) for results,
+    (equation path, "in", operand index) for operands (paths as the importer numbers equations)."""
     def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], path: tuple[int, ...]) -> list[Any]:
         env: dict[Any, Any] = {}
         for var, value in (*zip(jaxpr.constvars, consts), *zip(jaxpr.invars, args)):
@@ -239,8 +250,10 @@ def _constrained(closed: Any, constraints: dict[tuple[int, ...], NamedSharding])
             return atom.val if isinstance(atom, jcore.Literal) else env[atom]
 
         for k, eqn in enumerate(jaxpr.eqns):
-            ins = [read(a) for a in eqn.invars]
             here = (*path, k)
+            ins = [read(a) for a in eqn.invars]
+            ins = [v if (*here, "in", j) not in constraints else
+                   jax.lax.with_sharding_constraint(v, constraints[(*here, "in", j)]) for j, v in enumerate(ins)]
             name = eqn.primitive.name
             if name in CALLS:
                 sub, sub_consts = _sub_jaxpr(eqn)
@@ -350,8 +363,6 @@ def planned_collectives(plan: Plan, index: int, graph: Graph) -> list[Collective
     replicated (as `verify` runs other stages' ops: replicated on this stage's mesh). Each
     parameter's gradient is synchronised once (ZeRO's reduce-scatter + all-gather counted as an all-reduce).
     """
-    from partopt.export import parse_placement
-
     stage = plan.stages[index]
     mesh = _MeshShape((stage.logical_mesh[0], stage.logical_mesh[1]))
     produced = {info["tensor"]: parse_placement(info["output"]) for info in stage.ops.values()}

@@ -46,6 +46,7 @@ class DraftOp:
     output: str
     scope: tuple[str, ...] = ()
     attrs: dict[str, Any] = field(default_factory=dict)
+    origins: set[Any] = field(default_factory=set)  # the framework ops it stands for (see Draft.origin)
 
 
 class Draft:
@@ -59,6 +60,7 @@ class Draft:
         self.ops: list[DraftOp] = []
         self._counter = itertools.count()
         self.names: dict[int, str] = {}  # dim class -> its name in the Graph (set by finish)
+        self.origin: Any = None  # the framework op being mapped: ops made now record it
 
     # ------------------------------------------------------------ dims
     def new_dim(self, size: int) -> int:
@@ -116,7 +118,7 @@ class Draft:
         """Add an op writing a new tensor over `dims`; returns the tensor (named like the op)."""
         name = self.fresh_name(base)
         self.tensor(name, dims, "activation", dtype)
-        self.ops.append(DraftOp(name, kind, list(dict.fromkeys(inputs)), name, scope, dict(attrs)))
+        self.ops.append(DraftOp(name, kind, list(dict.fromkeys(inputs)), name, scope, dict(attrs), {self.origin}))
         return name
 
     def rename(self, tensor: str, old: int, new: int, scope: tuple[str, ...]) -> str:
@@ -244,6 +246,7 @@ def _recognise_normalisations(draft: Draft) -> None:
             grown = _grow_region(draft, op, consumers)
             new = _classify(draft, *grown, consumers) if grown else None
             if new is not None:
+                new.origins = set().union(*(op.origins for op in grown[1]))
                 _replace(draft, grown[1], new)
                 i = draft.ops.index(new) + 1
                 continue
@@ -267,6 +270,7 @@ def _fuse_elementwise(draft: Draft) -> None:
                     continue
                 op.inputs = list(dict.fromkeys([u for u in op.inputs if u != t] + p.inputs))
                 op.attrs["fn"] = f"{p.attrs.get('fn')}+{op.attrs.get('fn')}"
+                op.origins |= p.origins
                 draft.ops.remove(p)
                 del draft.tensors[t]
                 changed = True

@@ -49,6 +49,8 @@ class Traced:
     closed: Any  # the ClosedJaxpr
     leaves: list[tuple[str, tuple[str | None, ...]]]  # per flattened argument: tensor name, dim name per axis
     origins: dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]  # activation -> (equation path, dims)
+    equations: dict[str, set[tuple[int, ...]]]  # op -> paths of the equations it stands for
+    reads: dict[tuple[int, ...], list[tuple[str | None, tuple[str | None, ...]]]]  # equation -> per operand: tensor, dims
 
 
 def from_function(fn: Callable[..., Any], *abstract_args: Any, params_argnum: int = 0, opaque: bool = False,
@@ -103,7 +105,10 @@ def trace(fn: Callable[..., Any], *abstract_args: Any, params_argnum: int = 0, o
     return Traced(graph, closed,
                   [(a.tensor or "", tuple(draft.name_of(d) for d in a.axes)) for a in args],
                   {t: (where, tuple(draft.name_of(d) for d in axes))
-                   for t, (where, axes) in importer.origins.items() if t in graph.tensors})
+                   for t, (where, axes) in importer.origins.items() if t in graph.tensors},
+                  {op.name: {p for p in op.origins if p is not None} for op in draft.ops},
+                  {where: [(t, tuple(draft.name_of(d) for d in axes)) for t, axes in operands]
+                   for where, operands in importer.reads.items()})
 
 
 def _key(entry: Any) -> str:
@@ -163,6 +168,7 @@ class _Importer(Values):
         self._scans = itertools.count()
         self.origins: dict[str, tuple[tuple[int, ...], tuple[int | None, ...]]] = {}  # activation -> where, axes
         self.lines: list[str] = []  # source lines of the equations being mapped, outermost first
+        self.reads: dict[tuple[int, ...], list[tuple[str | None, tuple[int | None, ...]]]] = {}  # path -> operands
 
     def unsupported(self, eqn: Any, why: str = "") -> UnsupportedError:
         name = eqn.primitive.name
@@ -200,6 +206,8 @@ class _Importer(Values):
             if blocked:
                 raise UnsupportedError(f"{eqn.primitive.name} reads {blocked}", self.lines[-1],
                                        "carry the value through the scan instead of stacking it")
+            self.draft.origin = (*path, k)
+            self.reads[(*path, k)] = [(v.tensor, v.axes) for v in ins]
             try:
                 outs = self.equation(eqn, ins, here, (*path, k))
             except NoMapping as err:
