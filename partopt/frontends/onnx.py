@@ -90,7 +90,8 @@ class _Importer(Values):
         return self.shapes[name][0]
 
     def place(self, node: Any) -> str:
-        return f"{self.where}: node {node.name or '?'} ({node.op_type})"
+        index = list(self.graph.node).index(node)
+        return f"{self.where}: node {index}{f' {node.name}' if node.name else ''} ({node.op_type})"
 
     def run(self, title: str) -> Graph:
         statistics = {n.input[k] for n in self.graph.node if n.op_type == "BatchNormalization" for k in (3, 4)
