@@ -85,7 +85,7 @@ def test_flops_match_xla():
     own backward of the cheap ops (softmax, norms, gelu: several FLOPs per element where partopt's model
     counts one), so partopt's training FLOPs are compared with 3 × XLA's forward (matmuls: two backward
     GEMMs each), and with XLA's value_and_grad more loosely."""
-    args = jm.gpt_shapes(hidden=256, layers=2, heads=8, seq=128, vocab=1024, batch=4)
+    args = jm.gpt_shapes(hidden=256, layers=1, heads=8, seq=128, vocab=1024, batch=2)
     imported = from_function(jm.gpt_loss, *args)
     forward = jax.jit(jm.gpt_loss).lower(*args).compile().cost_analysis()["flops"]
     assert imported.forward_flops == pytest.approx(forward, rel=0.01)

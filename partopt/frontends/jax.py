@@ -11,8 +11,12 @@ params (`params/blocks/3/mlp/w1`); a parameter stacked for `scan` becomes one te
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import itertools
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
@@ -331,11 +335,6 @@ def _xla_flops(eqn: Any) -> int:
 
 def load_model(source: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """`pkg.mod:make_model` or `path/file.py:make_model` -> what make_model() returns: (fn, abstract_args)."""
-    import importlib
-    import importlib.util
-    import sys
-    from pathlib import Path
-
     module_name, _, attr = source.partition(":")
     if not module_name or not attr:
         raise PartoptError(f"model source {source!r} is not MODULE:FUNCTION", source,
@@ -360,7 +359,10 @@ def load_model(source: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     make = getattr(module, attr, None)
     if not callable(make):
         raise PartoptError(f"{module_name} has no function {attr!r}", source)
-    made = make()
+    try:
+        made = make()
+    except Exception as err:  # the user's code: one line, not a traceback
+        raise PartoptError(f"{attr}() failed: {type(err).__name__}: {err}", source) from None
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0]) and isinstance(made[1], (tuple, list))):
         raise PartoptError(f"{attr}() must return (fn, abstract_args), got {type(made).__name__}", source,
                            "return the loss function and a tuple of its arguments (params first)")
