@@ -114,6 +114,20 @@ def test_scan_unrolls_into_one_layer_per_step(imported):
     assert flop_split(g) == flop_split(imported)
 
 
+def test_layers_from_repeated_structure_without_scopes(imported):
+    """The same GPT without named scopes: the repeated block is found, and cut where the scopes cut it."""
+    def unscoped(params, batch):
+        x = params["wte"][batch["tokens"]] + params["wpe"][None]
+        for p in params["blocks"]:
+            x = jm._block(x, p)
+        logits = jm._layernorm(x, params["ln_f"]) @ params["wte"].T
+        return -(jax.nn.log_softmax(logits) * jax.nn.one_hot(batch["labels"], logits.shape[-1])).sum(-1).mean()
+
+    g = from_function(unscoped, *jm.gpt_shapes(**CFG))
+    assert [op.layer for op in g.ops] == [op.layer for op in imported.ops]
+    assert g.layers == list(range(CFG["layers"]))
+
+
 def test_norms_inside_remat_and_custom_vjp():
     @jax.custom_vjp
     def clip(x):

@@ -238,16 +238,17 @@ def _classify(draft: Draft, x: str, region: list[DraftOp], consumers: dict[str, 
 
 def _recognise_normalisations(draft: Draft) -> None:
     """Replace each softmax / LayerNorm / RMSNorm / softmax cross-entropy pattern by its one op."""
+    consumers = _consumers(draft)
     i = 0
     while i < len(draft.ops):
         op = draft.ops[i]
         if op.kind == "reduce" and op.attrs.get("fn") in ("sum", "max"):
-            consumers = _consumers(draft)
             grown = _grow_region(draft, op, consumers)
             new = _classify(draft, *grown, consumers) if grown else None
             if new is not None:
                 new.origins = set().union(*(op.origins for op in grown[1]))
                 _replace(draft, grown[1], new)
+                consumers = _consumers(draft)
                 i = draft.ops.index(new) + 1
                 continue
         i += 1
@@ -255,14 +256,15 @@ def _recognise_normalisations(draft: Draft) -> None:
 
 def _fuse_elementwise(draft: Draft) -> None:
     """Merge chains of parameter-free elementwise ops over the same dims into one op (as XLA fuses them)."""
-    changed = True
-    while changed:
-        changed = False
-        consumers = _consumers(draft)
-        producers = {op.output: op for op in draft.ops}
-        for op in draft.ops:
-            if op.kind != "elementwise" or _has_param(draft, op):
-                continue
+    consumers = _consumers(draft)
+    producers = {op.output: op for op in draft.ops}
+    removed: set[str] = set()
+    for op in draft.ops:
+        if op.name in removed or op.kind != "elementwise" or _has_param(draft, op):
+            continue
+        merged = True
+        while merged:
+            merged = False
             for t in op.inputs:
                 p = producers.get(t)
                 if p is None or p.kind != "elementwise" or _has_param(draft, p) or len(consumers[t]) != 1 \
@@ -271,12 +273,13 @@ def _fuse_elementwise(draft: Draft) -> None:
                 op.inputs = list(dict.fromkeys([u for u in op.inputs if u != t] + p.inputs))
                 op.attrs["fn"] = f"{p.attrs.get('fn')}+{op.attrs.get('fn')}"
                 op.origins |= p.origins
-                draft.ops.remove(p)
-                del draft.tensors[t]
-                changed = True
+                for u in p.inputs:  # p's inputs are now read by op
+                    consumers[u] = [c for c in consumers[u] if c is not p and c is not op] + [op]
+                removed.add(p.name)
+                del producers[t], draft.tensors[t]
+                merged = True
                 break
-            if changed:
-                break
+    draft.ops[:] = [op for op in draft.ops if op.name not in removed]
 
 
 def _has_param(draft: Draft, op: DraftOp) -> bool:
@@ -298,29 +301,69 @@ def _drop_dead(draft: Draft) -> None:
         del draft.tensors[name]
 
 
-def _layers(ops: Sequence[DraftOp]) -> list[int | None]:
-    """Layer tags from scopes: the first scope level where ops differ; unscoped ops join a neighbour."""
+def _layers(draft: Draft) -> list[int | None]:
+    """Layer tags from scopes (the first scope level where ops differ), else from repeated structure;
+    ops outside every layer join a neighbour."""
+    ops = draft.ops
     scoped = [op.scope for op in ops if op.scope]
     if not scoped:
-        return [None] * len(ops)
+        return _repeated_layers(draft)
     common = 0  # scope levels every scoped op shares, keeping one level below them
     while all(len(s) > common + 1 and s[common] == scoped[0][common] for s in scoped):
         common += 1
     keys = [op.scope[common] if len(op.scope) > common else None for op in ops]
     if all(k is None for k in keys):
-        return [None] * len(ops)
+        return _repeated_layers(draft)
     index: dict[str, int] = {}
     tags: list[int | None] = []
     for key in keys:
         if key is not None:
             index.setdefault(key, len(index))
         tags.append(index[key] if key is not None else None)
-    first = next(t for t in tags if t is not None)
-    current = first
-    for i, tag in enumerate(tags):  # unscoped ops join the layer before them (the first layer at the start)
+    return _fill(tags)
+
+
+def _fill(tags: list[int | None]) -> list[int | None]:
+    """Untagged ops join the layer before them (the first layer at the start)."""
+    current = next((t for t in tags if t is not None), None)
+    result = []
+    for tag in tags:
         current = tag if tag is not None else current
-        tags[i] = current
-    return tags
+        result.append(current)
+    return result
+
+
+def _signature(draft: Draft, op: DraftOp) -> tuple:
+    """What makes two ops alike for finding repeated blocks: kind, function, sizes, the parameters' sizes."""
+    sizes = tuple(draft.sizes[d] for d in draft.dims_of(op.output))
+    params = tuple(tuple(draft.sizes[d] for d in draft.dims_of(t)) for t in op.inputs
+                   if draft.tensors[t].role == "param")
+    return op.kind, op.attrs.get("fn"), sizes, params
+
+
+def _repeated_layers(draft: Draft) -> list[int | None]:
+    """Layers from the longest run of a repeated block of ops (identical blocks, as a transformer's):
+    each repetition a layer; None everywhere when nothing repeats."""
+    ids: dict[tuple, int] = {}
+    seq = [ids.setdefault(_signature(draft, op), len(ids)) for op in draft.ops]
+    n = len(seq)
+    best = (0, 0, 0, 0)  # coverage, -period, start, count
+    for period in range(2, n // 2 + 1):
+        run = 0
+        for i in range(n - period - 1, -2, -1):  # run[i]: how far seq[i:] equals seq[i + period:]
+            run = run + 1 if i >= 0 and seq[i] == seq[i + period] else 0
+            if i >= 0 and (i == 0 or seq[i - 1] != seq[i - 1 + period]):
+                count = run // period + 1
+                if count >= 2 and (count * period, -period) > best[:2]:
+                    best = (count * period, -period, i, count)
+    coverage, period, start, count = best[0], -best[1], best[2], best[3]
+    if not coverage:
+        return [None] * n
+    tags: list[int | None] = [None] * n
+    for k in range(count):
+        for j in range(start + k * period, start + (k + 1) * period):
+            tags[j] = k
+    return _fill(tags)
 
 
 def _to_graph(draft: Draft, name: str, batch_dim: int | None, dtype: str) -> Graph:
@@ -352,7 +395,7 @@ def _to_graph(draft: Draft, name: str, batch_dim: int | None, dtype: str) -> Gra
     tensors = {t: Tensor(t, tuple(dim(d) for d in info.dims), info.role,  # type: ignore[arg-type]
                          None if info.dtype == dtype else info.dtype)
                for t, info in draft.tensors.items()}
-    tags = _layers(draft.ops)
+    tags = _layers(draft)
     ops = [Op(op.name, op.kind, tuple(op.inputs), op.output, tag, {k: attr(k, v) for k, v in op.attrs.items()})
            for op, tag in zip(draft.ops, tags)]
     batch = names.get(draft.find(batch_dim)) if batch_dim is not None else None
