@@ -173,15 +173,16 @@ def _check_stage(plan: Plan, index: int, stage: StagePlan, traced: Traced, flat:
             constraints[where] = NamedSharding(mesh, PartitionSpec())
         elif t.role == "activation" and not any(isinstance(p, Partial) for p in t.placement):
             constraints[where] = NamedSharding(mesh, _spec(dims, t))
-    operands = {}  # pin each op's operands to the layout the plan gives them, so XLA reshards as planned
-    for op_name, info in stage.ops.items():
-        op = traced.graph.op_index[op_name]
-        for t, text in zip(op.inputs, info["inputs"]):
-            need = parse_placement(text)
+    operands = {}  # pin each op's operands to the layout the plan gives them (other stages': replicated)
+    replicated = [R] * len(AXIS_NAMES)
+    for op in traced.graph.ops:
+        info = stage.ops.get(op.name)
+        needs = [parse_placement(text) for text in info["inputs"]] if info else [tuple(replicated)] * len(op.inputs)
+        for t, need in zip(op.inputs, needs):
             if any(isinstance(p, Partial) for p in need):
                 continue
             holder = TensorPlacement(t, "operand", traced.graph.tensors[t].dims, (), need)
-            for where in traced.equations.get(op_name, ()):
+            for where in traced.equations.get(op.name, ()):
                 for j, (tensor, dims) in enumerate(traced.reads.get(where, ())):
                     if tensor == t:
                         operands[(*where, "in", j)] = NamedSharding(mesh, _spec(dims, holder))
