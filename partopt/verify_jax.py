@@ -3,7 +3,7 @@
 For every stage of the plan, `verify` builds a `jax.sharding.Mesh` of the stage's logical shape,
 places the stage's parameters and data by the `export --to jax` PartitionSpecs (keyed by the
 caller's pytree paths), pins every activation of the stage to its planned spec with
-`with_sharding_constraint` (ops of other stages run replicated), compiles one training step
+`with_sharding_constraint` (other stages' ops run replicated), compiles one training step
 (`jax.value_and_grad` of the imported function) on random inputs of one microbatch, and compares:
 
 * loss and every gradient with the unsharded run (`numpy.allclose`);
@@ -187,10 +187,6 @@ def _check_stage(plan: Plan, index: int, stage: StagePlan, traced: Traced, flat:
                     if tensor == t:
                         operands[(*where, "in", j)] = NamedSharding(mesh, _spec(dims, holder))
     run = _constrained(traced.closed, {**constraints, **operands})
-
-    def step(*leaves: Any) -> Any:
-        return run(*leaves)
-
     args = jax.tree_util.tree_unflatten(tree, list(range(len(flat))))
     param_leaves = set(jax.tree_util.tree_leaves(args[params_argnum]))
 
@@ -198,7 +194,7 @@ def _check_stage(plan: Plan, index: int, stage: StagePlan, traced: Traced, flat:
         merged, p, o = [], iter(params_flat), iter(others)
         for k in range(len(flat)):
             merged.append(next(p) if k in param_leaves else next(o))
-        return step(*merged)[0]
+        return run(*merged)[0]
 
     p_in = [a for k, a in enumerate(arrays) if k in param_leaves]
     o_in = [a for k, a in enumerate(arrays) if k not in param_leaves]
