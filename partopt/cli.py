@@ -296,6 +296,45 @@ def generate(model: str, output: str, **params: Any) -> None:
     click.echo(f"wrote {output}: {graph.name}, {len(graph.ops)} ops, {graph.num_params:,} parameters")
 
 
+# ---------------------------------------------------------------- import (frontends load their framework lazily)
+
+@main.group("import")
+def import_group() -> None:
+    """Import a model from a framework (JAX, ONNX) as a partopt graph file."""
+
+
+def _wrote(graph: Graph, output: str) -> None:
+    io.write_graph(graph, output)
+    click.echo(f"wrote {output}: {graph.name}, {len(graph.ops)} ops, {len(graph.layers)} layers, "
+               f"{graph.num_params:,} parameters, {fmt_scaled(graph.forward_flops, 'FLOP')} forward")
+
+
+@import_group.command("jax")
+@click.argument("source")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Graph file to write.")
+@click.option("--opaque", is_flag=True, help="Keep primitives with no mapping as opaque ops (never sharded).")
+@click.option("--name", help="Name of the graph (default: the function's name).")
+def import_jax(source: str, output: str, opaque: bool, name: str | None) -> None:
+    """Trace SOURCE, `pkg.mod:make_model` or `file.py:make_model`, to a graph file. make_model() returns
+    (fn, args): the loss (or forward) and its arguments, params first, as arrays or jax.ShapeDtypeStruct."""
+    from partopt.frontends import jax as jax_frontend
+
+    fn, args = jax_frontend.load_model(source)
+    _wrote(jax_frontend.from_function(fn, *args, opaque=opaque, name=name), output)
+
+
+@import_group.command("onnx")
+@click.argument("source", metavar="MODEL.onnx")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Graph file to write.")
+@click.option("--opaque", is_flag=True, help="Keep ops with no mapping as opaque ops (never sharded).")
+@click.option("--name", help="Name of the graph (default: the model's graph name).")
+def import_onnx(source: str, output: str, opaque: bool, name: str | None) -> None:
+    """Read an ONNX model (shapes inferred; dynamic dims must be fixed in the file) into a graph file."""
+    from partopt.frontends import onnx as onnx_frontend
+
+    _wrote(onnx_frontend.from_model(source, opaque=opaque, name=name), output)
+
+
 # ---------------------------------------------------------------- solve
 
 def _render_plan(plan: Plan) -> list[Table]:
@@ -495,6 +534,60 @@ def explain_command(plan_file: str, ops: bool) -> None:
 def export_command(plan_file: str, target: str) -> None:
     """Turn PLAN into Megatron-LM arguments, JAX PartitionSpecs or PyTorch DTensor placements."""
     click.echo(export(validate.read_checked(plan_file), target))
+
+
+VERIFY_TARGETS = ("jax",)
+
+
+@main.command("verify")
+@click.argument("plan_file", metavar="PLAN")
+@click.option("--against", required=True, type=click.Choice(VERIFY_TARGETS), help="The framework to run the plan in.")
+@click.option("--model", "source", required=True,
+              help="The model PLAN was solved for: `pkg.mod:make_model` or `file.py:make_model` (as for import).")
+def verify_command(plan_file: str, against: str, source: str) -> None:
+    """Run PLAN's shardings in a framework on host CPU devices: per stage, loss and gradients against the
+    unsharded run, and the compiled program's collectives against the plan's. Exit 1 on a mismatch."""
+    import os
+    import subprocess
+
+    needed = max(math.prod(s.logical_mesh) for s in read_plan(plan_file).stages)
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
+                                     f"--xla_force_host_platform_device_count={needed}".strip())
+    done = subprocess.run([sys.executable, "-m", "partopt.verify_jax", plan_file, source], env=env,
+                          capture_output=True, text=True)
+    try:
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise PartoptError(f"the verification process failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}",
+                           "partopt verify", "run python -m partopt.verify_jax PLAN SOURCE to see it whole") from None
+    if "error" in result:
+        raise PartoptError(result["error"])
+    out = console()
+    for stage in result["stages"]:
+        _render_verification(out, stage)
+    out.print("verified: the plan runs as planned" if result["ok"] else "MISMATCH: see the stages above")
+    if not result["ok"]:
+        raise SystemExit(1)
+
+
+def _render_verification(out: Console, stage: dict[str, Any]) -> None:
+    """One stage's verification: numerics, then compiled vs planned collectives per (kind, mesh axis)."""
+    numerics = "match" if stage["numerics_ok"] else "DIFFER"
+    out.print(f"stage {stage['stage']} on a {stage['mesh'][0]} x {stage['mesh'][1]} mesh: loss {stage['loss']:.6g} "
+              f"(unsharded {stage['reference_loss']:.6g}), largest gradient difference {stage['max_grad_error']:.2g}: "
+              f"{numerics}")
+    totals: dict[tuple[str, str], list[float]] = {}
+    for side, key in ((0, "compiled"), (1, "planned")):
+        for c in stage[key]:
+            totals.setdefault((c["kind"], c["axis"]), [0.0, 0.0])[side] += c["bytes"]
+    table = Table(title=f"stage {stage['stage']}: collectives of one training step (one microbatch)", box=box.SIMPLE)
+    for column in ("collective", "mesh axis", "compiled", "planned"):
+        table.add_column(column, justify="right" if column in ("compiled", "planned") else "left")
+    for (kind, axis), (got, want) in sorted(totals.items()):
+        table.add_row(kind, axis, fmt_bytes(got), fmt_bytes(want))
+    out.print(table)
+    for line in stage["mismatches"]:
+        out.print(Text(f"mismatch: {line}"))
 
 
 @main.command("draw")

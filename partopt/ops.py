@@ -27,7 +27,7 @@ class Behaviour(str, Enum):
 
 KINDS = (
     "einsum", "elementwise", "softmax", "layernorm", "rmsnorm", "reduce",
-    "embedding", "cross_entropy", "conv2d", "pool", "reshape",
+    "embedding", "cross_entropy", "conv2d", "pool", "reshape", "opaque",
 )
 
 # Forward FLOPs per output (or input) element of the cheap kinds; documented in COSTMODEL.md.
@@ -165,6 +165,12 @@ def _check_reshape(op: "Op", graph: "Graph") -> None:
              "dims outside the split/merge must pass through unchanged")
 
 
+def _check_opaque(op: "Op", graph: "Graph") -> None:
+    flops = op.attrs.get("flops", 0)
+    _require(isinstance(flops, int) and not isinstance(flops, bool) and flops >= 0,
+             f"flops must be a non-negative integer, got {flops!r}")
+
+
 CHECKS: Mapping[str, Callable[["Op", "Graph"], None]] = {
     "einsum": _check_einsum,
     "elementwise": _check_elementwise,
@@ -177,6 +183,7 @@ CHECKS: Mapping[str, Callable[["Op", "Graph"], None]] = {
     "conv2d": _check_conv2d,
     "pool": _check_pool,
     "reshape": _check_reshape,
+    "opaque": _check_opaque,
 }
 
 
@@ -201,6 +208,8 @@ def behaviours(op: "Op", graph: "Graph") -> dict[str, Behaviour]:
     out = set(_dims(graph, op.output))
     dims = op_dims(op, graph)
     kind = op.kind
+    if kind == "opaque":  # a framework op partopt cannot see into: it runs whole on every device
+        return {d: Behaviour.WINDOWED for d in dims}
     if kind in ("conv2d", "pool"):
         x = _dims(graph, op.inputs[0])
         o = _dims(graph, op.output)
@@ -258,6 +267,8 @@ def forward_flops(op: "Op", graph: "Graph") -> int:
         return _prod(graph, _dims(graph, op.inputs[0]))
     if kind in FLOPS_PER_ELEMENT:
         return FLOPS_PER_ELEMENT[kind] * _prod(graph, _dims(graph, op.inputs[0]))
+    if kind == "opaque":
+        return int(op.attrs.get("flops", 0))
     return 0  # embedding (a gather) and reshape move bytes, they do no arithmetic
 
 

@@ -1,0 +1,109 @@
+"""`partopt verify --against jax`: plans run on host CPU devices, collectives read from compiled HLO."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from partopt.cli import main
+from partopt.cluster import preset
+from partopt.frontends.jax import from_function
+from partopt.inter import optimize
+from partopt.plan import plan_to_dict, read_plan, write_plan
+from partopt.verify_jax import Collective, as_run_on_cpu, compare, hlo_collectives, mesh_axis, planned_collectives
+
+sys.path.insert(0, str(Path(__file__).parent))
+import jax_models as jm  # noqa: E402
+
+MLP = f"{Path(__file__).parent / 'jax_models.py'}:make_mlp"
+WEIGHT_BYTES = 64 * 256 * 4  # each of the MLP's two fp32 weights
+
+HLO = """
+  %all-reduce = f32[] all-reduce(%r), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_1'}, to_apply=%add, metadata={op_name="jit(f)/reduce_sum"}
+  %all-reduce.3 = (f32[], /*index=1*/f32[32,64]{1,0}) all-reduce(%a, %d), channel_id=2, replica_groups={{0,2},{1,3}}, to_apply=%add
+  %all-gather = f32[8,64]{1,0} all-gather(%p), channel_id=3, replica_groups=[1,4]<=[4], dimensions={0}
+  %reduce-scatter = f32[4,64]{1,0} reduce-scatter(%g), channel_id=4, replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}
+  %all-reduce.9 = f32[16]{0} all-reduce(%z), channel_id=5, replica_groups={{0},{1},{2},{3}}, to_apply=%add
+"""
+
+
+def test_hlo_collectives_in_every_replica_group_spelling():
+    found = hlo_collectives(HLO, (2, 2))
+    assert [(c.kind, c.axis, c.bytes) for c in found] == [
+        ("all_reduce", "y", 4.0),  # named mesh axes
+        ("all_reduce", "x", 4.0 + 32 * 64 * 4),  # explicit groups {0,2},{1,3}: the first axis; a combined tuple
+        ("all_gather", "x,y", 8 * 64 * 4.0),  # iota over all four devices (a gather stays one collective)
+        ("reduce_scatter", "x", 2 * 4 * 64 * 4.0),  # transposed iota {0,2},{1,3}; buffer = result x group size
+    ]  # groups of one device move nothing and are left out
+    assert found[0].where == "jit(f)/reduce_sum"
+
+
+def test_mesh_axis_of_groups():
+    assert mesh_axis([[0, 1, 2, 3], [4, 5, 6, 7]], (2, 4)) == "y"
+    assert mesh_axis([[0, 4], [1, 5], [2, 6], [3, 7]], (2, 4)) == "x"
+    assert mesh_axis([[0, 1], [2, 3], [4, 5], [6, 7]], (2, 4)).startswith("groups")  # half of an axis
+
+
+def test_compare_reports_each_kind_and_axis():
+    found = [Collective("all_reduce", "x", 1000.0, "a"), Collective("all_gather", "y", 5000.0, "b")]
+    planned = [Collective("all_reduce", "x", 1005.0, "p"), Collective("all_to_all", "y", 5000.0, "q")]
+    lines = compare(found, planned)
+    assert len(lines) == 2  # the all-reduce agrees within 1 % / 256 B; the layouts on y differ
+    assert lines[0].startswith("all_gather on y: compiled 5,000 B (b), planned 0 B")
+    assert lines[1].startswith("all_to_all on y: compiled 0 B (none), planned 5,000 B (q)")
+    cpu = as_run_on_cpu([Collective("reduce_scatter", "x", 64.0, "g")], found)
+    assert cpu[0].kind == "all_reduce" and "reduce-scatter" in cpu[0].where
+
+
+@pytest.fixture(scope="module")
+def mlp_plan(tmp_path_factory):
+    fn, args = jm.make_mlp()
+    graph = from_function(fn, *args)
+    cluster = dataclasses.replace(preset("p3.16xlarge").resized(1), devices_per_node=4)
+    plan = optimize(graph, cluster, workers=1, microbatches=[1], data_parallel_only=True)
+    return graph, plan
+
+
+def test_planned_collectives_of_data_parallelism(mlp_plan):
+    graph, plan = mlp_plan
+    planned = planned_collectives(plan, 0, graph)
+    syncs = [c for c in planned if c.where.startswith("gradient sync")]
+    assert {(c.kind, c.axis) for c in syncs} == {("all_reduce", "x")}  # ZeRO's pair, counted as one all-reduce
+    assert sum(c.bytes for c in syncs) == 2 * WEIGHT_BYTES
+
+
+def test_verify_runs_a_plan_with_sharded_weights(mlp_plan, tmp_path):
+    """The data-parallel plan with w2 sharded over the batch axis (FSDP): XLA all-gathers w2 as planned."""
+    graph, plan = mlp_plan
+    data = plan_to_dict(plan)
+    w2 = data["stages"][0]["params"]["params/w2"]
+    w2["placement"] = f"[S({graph.tensors['params/w2'].dims[0]}), R]"
+    w2["zero_axes"] = []
+    path = tmp_path / "fsdp.json"
+    path.write_text(json.dumps(data))
+    write_plan(read_plan(path), path)  # still a valid plan file
+    result = CliRunner().invoke(main, ["verify", str(path), "--against", "jax", "--model", MLP])
+    assert result.exit_code == 0, result.output
+    assert "match" in result.output and "verified: the plan runs as planned" in result.output
+    assert "all_gather" in result.output and "64 KiB" in result.output  # w2 gathered: 64 KiB planned and compiled
+
+
+def test_verify_rejects_a_plan_of_another_model(tmp_path):
+    fn, args = jm.make_model()
+    graph = from_function(fn, *args)
+    cluster = dataclasses.replace(preset("p3.16xlarge").resized(1), devices_per_node=2)
+    path = tmp_path / "gpt.json"
+    write_plan(optimize(graph, cluster, workers=1, microbatches=[1], data_parallel_only=True), path)
+    result = CliRunner().invoke(main, ["verify", str(path), "--against", "jax", "--model", MLP])
+    assert result.exit_code == 2 and "tensors the model lacks" in result.output and "Traceback" not in result.output
+
+
+def test_an_all_reduce_over_the_whole_mesh_counts_on_each_axis():
+    line = "  %ar = f32[16]{0} all-reduce(%g), replica_groups=[1,4]<=[4], to_apply=%add"
+    assert [(c.kind, c.axis, c.bytes) for c in hlo_collectives(line, (2, 2))] == [
+        ("all_reduce", "x", 64.0), ("all_reduce", "y", 64.0)]
