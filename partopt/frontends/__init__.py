@@ -1,0 +1,1 @@
+"""Frontends: turn the programs of real frameworks into partopt Graphs."""
