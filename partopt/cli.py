@@ -465,3 +465,7 @@ def reproduce_alpa(quick: bool) -> None:
         out.print(f"{'PASS' if check.passed else 'FAIL'} {check.name} — {check.detail}")
     if not all(check.passed for check in found):
         raise SystemExit(1)  # a claim of the paper does not hold under the model: say so to scripts and CI
+
+
+from partopt import cli_torch  # noqa: E402  (the PyTorch commands register themselves on main)
+cli_torch.register(main)

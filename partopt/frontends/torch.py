@@ -849,3 +849,38 @@ def from_hf_config(config: Any, *, batch: int, seq: int, dtype: str | None = Non
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     return from_module(model, (ids,), name=name or getattr(config, "model_type", "hf"), dtype=dtype, loss=True,
                        opaque=opaque)
+
+
+def load_source(source: str) -> tuple[Any, tuple[Any, ...]]:
+    """Call `pkg.mod:make` or `path/to/file.py:make` under the meta device; it returns
+    (module, example_inputs). FrontendError when it cannot be found or returns something else."""
+    import importlib
+    import importlib.util
+
+    import torch
+
+    path, sep, attr = source.rpartition(":")
+    if not sep or not path or not attr:
+        raise FrontendError(f"{source!r} is not of the form pkg.mod:function or file.py:function", "SOURCE",
+                            "name a function that returns (module, example_inputs)")
+    try:
+        if path.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+            if spec is None or spec.loader is None or not Path(path).exists():
+                raise FrontendError(f"no such file {path!r}", "SOURCE")
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+        else:
+            mod = importlib.import_module(path)
+    except ImportError as err:
+        raise FrontendError(f"cannot import {path!r}: {err}", "SOURCE", "check the module path and PYTHONPATH") from None
+    make = getattr(mod, attr, None)
+    if not callable(make):
+        raise FrontendError(f"{path!r} has no function {attr!r}", "SOURCE")
+    with torch.device("meta"):
+        made = make()
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+        raise FrontendError(f"{attr}() returned {type(made).__name__}, not (module, example_inputs)", source,
+                            "return the module and a tuple of example inputs")
+    module, inputs = made
+    return module, tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
