@@ -130,6 +130,7 @@ class _Val:
     norm: bool = False  # pending: the origin divided by such a statistic
     items: list["_Val"] = field(default_factory=list)  # tuple
     module: str = ""  # pending: the module of its last step (the op it becomes is named there)
+    reduced_at: int = 0  # pending statistic: the index of its reduction in `steps`
 
 
 @dataclass
@@ -220,7 +221,9 @@ class _Importer:
         assert origin is not None
         mine = {a for axis in v.axes for a, virt in self.expand_axis(axis) if not virt}
         theirs = {a for axis in origin.axes for a, virt in self.expand_axis(axis) if not virt}
-        if {self.atoms.find(a) for a in mine} != {self.atoms.find(a) for a in theirs} or v.stat:
+        if v.stat:
+            return self.statistic(v)
+        if {self.atoms.find(a) for a in mine} != {self.atoms.find(a) for a in theirs}:
             raise self.fail(f"the elementwise chain {'/'.join(v.steps)} changes the shape of its input",
                             "partopt maps elementwise chains that keep their input's shape (rotary, activations, "
                             "norms); rewrite the computation or report the pattern")
@@ -237,6 +240,19 @@ class _Importer:
             result = self.emit("elementwise", [origin], v.axes, v.shape, v.steps[-1], fn=fn)
         self.module_path = saved
         return result
+
+    def statistic(self, v: _Val) -> _Val:
+        """A pending reduction over the last axis read by a real op: (elementwise), reduce, (elementwise)."""
+        origin = v.origin
+        assert origin is not None
+        pre, fn, post = v.steps[:v.reduced_at], v.steps[v.reduced_at], v.steps[v.reduced_at + 1:]
+        x = origin
+        if pre:
+            x = self.emit("elementwise", [origin], origin.axes, origin.shape, pre[-1], fn="+".join(dict.fromkeys(pre)))
+        out = self.emit("reduce", [x], v.axes, v.shape, fn, fn=fn)
+        if post:
+            out = self.emit("elementwise", [out], v.axes, v.shape, post[-1], fn="+".join(dict.fromkeys(post)))
+        return out
 
     # ------------------------------------------------------------ the walk
     def run(self) -> None:
@@ -405,8 +421,9 @@ class _Importer:
             stat = any(t.stat for t in tensors) and not any(t.kind == "real" or not t.stat for t in tensors)
             norm = any(t.norm for t in tensors) or (any(t.stat for t in tensors) and not stat)
             steps = tuple(s for t in tensors for s in t.steps) + (name,)
+            reduced_at = next((t.reduced_at for t in tensors if t.stat), 0)
             return _Val("pending", shape, axes, origin=origin, steps=steps, stat=stat, norm=norm,
-                        module=self.module_path)
+                        module=self.module_path, reduced_at=reduced_at)
         if name == "mul" and len(tensors) == 2:
             norm = [t for t in tensors if t.kind == "pending" and t.norm]
             scale = [t for t in tensors if t.kind == "real" and self.tensors[t.tensor][1] == "param"]
@@ -429,7 +446,8 @@ class _Importer:
         keep = bool(args[2]) if len(args) > 2 else bool(kwargs.get("keepdim", False))
         shape = _shape(node.meta["val"])
         if keep and dims == [nd - 1]:  # a statistic over the last axis: part of a norm, kept pending
-            return _Val("pending", shape, [*v.axes[:-1], ()], origin=_origin(v), steps=v.steps + (fn,), stat=True)
+            return _Val("pending", shape, [*v.axes[:-1], ()], origin=_origin(v), steps=v.steps + (fn,), stat=True,
+                        reduced_at=len(v.steps), module=self.module_path)
         real = self.real(v)
         axes = [axis for i, axis in enumerate(real.axes) if i not in dims] if not keep else \
             [() if i in dims else axis for i, axis in enumerate(real.axes)]
@@ -503,7 +521,13 @@ class _Importer:
 
     def op_embedding(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
         table, ids = args[0], args[1]
-        if ids.kind == "const":  # positions: a constant index tensor becomes a model input
+        big = [i for i, n in enumerate(ids.shape) if n > 1]
+        if ids.kind == "const" and table.kind == "real" and len(big) == 1 and ids.shape[big[0]] == table.shape[0]:
+            # positions 0..n-1 of an n-row table (GPT-2's wpe at seq = n_positions): the table itself, as
+            # partopt's generators add it; its gradient then reaches the parameter once per iteration
+            axes = [table.axes[0] if i == big[0] else () for i in range(len(ids.shape))]
+            return _Val("real", _shape(node.meta["val"]), [*axes, table.axes[1]], tensor=table.tensor)
+        if ids.kind == "const":  # other constant indices become a model input
             axes = self.axes_of(ids.shape)
             ids = _Val("real", ids.shape, axes, tensor=self.tensor(self.unique(node.name + "_ids"), axes, "input", "int64"))
         shape = _shape(node.meta["val"])
