@@ -9,7 +9,7 @@ import json
 import pytest
 
 from partopt.cluster import preset
-from partopt.export import parse_placement
+from partopt.export import parse_placement, to_dtensor
 from partopt.frontends.torch import from_hf_config, read_hf_config
 from partopt.inter import optimize
 from partopt.verify_torch import differences, dtensor_placements, torch_axes, verify_plan
@@ -38,9 +38,10 @@ def test_differences_name_the_module():
     assert lines == ["(top level): the plan prices none; DTensor ran all_reduce x1"]
 
 
-def test_a_tensor_parallel_plan_reproduces_the_unsharded_step(tmp_path):
-    """Two gloo processes: the MLP column/row split and the attention heads split over the mesh."""
-    config = tmp_path / "config.json"
+@pytest.fixture(scope="module")
+def split_plan(tmp_path_factory):
+    """A Llama plan on a 1 x 2 mesh whose MLP is split column then row, and attention by kv groups."""
+    config = tmp_path_factory.mktemp("verify") / "config.json"
     config.write_text(json.dumps(LLAMA))
     graph = from_hf_config(read_hf_config(config), batch=4, seq=8)
     cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
@@ -53,6 +54,25 @@ def test_a_tensor_parallel_plan_reproduces_the_unsharded_step(tmp_path):
                       ("model.layers.0.mlp.down_proj.weight", f), ("model.layers.0.self_attn.o_proj.weight", heads),
                       ("model.layers.0.self_attn.k_proj.weight", heads)]:
         params[name] = {"placement": f"[R, S({dim})]", "zero_axes": []}
+    return plan, config
+
+
+def test_dtensor_export_names_modules_and_their_parallel_styles(split_plan):
+    plan, _ = split_plan
+    stage = to_dtensor(plan)["stages"][0]
+    assert stage["begins_at"] == "model.embed_tokens"
+    styles = stage["parallelize_plan"]
+    assert styles["model.layers.0.mlp.up_proj"] == {"y": "ColwiseParallel()"}
+    assert styles["model.layers.0.mlp.gate_proj"] == {"y": "ColwiseParallel()"}
+    assert styles["model.layers.0.mlp.down_proj"] == {"y": "RowwiseParallel()"}
+    assert styles["model.layers.0.self_attn.o_proj"] == {"y": "RowwiseParallel()"}
+    assert styles["model.layers.0.self_attn.k_proj"] == {"y": "ColwiseParallel()"}
+    assert all(axis == "y" for module in styles.values() for axis in module)  # axis x splits the batch or nothing
+
+
+def test_a_tensor_parallel_plan_reproduces_the_unsharded_step(split_plan):
+    """Two gloo processes run the split plan; loss and every gradient equal the unsharded step."""
+    plan, config = split_plan
     report = verify_plan(plan, str(config))
     stage = report.stages[0]
     assert report.ok, report.lines()
