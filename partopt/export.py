@@ -249,11 +249,13 @@ def to_dtensor(plan: Plan) -> dict[str, Any]:
         activations: dict[str, Any] = {}
         for t in stage_tensors(plan, i):
             (params if t.role == "param" else activations)[t.name] = _dtensor_entry(t, mesh)
-        first_op = next(iter(stage.ops), "")
+        first_op = module_of(next(iter(stage.ops), ""))
+        entry = re.match(r"^(.*?\.\d+)(\.|$)", first_op)  # inside a ModuleList entry: the entry
         stages.append({"stage": i, "device_mesh": {"device_type": "cuda", "shape": list(mesh),
                                                    "mesh": _devices_grid(stage), "mesh_dim_names": list(AXIS_NAMES)},
                        "params": params, "activations": activations,
-                       "parallelize_plan": parallelize_plan(plan, i), "begins_at": module_of(first_op)})
+                       "parallelize_plan": parallelize_plan(plan, i),
+                       "begins_at": entry.group(1) if entry else first_op})
     return {"format": "partopt.export.dtensor", "version": 1, "graph": plan.graph, "stages": stages}
 
 

@@ -73,8 +73,9 @@ class VerifyReport:
         for s in self.stages:
             out.append(f"stage {s.stage} on a {s.mesh[0]} x {s.mesh[1]} mesh ({s.mesh[0] * s.mesh[1]} gloo processes)")
             out += [f"  {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}" for c in s.checks]
-            out.append(f"  collectives: {len(s.differences)} modules differ in kind from the plan"
-                       + (":" if s.differences else ""))
+            n = len(s.differences)
+            out.append(f"  collectives: {n} module{'' if n == 1 else 's'} differ{'s' if n == 1 else ''} in kind "
+                       f"from the plan" + (":" if n else ""))
             out += [f"    {d}" for d in s.differences]
             out += [f"  note {n}" for n in s.notes]
         out.append("loss and gradients match" if self.ok else "MISMATCH: see the FAIL lines")
@@ -220,7 +221,8 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: in
                 owner, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(owner) if owner else model, leaf, param)
             applied[fqn] = _placement_text(spec)
-            grad_targets[fqn] = (torch_placements(sync), torch_placements(spec))
+            if fqn in stage.params or any(k.startswith(fqn + "[") for k in stage.params):
+                grad_targets[fqn] = (torch_placements(sync), torch_placements(spec))
         batch_axes = _batch_axes(stage, plan.batch_dim)
         placements = [TShard(0) if k in batch_axes else Replicate() for k in range(len(AXIS_NAMES))]
         dinputs = [distribute_tensor(x, mesh, placements) for x in inputs]
@@ -229,9 +231,10 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: in
                 loss = loss_fn(model(*dinputs), dinputs)
                 loss.backward()
             with CommDebugMode() as sync:
-                for fqn, p in model.named_parameters():  # gradient synchronisation, as the plan prices it
-                    shard, back = grad_targets[fqn]
-                    p.grad = p.grad.redistribute(mesh, shard).redistribute(mesh, back)
+                for fqn, p in model.named_parameters():  # the stage's gradient synchronisation, as priced
+                    if fqn in grad_targets:
+                        shard, back = grad_targets[fqn]
+                        p.grad = p.grad.redistribute(mesh, shard).redistribute(mesh, back)
         per_module = _own_counts(comm.comm_module_counts)
         for kind, n in _kind_counts(sync.get_comm_counts()).items():
             per_module.setdefault(TOP_LEVEL, {})[kind] = per_module.get(TOP_LEVEL, {}).get(kind, 0) + n
@@ -337,8 +340,8 @@ def _predicted(stage: Any) -> dict[str, dict[str, int]]:
             kind = (words[1] if words[0] == "statistics" else words[0]).replace("-", "_")
             result.setdefault(module, {})[kind] = result.get(module, {}).get(kind, 0) + 1
     for kind, seconds in stage.breakdown.get("sync_s", {}).items():
-        if seconds > 0:
-            result.setdefault(TOP_LEVEL, {})[kind] = result.get(TOP_LEVEL, {}).get(kind, 0) + 1
+        if seconds > 0:  # one call per parameter, as the step runs it
+            result.setdefault(TOP_LEVEL, {})[kind] = result.get(TOP_LEVEL, {}).get(kind, 0) + len(stage.params)
     return result
 
 

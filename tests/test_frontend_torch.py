@@ -181,6 +181,22 @@ def test_unmapped_op_names_the_aten_op_and_module():
         from_module(module, (x,), opaque=True)
 
 
+class Spare(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.spare = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_unused_parameters_are_named_not_dropped():
+    with torch.device("meta"):
+        module, x = Spare(), torch.empty(3, 4)
+    with pytest.raises(FrontendError, match="2 parameters are not used.*spare.weight"):
+        from_module(module, (x,))
+
+
 def test_batch_of_one_is_refused():
     with torch.device("meta"):
         module, x = torch.nn.Linear(4, 4), torch.empty(1, 4)

@@ -26,7 +26,7 @@ TORCH_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64
                 "int8": "int8", "bool": "bool"}
 # ATen ops that only relabel axes or cast (the IR has no op for them)
 _IDENTITY = {"contiguous", "clone", "alias", "detach", "to", "_to_copy", "dropout", "lift_fresh_copy", "type_as",
-             "feature_dropout", "_assert_tensor_metadata"}
+             "feature_dropout"}
 _RESHAPES = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten", "view_as"}
 _PERMUTES = {"transpose", "permute", "t", "swapaxes"}
 _ELEMENTWISE = {"add", "sub", "mul", "div", "pow", "silu", "gelu", "relu", "tanh", "sigmoid", "exp", "log", "neg",
@@ -167,6 +167,7 @@ class _Importer:
         self.seq_atom: int | None = None
         self.dtype = dtype
         self.user_inputs: list[str] = []
+        self.replaced: set[str] = set()  # fused parameters that their chunks stand for
 
     # ------------------------------------------------------------ errors and places
     def where(self) -> str:
@@ -647,6 +648,7 @@ class _Importer:
         axes = [tuple(e for e in self.expand_axis(axis) if self.atoms.find(e[0]) != self.atoms.find(chunk))
                 for axis in self.tensors[fqn][0]]
         name = f"{fqn}[{i}/{n}]"
+        self.replaced.add(fqn)
         return _Val("real", (), axes, tensor=self.tensor(name, axes, "param"))
 
     def op_chunk(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
@@ -692,8 +694,15 @@ class _Importer:
             return names[r]
 
         producers = {op.output: op for op in self.ops}
+        used = {t for op in self.ops for t in (*op.inputs, op.output)}
+        unused = [t for t, (_, role, _) in self.tensors.items() if role == "param" and t not in used | self.replaced]
+        if unused:
+            raise FrontendError(f"{len(unused)} parameters are not used by the traced forward: {', '.join(unused[:3])}",
+                                type(self.module).__name__, "remove them from the module; partopt plans what runs")
         tensors: dict[str, Tensor] = {}
         for tname, (axes, role, dtype) in self.tensors.items():
+            if tname not in used:
+                continue
             dims = [dim(a) for axis in axes for a, virt in self.expand_axis(axis) if not virt]
             if len(set(dims)) != len(dims):
                 op = producers.get(tname)
@@ -705,7 +714,7 @@ class _Importer:
 
         def resolve(value: Any) -> Any:
             if isinstance(value, _AtomRef):
-                return [dim(a) for a in value for a in self.atoms.expand(a)]
+                return [dim(p) for a in value for p in self.atoms.expand(a)]
             if isinstance(value, dict):
                 return {(resolve(k)[0] if isinstance(k, _AtomRef) else k): resolve(v) for k, v in value.items()}
             return value
@@ -713,8 +722,6 @@ class _Importer:
         layers = _layers(self.module, [op.module for op in self.ops])
         ops = [Op(op.name, op.kind, op.inputs, op.output, layer, {k: resolve(v) for k, v in op.attrs.items()})
                for op, layer in zip(self.ops, layers)]
-        used = {t for op in ops for t in (*op.inputs, op.output)}
-        tensors = {k: t for k, t in tensors.items() if k in used}
         sizes = {names[r]: self.atoms.size[r] for r in names}
         dims = {d: sizes[d] for t in tensors.values() for d in t.dims}
         return Graph(name, dims, tensors, ops, "b" if self.batch_atom is not None else None, self.dtype or "fp32")
