@@ -11,7 +11,7 @@ from transformers import GPT2Config, LlamaConfig  # noqa: E402
 
 from partopt.frontends.torch import from_hf_config  # noqa: E402
 from partopt.models import gpt, llama  # noqa: E402
-from scripts.bench_generate import median_seconds  # noqa: E402
+from bench_generate import median_seconds  # noqa: E402  (scripts/ is on the path when run as a script)
 
 RUNS = 3
 CASES = {
