@@ -140,9 +140,7 @@ def _build(source: str, plan: Plan) -> tuple[Any, list[Any], Any]:
         config = read_hf_config(source)
         config.use_cache = False
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-        shape = plan.tensors.get("input_ids", {}).get("shape")
-        if shape is None:
-            raise PartoptError("the plan has no tensor input_ids", "verify", "verify a plan of `partopt import hf`")
+        shape = plan.tensors["input_ids"]["shape"]  # verify_plan checked it is there
         ids = torch.randint(0, config.vocab_size, tuple(shape), generator=gen)
 
         def hf_loss(out: Any, inputs: list[Any]) -> Any:
@@ -368,6 +366,13 @@ def verify_plan(plan: Plan, source: str) -> VerifyReport:
     """Run every stage's shardings with DTensor and compare with the unsharded step (see the module doc)."""
     import torch.multiprocessing as mp
 
+    from partopt.frontends.torch import read_hf_config
+
+    if source.endswith(".json"):  # fail here, not in every process
+        read_hf_config(source)
+        if "input_ids" not in plan.tensors:
+            raise PartoptError("the plan has no tensor input_ids: it is not a plan of a graph imported from a "
+                               "Hugging Face config", "verify", "solve the graph of `partopt import hf` for this config")
     stages = []
     for i, stage in enumerate(plan.stages):
         world = math.prod(stage.logical_mesh)

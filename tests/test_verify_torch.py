@@ -7,11 +7,14 @@ import dataclasses
 import json
 
 import pytest
+from click.testing import CliRunner
 
+from partopt.cli import main
 from partopt.cluster import preset
 from partopt.export import parse_placement, to_dtensor
 from partopt.frontends.torch import from_hf_config, read_hf_config
 from partopt.inter import optimize
+from partopt.plan import write_plan
 from partopt.verify_torch import differences, dtensor_placements, torch_axes, verify_plan
 
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -81,3 +84,14 @@ def test_a_tensor_parallel_plan_reproduces_the_unsharded_step(split_plan):
     assert stage.placements["model.layers.0.mlp.down_proj.weight"] == "[Replicate(), Shard(1)]"
     assert stage.placements["model.layers.0.self_attn.o_proj.weight"] == "[Replicate(), Shard(1)]"
     assert any(n for kinds in stage.observed.values() for n in kinds.values())  # the split ran collectives
+
+
+def test_cli_verify_of_a_plan_of_another_graph_is_one_line(tmp_path, split_plan):
+    """A plan of partopt's own generator has no input_ids: refused before any process starts."""
+    plan, config = split_plan
+    foreign = dataclasses.replace(plan, tensors={k: v for k, v in plan.tensors.items() if k != "input_ids"})
+    path = tmp_path / "plan.json"
+    write_plan(foreign, path)
+    result = CliRunner().invoke(main, ["verify", str(path), "--against", "torch", "--model", str(config)])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "no tensor input_ids" in result.output
