@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: configs are built here
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from partopt import io, models
 from partopt.cli import main
 from partopt.cluster import preset
 from partopt.costmodel import training_flops
-from partopt.frontends.torch import FrontendError, from_hf_config, from_module
+from partopt.frontends.torch import FrontendError, _Atoms, from_hf_config, from_module
 from partopt.inter import optimize
 from partopt.ops import is_matmul
 
@@ -49,6 +52,34 @@ def llama():
 @pytest.fixture(scope="module")
 def gpt2():
     return from_hf_config(gpt2_config(), batch=4, seq=16)
+
+
+# ---------------------------------------------------------------- atoms
+
+def test_atoms_split_where_the_other_side_has_a_boundary():
+    """[24] against [2, 12]: the 24 splits into its parts 2 and 12, each one with the other side's."""
+    atoms = _Atoms()
+    a, b, c = atoms.new(24), atoms.new(2), atoms.new(12)
+    assert atoms.unify([a], [b, c])
+    assert [atoms.size[x] for x in atoms.expand(a)] == [2, 12]
+    assert [atoms.find(x) for x in atoms.expand(a)] == [atoms.find(b), atoms.find(c)]
+
+
+def test_atoms_refine_both_sides_to_their_common_boundaries():
+    """[4, 6] against [2, 12] (both 24): 4 -> 2·2, 12 -> 2·6, so both read [2, 2, 6]."""
+    atoms = _Atoms()
+    x = [atoms.new(4), atoms.new(6)]
+    y = [atoms.new(2), atoms.new(12)]
+    assert atoms.unify(x, y)
+    left = [atoms.find(p) for a in x for p in atoms.expand(a)]
+    right = [atoms.find(p) for a in y for p in atoms.expand(a)]
+    assert left == right and [atoms.size[p] for p in left] == [2, 2, 6]
+
+
+def test_atoms_that_do_not_line_up_are_refused():
+    atoms = _Atoms()
+    assert not atoms.unify([atoms.new(6)], [atoms.new(4)])  # different products
+    assert not atoms.unify([atoms.new(6), atoms.new(2)], [atoms.new(4), atoms.new(3)])  # 6 vs 4: no common split
 
 
 # ---------------------------------------------------------------- names, parameters, layers

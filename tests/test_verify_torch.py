@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: configs are built here
 
 import pytest
 from click.testing import CliRunner

@@ -83,7 +83,7 @@ class _Atoms:
 
     def unify(self, xs: Sequence[int], ys: Sequence[int]) -> bool:
         """Make two atom sequences of equal product the same, splitting atoms at each other's
-        boundaries; False (with nothing done) when their sizes do not line up."""
+        boundaries; False when they do not line up (every caller then raises a FrontendError)."""
         if math.prod(self.size[self.find(a)] for a in xs) != math.prod(self.size[self.find(a)] for a in ys):
             return False
         xs, ys = list(xs), list(ys)
