@@ -151,6 +151,41 @@ def test_views_and_transposes_need_no_op():
     assert sorted(graph.dims[d] for d in graph.tensors["proj.weight"].dims) == [3, 4, 8]
 
 
+class SmallCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(8)
+        self.conv2 = torch.nn.Conv2d(8, 16, 1)
+        self.pool = torch.nn.MaxPool2d(2)
+        self.avg = torch.nn.AdaptiveAvgPool2d(1)
+        self.fc = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = self.pool(torch.relu(self.conv2(y)))
+        return self.fc(torch.flatten(self.avg(y), 1))
+
+
+def test_convolutions_map_as_the_wide_resnet_generator_writes_them():
+    """3x3 stride 2 -> conv2d, 1x1 -> einsum over channels, BatchNorm -> layernorm over (N, H, W);
+    forward matmul FLOPs equal FlopCounterMode's forward count."""
+    with torch.device("meta"):
+        module, x = SmallCNN(), torch.empty(4, 3, 32, 32)
+    graph = from_module(module, (x,))
+    kinds = {op.name: op.kind for op in graph.ops}
+    assert kinds["conv1.conv2d"] == "conv2d" and kinds["conv2.conv2d"] == "einsum"
+    assert kinds["bn1.batch_norm"] == "layernorm" and kinds["pool.max_pool2d"] == "pool"
+    assert graph.op_index["bn1.batch_norm"].attrs["axes"] == ["b", *graph.tensors["conv1.conv2d"].dims[2:]]
+    assert graph.op_index["avg.adaptive_avg_pool2d"].attrs["kernel"] == [8, 8]
+    real = SmallCNN().eval()
+    assert graph.num_params == sum(p.numel() for p in real.parameters())
+    with FlopCounterMode(display=False) as counter:
+        real(torch.randn(4, 3, 32, 32))
+    assert sum(graph.flops(op) for op in graph.ops if is_matmul(op)) == counter.get_total_flops()
+    assert graph.flops(graph.op_index["conv1.conv2d"]) == 2 * 4 * 8 * 16 * 16 * (3 * 3 * 3)  # closed form
+
+
 # ---------------------------------------------------------------- truth: FLOPs, plans
 
 @pytest.mark.parametrize("make", [llama_config, gpt2_config])

@@ -129,7 +129,7 @@ class _Val:
     stat: bool = False  # pending: reduced over the origin's last axis (a norm statistic)
     norm: bool = False  # pending: the origin divided by such a statistic
     items: list["_Val"] = field(default_factory=list)  # tuple
-    module: str = ""  # pending: the module of its last step (the op it becomes is named there)
+    module: str | None = None  # pending: the module of its last step (the op it becomes is named there)
     reduced_at: int = 0  # pending statistic: the index of its reduction in `steps`
 
 
@@ -229,7 +229,7 @@ class _Importer:
                             "partopt maps elementwise chains that keep their input's shape (rotary, activations, "
                             "norms); rewrite the computation or report the pattern")
         saved = self.module_path
-        if v.module and scale is None:
+        if v.module is not None and scale is None:
             self.module_path = v.module
         if v.norm:
             last = _AtomRef(a for a, virt in self.expand_axis(origin.axes[-1]) if not virt)
@@ -290,7 +290,7 @@ class _Importer:
                             raise FrontendError(f"model input {node.name!r} has a batch of size 1", "example_inputs",
                                                 "give example inputs a batch of at least 2 (meta tensors cost nothing)")
                         self.batch_atom = axes[0][0][0]
-                        if len(axes) > 1 and axes[1]:
+                        if len(axes) == 2 and axes[1]:  # token ids [b, s]
                             self.seq_atom = axes[1][0][0]
                 else:
                     self.vals[node.name] = _Val("const", shape)
@@ -588,6 +588,72 @@ class _Importer:
         shape = _shape(node.meta["val"])
         return self.emit("einsum", [probs, v], [*q.axes[:-1], v.axes[-1]], shape, "context")
 
+    def op_conv2d(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
+        """A 1x1 stride-1 convolution is an einsum over channels (its spatial dims stay shardable), any
+        other a `conv2d` with its window, as partopt's Wide-ResNet generator writes them."""
+        x, w = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        stride = _pair(args[3] if len(args) > 3 else kwargs.get("stride", 1))
+        groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
+        if groups != 1 or len(x.shape) != 4:
+            raise self.fail("only 2-D convolutions of 4-D inputs with groups=1 are mapped", "report the model")
+        self.contract(x.axes[1], w.axes[1])
+        shape = _shape(node.meta["val"])
+        if tuple(w.shape[2:]) == (1, 1) and stride == (1, 1):
+            out = self.einsum_op([x, w], [x.axes[0], w.axes[0], x.axes[2], x.axes[3]], shape, "conv2d")
+        else:
+            x = self.windowed(x)
+            w = self.windowed(self.real(w))
+            axes = [x.axes[0], w.axes[0], *(((self.atoms.new(n), False),) for n in shape[2:])]
+            out = self.emit("conv2d", [x, w], axes, shape, "conv2d",
+                            stride=stride[0] if stride[0] == stride[1] else list(stride))
+        if isinstance(bias, _Val) and bias.kind != "const":
+            self.contract(bias.axes[0], w.axes[0])
+            bias_axes = [(), *bias.axes, (), ()]
+            out = self.emit("elementwise", [out, self.real(_with(bias, (1, *bias.shape, 1, 1), bias_axes))], out.axes,
+                            shape, "add_bias", fn="add")
+        return out
+
+    def windowed(self, v: _Val) -> _Val:
+        """`v` (real, 4-D) with one atom per axis, as conv2d and pool need: a size-1 axis of a
+        parameter (a 1xk kernel) gets its own size-1 dim; an activation's must not have one."""
+        v = self.real(v)
+        if all(len(axis) == 1 for axis in v.axes):
+            return v
+        axes_, role, dtype = self.tensors[v.tensor]
+        if role != "param" or any(len(axis) > 1 for axis in v.axes):
+            raise self.fail(f"a window over a tensor of shape {list(v.shape)} whose axes are not one dim each",
+                            "partopt maps convolutions and pooling over [N, C, H, W] with H, W > 1")
+        axes = [axis or ((self.atoms.new(1), False),) for axis in v.axes]
+        self.tensors[v.tensor] = (axes, role, dtype)
+        return replace(v, axes=axes)
+
+    def op_batch_norm(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
+        """BatchNorm: a `layernorm` over the batch and spatial dims with per-channel scale and shift."""
+        x = self.real(args[0])
+        params = [p for p in args[1:3] if isinstance(p, _Val) and p.kind != "const"]
+        for p in params:
+            self.contract(x.axes[1], p.axes[0])
+        axes = _AtomRef(a for i, axis in enumerate(x.axes) if i != 1 for a, virt in self.expand_axis(axis) if not virt)
+        return self.emit("layernorm", [x, *map(self.real, params)], x.axes, x.shape, "batch_norm", axes=axes)
+
+    def op_max_pool2d(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
+        return self.pool(node, args[0], _pair(args[1]))
+
+    op_avg_pool2d = op_max_pool2d
+
+    def op_adaptive_avg_pool2d(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
+        x, out = args[0], _shape(node.meta["val"])
+        if x.shape[2] % out[2] or x.shape[3] % out[3]:
+            raise self.fail("adaptive pooling to a size that does not divide the input", "pool to a divisor")
+        return self.pool(node, x, (x.shape[2] // out[2], x.shape[3] // out[3]))
+
+    def pool(self, node: Any, x: _Val, kernel: tuple[int, int]) -> _Val:
+        x = self.windowed(x)
+        shape = _shape(node.meta["val"])
+        axes = [x.axes[0], x.axes[1], *(((self.atoms.new(n), False),) for n in shape[2:])]
+        return self.emit("pool", [x], axes, shape, _aten_name(node.target), kernel=list(kernel))
+
     def op_split(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
         """Equal chunks of one axis. Chunks of a fused projection (GPT-2's c_attn: x·W + b split into
         q, k, v) become one projection per chunk over the parameter's chunk `FQN[i/n]`, as separate
@@ -747,6 +813,18 @@ def _flatten(items: Iterable[Any]) -> Iterable[Any]:
             yield from _flatten(x)
         else:
             yield x
+
+
+def _pair(value: Any) -> tuple[int, int]:
+    """A conv/pool size argument (an int or a list of one or two) as (height, width)."""
+    if isinstance(value, int):
+        return value, value
+    items = list(value)
+    return (items[0], items[-1])
+
+
+def _with(v: _Val, shape: tuple[int, ...], axes: list[Axis]) -> _Val:
+    return replace(v, shape=shape, axes=axes)
 
 
 def _join(axes: Sequence[Axis]) -> Axis:
