@@ -151,6 +151,35 @@ def test_views_and_transposes_need_no_op():
     assert sorted(graph.dims[d] for d in graph.tensors["proj.weight"].dims) == [3, 4, 8]
 
 
+class GroupedAttention(torch.nn.Module):
+    """8 query heads sharing 2 key/value heads through `enable_gqa`, head dim 4, hidden 32."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv = torch.nn.Linear(32, 32, bias=False), torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 8, 4).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, 2, 4).permute(3, 0, 2, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return y.transpose(1, 2).reshape(b, s, 32)
+
+
+def test_enable_gqa_splits_query_heads_into_kv_groups():
+    with torch.device("meta"):
+        module, x = GroupedAttention(), torch.empty(3, 5, 32)
+    graph = from_module(module, (x,))
+    scores = graph.op_index["scores"]
+    q, k = (graph.tensors[t].dims for t in scores.inputs)
+    assert sorted(graph.dims[d] for d in q if d not in k) == [4, 5]  # repeats r = 8 / 2, query positions
+    assert graph.flops(scores) == 2 * 3 * 8 * 5 * 5 * 4  # b · heads · s · t · d, closed form
+    assert graph.op_index["probs"].attrs["axes"] == [d for d in k if graph.dims[d] == 5]
+    # `k, v = kv(x)...unbind` is a fused projection: one einsum per chunk of kv.weight, as two layers
+    assert {"kv.weight[0/2]", "kv.weight[1/2]"} <= set(graph.tensors)
+    assert graph.num_params == 32 * 32 + 32 * 16
+
+
 class SmallCNN(torch.nn.Module):
     def __init__(self):
         super().__init__()

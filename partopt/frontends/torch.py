@@ -659,8 +659,16 @@ class _Importer:
         q, k, v) become one projection per chunk over the parameter's chunk `FQN[i/n]`, as separate
         q, k, v layers are; chunks of anything else are selections (a reduce over the chunk index)."""
         v = self.real(args[0])
-        size = args[1]
         dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % len(v.shape)
+        return self.chunks(node, v, args[1], dim, squeeze=False)
+
+    def op_unbind(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
+        """`k, v = t` along an axis: chunks of size 1 without that axis (see op_split)."""
+        v = self.real(args[0])
+        dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % len(v.shape)
+        return self.chunks(node, v, 1, dim, squeeze=True)
+
+    def chunks(self, node: Any, v: _Val, size: Any, dim: int, squeeze: bool) -> _Val:
         n = v.shape[dim]
         if not isinstance(size, int) or n % size:
             raise self.fail("split into unequal parts has no mapping yet", "split into equal chunks")
@@ -668,17 +676,18 @@ class _Importer:
         if not self.atoms.unify([a for a, _ in v.axes[dim]], [chunk, rest]):
             raise self.fail("cannot split this axis into chunks", "report the model")
         axis = ((rest, False),) if size > 1 else ()
-        out_axes = [a if j != dim else axis for j, a in enumerate(v.axes)]
-        out_shape = tuple(size if j == dim else s for j, s in enumerate(v.shape))
-        fused = self.fused_projection(node, v)
+        out_axes = [a if j != dim else axis for j, a in enumerate(v.axes) if not (squeeze and j == dim)]
+        out_shape = tuple(size if j == dim else s for j, s in enumerate(v.shape) if not (squeeze and j == dim))
+        fused = self.fused_projection(node, v, chunk)
         if fused is not None:
             return _Val("tuple", items=[self.projection_chunk(*fused, chunk, i, n // size, out_axes, out_shape)
                                         for i in range(n // size)])
         return _Val("tuple", items=[self.emit("reduce", [v], out_axes, out_shape, f"chunk{i}", fn="select", index=i)
                                     for i in range(n // size)])
 
-    def fused_projection(self, node: Any, v: _Val) -> tuple[_RawOp, _RawOp | None] | None:
-        """(einsum x·W, bias add or None) when `v` is their result, read by this split alone."""
+    def fused_projection(self, node: Any, v: _Val, chunk: int) -> tuple[_RawOp, _RawOp | None] | None:
+        """(einsum x·W, bias add or None) when `v` is their result, read by this split alone, and the
+        chunks split an output dim of the weight W."""
         source = node.args[0]
         if len(source.users) != 1 or not self.ops:
             return None
@@ -690,7 +699,9 @@ class _Importer:
                 return None
         if last.kind != "einsum" or (bias is None and last.output != v.tensor) or len(last.inputs) != 2:
             return None
-        if self.tensors[last.inputs[1]][1] != "param":
+        axes, role, _ = self.tensors[last.inputs[1]]
+        weight = {self.atoms.find(a) for axis in axes for a, _ in self.expand_axis(axis)}
+        if role != "param" or self.atoms.find(chunk) not in weight:
             return None
         return last, bias
 
