@@ -126,8 +126,9 @@ def _placement_text(spec: list[tuple[str, int | None]]) -> str:
 
 # ---------------------------------------------------------------- the model
 
-def _build(source: str, plan: Plan) -> tuple[Any, list[Any], Any]:
-    """(model with seeded random weights, the microbatch's inputs, loss(model output, inputs))."""
+def _build(source: str, plan: Plan | None) -> tuple[Any, list[Any], Any]:
+    """(model with seeded random weights, its inputs, loss(model output, inputs)); `plan` gives a
+    Hugging Face model its microbatch shape (verify_plan checked it has input_ids)."""
     import torch
 
     from partopt.frontends.torch import load_source, read_hf_config

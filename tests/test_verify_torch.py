@@ -98,3 +98,20 @@ def test_cli_verify_of_a_plan_of_another_graph_is_one_line(tmp_path, split_plan)
     result = CliRunner().invoke(main, ["verify", str(path), "--against", "torch", "--model", str(config)])
     assert result.exit_code == 2
     assert result.output.count("\n") == 1 and "no tensor input_ids" in result.output
+
+
+def test_every_process_builds_the_same_model_from_a_torch_source(tmp_path):
+    """verify rebuilds `file.py:make` in each process: the weights and inputs must agree bit for bit."""
+    import torch
+
+    from partopt.verify_torch import _build
+
+    source = tmp_path / "mlp.py"
+    source.write_text("import torch\n\ndef make():\n"
+                      "    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)), "
+                      "(torch.empty(6, 8),)\n")
+    (m1, x1, loss_fn), (m2, x2, _) = _build(f"{source}:make", None), _build(f"{source}:make", None)
+    assert all(p.device.type == "cpu" for p in m1.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
+    assert torch.equal(x1[0], x2[0]) and x1[0].shape == (6, 8) and x1[0].abs().sum() > 0
+    assert torch.isfinite(loss_fn(m1(*x1), x1))

@@ -295,7 +295,13 @@ class _Importer:
                 else:
                     self.vals[node.name] = _Val("const", shape)
             elif node.op == "call_function":
-                self.call(node)
+                try:
+                    self.call(node)
+                except PartoptError:
+                    raise
+                except Exception as err:  # an argument form this mapping does not cover: say where
+                    raise self.fail(f"cannot map it: {type(err).__name__}: {err}",
+                                    "report the model; the mapping of this op does not cover these arguments") from None
             elif node.op == "output":
                 pass
             else:
@@ -415,7 +421,7 @@ class _Importer:
     def elementwise(self, name: str, args: list[Any], kwargs: dict, shape: tuple[int, ...]) -> _Val:
         tensors = [v for v in _flatten(args) if isinstance(v, _Val) and v.kind != "const"]
         axes = self.broadcast(tensors, shape)
-        origins = {id(_origin(v)): v for v in tensors}
+        origins = {_origin(v).tensor for v in tensors}  # one IR tensor, whatever views of it the chain took
         if len(origins) == 1:
             v = tensors[0]
             origin = _origin(v)
@@ -467,7 +473,7 @@ class _Importer:
     def op_cat(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
         parts = [v for v in args[0] if v.kind != "const"]
         shape = _shape(node.meta["val"])
-        if len({id(_origin(v)) for v in parts}) == 1:
+        if len({_origin(v).tensor for v in parts}) == 1:
             dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % len(shape)
             axes = [self.axes_of([n])[0] if i == dim else parts[0].axes[i] for i, n in enumerate(shape)]
             steps = tuple(s for v in parts for s in v.steps) + ("cat",)
