@@ -141,7 +141,9 @@ def _build(source: str, plan: Plan | None) -> tuple[Any, list[Any], Any]:
         config = read_hf_config(source)
         config.use_cache = False
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-        shape = plan.tensors["input_ids"]["shape"]  # verify_plan checked it is there
+        if plan is None or "input_ids" not in plan.tensors:
+            raise PartoptError("a Hugging Face model is verified against a plan with input_ids", "verify")
+        shape = plan.tensors["input_ids"]["shape"]
         ids = torch.randint(0, config.vocab_size, tuple(shape), generator=gen)
 
         def hf_loss(out: Any, inputs: list[Any]) -> Any:
