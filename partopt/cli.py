@@ -300,7 +300,7 @@ def generate(model: str, output: str, **params: Any) -> None:
 
 @main.group("import")
 def import_group() -> None:
-    """Import a model from a framework (JAX, ONNX) as a partopt graph file."""
+    """Import a model from a framework (JAX, ONNX, PyTorch, a Hugging Face config) as a partopt graph file."""
 
 
 def _wrote(graph: Graph, output: str) -> None:
@@ -333,6 +333,39 @@ def import_onnx(source: str, output: str, opaque: bool, name: str | None) -> Non
     from partopt.frontends import onnx as onnx_frontend
 
     _wrote(onnx_frontend.from_model(source, opaque=opaque, name=name), output)
+
+
+@import_group.command("torch")
+@click.argument("source")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Graph file to write.")
+@click.option("--name", help="Name of the graph (default: the module's class).")
+@click.option("--dtype", help="Element type of the graph (default: the parameters').")
+@click.option("--loss", is_flag=True, help="Add a cross entropy of the output against labels shaped like the first input.")
+@click.option("--opaque", is_flag=True, help="Keep ops with no mapping as opaque ops (not yet in the PyTorch frontend).")
+def import_torch(source: str, output: str, name: str | None, dtype: str | None, loss: bool, opaque: bool) -> None:
+    """Import SOURCE (pkg.mod:make or file.py:make, returning (module, example_inputs), called on the meta device)."""
+    from partopt.frontends.torch import from_module, load_source
+
+    module, inputs = load_source(source)
+    _wrote(from_module(module, inputs, name=name, dtype=dtype, loss=loss, opaque=opaque), output)
+
+
+@import_group.command("hf")
+@click.argument("config", metavar="CONFIG.json", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Graph file to write.")
+@click.option("--batch", type=click.IntRange(min=2), required=True, help="Global batch size (sequences).")
+@click.option("--seq", type=click.IntRange(min=2), required=True, help="Sequence length.")
+@click.option("--name", help="Name of the graph (default: the config's model_type).")
+@click.option("--dtype", help="Element type of the graph (default: the parameters', fp32 from a config).")
+@click.option("--opaque", is_flag=True, help="Keep ops with no mapping as opaque ops (not yet in the PyTorch frontend).")
+def import_hf(config: str, output: str, batch: int, seq: int, name: str | None, dtype: str | None, opaque: bool) -> None:
+    """Import a Hugging Face causal LM from its CONFIG.json (no weights, nothing downloaded) with its loss."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from partopt.frontends.torch import from_hf_config, read_hf_config
+
+    _wrote(from_hf_config(read_hf_config(config), batch=batch, seq=seq, dtype=dtype, name=name, opaque=opaque), output)
 
 
 # ---------------------------------------------------------------- solve
@@ -536,17 +569,23 @@ def export_command(plan_file: str, target: str) -> None:
     click.echo(export(validate.read_checked(plan_file), target))
 
 
-VERIFY_TARGETS = ("jax",)
+VERIFY_TARGETS = ("jax", "torch")
 
 
 @main.command("verify")
 @click.argument("plan_file", metavar="PLAN")
 @click.option("--against", required=True, type=click.Choice(VERIFY_TARGETS), help="The framework to run the plan in.")
 @click.option("--model", "source", required=True,
-              help="The model PLAN was solved for: `pkg.mod:make_model` or `file.py:make_model` (as for import).")
-def verify_command(plan_file: str, against: str, source: str) -> None:
-    """Run PLAN's shardings in a framework on host CPU devices: per stage, loss and gradients against the
-    unsharded run, and the compiled program's collectives against the plan's. Exit 1 on a mismatch."""
+              help="The model PLAN was solved for, as for import: `pkg.mod:make_model` or `file.py:make_model` "
+                   "(torch: also a Hugging Face CONFIG.json).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object (torch).")
+def verify_command(plan_file: str, against: str, source: str, as_json: bool) -> None:
+    """Run PLAN's shardings in a framework on host CPU devices (JAX) or gloo CPU processes (PyTorch DTensor):
+    per stage, loss and gradients against the unsharded run, and the collectives run against the plan's.
+    Exit 1 on a mismatch."""
+    if against == "torch":
+        _verify_torch(plan_file, source, as_json)
+        return
     import os
     import subprocess
 
@@ -567,6 +606,19 @@ def verify_command(plan_file: str, against: str, source: str) -> None:
         _render_verification(out, stage)
     out.print("verified: the plan runs as planned" if result["ok"] else "MISMATCH: see the stages above")
     if not result["ok"]:
+        raise SystemExit(1)
+
+
+def _verify_torch(plan_file: str, source: str, as_json: bool) -> None:
+    from partopt.verify_torch import verify_plan
+
+    report = verify_plan(validate.read_checked(plan_file), source)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        for line in report.lines():
+            click.echo(line)
+    if not report.ok:
         raise SystemExit(1)
 
 
@@ -650,3 +702,5 @@ def reproduce_alpa(quick: bool) -> None:
         out.print(f"{'PASS' if check.passed else 'FAIL'} {check.name} — {check.detail}")
     if not all(check.passed for check in found):
         raise SystemExit(1)  # a claim of the paper does not hold under the model: say so to scripts and CI
+
+

@@ -281,8 +281,9 @@ def _dtensor_entry(t: TensorPlacement, mesh: Sequence[int]) -> dict[str, Any]:
 
 
 def to_dtensor(plan: Plan) -> dict[str, Any]:
-    """Per stage: a DeviceMesh (shape, nested device ids, dim names) and DTensor placements per
-    parameter and per op output (Shard(k) with k the tensor dim index, Replicate(), Partial())."""
+    """Per stage: a DeviceMesh (shape, nested device ids, dim names), DTensor placements per
+    parameter and per op output (Shard(k) with k the tensor dim index, Replicate(), Partial()),
+    a parallelize_module-style plan keyed by module FQN, and the module each stage begins with."""
     stages = []
     for i, stage in enumerate(plan.stages):
         mesh = _mesh(stage, f"stages[{i}]")
@@ -290,11 +291,46 @@ def to_dtensor(plan: Plan) -> dict[str, Any]:
         activations: dict[str, Any] = {}
         for t in stage_tensors(plan, i):
             (params if t.role == "param" else activations)[t.name] = _dtensor_entry(t, mesh)
+        first_op = module_of(next(iter(stage.ops), ""))
+        entry = re.match(r"^(.*?\.\d+)(\.|$)", first_op)  # inside a ModuleList entry: the entry
         stages.append({"stage": i, "device_mesh": {"device_type": "cuda", "shape": list(mesh),
                                                    "mesh": _devices_grid(stage), "mesh_dim_names": list(AXIS_NAMES)},
-                       "params": params, "activations": activations})
+                       "params": params, "activations": activations,
+                       "parallelize_plan": parallelize_plan(plan, i),
+                       "begins_at": entry.group(1) if entry else first_op})
     return {"format": "partopt.export.dtensor", "version": 1, "graph": plan.graph, "training": training(plan),
             "stages": stages}
+
+
+def module_of(name: str) -> str:
+    """The module FQN of an op or parameter name: all but its last component
+    ("model.layers.0.mlp.up_proj.weight" -> "model.layers.0.mlp.up_proj"; chunks "w[0/3]" alike)."""
+    return name.split("[")[0].rpartition(".")[0]
+
+
+def parallelize_plan(plan: Plan, index: int) -> dict[str, dict[str, str]]:
+    """Per module FQN and mesh axis, the torch.distributed.tensor.parallel style its weight's
+    placement is: ColwiseParallel when the weight is split along a dim of its matmul's (or
+    lookup's) output, RowwiseParallel when along the contracted (or looked-up vocabulary) dim.
+    Modules whose weights are replicated, or read by other ops, are left out (their per-parameter
+    placements say it all)."""
+    stage = plan.stages[index]
+    result: dict[str, dict[str, str]] = {}
+    for name, info in stage.params.items():
+        if not name.endswith(".weight"):
+            continue
+        module = module_of(name)
+        readers = [(op, o) for op, o in stage.ops.items()
+                   if module_of(op) == module and o["kind"] in ("einsum", "embedding")]
+        if len(readers) != 1:
+            continue
+        out_dims = set(_tensor_info(plan, readers[0][1]["tensor"], f"stages[{index}].ops.{readers[0][0]}")["dims"])
+        placement = parse_placement(info["placement"], f"stages[{index}].params.{name}")
+        styles = {AXIS_NAMES[k]: "ColwiseParallel()" if p.dim in out_dims else "RowwiseParallel()"
+                  for k, p in enumerate(placement) if isinstance(p, Shard)}
+        if styles:
+            result[module] = styles
+    return result
 
 
 # ---------------------------------------------------------------- Megatron-LM

@@ -1,0 +1,407 @@
+"""Prove a plan in PyTorch: each stage's parameter shardings applied with DTensor on gloo CPU
+processes, one training step, compared with the unsharded step (loss, every gradient) and with
+the collectives the plan prices (by kind).
+
+The model is a Hugging Face config.json or `pkg.mod:make` / `file.py:make` (see
+`partopt.frontends.torch.load_source`), built with random weights from a fixed seed in every
+process. A stage runs the whole model on its own mesh: its parameters take the plan's
+placements, the others are replicated, the model inputs are split over the mesh axes on which
+the stage's first op splits the batch, and gradients are then reduced to the placement the
+plan's synchronisation gives them (reduce-scatter to the optimizer-state shard and all-gather
+back under ZeRO, else all-reduce). torch is imported lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from partopt.errors import PartoptError
+from partopt.export import AXIS_NAMES, TensorPlacement, optimizer_placement, parse_placement
+from partopt.plan import Plan, plan_from_dict, plan_to_dict
+from partopt.sharding import Shard
+
+MAX_PROCESSES = 8  # one CPU process per device of a stage
+RTOL, ATOL = 1e-4, 1e-5  # fp32 on CPU: a sharded sum differs from the unsharded one by rounding only
+SEED = 0
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+TOP_LEVEL = "(top level)"  # the loss, gradient synchronisation: outside every module
+
+
+@dataclass
+class Check:
+    """One comparison: what, whether it held, and the numbers."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class StageReport:
+    stage: int
+    mesh: list[int]
+    checks: list[Check] = field(default_factory=list)
+    placements: dict[str, str] = field(default_factory=dict)  # parameter FQN -> the DTensor placements applied
+    notes: list[str] = field(default_factory=list)  # plan placements DTensor cannot express, replaced
+    observed: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> kind -> calls (DTensor step)
+    predicted: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> kind -> ops pricing it (plan)
+    differences: list[str] = field(default_factory=list)  # modules whose collective kinds differ
+
+
+@dataclass
+class VerifyReport:
+    plan: str
+    stages: list[StageReport]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for s in self.stages for c in s.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan, "ok": self.ok, "stages": [asdict(s) for s in self.stages]}
+
+    def lines(self) -> list[str]:
+        out = []
+        for s in self.stages:
+            out.append(f"stage {s.stage} on a {s.mesh[0]} x {s.mesh[1]} mesh ({s.mesh[0] * s.mesh[1]} gloo processes)")
+            out += [f"  {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}" for c in s.checks]
+            n = len(s.differences)
+            out.append(f"  collectives: {n} module{'' if n == 1 else 's'} differ{'s' if n == 1 else ''} in kind "
+                       f"from the plan" + (":" if n else ""))
+            out += [f"    {d}" for d in s.differences]
+            out += [f"  note {n}" for n in s.notes]
+        out.append("loss and gradients match" if self.ok else "MISMATCH: see the FAIL lines")
+        return out
+
+
+# ---------------------------------------------------------------- placements
+
+def torch_axes(shape: tuple[int, ...], dims: tuple[str, ...], sizes: dict[str, int]) -> list[list[str]]:
+    """The partopt dims that make up each torch axis (major first): the frontend lays a parameter's
+    dims out axis by axis, so consuming them by size recovers the grouping; size-1 axes get none."""
+    result, rest = [], list(dims)
+    for n in shape:
+        group, need = [], n
+        while need > 1 and rest and need % sizes[rest[0]] == 0:
+            group.append(rest.pop(0))
+            need //= sizes[group[-1]]
+        if need != 1:
+            raise PartoptError(f"dims {list(dims)} do not lay out torch shape {list(shape)}", "verify",
+                               "verify a plan of the graph imported from this very model")
+        result.append(group)
+    return result
+
+
+def dtensor_placements(placement: tuple, shape: tuple[int, ...], dims: tuple[str, ...],
+                       sizes: dict[str, int]) -> tuple[list[tuple[str, int | None]], str | None]:
+    """Per mesh axis ("shard", torch axis) or ("replicate", None) for a partopt placement over `dims`;
+    plus why a Shard was replaced by Replicate (a dim that is not the major part of its torch axis)."""
+    groups = torch_axes(shape, dims, sizes)
+    result: list[tuple[str, int | None]] = []
+    why = None
+    for k, p in enumerate(placement):
+        if not isinstance(p, Shard):
+            result.append(("replicate", None))
+            continue
+        axis = next((i for i, g in enumerate(groups) if g and g[0] == p.dim), None)
+        if axis is None:
+            why = f"S({p.dim}) on mesh axis {AXIS_NAMES[k]} splits a minor part of a torch axis: replicated"
+            result.append(("replicate", None))
+        else:
+            result.append(("shard", axis))
+    return result, why
+
+
+def _placement_text(spec: list[tuple[str, int | None]]) -> str:
+    return "[" + ", ".join(f"Shard({a})" if kind == "shard" else "Replicate()" for kind, a in spec) + "]"
+
+
+# ---------------------------------------------------------------- the model
+
+def _build(source: str, plan: Plan | None) -> tuple[Any, list[Any], Any]:
+    """(model with seeded random weights, its inputs, loss(model output, inputs)); `plan` gives a
+    Hugging Face model its microbatch shape (verify_plan checked it has input_ids)."""
+    import torch
+
+    from partopt.frontends.torch import load_source, read_hf_config
+
+    torch.manual_seed(SEED)
+    gen = torch.Generator().manual_seed(SEED + 1)
+    if source.endswith(".json"):
+        from transformers import AutoModelForCausalLM
+
+        config = read_hf_config(source)
+        config.use_cache = False
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        if plan is None or "input_ids" not in plan.tensors:
+            raise PartoptError("a Hugging Face model is verified against a plan with input_ids", "verify")
+        shape = plan.tensors["input_ids"]["shape"]
+        ids = torch.randint(0, config.vocab_size, tuple(shape), generator=gen)
+
+        def hf_loss(out: Any, inputs: list[Any]) -> Any:
+            logits = out.logits
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), inputs[0].reshape(-1))
+        model.eval()  # no dropout: both runs see the same function
+        return model, [ids], hf_loss
+    with torch.device("cpu"):
+        model, examples = _call_source(source, load_source)
+    inputs = [torch.randn(tuple(x.shape), generator=gen) if x.is_floating_point() else torch.zeros_like(x, device="cpu")
+              for x in examples]
+    model.eval()
+
+    def square_loss(out: Any, inputs: list[Any]) -> Any:
+        return (out if isinstance(out, torch.Tensor) else out[0]).square().mean()
+    return model, inputs, square_loss
+
+
+def _call_source(source: str, load: Any) -> tuple[Any, list[Any]]:
+    """load_source's module and inputs, materialised on the CPU with seeded weights."""
+    import torch
+
+    module, inputs = load(source)
+    module = module.to_empty(device="cpu")
+    torch.manual_seed(SEED)
+    for m in module.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    return module, [torch.empty(tuple(x.shape), dtype=x.dtype) for x in inputs]
+
+
+def _step(model: Any, inputs: list[Any], loss_fn: Any) -> tuple[Any, dict[str, Any]]:
+    loss = loss_fn(model(*inputs), inputs)
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+# ---------------------------------------------------------------- one process
+
+def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor, init_device_mesh
+    from torch.distributed.tensor import Shard as TShard
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    warnings.filterwarnings("ignore")  # the library never prints; torch warns about DTensor's module hooks
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # DTensor has sharding rules for attention's math kernel, not for the CPU flash kernel
+    math_attention = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)
+    math_attention.__enter__()
+    try:
+        torch.set_num_threads(1)
+        plan = plan_from_dict(plan_data)
+        stage = plan.stages[stage_index]
+        model, inputs, loss_fn = _build(source, plan)
+        ref_loss, ref_grads = _step(model, inputs, loss_fn)
+        mesh = init_device_mesh("cpu", tuple(stage.logical_mesh), mesh_dim_names=AXIS_NAMES)
+        sizes = _dim_sizes(plan)
+
+        def torch_placements(spec: list[tuple[str, int | None]]) -> list[Any]:
+            return [TShard(a) if kind == "shard" else Replicate() for kind, a in spec]
+
+        applied, notes, grad_targets = {}, [], {}
+        names_of: dict[int, list[str]] = {}
+        for fqn, p in model.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(p), []).append(fqn)
+        for fqn, p in list(model.named_parameters()):
+            spec, sync = _param_specs(plan, stage, fqn, tuple(p.shape), sizes, notes)
+            param = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, torch_placements(spec)))
+            for name in names_of[id(p)]:
+                owner, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(owner) if owner else model, leaf, param)
+            applied[fqn] = _placement_text(spec)
+            if fqn in stage.params or any(k.startswith(fqn + "[") for k in stage.params):
+                grad_targets[fqn] = (torch_placements(sync), torch_placements(spec))
+        batch_axes = _batch_axes(stage, plan.batch_dim)
+        placements = [TShard(0) if k in batch_axes else Replicate() for k in range(len(AXIS_NAMES))]
+        dinputs = [distribute_tensor(x, mesh, placements) for x in inputs]
+        with implicit_replication():
+            with CommDebugMode() as comm:
+                loss = loss_fn(model(*dinputs), dinputs)
+                loss.backward()
+            with CommDebugMode() as sync:
+                for fqn, p in model.named_parameters():  # the stage's gradient synchronisation, as priced
+                    if fqn in grad_targets:
+                        shard, back = grad_targets[fqn]
+                        p.grad = p.grad.redistribute(mesh, shard).redistribute(mesh, back)
+        per_module = _own_counts(comm.comm_module_counts)
+        for kind, n in _kind_counts(sync.get_comm_counts()).items():
+            per_module.setdefault(TOP_LEVEL, {})[kind] = per_module.get(TOP_LEVEL, {}).get(kind, 0) + n
+        loss_value = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        grads = {fqn: p.grad.full_tensor() for fqn, p in model.named_parameters()}
+        if rank == 0:
+            worst = []
+            for fqn, g in grads.items():
+                ref = ref_grads[fqn]
+                if not torch.allclose(g, ref, rtol=RTOL, atol=ATOL):
+                    worst.append((fqn, float((g - ref).abs().max())))
+            Path(out).write_text(json.dumps({
+                "loss": float(loss_value), "ref_loss": float(ref_loss), "grad_mismatch": worst,
+                "params": len(grads), "modules": per_module, "placements": applied,
+                "notes": notes}))
+    finally:
+        math_attention.__exit__(None, None, None)
+        dist.destroy_process_group()
+
+
+def _kind_counts(counts: dict[Any, int]) -> dict[str, int]:
+    """Collective calls by kind (all_reduce, all_gather, reduce_scatter, all_to_all)."""
+    result: dict[str, int] = {}
+    for op, n in counts.items():
+        kind = next((k for k in KINDS if k in str(op)), str(op))
+        result[kind] = result.get(kind, 0) + n
+    return result
+
+
+def _own_counts(module_counts: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per module FQN, the collectives it ran itself (forward + backward, its submodules' taken off);
+    the rest of the step (the loss, gradient synchronisation) under TOP_LEVEL."""
+    total = {}
+    for name, parts in module_counts.items():
+        fqn = TOP_LEVEL if name == "Global" else name.partition(".")[2] if "." in name else ""
+        counts = _kind_counts({op: n for part in parts.values() for op, n in part.items()})
+        total[fqn] = {k: total.get(fqn, {}).get(k, 0) + n for k, n in counts.items()}
+    own = {m: dict(c) for m, c in total.items()}
+    for m in total:
+        parent = _nearest(m, total)
+        if parent is not None:
+            for k, n in total[m].items():
+                own[parent][k] = own[parent].get(k, 0) - n
+    return {m: {k: n for k, n in c.items() if n} for m, c in own.items() if any(c.values())}
+
+
+def _nearest(fqn: str, counted: dict[str, Any]) -> str | None:
+    """The closest enclosing module of `fqn` that has counts ("" is the model, TOP_LEVEL holds all)."""
+    if fqn == TOP_LEVEL:
+        return None
+    while fqn:
+        fqn = fqn.rpartition(".")[0]
+        if fqn in counted:
+            return fqn
+    return TOP_LEVEL if TOP_LEVEL in counted else None
+
+
+def _dim_sizes(plan: Plan) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for info in plan.tensors.values():
+        sizes.update(zip(info["dims"], info["shape"]))
+    return sizes
+
+
+def _param_specs(plan: Plan, stage: Any, fqn: str, shape: tuple[int, ...], sizes: dict[str, int],
+                 notes: list[str]) -> tuple[list, list]:
+    """(the parameter's placement, its gradient's synchronised placement) in DTensor terms."""
+    replicated = [("replicate", None)] * len(AXIS_NAMES)
+    info = stage.params.get(fqn)
+    if info is None:
+        chunks = [k for k in stage.params if k.startswith(fqn + "[")]
+        if chunks and any(stage.params[k]["placement"] != "[R, R]" for k in chunks):
+            notes.append(f"{fqn}: the plan shards its chunks {', '.join(chunks)} separately; one DTensor cannot: replicated")
+        return replicated, replicated
+    dims = tuple(plan.tensors[fqn]["dims"])
+    placement = parse_placement(info["placement"], f"params.{fqn}")
+    spec, why = dtensor_placements(placement, shape, dims, sizes)
+    if why:
+        notes.append(f"{fqn}: {why}")
+    t = TensorPlacement(fqn, "param", dims, tuple(plan.tensors[fqn]["shape"]), placement, tuple(info.get("zero_axes", ())))
+    state, _flat = optimizer_placement(t, tuple(stage.logical_mesh))
+    sync, _ = dtensor_placements(state, shape, dims, sizes)
+    return spec, sync
+
+
+def _batch_axes(stage: Any, batch_dim: str | None) -> set[int]:
+    """Mesh axes on which the stage's first op splits the batch dim."""
+    first = next(iter(stage.ops.values()), None)
+    if first is None or batch_dim is None:
+        return set()
+    return {k for k, d in enumerate(first["axes"]) if d == batch_dim}
+
+
+def _predicted(stage: Any) -> dict[str, dict[str, int]]:
+    """Per module FQN, the collectives the plan prices for its ops' outputs (from each op's
+    explanation), and the per-iteration gradient synchronisation under TOP_LEVEL."""
+    result: dict[str, dict[str, int]] = {}
+    for op, info in stage.ops.items():
+        _, arrow, tail = info.get("explanation", "").partition(" → ")
+        module = op.rpartition(".")[0] if "." in op else TOP_LEVEL
+        for part in tail.split("; ") if arrow else []:
+            words = part.split()
+            kind = (words[1] if words[0] == "statistics" else words[0]).replace("-", "_")
+            result.setdefault(module, {})[kind] = result.get(module, {}).get(kind, 0) + 1
+    for kind, seconds in stage.breakdown.get("sync_s", {}).items():
+        if seconds > 0:  # one call per parameter, as the step runs it
+            result.setdefault(TOP_LEVEL, {})[kind] = result.get(TOP_LEVEL, {}).get(kind, 0) + len(stage.params)
+    return result
+
+
+def differences(predicted: dict[str, dict[str, int]], observed: dict[str, dict[str, int]]) -> list[str]:
+    """Modules whose collective kinds differ between the plan and the DTensor step, one line each."""
+    lines = []
+    for module in sorted(set(predicted) | set(observed)):
+        p, o = predicted.get(module, {}), observed.get(module, {})
+        if set(p) != set(o):
+            text = lambda c: ", ".join(f"{k} x{n}" for k, n in sorted(c.items())) or "none"
+            lines.append(f"{module or '(model)'}: the plan prices {text(p)}; DTensor ran {text(o)}")
+    return lines
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- entry point
+
+def verify_plan(plan: Plan, source: str) -> VerifyReport:
+    """Run every stage's shardings with DTensor and compare with the unsharded step (see the module doc)."""
+    import torch.multiprocessing as mp
+
+    from partopt.frontends.torch import read_hf_config
+
+    if source.endswith(".json"):  # fail here, not in every process
+        read_hf_config(source)
+        if "input_ids" not in plan.tensors:
+            raise PartoptError("the plan has no tensor input_ids: it is not a plan of a graph imported from a "
+                               "Hugging Face config", "verify", "solve the graph of `partopt import hf` for this config")
+    stages = []
+    for i, stage in enumerate(plan.stages):
+        world = math.prod(stage.logical_mesh)
+        if world > MAX_PROCESSES:
+            raise PartoptError(f"stage {i} runs on {world} devices; verify starts one CPU process per device, "
+                               f"at most {MAX_PROCESSES}", "verify", "verify a plan of a smaller cluster")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.json")
+            try:
+                mp.spawn(_worker, args=(world, source, plan_to_dict(plan), i, _free_port(), out), nprocs=world, join=True)
+            except Exception as err:  # a worker's failure arrives as ProcessRaisedException with its traceback
+                last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+                raise PartoptError(f"stage {i}: the DTensor run failed: {last}", "verify",
+                                   "check that the plan was solved for the graph of this model") from None
+            result = json.loads(Path(out).read_text())
+        stages.append(_report(i, stage, result))
+    return VerifyReport(plan.graph, stages)
+
+
+def _report(i: int, stage: Any, r: dict[str, Any]) -> StageReport:
+    report = StageReport(i, list(stage.logical_mesh), placements=r["placements"], notes=r["notes"],
+                         observed=r["modules"], predicted=_predicted(stage))
+    close = math.isclose(r["loss"], r["ref_loss"], rel_tol=RTOL, abs_tol=ATOL)
+    report.checks.append(Check("loss", close, f"sharded {r['loss']:.6g}, unsharded {r['ref_loss']:.6g}"))
+    bad = r["grad_mismatch"]
+    report.checks.append(Check("gradients", not bad, f"{r['params'] - len(bad)} of {r['params']} parameters match"
+                               + (f"; worst {bad[0][0]} (max abs diff {bad[0][1]:.3g})" if bad else "")))
+    report.differences = differences(report.predicted, report.observed)
+    return report

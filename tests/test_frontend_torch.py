@@ -1,0 +1,348 @@
+"""The PyTorch frontend: Hugging Face and plain modules imported through torch.export, checked
+against torch's own numbers (parameters, FLOPs) and against partopt's generators (plans)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: configs are built here
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MixtralConfig
+
+from partopt import io, models
+from partopt.cli import main
+from partopt.cluster import preset
+from partopt.costmodel import training_flops
+from partopt.frontends.torch import FrontendError, _Atoms, from_hf_config, from_module
+from partopt.inter import optimize
+from partopt.ops import is_matmul
+
+VOCAB = 128
+
+
+def llama_config(**over) -> LlamaConfig:
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16)
+    return LlamaConfig(**{**sizes, **over})
+
+
+def gpt2_config(**over) -> GPT2Config:
+    return GPT2Config(**{**dict(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=16), **over})
+
+
+def real_model(config) -> torch.nn.Module:
+    config.use_cache = False
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return from_hf_config(llama_config(), batch=4, seq=16)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return from_hf_config(gpt2_config(), batch=4, seq=16)
+
+
+# ---------------------------------------------------------------- atoms
+
+def test_atoms_split_where_the_other_side_has_a_boundary():
+    """[24] against [2, 12]: the 24 splits into its parts 2 and 12, each one with the other side's."""
+    atoms = _Atoms()
+    a, b, c = atoms.new(24), atoms.new(2), atoms.new(12)
+    assert atoms.unify([a], [b, c])
+    assert [atoms.size[x] for x in atoms.expand(a)] == [2, 12]
+    assert [atoms.find(x) for x in atoms.expand(a)] == [atoms.find(b), atoms.find(c)]
+
+
+def test_atoms_refine_both_sides_to_their_common_boundaries():
+    """[4, 6] against [2, 12] (both 24): 4 -> 2·2, 12 -> 2·6, so both read [2, 2, 6]."""
+    atoms = _Atoms()
+    x = [atoms.new(4), atoms.new(6)]
+    y = [atoms.new(2), atoms.new(12)]
+    assert atoms.unify(x, y)
+    left = [atoms.find(p) for a in x for p in atoms.expand(a)]
+    right = [atoms.find(p) for a in y for p in atoms.expand(a)]
+    assert left == right and [atoms.size[p] for p in left] == [2, 2, 6]
+
+
+def test_atoms_that_do_not_line_up_are_refused():
+    atoms = _Atoms()
+    assert not atoms.unify([atoms.new(6)], [atoms.new(4)])  # different products
+    assert not atoms.unify([atoms.new(6), atoms.new(2)], [atoms.new(4), atoms.new(3)])  # 6 vs 4: no common split
+
+
+# ---------------------------------------------------------------- names, parameters, layers
+
+@pytest.mark.parametrize("make", [llama_config, gpt2_config])
+def test_parameter_count_equals_torch(make):
+    config = make()
+    graph = from_hf_config(config, batch=4, seq=16)
+    assert graph.num_params == sum(p.numel() for p in real_model(make()).parameters())
+
+
+def test_parameters_keep_their_fully_qualified_names(llama):
+    expected = {name for name, _ in real_model(llama_config()).named_parameters()}
+    assert {t.name for t in llama.params} == expected
+    assert "model.layers.0.mlp.up_proj.weight" in llama.tensors
+
+
+def test_tied_head_reads_the_embedding_table_once(gpt2):
+    names = {t.name for t in gpt2.params}
+    assert "lm_head.weight" not in names and "transformer.wte.weight" in names
+    head = gpt2.op_index["lm_head.linear"]
+    assert "transformer.wte.weight" in head.inputs
+
+
+def test_layers_are_module_list_entries(llama):
+    layer_of = {op.name: op.layer for op in llama.ops}
+    assert set(layer_of.values()) == {0, 1}
+    assert layer_of["model.layers.1.self_attn.q_proj.linear"] == 1
+    assert layer_of["model.embed_tokens.embedding"] == 0  # before the first block: the first layer
+    assert layer_of["loss"] == 1  # after the last block: the last layer
+
+
+def test_grouped_query_attention_has_the_generators_head_dims(llama):
+    """Query heads become (kv groups g, repeats r), as partopt's llama generator writes them."""
+    q = llama.tensors["model.layers.0.self_attn.q_proj.weight"].dims
+    k = llama.tensors["model.layers.0.self_attn.k_proj.weight"].dims
+    sizes = [llama.dims[d] for d in q]
+    assert sizes == [2, 2, 16, 64]  # g, r, head dim, hidden
+    assert q[0] == k[0] and q[2] == k[1] and q[3] == k[2]
+    kinds = [op.kind for op in llama.ops if op.layer == 0 and ".self_attn." in op.name]
+    assert kinds.count("einsum") == 6  # q, k, v, scores, context, o
+    assert kinds.count("softmax") == 1
+
+
+def test_rmsnorm_pattern_becomes_one_op(llama):
+    norms = [op for op in llama.ops if op.kind == "rmsnorm"]
+    assert len(norms) == 5  # two per block and the final norm
+    assert norms[0].inputs[1] == "model.layers.0.input_layernorm.weight"
+
+
+def test_views_and_transposes_need_no_op():
+    """A linear, a view into heads and a transpose back: one einsum, dims unified through the views."""
+    class Heads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 12, bias=False)
+
+        def forward(self, x):
+            y = self.proj(x).view(x.shape[0], x.shape[1], 3, 4).transpose(1, 2)
+            return y.transpose(1, 2).reshape(x.shape[0], x.shape[1], 12) * 2.0 + x.sum(-1, keepdim=True)
+
+    with torch.device("meta"):
+        module = Heads()
+        x = torch.empty(5, 6, 8)
+    graph = from_module(module, (x,))
+    assert [op.kind for op in graph.ops].count("reshape") == 0
+    einsum = next(op for op in graph.ops if op.kind == "einsum")
+    assert graph.flops(einsum) == 2 * 5 * 6 * 8 * 12  # closed form of x·Wᵀ
+    assert sorted(graph.dims[d] for d in graph.tensors["proj.weight"].dims) == [3, 4, 8]
+
+
+class GroupedAttention(torch.nn.Module):
+    """8 query heads sharing 2 key/value heads through `enable_gqa`, head dim 4, hidden 32."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv = torch.nn.Linear(32, 32, bias=False), torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 8, 4).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, 2, 4).permute(3, 0, 2, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return y.transpose(1, 2).reshape(b, s, 32)
+
+
+def test_enable_gqa_splits_query_heads_into_kv_groups():
+    with torch.device("meta"):
+        module, x = GroupedAttention(), torch.empty(3, 5, 32)
+    graph = from_module(module, (x,))
+    scores = graph.op_index["scores"]
+    q, k = (graph.tensors[t].dims for t in scores.inputs)
+    assert sorted(graph.dims[d] for d in q if d not in k) == [4, 5]  # repeats r = 8 / 2, query positions
+    assert graph.flops(scores) == 2 * 3 * 8 * 5 * 5 * 4  # b · heads · s · t · d, closed form
+    assert graph.op_index["probs"].attrs["axes"] == [d for d in k if graph.dims[d] == 5]
+    # `k, v = kv(x)...unbind` is a fused projection: one einsum per chunk of kv.weight, as two layers
+    assert {"kv.weight[0/2]", "kv.weight[1/2]"} <= set(graph.tensors)
+    assert graph.num_params == 32 * 32 + 32 * 16
+
+
+class SmallCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(8)
+        self.conv2 = torch.nn.Conv2d(8, 16, 1)
+        self.pool = torch.nn.MaxPool2d(2)
+        self.avg = torch.nn.AdaptiveAvgPool2d(1)
+        self.fc = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = self.pool(torch.relu(self.conv2(y)))
+        return self.fc(torch.flatten(self.avg(y), 1))
+
+
+def test_convolutions_map_as_the_wide_resnet_generator_writes_them():
+    """3x3 stride 2 -> conv2d, 1x1 -> einsum over channels, BatchNorm -> layernorm over (N, H, W);
+    forward matmul FLOPs equal FlopCounterMode's forward count."""
+    with torch.device("meta"):
+        module, x = SmallCNN(), torch.empty(4, 3, 32, 32)
+    graph = from_module(module, (x,))
+    kinds = {op.name: op.kind for op in graph.ops}
+    assert kinds["conv1.conv2d"] == "conv2d" and kinds["conv2.conv2d"] == "einsum"
+    assert kinds["bn1.batch_norm"] == "layernorm" and kinds["pool.max_pool2d"] == "pool"
+    assert graph.op_index["bn1.batch_norm"].attrs["axes"] == ["b", *graph.tensors["conv1.conv2d"].dims[2:]]
+    assert graph.op_index["avg.adaptive_avg_pool2d"].attrs["kernel"] == [8, 8]
+    real = SmallCNN().eval()
+    assert graph.num_params == sum(p.numel() for p in real.parameters())
+    with FlopCounterMode(display=False) as counter:
+        real(torch.randn(4, 3, 32, 32))
+    assert sum(graph.flops(op) for op in graph.ops if is_matmul(op)) == counter.get_total_flops()
+    assert graph.flops(graph.op_index["conv1.conv2d"]) == 2 * 4 * 8 * 16 * 16 * (3 * 3 * 3)  # closed form
+
+
+# ---------------------------------------------------------------- truth: FLOPs, plans
+
+@pytest.mark.parametrize("make", [llama_config, gpt2_config])
+def test_training_matmul_flops_match_flop_counter(make):
+    """partopt prices einsums as 3x forward (two backward GEMMs); FlopCounterMode counts exactly the
+    matmuls (mm/addmm/bmm, attention through the math kernel) of forward + backward."""
+    batch, seq = 4, 16
+    graph = from_hf_config(make(), batch=batch, seq=seq)
+    model = real_model(make())
+    ids = torch.randint(0, VOCAB, (batch, seq))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        logits = model(ids).logits
+        torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids.reshape(-1)).backward()
+    ours = sum(training_flops(graph.flops(op), True) for op in graph.ops if is_matmul(op))
+    assert ours == pytest.approx(counter.get_total_flops(), rel=0.01)
+
+
+def _iteration(graph) -> float:
+    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    return optimize(graph, cluster, workers=1, microbatches=[1, 2]).iteration_time_s
+
+
+def test_imported_llama_plans_like_the_generator():
+    config = llama_config(hidden_size=256, intermediate_size=512, vocab_size=1000, max_position_embeddings=128)
+    imported = from_hf_config(config, batch=8, seq=128, dtype="fp16")
+    generated = models.llama(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, seq=128, vocab=1000, batch=8,
+                             dtype="fp16")
+    assert imported.num_params == generated.num_params
+    assert _iteration(imported) == pytest.approx(_iteration(generated), rel=0.02)
+
+
+def test_imported_gpt2_plans_like_the_generator():
+    config = gpt2_config(n_embd=256, vocab_size=1000, n_positions=128)
+    imported = from_hf_config(config, batch=8, seq=128, dtype="fp16")
+    generated = models.gpt(hidden=256, layers=2, heads=4, seq=128, vocab=1000, batch=8)
+    assert imported.num_params == generated.num_params
+    assert imported.forward_flops == generated.forward_flops  # fused c_attn became q, k, v projections
+    assert _iteration(imported) == pytest.approx(_iteration(generated), rel=0.02)
+
+
+# ---------------------------------------------------------------- errors
+
+class Cumsum(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.cumsum(self.inner(x), dim=1)
+
+
+def test_unmapped_op_names_the_aten_op_and_module():
+    with torch.device("meta"):
+        module, x = Cumsum(), torch.empty(3, 4)
+    with pytest.raises(FrontendError) as err:
+        from_module(module, (x,))
+    assert "aten.cumsum" in err.value.line() and "(top level)" in err.value.line()
+    with pytest.raises(FrontendError, match="no opaque op kind"):
+        from_module(module, (x,), opaque=True)
+
+
+class Spare(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.spare = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_unused_parameters_are_named_not_dropped():
+    with torch.device("meta"):
+        module, x = Spare(), torch.empty(3, 4)
+    with pytest.raises(FrontendError, match="2 parameters are not used.*spare.weight"):
+        from_module(module, (x,))
+
+
+def test_batch_of_one_is_refused():
+    with torch.device("meta"):
+        module, x = torch.nn.Linear(4, 4), torch.empty(1, 4)
+    with pytest.raises(FrontendError, match="batch of at least 2"):
+        from_module(module, (x,))
+
+
+def test_mixture_of_experts_is_a_clear_error():
+    config = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=4)
+    with pytest.raises(FrontendError, match="mixture-of-experts"):
+        from_hf_config(config, batch=2, seq=8)
+
+
+# ---------------------------------------------------------------- CLI
+
+def test_cli_import_hf_writes_a_graph(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
+                                  "vocab_size": VOCAB, "n_positions": 16}))
+    out = tmp_path / "g.json"
+    result = CliRunner().invoke(main, ["import", "hf", str(config), "-o", str(out), "--batch", "4", "--seq", "16"])
+    assert result.exit_code == 0, result.output
+    graph = io.read_graph(out)
+    assert graph.num_params == sum(p.numel() for p in real_model(gpt2_config()).parameters())
+
+
+def test_cli_import_hf_without_model_type_is_one_line(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 64}))
+    result = CliRunner().invoke(main, ["import", "hf", str(config), "-o", str(tmp_path / "g.json"),
+                                       "--batch", "2", "--seq", "2"])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "no model_type" in result.output
+
+
+def test_cli_import_torch_from_a_file(tmp_path):
+    source = tmp_path / "mlp.py"
+    source.write_text("import torch\n\ndef make():\n"
+                      "    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)), "
+                      "(torch.empty(16, 8),)\n")
+    out = tmp_path / "g.json"
+    result = CliRunner().invoke(main, ["import", "torch", f"{source}:make", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    graph = io.read_graph(out)
+    assert graph.num_params == 8 * 32 + 32 + 32 * 8 + 8
+    assert sum(graph.flops(op) for op in graph.ops if op.kind == "einsum") == 2 * (2 * 16 * 8 * 32)
+    bad = CliRunner().invoke(main, ["import", "torch", f"{source}:nothing", "-o", str(out)])
+    assert bad.exit_code == 2 and "has no function 'nothing'" in bad.output
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from partopt.cli import main; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
