@@ -48,13 +48,13 @@ def tables(layers: int, devices: int, seed: int) -> tuple[np.ndarray, np.ndarray
     S = len(sizes)
     work = rng.uniform(0.5, 1.5, layers)  # per-layer compute, ms on one device
     size = np.array(sizes, dtype=float)
-    overhead = rng.uniform(0.02, 0.3, (OPTIONS, 1, S)) * np.log2(size + 1)  # communication share per option
+    overhead = rng.uniform(0.1, 0.5, (OPTIONS, 1, S)) * np.log2(size)  # communication share per option
     noise = rng.uniform(0.9, 1.1, (OPTIONS, layers, S))
     per_layer = work[None, :, None] / size * (1 + overhead) * noise  # (H, L, S)
     sync_layer = rng.uniform(0.0, 0.05, (OPTIONS, layers, S)) / (1 + overhead)  # faster options sync more
     prefix = np.concatenate([np.zeros((OPTIONS, 1, S)), np.cumsum(per_layer, axis=1)], axis=1)
     sync_prefix = np.concatenate([np.zeros((OPTIONS, 1, S)), np.cumsum(sync_layer, axis=1)], axis=1)
-    send = rng.uniform(0.01, 0.05, layers)
+    send = rng.uniform(0.001, 0.005, layers)
     send[-1] = 0.0
     i, j = np.arange(layers)[:, None], np.arange(layers)[None, :]
     latency = prefix[:, 1:][:, None, :, :] - prefix[:, :-1][:, :, None, :] + send[None, None, :, None]  # (H, i, j, S)
