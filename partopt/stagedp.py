@@ -71,41 +71,36 @@ def _levels(t: np.ndarray, extra: np.ndarray, deepest: int) -> int:
 
 
 def _inner(t: np.ndarray, sizes: list[int], devices: int):
-    """The inner DP on t[k, i, j, s] (levels k = 1..k0, level k0 meaning "k0 or more"), entries > t_max
-    already inf: least sum t per (level, first layer, devices), with the choices that reach it."""
-    K, L = t.shape[0] - 1, t.shape[1]
+    """The inner DP on t[s, k, i, j] (levels k = 1..k0, level k0 meaning "k0 or more"), entries > t_max
+    already inf: least sum t per (level, first layer, devices), what each level continues into, and
+    where level k0 continues in itself. Choices are not stored: `_plan` finds them again."""
+    K, L = t.shape[1] - 1, t.shape[2]
     f = np.full((K + 1, L + 1, devices + 1), INF)
     f[0, L, 0] = 0.0
     after = f[:K].copy()  # after[k - 1]: what a stage at level k continues into
-    last_j = np.full((K + 1, L + 1, devices + 1), -1, dtype=np.int32)
-    last_s = np.full((K + 1, L + 1, devices + 1), -1, dtype=np.int32)
     stay = np.zeros((L + 1, devices + 1), dtype=bool)  # level K continues in level K (else K - 1)
-    finite = np.isfinite(t[1:]).any(axis=0)  # (i, j, s)
-    reach = np.where(finite.any(axis=1), L - np.argmax(finite[:, ::-1, :], axis=1), 0)  # (i, s): last j + 1
+    finite = np.isfinite(t[:, 1:])  # (s, k - 1, i, j)
+    any_j = finite.any(axis=3)  # (s, k - 1, i)
+    reach = np.where(any_j.any(axis=1), L - np.argmax(finite.any(axis=1)[:, :, ::-1], axis=2), 0)  # (s, i): last j + 1
+    depth = np.where(any_j.any(axis=1), K - np.argmax(any_j[:, ::-1], axis=1), 0)  # (s, i): deepest level with an entry
     for i in range(L - 1, -1, -1):
-        row = f[1:, i]
         for s, size in enumerate(sizes):
-            end = reach[i, s]
-            if size > devices or end <= i:
+            end, top = reach[s, i], min(depth[s, i], L - i)  # level k needs k stages on the L - i layers left
+            if size > devices or end <= i or top == 0:
                 continue
-            cost = t[1:, i, i:end, s]  # (K, J)
-            cand = cost[:, :, None] + after[:, i + 1:end + 1, :devices + 1 - size]  # (K, J, devices + 1 - size)
-            j_best = cand.argmin(axis=1)
-            value = np.take_along_axis(cand, j_best[:, None], axis=1)[:, 0]
-            target = row[:, size:]
-            better = value < target
-            if better.any():
-                target[better] = value[better]
-                last_j[1:, i, size:][better] = i + j_best[better]
-                last_s[1:, i, size:][better] = s
+            cost = t[s, 1:top + 1, i, i:end]  # (levels, J)
+            cand = cost[:, :, None] + after[:top, i + 1:end + 1, :devices + 1 - size]  # (levels, J, devices + 1 - size)
+            target = f[1:top + 1, i, size:]
+            np.minimum(target, cand.min(axis=1), out=target)
         after[:K - 1, i] = f[:K - 1, i]
         stay[i] = f[K, i] < f[K - 1, i]
         after[K - 1, i] = np.minimum(f[K - 1, i], f[K, i])
-    return f, last_j, last_s, stay
+    return f, after, stay
 
 
-def _plan(f, last_j, last_s, stay, sizes: list[int], devices: int) -> tuple[float, list[tuple[int, int, int, int]]] | None:
-    """The inner DP's best plan on all `devices`: (sum t, [(first, last, submesh, level)]), or None."""
+def _plan(t: np.ndarray, f, after, stay, sizes: list[int], devices: int) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+    """The inner DP's best plan on all `devices`: (sum t, [(first, last, submesh, level)]), or None.
+    Each stage is the (last layer, submesh) whose sum t + rest equals the state's value, as `_inner` added them."""
     K, L = f.shape[0] - 1, f.shape[1] - 1
     level = 1 + int(np.argmin(f[1:, 0, devices]))
     value = float(f[level, 0, devices])
@@ -113,7 +108,9 @@ def _plan(f, last_j, last_s, stay, sizes: list[int], devices: int) -> tuple[floa
         return None
     stages, i, d = [], 0, devices
     while level > 0:
-        j, s = int(last_j[level, i, d]), int(last_s[level, i, d])
+        j, s = next((i + int(np.argmax(row == f[level, i, d])), s) for s, row in
+                    ((s, t[s, level, i, i:] + after[level - 1, i + 1:, d - size]) for s, size in enumerate(sizes)
+                     if size <= d) if (row == f[level, i, d]).any())
         stages.append((i, j, s, level))
         i, d = j + 1, d - sizes[s]
         level = K if level == K and stay[i, d] else level - 1
@@ -125,6 +122,7 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int,
     """min sum t + (B - 1) max t over plans on t[k, i, j, s], by branch and bound over t_max (module
     docstring); exact when below `bound`. Returns (total, [(first, last, submesh, level)], rounds)."""
     levels = np.unique(t[1:][np.isfinite(t[1:])])
+    t = np.ascontiguousarray(np.moveaxis(t, -1, 0))  # [s, k, i, j]: each submesh's rows contiguous
     if len(levels) == 0:
         return None
     slope = microbatches - 1
@@ -136,11 +134,12 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int,
         """Run the inner DP at t_max = levels[index]; keep its plan if best: (g, index of its max t)."""
         nonlocal best, rounds
         rounds += 1
-        found = _plan(*_inner(np.where(t <= levels[index], t, INF), sizes, devices), sizes, devices)
+        masked = np.where(t <= levels[index], t, INF)
+        found = _plan(masked, *_inner(masked, sizes, devices), sizes, devices)
         if found is None:
             return None
         value, stages = found
-        peak = max(float(t[k, i, j, s]) for i, j, s, k in stages)
+        peak = max(float(t[s, k, i, j]) for i, j, s, k in stages)
         total = value + slope * peak
         if best is None or total < best[0] - 1e-15:
             best = (total, stages)

@@ -41,8 +41,9 @@ def sizes_for(devices: int) -> list[int]:
     return within + [n * PER_NODE for n in (2 ** e for e in range(1, nodes.bit_length())) if n <= nodes]
 
 
-def tables(layers: int, devices: int, seed: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """Random t and extra of shape (OPTIONS, layers + 1, layers, layers, S), every stage feasible."""
+def tables(layers: int, devices: int, seed: int, memory: bool = False) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Random t and extra of shape (OPTIONS, layers + 1, layers, layers, S): every stage feasible, or with
+    `memory` each stage fits only the in-flight counts k whose weights + min(k, B) activations fit a budget."""
     rng = np.random.default_rng(seed)
     sizes = sizes_for(devices)
     S = len(sizes)
@@ -65,14 +66,21 @@ def tables(layers: int, devices: int, seed: int) -> tuple[np.ndarray, np.ndarray
     t[:, 0] = np.inf
     t[:, 1:] = latency[:, None]
     extra[:, 1:] = np.where(np.isfinite(latency), sync, 0.0)[:, None]
+    if memory:  # weights shard well, activations less; the budget fits all weights on a quarter of the devices
+        weights = np.cumsum(np.concatenate([[0.0], rng.uniform(0.5, 1.5, layers)]))
+        acts = np.cumsum(np.concatenate([[0.0], rng.uniform(0.01, 0.03, layers)]))
+        stage_w = (weights[1:][None, :] - weights[:-1][:, None])[None, :, :, None] / size ** 0.9 * (1 + overhead[:, :, None])
+        stage_a = (acts[1:][None, :] - acts[:-1][:, None])[None, :, :, None] / size ** 0.7
+        for k in range(1, layers + 1):
+            t[:, k][stage_w + min(k, MICROBATCHES) * stage_a > 4.0 * weights[-1] / devices ** 0.9] = np.inf
     return t, extra, sizes
 
 
-def worker(layers: int, devices: int, seed: int) -> None:
+def worker(layers: int, devices: int, seed: int, memory: int) -> None:
     """Build one case's tables, solve once, print the result as JSON (run in its own process)."""
     from partopt import stagedp
 
-    t, extra, sizes = tables(layers, devices, seed)
+    t, extra, sizes = tables(layers, devices, seed, bool(memory))
     start = time.perf_counter()
     result = stagedp.solve(t, extra, sizes, devices, MICROBATCHES)
     seconds = time.perf_counter() - start
@@ -81,9 +89,9 @@ def worker(layers: int, devices: int, seed: int) -> None:
                       "total": result.total, "rounds": result.rounds, "stages": len(result.stages)}))
 
 
-def run(layers: int, devices: int, seed: int, timeout: float) -> dict | None:
+def run(layers: int, devices: int, seed: int, memory: bool, timeout: float) -> dict | None:
     """One solve in a fresh process; None when it ran past `timeout` seconds."""
-    command = [sys.executable, __file__, "--worker", str(layers), str(devices), str(seed)]
+    command = [sys.executable, __file__, "--worker", str(layers), str(devices), str(seed), str(int(memory))]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=True)
     except subprocess.TimeoutExpired:
@@ -98,21 +106,22 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per case (the median is shown)")
     parser.add_argument("--timeout", type=float, default=120.0, help="stop a run after this many seconds")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--worker", nargs=3, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--memory", action="store_true", help="cap each stage's in-flight microbatches by memory")
+    parser.add_argument("--worker", nargs=4, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(*args.worker)
         return
     cases = [(l, d) for l, d in CASES if not args.case or f"{l}x{d}" in args.case]
     table = Table(title=f"stagedp.solve on random tables ({OPTIONS} options, {MICROBATCHES} microbatches, "
-                        f"median of {args.repeat})")
+                        f"median of {args.repeat}{', memory-capped' if args.memory else ''})")
     for column in ("DP layers", "devices", "submeshes", "time", "peak RSS", "tables", "rounds", "stages",
                    "total"):
         table.add_column(column, justify="right")
     for layers, devices in cases:
         runs = []
         for _ in range(args.repeat):
-            r = run(layers, devices, args.seed, args.timeout)
+            r = run(layers, devices, args.seed, args.memory, args.timeout)
             if r is None:
                 break
             runs.append(r)
