@@ -130,12 +130,31 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int,
     rounds = 0
     open_: list[tuple[float, int, int, float]] = []  # (lower bound, lo, hi, g(levels[hi]))
 
+    K = t.shape[1] - 1
+    # every entry at its least latency over k: one level, and a lower bound on the exact inner DP
+    loose = None if K == 1 else np.concatenate([t[:, :1], t[:, 1:].min(axis=1, keepdims=True)], axis=1)
+
+    def inner(table: np.ndarray, t_max: float):
+        masked = np.where(table <= t_max, table, INF)
+        return _plan(masked, *_inner(masked, sizes, devices), sizes, devices)
+
     def evaluate(index: int) -> tuple[float, int] | None:
-        """Run the inner DP at t_max = levels[index]; keep its plan if best: (g, index of its max t)."""
+        """Run the inner DP at t_max = levels[index]; keep its plan if best: (g, index of its max t).
+        The one-level relaxation first: when its plan costs the same at the levels it lands on, it is exact."""
         nonlocal best, rounds
-        rounds += 1
-        masked = np.where(t <= levels[index], t, INF)
-        found = _plan(masked, *_inner(masked, sizes, devices), sizes, devices)
+        found = None
+        if loose is not None:
+            rounds += 1
+            relaxed = inner(loose, levels[index])
+            if relaxed is None:
+                return None
+            n = len(relaxed[1])
+            placed = [(i, j, s, min(n - p, K)) for p, (i, j, s, _) in enumerate(relaxed[1])]
+            if all(t[s, k, i, j] == loose[s, 1, i, j] for i, j, s, k in placed):
+                found = (relaxed[0], placed)
+        if found is None:
+            rounds += 1
+            found = inner(t, levels[index])
         if found is None:
             return None
         value, stages = found
@@ -168,6 +187,18 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int,
     return best[0], best[1], rounds
 
 
+def _fastest(t: np.ndarray, extra: np.ndarray, bound: float) -> tuple[np.ndarray, np.ndarray]:
+    """Each entry's least latency over options with extra <= bound, and that option (the first on ties);
+    one option at a time, so no copy of all of them is made."""
+    table = np.full(t.shape[1:], INF)
+    option = np.zeros(t.shape[1:], dtype=np.int32)
+    for h in range(t.shape[0]):
+        better = (extra[h] <= bound) & (t[h] < table)
+        table[better] = t[h][better]
+        option[better] = h
+    return table, option
+
+
 def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, microbatches: int) -> DPResult | None:
     """The optimal stages, or None when no plan fits (every entry infeasible or devices not tiled).
 
@@ -178,14 +209,12 @@ def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, micr
     deepest = min(t.shape[2], devices, t.shape[1] - 1)
     k0 = _levels(t, extra, deepest)
     t, extra = t[:, :k0 + 1], extra[:, :k0 + 1]
-    levels = np.unique(extra[np.isfinite(t)])
+    levels = np.unique(np.concatenate([np.unique(e[np.isfinite(x)]) for x, e in zip(t, extra)]))
     best: DPResult | None = None
     rounds = 0
     bound = INF
     while True:
-        allowed = np.where(extra <= bound, t, INF)
-        option = allowed.argmin(axis=0)
-        table = np.take_along_axis(allowed, option[None], axis=0)[0]
+        table, option = _fastest(t, extra, bound)
         found = _pipeline(table, sizes, devices, microbatches, best.total if best else INF)
         if found is None:
             break
