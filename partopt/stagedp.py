@@ -30,6 +30,10 @@ over cuts, submeshes and options whose devices sum to exactly `devices`. Why it 
   slices for every k >= k0 are equal, one DP level stands for "k0 or more stages to the end"
   (its stages may continue into that level or drop to level k0 - 1), so the inner DP has k0
   levels instead of L; the planner's tables stop changing with k once memory no longer binds.
+* Relaxation. Each evaluation first runs the inner DP on one level holding every entry's least
+  latency over k: a lower bound on g(c). When its plan's stages cost exactly that at the depths
+  they land on, that plan is feasible with the same sum, so it attains g(c); otherwise the full
+  DP runs. Memory that binds only for plans far from the optimum then costs one level, not L.
 * Inner DP. f[k, i, d] is the least sum t of stages covering layers i..L-1 on exactly d devices
   (level k as above); each first layer i is one vectorised step over (level, last layer, d) per
   submesh, reading only rows after i.
@@ -59,7 +63,7 @@ class DPResult:
     total: float
     stages: list[StageChoice]
     max_latency: float
-    rounds: int  # inner DPs run (one per t_max value evaluated per bound)
+    rounds: int  # inner DPs run (relaxed and full, per t_max value evaluated per bound)
 
 
 def _levels(t: np.ndarray, extra: np.ndarray, deepest: int) -> int:
