@@ -33,7 +33,7 @@ from partopt.plan import Plan, StagePlan
 from partopt.sharding import Shard, fmt
 from partopt.units import fmt_bytes
 
-DEFAULT_MAX_LAYERS = 16
+DEFAULT_MAX_LAYERS = 64  # every block up to 64 (GPT-39B: 48); more are grouped (docs/benchmarks.md)
 Progress = Callable[[int, int], None]
 
 
@@ -170,7 +170,7 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
     """The best pipeline + sharding plan of `graph` on `cluster` under the cost model.
 
     Options (keywords): microbatches ("auto": the powers of two dividing the batch; a count; or
-    several counts to search), layers (most DP layers, default 16),
+    several counts to search), layers (most DP layers, default 64),
     submesh_family ("alpa" | "power_of_two"), logical_shapes ("node_local": the second mesh axis
     within a node, as Alpa's benchmarks; "all"; or a list of allowed (a, b) shapes), backend
     ("highs" | "cpsat" | "cbc"), time_limit_s (per ILP), memory_reserve (fraction of device

@@ -9,17 +9,39 @@ step), which stages do in parallel on their own devices. The DP minimises
 
     sum_i t_i + (B - 1) * max_i t_i + max_i extra_i
 
-over cuts, submeshes and options whose devices sum to exactly `devices`. For a bound on the
-per-iteration work, the best option of every entry is its fastest one within the bound, and the
-pipeline part is Alpa's algorithm: enumerate `t_max` over the distinct latencies in increasing
-order, stopping once `B * t_max` reaches the best total found. The bound starts unlimited and
-drops below the per-iteration work of each plan found, until the pipeline part alone costs more
-than the best plan: each bound's plan is optimal among plans within it, so the best of them is
-optimal overall, and there are as few rounds as breakpoints of that trade-off.
+over cuts, submeshes and options whose devices sum to exactly `devices`. Why it is exact:
+
+* Per-iteration work. For a bound b on it, an entry's best option is its fastest one with extra
+  <= b. The bound starts unlimited and drops below the per-iteration work of each plan found,
+  until the pipeline part alone costs more than the best plan: each bound's plan is optimal among
+  plans within it, so the best of them is optimal overall.
+* Pipeline part. Let g(c) be the least sum t over plans whose stages all have t <= c (the inner
+  DP). Every plan with max t = m costs at least g(m) + (B - 1) m, and the inner DP's plan at m
+  costs at most that, so the optimum is the minimum of g(c) + (B - 1) c over the distinct
+  latencies c (Alpa's t_max enumeration). g is non-increasing, so instead of evaluating every c
+  we branch and bound over the sorted latencies: with g known at c_hi, every c in an interval
+  [c_lo, c_hi) costs at least g(c_hi) + (B - 1) c_lo, and the interval is dropped once that
+  reaches the best plan found. Each evaluation at c returns a plan whose max latency m <= c, so
+  g is constant on [m, c] and only latencies below m stay open on that side; an infeasible c
+  closes every latency below it. Evaluating the middle of an open interval splits it in two,
+  and the interval with the least bound goes first, so rounds are spent only where g can still
+  beat the best plan.
+* In-flight depth. Stages are numbered k from the end, k <= min(L, devices). When the tables'
+  slices for every k >= k0 are equal, one DP level stands for "k0 or more stages to the end"
+  (its stages may continue into that level or drop to level k0 - 1), so the inner DP has k0
+  levels instead of L; the planner's tables stop changing with k once memory no longer binds.
+* Relaxation. Each evaluation first runs the inner DP on one level holding every entry's least
+  latency over k: a lower bound on g(c). When its plan's stages cost exactly that at the depths
+  they land on, that plan is feasible with the same sum, so it attains g(c); otherwise the full
+  DP runs. Memory that binds only for plans far from the optimum then costs one level, not L.
+* Inner DP. f[k, i, d] is the least sum t of stages covering layers i..L-1 on exactly d devices
+  (level k as above); each first layer i is one vectorised step over (level, last layer, d) per
+  submesh, reading only rows after i.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,62 +63,144 @@ class DPResult:
     total: float
     stages: list[StageChoice]
     max_latency: float
-    rounds: int  # inner DPs run (one per t_max value per bound)
+    rounds: int  # inner DPs run (relaxed and full, per t_max value evaluated per bound)
 
 
-def _inner(t: np.ndarray, sizes: list[int], devices: int, t_max: float):
-    """min over plans with every stage latency <= t_max of sum(t), with argmins."""
-    K, L = t.shape[0] - 1, t.shape[1]
+def _levels(t: np.ndarray, extra: np.ndarray, deepest: int) -> int:
+    """The least k0 >= 1 such that slices k0..deepest of both tables are equal (DP levels needed)."""
+    k0 = deepest
+    while k0 > 1 and np.array_equal(t[:, k0 - 1], t[:, deepest]) and np.array_equal(extra[:, k0 - 1], extra[:, deepest]):
+        k0 -= 1
+    return k0
+
+
+def _inner(t: np.ndarray, sizes: list[int], devices: int):
+    """The inner DP on t[s, k, i, j] (levels k = 1..k0, level k0 meaning "k0 or more"), entries > t_max
+    already inf: least sum t per (level, first layer, devices), what each level continues into, and
+    where level k0 continues in itself. Choices are not stored: `_plan` finds them again."""
+    K, L = t.shape[1] - 1, t.shape[2]
     f = np.full((K + 1, L + 1, devices + 1), INF)
     f[0, L, 0] = 0.0
-    arg = np.full((K + 1, L + 1, devices + 1, 2), -1, dtype=np.int64)
-    for k in range(1, K + 1):
-        for i in range(L - 1, -1, -1):
-            best = f[k, i]
-            for s, size in enumerate(sizes):
-                if size > devices:
-                    continue
-                cost = t[k, i, i:, s]  # stages i..j for j = i..L-1
-                ok = cost <= t_max
-                if not ok.any():
-                    continue
-                rest = f[k - 1, i + 1:L + 1, :devices + 1 - size]  # suffix after j, devices left
-                cand = np.where(ok[:, None], rest + cost[:, None], INF)  # (J, D - size + 1)
-                j_best = cand.argmin(axis=0)
-                value = cand[j_best, np.arange(cand.shape[1])]
-                target = best[size:]
-                better = value < target
-                if better.any():
-                    idx = np.flatnonzero(better)
-                    target[idx] = value[idx]
-                    arg[k, i, idx + size, 0] = i + j_best[idx]
-                    arg[k, i, idx + size, 1] = s
-    return f, arg
+    after = f[:K].copy()  # after[k - 1]: what a stage at level k continues into
+    stay = np.zeros((L + 1, devices + 1), dtype=bool)  # level K continues in level K (else K - 1)
+    finite = np.isfinite(t[:, 1:])  # (s, k - 1, i, j)
+    any_j = finite.any(axis=3)  # (s, k - 1, i)
+    reach = np.where(any_j.any(axis=1), L - np.argmax(finite.any(axis=1)[:, :, ::-1], axis=2), 0)  # (s, i): last j + 1
+    depth = np.where(any_j.any(axis=1), K - np.argmax(any_j[:, ::-1], axis=1), 0)  # (s, i): deepest level with an entry
+    for i in range(L - 1, -1, -1):
+        for s, size in enumerate(sizes):
+            end, top = reach[s, i], min(depth[s, i], L - i)  # level k needs k stages on the L - i layers left
+            if size > devices or end <= i or top == 0:
+                continue
+            cost = t[s, 1:top + 1, i, i:end]  # (levels, J)
+            cand = cost[:, :, None] + after[:top, i + 1:end + 1, :devices + 1 - size]  # (levels, J, devices + 1 - size)
+            target = f[1:top + 1, i, size:]
+            np.minimum(target, cand.min(axis=1), out=target)
+        after[:K - 1, i] = f[:K - 1, i]
+        stay[i] = f[K, i] < f[K - 1, i]
+        after[K - 1, i] = np.minimum(f[K - 1, i], f[K, i])
+    return f, after, stay
+
+
+def _plan(t: np.ndarray, f, after, stay, sizes: list[int], devices: int) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+    """The inner DP's best plan on all `devices`: (sum t, [(first, last, submesh, level)]), or None.
+    Each stage is the (last layer, submesh) whose sum t + rest equals the state's value, as `_inner` added them."""
+    K, L = f.shape[0] - 1, f.shape[1] - 1
+    level = 1 + int(np.argmin(f[1:, 0, devices]))
+    value = float(f[level, 0, devices])
+    if not np.isfinite(value):
+        return None
+    stages, i, d = [], 0, devices
+    while level > 0:
+        j, s = next((i + int(np.argmax(row == f[level, i, d])), s) for s, row in
+                    ((s, t[s, level, i, i:] + after[level - 1, i + 1:, d - size]) for s, size in enumerate(sizes)
+                     if size <= d) if (row == f[level, i, d]).any())
+        stages.append((i, j, s, level))
+        i, d = j + 1, d - sizes[s]
+        level = K if level == K and stay[i, d] else level - 1
+    return value, stages
 
 
 def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int,
               bound: float) -> tuple[float, list[tuple[int, int, int, int]], int] | None:
-    """min sum t + (B - 1) max t below `bound` (Alpa's t_max enumeration): (total, stages, rounds)."""
+    """min sum t + (B - 1) max t over plans on t[k, i, j, s], by branch and bound over t_max (module
+    docstring); exact when below `bound`. Returns (total, [(first, last, submesh, level)], rounds)."""
+    levels = np.unique(t[1:][np.isfinite(t[1:])])
+    t = np.ascontiguousarray(np.moveaxis(t, -1, 0))  # [s, k, i, j]: each submesh's rows contiguous
+    if len(levels) == 0:
+        return None
+    slope = microbatches - 1
     best: tuple[float, list] | None = None
     rounds = 0
-    for t_max in np.unique(t[np.isfinite(t)]):
-        if microbatches * t_max >= min(bound, best[0] if best else INF):
-            break
-        rounds += 1
-        f, arg = _inner(t, sizes, devices, float(t_max))
-        k_best = int(np.argmin(f[:, 0, devices]))
-        value = f[k_best, 0, devices]
-        if not np.isfinite(value):
-            continue
-        stages, i, d, k = [], 0, devices, k_best
-        while k > 0:
-            j, s = (int(x) for x in arg[k, i, d])
-            stages.append((i, j, s, k))
-            i, d, k = j + 1, d - sizes[s], k - 1
-        total = float(value) + (microbatches - 1) * max(float(t[k, i, j, s]) for i, j, s, k in stages)
+    open_: list[tuple[float, int, int, float]] = []  # (lower bound, lo, hi, g(levels[hi]))
+
+    K = t.shape[1] - 1
+    # every entry at its least latency over k: one level, and a lower bound on the exact inner DP
+    loose = None if K == 1 else np.concatenate([t[:, :1], t[:, 1:].min(axis=1, keepdims=True)], axis=1)
+
+    def inner(table: np.ndarray, t_max: float):
+        masked = np.where(table <= t_max, table, INF)
+        return _plan(masked, *_inner(masked, sizes, devices), sizes, devices)
+
+    def evaluate(index: int) -> tuple[float, int] | None:
+        """Run the inner DP at t_max = levels[index]; keep its plan if best: (g, index of its max t).
+        The one-level relaxation first: when its plan costs the same at the levels it lands on, it is exact."""
+        nonlocal best, rounds
+        found = None
+        if loose is not None:
+            rounds += 1
+            relaxed = inner(loose, levels[index])
+            if relaxed is None:
+                return None
+            n = len(relaxed[1])
+            placed = [(i, j, s, min(n - p, K)) for p, (i, j, s, _) in enumerate(relaxed[1])]
+            if all(t[s, k, i, j] == loose[s, 1, i, j] for i, j, s, k in placed):
+                found = (relaxed[0], placed)
+        if found is None:
+            rounds += 1
+            found = inner(t, levels[index])
+        if found is None:
+            return None
+        value, stages = found
+        peak = max(float(t[s, k, i, j]) for i, j, s, k in stages)
+        total = value + slope * peak
         if best is None or total < best[0] - 1e-15:
             best = (total, stages)
-    return None if best is None else (best[0], best[1], rounds)
+        return value, int(np.searchsorted(levels, peak))
+
+    def push(lo: int, hi: int, g_hi: float) -> None:
+        if lo < hi:
+            heapq.heappush(open_, (g_hi + slope * float(levels[lo]), lo, hi, g_hi))
+
+    top = evaluate(len(levels) - 1)
+    if top is None:
+        return None
+    push(0, top[1], top[0])
+    while open_:
+        lower, lo, hi, g_hi = heapq.heappop(open_)
+        if lower >= min(bound, best[0]):
+            break
+        mid = (lo + hi) // 2
+        found = evaluate(mid)
+        if found is None:
+            push(mid + 1, hi, g_hi)  # infeasible at levels[mid]: so is every latency below it
+            continue
+        g_mid, peak = found
+        push(mid + 1, hi, g_hi)
+        push(lo, peak, g_mid)
+    return best[0], best[1], rounds
+
+
+def _fastest(t: np.ndarray, extra: np.ndarray, bound: float) -> tuple[np.ndarray, np.ndarray]:
+    """Each entry's least latency over options with extra <= bound, and that option (the first on ties);
+    one option at a time, so no copy of all of them is made."""
+    table = np.full(t.shape[1:], INF)
+    option = np.zeros(t.shape[1:], dtype=np.int32)
+    for h in range(t.shape[0]):
+        better = (extra[h] <= bound) & (t[h] < table)
+        table[better] = t[h][better]
+        option[better] = h
+    return table, option
 
 
 def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, microbatches: int) -> DPResult | None:
@@ -106,14 +210,15 @@ def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, micr
     """
     if t.ndim == 4:
         t, extra = t[None], extra[None]
-    levels = np.unique(extra[np.isfinite(t)])
+    deepest = min(t.shape[2], devices, t.shape[1] - 1)
+    k0 = _levels(t, extra, deepest)
+    t, extra = t[:, :k0 + 1], extra[:, :k0 + 1]
+    levels = np.unique(np.concatenate([np.unique(e[np.isfinite(x)]) for x, e in zip(t, extra)]))
     best: DPResult | None = None
     rounds = 0
     bound = INF
     while True:
-        allowed = np.where(extra <= bound, t, INF)
-        option = allowed.argmin(axis=0)
-        table = np.take_along_axis(allowed, option[None], axis=0)[0]
+        table, option = _fastest(t, extra, bound)
         found = _pipeline(table, sizes, devices, microbatches, best.total if best else INF)
         if found is None:
             break
@@ -121,10 +226,11 @@ def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, micr
         rounds += used
         if best is not None and pipeline >= best.total:
             break  # tighter bounds only raise the pipeline part
-        stages = [StageChoice(i, j, s, k, int(option[k, i, j, s])) for i, j, s, k in picked]
-        sync = max(float(extra[c.option, c.inflight, c.first, c.last, c.submesh]) for c in stages)
+        n = len(picked)
+        stages = [StageChoice(i, j, s, n - p, int(option[k, i, j, s])) for p, (i, j, s, k) in enumerate(picked)]
+        sync = max(float(extra[c.option, min(c.inflight, k0), c.first, c.last, c.submesh]) for c in stages)
         if best is None or pipeline + sync < best.total - 1e-15:
-            max_latency = max(float(table[c.inflight, c.first, c.last, c.submesh]) for c in stages)
+            max_latency = max(float(table[min(c.inflight, k0), c.first, c.last, c.submesh]) for c in stages)
             best = DPResult(pipeline + sync, stages, max_latency, rounds)
         lower = levels[levels < sync]
         if len(lower) == 0:

@@ -1,10 +1,13 @@
-"""The stage DP against brute force over every cut, submesh assignment and microbatch count."""
+"""The stage DP against brute force over every cut, submesh assignment and microbatch count,
+and against the plain t_max enumeration it replaced (kept here as the reference)."""
 
 import itertools
 import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from partopt import stagedp
 
@@ -40,8 +43,89 @@ def brute_force(t, extra, sizes, devices, microbatches):
     return best
 
 
-def random_instance(rng):
-    L = rng.randint(1, 6)
+def reference_inner(t: np.ndarray, sizes: list[int], devices: int, t_max: float):
+    """min over plans with every stage latency <= t_max of sum(t), with argmins."""
+    K, L = t.shape[0] - 1, t.shape[1]
+    f = np.full((K + 1, L + 1, devices + 1), np.inf)
+    f[0, L, 0] = 0.0
+    arg = np.full((K + 1, L + 1, devices + 1, 2), -1, dtype=np.int64)
+    for k in range(1, K + 1):
+        for i in range(L - 1, -1, -1):
+            best = f[k, i]
+            for s, size in enumerate(sizes):
+                if size > devices:
+                    continue
+                cost = t[k, i, i:, s]  # stages i..j for j = i..L-1
+                ok = cost <= t_max
+                if not ok.any():
+                    continue
+                rest = f[k - 1, i + 1:L + 1, :devices + 1 - size]  # suffix after j, devices left
+                cand = np.where(ok[:, None], rest + cost[:, None], np.inf)  # (J, D - size + 1)
+                j_best = cand.argmin(axis=0)
+                value = cand[j_best, np.arange(cand.shape[1])]
+                target = best[size:]
+                better = value < target
+                if better.any():
+                    idx = np.flatnonzero(better)
+                    target[idx] = value[idx]
+                    arg[k, i, idx + size, 0] = i + j_best[idx]
+                    arg[k, i, idx + size, 1] = s
+    return f, arg
+
+
+def reference_pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int,
+                       bound: float) -> tuple[float, list[tuple[int, int, int, int]], int] | None:
+    """min sum t + (B - 1) max t below `bound` (Alpa's t_max enumeration): (total, stages, rounds)."""
+    best: tuple[float, list] | None = None
+    rounds = 0
+    for t_max in np.unique(t[np.isfinite(t)]):
+        if microbatches * t_max >= min(bound, best[0] if best else np.inf):
+            break
+        rounds += 1
+        f, arg = reference_inner(t, sizes, devices, float(t_max))
+        k_best = int(np.argmin(f[:, 0, devices]))
+        value = f[k_best, 0, devices]
+        if not np.isfinite(value):
+            continue
+        stages, i, d, k = [], 0, devices, k_best
+        while k > 0:
+            j, s = (int(x) for x in arg[k, i, d])
+            stages.append((i, j, s, k))
+            i, d, k = j + 1, d - sizes[s], k - 1
+        total = float(value) + (microbatches - 1) * max(float(t[k, i, j, s]) for i, j, s, k in stages)
+        if best is None or total < best[0] - 1e-15:
+            best = (total, stages)
+    return None if best is None else (best[0], best[1], rounds)
+
+
+def reference_solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, microbatches: int):
+    """The optimal total, or None: the stage DP before issue 19 (every bound, every t_max, one DP level per k)."""
+    levels = np.unique(extra[np.isfinite(t)])
+    best: float | None = None
+    bound = np.inf
+    while True:
+        allowed = np.where(extra <= bound, t, np.inf)
+        option = allowed.argmin(axis=0)
+        table = np.take_along_axis(allowed, option[None], axis=0)[0]
+        found = reference_pipeline(table, sizes, devices, microbatches, best if best is not None else np.inf)
+        if found is None:
+            break
+        pipeline, picked, _ = found
+        if best is not None and pipeline >= best:
+            break  # tighter bounds only raise the pipeline part
+        sync = max(float(extra[int(option[k, i, j, s]), k, i, j, s]) for i, j, s, k in picked)
+        best = pipeline + sync if best is None else min(best, pipeline + sync)
+        lower = levels[levels < sync]
+        if len(lower) == 0:
+            break
+        bound = float(lower[-1])
+    return best
+
+
+def random_instance(rng, mode="memory", max_layers=5):
+    """Random tables: "memory" (an entry fits up to a random in-flight count), "uniform" (every k
+    alike), or "arbitrary" (latency and per-iteration work vary with k)."""
+    L = rng.randint(1, max_layers)
     H = rng.randint(1, 3) if L <= 4 else 1  # logical mesh shapes per submesh (brute force grows as H^stages)
     nodes, per_node = rng.choice([(1, 1), (1, 2), (1, 4), (2, 2), (2, 4)])
     sizes = sorted({2**e for e in range(per_node.bit_length()) if 2**e <= per_node} | {k * per_node for k in range(2, nodes + 1)})
@@ -54,34 +138,62 @@ def random_instance(rng):
                 for s in range(S):
                     base = (j - i + 1) * rng.uniform(0.5, 2) / sizes[s] ** rng.uniform(0.3, 1)
                     sync = round(rng.uniform(0, 1.5), 2)  # per iteration: can outweigh the pipeline
-                    memory_limit = rng.randint(0, L + 1)  # most in-flight microbatches that fit
+                    memory_limit = {"memory": rng.randint(0, L + 1), "uniform": L}.get(mode, L)
                     for k in range(1, L + 1):
                         extra[h, k, i, j, s] = sync
                         if k <= memory_limit:
                             t[h, k, i, j, s] = round(base, 3)
+                        if mode == "arbitrary" and rng.random() < 0.8:
+                            t[h, k, i, j, s] = round(base * rng.uniform(0.8, 1.2), 3)
+                            extra[h, k, i, j, s] = round(sync * rng.uniform(0.5, 1.5), 2)
+                        elif mode == "arbitrary":
+                            t[h, k, i, j, s] = np.inf
     return t, extra, sizes, nodes * per_node
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_dp_equals_brute_force(seed):
+def check_plan(got, t, extra, sizes, devices, microbatches):
+    """The returned stages are a valid plan realising the total they claim."""
+    k = len(got.stages)
+    keys = [(c.option, c.inflight, c.first, c.last, c.submesh) for c in got.stages]
+    lat = [t[key] for key in keys]
+    assert [c.inflight for c in got.stages] == list(range(k, 0, -1))
+    assert sum(sizes[c.submesh] for c in got.stages) == devices
+    assert got.stages[0].first == 0 and got.stages[-1].last == t.shape[2] - 1
+    assert all(a.last + 1 == b.first for a, b in zip(got.stages, got.stages[1:]))
+    realised = sum(lat) + (microbatches - 1) * max(lat) + max(extra[key] for key in keys)
+    assert realised == pytest.approx(got.total, rel=1e-12)
+    assert got.max_latency == max(lat)
+
+
+@pytest.mark.parametrize("mode", ["memory", "uniform", "arbitrary"])
+@pytest.mark.parametrize("seed", range(30))
+def test_dp_equals_brute_force(seed, mode):
     rng = random.Random(seed)
-    t, extra, sizes, devices = random_instance(rng)
-    for microbatches in (1, 2, 3, 8):
+    t, extra, sizes, devices = random_instance(rng, mode)
+    for microbatches in (1, 2, 3, 8, 128):
         expected = brute_force(t, extra, sizes, devices, microbatches)
         got = stagedp.solve(t, extra, sizes, devices, microbatches)
         if expected is None:
             assert got is None
             continue
         assert got.total == pytest.approx(expected, rel=1e-12)
-        # the returned stages realise the total they claim
-        k = len(got.stages)
-        keys = [(c.option, c.inflight, c.first, c.last, c.submesh) for c in got.stages]
-        lat = [t[key] for key in keys]
-        assert [c.inflight for c in got.stages] == list(range(k, 0, -1))
-        assert sum(sizes[c.submesh] for c in got.stages) == devices
-        assert got.stages[0].first == 0 and got.stages[-1].last == t.shape[2] - 1
-        realised = sum(lat) + (microbatches - 1) * max(lat) + max(extra[key] for key in keys)
-        assert realised == pytest.approx(got.total, rel=1e-12)
+        check_plan(got, t, extra, sizes, devices, microbatches)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["memory", "uniform", "arbitrary"]),
+       st.sampled_from([1, 4, 32, 128]))
+def test_dp_equals_reference_on_medium_instances(seed, mode, microbatches):
+    """Up to 9 layers and 8 devices: beyond brute force, within the plain enumeration's reach."""
+    rng = random.Random(seed)
+    t, extra, sizes, devices = random_instance(rng, mode, max_layers=9)
+    expected = reference_solve(t, extra, sizes, devices, microbatches)
+    got = stagedp.solve(t, extra, sizes, devices, microbatches)
+    if expected is None:
+        assert got is None
+        return
+    assert got.total == pytest.approx(expected, rel=1e-12)
+    check_plan(got, t, extra, sizes, devices, microbatches)
 
 
 def test_per_iteration_work_is_a_max_not_a_sum():
@@ -92,3 +204,20 @@ def test_per_iteration_work_is_a_max_not_a_sum():
     extra[1, 1, 1, 0], extra[2, 0, 0, 0] = 5.0, 4.0
     got = stagedp.solve(t, extra, [1], 2, microbatches=4)
     assert got.total == pytest.approx(2.0 + 3 * 1.0 + 5.0)
+
+
+def test_block_granularity_finds_a_faster_plan_than_16_groups():
+    """18 equal blocks on 8 GPUs: 16 groups of them (two are pairs) cannot cut everywhere a pipeline of
+    the blocks can; the default (every block) finds a strictly faster plan that cuts where they cannot."""
+    from partopt.cluster import preset
+    from partopt.inter import Options, optimize
+    from partopt.layering import build_layers
+    from test_intra import mlp
+
+    graph, cluster = mlp(18, 512, 8192), preset("p3.16xlarge", 1)
+    assert Options().layers >= 18  # the default cuts at every block of this model
+    blocks = optimize(graph, cluster, microbatches=32)
+    grouped = optimize(graph, cluster, microbatches=32, layers=16)
+    assert blocks.iteration_time_s < grouped.iteration_time_s * (1 - 1e-3)
+    group_ends = {last for _, last in build_layers(graph, 16).groups}
+    assert {s.layers[1] for s in blocks.stages} - group_ends  # a cut 16 groups cannot express
