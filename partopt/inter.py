@@ -297,7 +297,7 @@ def _tighten(costs: dict, priced: dict, jobs: dict, hashes: list, budget: float,
         if not tight:
             break
         for key, cost in pricer.run(tight, stats, lambda k: None).items():
-            if cost is None:
+            if not isinstance(cost, LayerCost):
                 stuck.add(key)  # cannot fit this cap: keep its leanest option, stop refining it
             else:
                 last[key] = cost
@@ -379,12 +379,21 @@ def _fits_at_all(graph: Graph, g_mb: Graph, cluster: Cluster, budget: float, rec
     return (state + activations) / cluster.num_devices <= budget
 
 
+@dataclass(frozen=True)
+class Dropped:
+    """A leaner option whose ILP found no solution within its time limit: not priced, and counted
+    in the plan (`solver.dropped_options`) so that the search says what it could not look at."""
+
+    time_limit_s: float
+
+
 def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, recompute: str, budget: float,
-           options: Options, inflight: int = 1) -> LayerCost | None:
+           options: Options, inflight: int = 1) -> LayerCost | Dropped | None:
     """One base layer's optimal sharding on `mesh`, or None when it cannot fit the memory budget.
 
     Under a cap tighter than the device's budget (a leaner option, see `_tighten`) the solver gets
-    at most LEAN_TIME_LIMIT_S: such ILPs can be slow to find any solution, and the option is optional.
+    at most LEAN_TIME_LIMIT_S: such ILPs can be slow to find any solution, and the option is
+    optional: one that finds none in time is `Dropped`.
     """
     lean = budget < costmodel.memory_budget(mesh.device, options.memory_reserve)
     limit = min(options.time_limit_s, LEAN_TIME_LIMIT_S) if lean else options.time_limit_s
@@ -397,7 +406,7 @@ def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, recompute:
         return None
     except SolverError:
         if lean:
-            return None  # no leaner option found in time
+            return Dropped(limit)  # no leaner option found in time
         raise
     return LayerCost.of(sharding)
 
@@ -482,10 +491,13 @@ class _Pricer:
         return {key: out[key] for key in jobs}
 
 
-def _record(stats: dict, cost: LayerCost | None, solved: bool) -> None:
+def _record(stats: dict, cost: LayerCost | Dropped | None, solved: bool) -> None:
     """Add one priced layer to the ILP statistics: counted and timed when solved here; a
-    non-optimal status (time limit) is reported whether solved here or taken from the cache."""
-    if cost is None:
+    non-optimal status (time limit) and a dropped option are reported whether solved here or taken
+    from the cache."""
+    if isinstance(cost, Dropped):
+        stats["dropped"] = stats.get("dropped", 0) + 1
+    if not isinstance(cost, LayerCost):
         return
     result = cost.sharding.solution.result
     if solved:
@@ -685,7 +697,8 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
         solver={"backend": options.backend, "status": ilp_stats["status"], "gap": ilp_stats["gap"],
                 "ilps": ilp_stats["ilps"], "ilp_time_s": ilp_stats["solve_time_s"], "time_s": elapsed,
                 "dp_rounds": ilp_stats.get("dp_rounds", 0), "microbatch_counts": ilp_stats.get("counts", [count]),
-                "recompute_modes": {str(c): list(m) for c, m in ilp_stats.get("recompute_modes", {}).items()}},
+                "recompute_modes": {str(c): list(m) for c, m in ilp_stats.get("recompute_modes", {}).items()},
+                "dropped_options": ilp_stats.get("dropped", 0)},
         options={"microbatches": options.microbatches if isinstance(options.microbatches, (int, str))
                  else list(options.microbatches), "layers": options.layers,
                  "logical_shapes": options.logical_shapes if isinstance(options.logical_shapes, str)
