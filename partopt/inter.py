@@ -166,7 +166,7 @@ def _devices_of(cluster: Cluster, submeshes: list[tuple[int, int]]) -> list[list
 
 
 def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, cache: dict | None = None,
-             **kwargs) -> Plan:
+             options: Options | None = None, **kwargs) -> Plan:
     """The best pipeline + sharding plan of `graph` on `cluster` under the cost model.
 
     Options (keywords): microbatches ("auto": the powers of two dividing the batch; a count; or
@@ -177,12 +177,16 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
     memory kept free), intra_only / inter_only / data_parallel_only / stage_data_parallel
     (restricted searches, the benchmarks' baselines: one stage on the whole cluster; stages of
     one device; one data-parallel stage with ZeRO allowed, like DeepSpeed; pipeline stages that
-    are each plain data parallel, like PP-DP), seed.
+    are each plain data parallel, like PP-DP), seed, workers, recompute ("auto" | "none" |
+    "selective" | "full"). Give them as keywords or as one `options=Options(...)`, not both.
     `cache`: a dict that keeps the per-layer ILP solutions; pass the same one to several calls (a
     full search, then its restricted variants) to solve each distinct layer ILP once.
     """
+    if options is not None and kwargs:
+        raise PartoptError(f"options given twice: an Options object and keywords {sorted(kwargs)}", "optimize",
+                           "put every option in the Options object, or pass keywords only")
     try:
-        options = Options(**kwargs)
+        options = options or Options(**kwargs)
     except TypeError as err:
         raise PartoptError(f"unknown option: {err}", "optimize", f"use one of {list(Options.__dataclass_fields__)}") from None
     start = time.perf_counter()
