@@ -31,6 +31,7 @@ from partopt.layering import Layering, build_layers
 from partopt.ops import is_matmul
 from partopt.plan import Plan, StagePlan
 from partopt.sharding import Shard, fmt
+from partopt.shared import correction, shared_params
 from partopt.units import fmt_bytes
 
 DEFAULT_MAX_LAYERS = 64  # every block up to 64 (GPT-39B: 48); more are grouped (docs/benchmarks.md)
@@ -200,6 +201,7 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
     meshes = {(s, shape): cluster.logical_mesh(s, shape) for s in submeshes for shape in _shapes(cluster, s, options)}
     link = cluster.intra_node if cluster.nodes == 1 else cluster.inter_node
     boundary = _boundary_bytes(graph, layering)
+    shared = shared_params(graph, layering.base)
 
     sizes = [n * m for n, m in submeshes]
     ilp_stats = {"ilps": 0, "status": "optimal", "gap": 0.0, "solve_time_s": 0.0, "counts": []}
@@ -237,7 +239,7 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
                 _tighten(rows_of, priced, jobs, hashes, budget, len(base_ops), count,
                          best[0] if best else math.inf, pricer, ilp_stats)
                 t, extra, options_of = _stage_table(layering, costs, submeshes, boundary, count, mb, batch, link,
-                                                    budget)
+                                                    budget, shared, cluster.devices_per_node)
                 result = stagedp.solve(t, extra, sizes, cluster.num_devices, count)
                 if result is not None:
                     ilp_stats["dp_rounds"] = ilp_stats.get("dp_rounds", 0) + result.rounds
@@ -245,7 +247,8 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
                     break
                 if free is None:  # the first mode's plan with memory ignored: what recomputation could recover
                     free = stagedp.solve(*_stage_table(layering, costs, submeshes, boundary, count, mb, batch, link,
-                                                       math.inf)[:2], sizes, cluster.num_devices, count)
+                                                       math.inf, shared, cluster.devices_per_node)[:2],
+                                         sizes, cluster.num_devices, count)
                 if result is not None and result.total <= free.total * (1 + 1e-12):
                     break  # memory does not bind: recomputing more only adds time
             ilp_stats["counts"].append(count)
@@ -545,13 +548,14 @@ def _send(boundary: list[float], last: int, mb: int, batch: int, link) -> float:
     return 2 * costmodel.p2p_time(boundary[last] * mb / batch, link) if last < len(boundary) - 1 else 0.0
 
 
-def _stage_table(layering, costs, submeshes, boundary, count, mb, batch, link, budget):
+def _stage_table(layering, costs, submeshes, boundary, count, mb, batch, link, budget, shared, per_node):
     """t[h, k, i, j, s] and extra[h, k, i, j, s] for the stage DP; option h of submesh s is a logical
     shape and recomputation mode with one row of layer costs (`costs[(submesh, shape, mode)]`, see
     `_tighten`).
 
-    An entry is inf when the stage's memory does not fit k in-flight microbatches (1F1B).
-    Returns the tables and, per submesh, its (shape, mode, row index) options in order.
+    An entry is inf when the stage's memory does not fit k in-flight microbatches (1F1B). Parameters
+    read by several base layers (`shared`) are held once per stage, their gradients summed across
+    stages (`partopt.shared`). Returns the tables and, per submesh, its (shape, mode, row index) options in order.
     """
     L, S = len(layering.groups), len(submeshes)
     options = [[(shape, mode, r) for (x, shape, mode) in costs if x == sub for r in range(len(costs[(x, shape, mode)]))]
@@ -570,6 +574,10 @@ def _stage_table(layering, costs, submeshes, boundary, count, mb, batch, link, b
                         break
                     total = _fold(total, sums)
                     time_s, sync_s, params, acts, working = total
+                    fix = correction(row, layering.groups[i][0], layering.groups[j][1], shared, link,
+                                     min(sub[0] * sub[1], per_node))
+                    if fix is not None:
+                        params, sync_s = params + fix.param_bytes, sync_s + fix.iteration_s
                     latency = time_s + _send(boundary, j, mb, batch, link)
                     for k in range(1, L + 1):
                         if params + min(k, count) * acts + working > budget:
@@ -633,6 +641,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
     mb = batch // count
     link = cluster.intra_node if cluster.nodes == 1 else cluster.inter_node
     boundary = _boundary_bytes(graph, layering)
+    shared = shared_params(graph, layering.base)
     placed = _devices_of(cluster, [spec.submesh for spec in specs])
     stages = []
     recomputed_flops = 0.0
@@ -663,6 +672,19 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
             for tensor, pc in zip(params_of(graph, layering.base[b]), sharding.params):
                 placement = tuple(_renamed_placement(pc.strategy.placement, rename))
                 param_info[tensor] = {"placement": fmt(placement), "zero_axes": list(pc.strategy.zero_axes)}
+        state = {part: sum(row[b].sharding.breakdown.state_bytes[part] for b in range(first, last + 1))
+                 for part in intra.STATE_PARTS}
+        optimizer_s = sum(row[b].sharding.breakdown.optimizer_s for b in range(first, last + 1))
+        fix = correction(row, first, last, shared, link, min(len(devices), cluster.devices_per_node))
+        if fix is not None:  # a parameter shared by several layers: one copy here, its gradient summed across stages
+            params, sync_s = params + fix.param_bytes, sync_s + fix.iteration_s
+            for part, delta in zip(intra.STATE_PARTS, fix.state_bytes):
+                state[part] += delta
+            for kind, delta in fix.sync_s.items():
+                if kind == "optimizer":
+                    optimizer_s += delta
+                else:
+                    sync[kind] = sync.get(kind, 0.0) + delta
         stage_ops = [op for j in range(spec.first, spec.last + 1) for op in layering.ops(j)]
         forward_flops = sum(graph.flops(op) for op in stage_ops)
         rerun = _recomputed_flops(graph, layering.base[first:last + 1], spec.recompute)
@@ -678,11 +700,10 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
             inflight_microbatches=spec.inflight, recompute=spec.recompute,
             breakdown={"compute_s": sum(row[b].sharding.breakdown.compute_s for b in range(first, last + 1)),
                        "comm_s": comm, "sync_s": sync,
-                       "optimizer_s": sum(row[b].sharding.breakdown.optimizer_s for b in range(first, last + 1)),
+                       "optimizer_s": optimizer_s,
                        "recompute_s": sum(row[b].sharding.breakdown.recompute_s for b in range(first, last + 1)),
                        "param_bytes": params, "activation_bytes": acts, "working_bytes": working,
-                       "state_bytes": {part: sum(row[b].sharding.breakdown.state_bytes[part] for b in range(first, last + 1))
-                                       for part in intra.STATE_PARTS}},
+                       "state_bytes": state},
             ops=ops, params=param_info))
     latencies = [s.stage_time_s for s in stages]
     iteration = sum(latencies) + (count - 1) * max(latencies) + max(s.sync_time_s for s in stages)
