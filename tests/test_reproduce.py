@@ -306,3 +306,16 @@ def test_an_even_split_whose_fastest_shardings_overflow_is_priced_to_fit_memory(
     assert plan is not None and plan.memory_peak_bytes <= budget
     fitted = price(graph, cluster, layering, 1, specs, None, Options(layers=None), fit_memory=True)
     assert plan.iteration_time_s == fitted.iteration_time_s
+
+
+def test_the_ablations_even_splits_recompute_as_the_case_does():
+    """Alpa's suites recompute (full): an even split priced without it would run less work than the DP's plans."""
+    from partopt.layering import build_layers
+    from test_intra import mlp
+
+    graph, cluster = mlp(4, 64, 256), alpa.cluster_for(8)
+    layering = build_layers(graph, None)
+    full, _ = harness._best_even_split(graph, cluster, layering, 1, 1, (1, 8), {"recompute": "full"}, {})
+    plain, _ = harness._best_even_split(graph, cluster, layering, 1, 1, (1, 8), {"recompute": "none"}, {})
+    assert {s.recompute for s in full.stages} == {"full"} and {s.recompute for s in plain.stages} == {"none"}
+    assert full.stages[0].breakdown["recompute_s"] > 0 == plain.stages[0].breakdown["recompute_s"]

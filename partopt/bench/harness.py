@@ -217,13 +217,15 @@ def _best_even_split(graph: Graph, cluster: Cluster, layering: Layering, count: 
     best: Plan | None = None
     why = ""
     groups = _even_cuts(len(layering.groups), stages)
+    settings = Options(layers=None, **options)
+    mode = "none" if settings.recompute == "auto" else settings.recompute  # the case's own (Alpa's: full)
     for shape in cluster.logical_shapes(submesh):
-        specs = [StageSpec(first, last, submesh, shape, min(stages - i, count)) for i, (first, last) in enumerate(groups)]
+        specs = [StageSpec(first, last, submesh, shape, min(stages - i, count), mode)
+                 for i, (first, last) in enumerate(groups)]
         plan = None
         for fit_memory in (False, True):
             try:
-                plan = price(graph, cluster, layering, count, specs, None, Options(layers=None, **options),
-                             fit_memory=fit_memory, cache=cache)
+                plan = price(graph, cluster, layering, count, specs, None, settings, fit_memory=fit_memory, cache=cache)
                 break
             except InfeasibleError as err:
                 why = err.line()
