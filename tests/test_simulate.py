@@ -268,7 +268,9 @@ def test_memory_trace_by_hand():
     ([StageTimes(1.0, 1.0), StageTimes(math.nan, 1.0)], 2, "1f1b", "stages[1].forward_s"),
     ([StageTimes(1.0, 1.0, activation_bytes=math.inf)], 2, "1f1b", "stages[0].activation_bytes"),
     ([StageTimes(1.0, 1.0), StageTimes(1.0, 1.0, send_s=0.5)], 2, "1f1b", "stages[1].send_s"),
-    ([StageTimes(1.0, 1.0)], 2, "interleaved", "schedule"),
+    ([StageTimes(1.0, 1.0)], 2, "zb-h2", "schedule"),
+    ([StageTimes(1.0, 1.0)], 2, "interleaved", "virtual_stages"),  # v = 1
+    ([StageTimes(1.0, 1.0, weight_s=1.5)], 2, "zero-bubble", "stages[0].weight_s"),
 ])
 def test_bad_input_is_an_instance_error_naming_the_place(stages, microbatches, schedule, where):
     with pytest.raises(InstanceError) as caught:
@@ -289,3 +291,21 @@ def test_sixteen_stages_and_1024_microbatches_take_well_under_a_second():
     sim = simulate(stages, 1024)
     assert time.perf_counter() - began < 1.0
     assert len(sim.events) == 2 * 16 * 1024
+
+
+@pytest.mark.parametrize("schedule, v, microbatches, where", [
+    ("1f1b", 2, 4, "virtual_stages"),
+    ("interleaved", 0, 4, "virtual_stages"),
+    ("interleaved", 2.0, 4, "virtual_stages"),
+    ("interleaved", 2, 3, "microbatches"),  # Megatron-LM: B a multiple of the 2 stages
+])
+def test_virtual_stages_must_fit_the_schedule(schedule, v, microbatches, where):
+    with pytest.raises(InstanceError) as caught:
+        simulate([StageTimes(1.0, 1.0, 0.5), StageTimes(1.0, 1.0)], microbatches, schedule, v)
+    assert caught.value.where == where and caught.value.hint
+
+
+def test_a_negative_wrap_send_is_an_instance_error():
+    with pytest.raises(InstanceError) as caught:
+        simulate([StageTimes(1.0, 1.0, 0.5), StageTimes(1.0, 1.0)], 2, "interleaved", 2, wrap_send_s=-1.0)
+    assert caught.value.where == "wrap_send_s"
