@@ -14,8 +14,18 @@ from partopt.errors import InstanceError
 SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved", "zero-bubble")
 
 
+def check_microbatches(microbatches: int) -> None:
+    """Raise InstanceError unless B is an integer >= 1."""
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise InstanceError(f"microbatches must be an integer >= 1, got {microbatches!r}",
+                            where="microbatches", hint="split the batch into at least one microbatch")
+
+
 def check_schedule(schedule: str, virtual_stages: int, num_stages: int, microbatches: int) -> int:
-    """The number of virtual stages per stage, v, after checking it fits `schedule`; InstanceError if not."""
+    """The number of virtual stages per stage, v, after checking it and B >= 1 fit `schedule`; InstanceError if not."""
+    check_microbatches(microbatches)
+    if num_stages < 1:
+        raise InstanceError("a pipeline needs at least one stage", where="stages", hint="give one entry per stage")
     if schedule not in SCHEDULES:
         raise InstanceError(f"unknown pipeline schedule {schedule!r}", where="schedule", hint=f"use one of {list(SCHEDULES)}")
     v = virtual_stages
@@ -28,7 +38,7 @@ def check_schedule(schedule: str, virtual_stages: int, num_stages: int, microbat
     if schedule == "interleaved":
         if v < 2:
             raise InstanceError("the interleaved schedule needs at least 2 virtual stages per stage",
-                                where="virtual_stages", hint="pass v >= 2, or use 1f1b")
+                                where="virtual_stages", hint="give v >= 2 model chunks per stage (partopt draw --virtual-stages), or use 1f1b")
         if microbatches % num_stages != 0:
             raise InstanceError(f"the interleaved schedule needs microbatches divisible by the {num_stages} stages, "
                                 f"got {microbatches}", where="microbatches",
@@ -74,8 +84,9 @@ def iteration_time(stage_times: Sequence[float], forward_times: Sequence[float],
     * gpipe: sum t + (B - 1) (max_i (f_i + send_i) + max_i (t_i - f_i - send_i));
     * 1f1b: sum t + (B - 1) max t (Alpa's);
     * interleaved: sum t / v + (B - 1 / v) max t (the bubble (S - 1) t / v: (S - 1) / (v B) of the ideal B t);
-    * zero-bubble: sum t + (B - 1) max t - 2 (S - 1) min w (ZB-H1: each stage's tail of deferred W's
-      fills 2 w of the bubble per stage it waits for; uniform F = B = W: a third of 1F1B's bubble).
+    * zero-bubble: sum t + (B - 1) max t - (S - 1 + min(S, B) - 1) ω, ω = min_i min(w_i, forward_times[i],
+      t_i - forward_times[i] - w_i) (ZB-H1: the deferred W's fill the drain; uniform F = B = W: a third of
+      1F1B's bubble (S - 1)(F + B + W)).
     Which of these are exact and which bounds of the simulated schedule: docs/COSTMODEL.md §5b.
     """
     num_stages = len(stage_times)
@@ -96,6 +107,10 @@ def iteration_time(stage_times: Sequence[float], forward_times: Sequence[float],
             if len(weights) != num_stages:
                 raise InstanceError(f"{len(weights)} weight times for {num_stages} stages", where="weight_times",
                                     hint="give one weight-gradient time per stage")
+            for i, (t, f, w) in enumerate(zip(stage_times, forward_times, weights)):
+                if not 0 <= w <= t - f:
+                    raise InstanceError(f"weight time {w!r} is not within [0, the backward {t - f!r}]",
+                                        where=f"weight_times[{i}]", hint="w_i is the weight-gradient part of b_i")
             hidden = min(min(w, f, t - f - w) for t, f, w in zip(stage_times, forward_times, weights))
             pipeline -= (num_stages + min(num_stages, microbatches) - 2) * hidden
     return pipeline + sync_s

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from partopt.errors import InstanceError
-from partopt.schedules import check_schedule, interleaved_warmup, iteration_time
+from partopt.schedules import check_microbatches, check_schedule, interleaved_warmup, iteration_time
 
 Task = tuple[str, int, int]  # (kind, chunk, microbatch)
 
@@ -65,9 +65,7 @@ class Simulation:
 
 def _check(stages: Sequence[StageTimes], microbatches: int) -> None:
     """Raise InstanceError on an empty pipeline, B < 1, or a negative / non-finite number."""
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise InstanceError(f"microbatches must be an integer >= 1, got {microbatches!r}",
-                            where="microbatches", hint="split the batch into at least one microbatch")
+    check_microbatches(microbatches)
     if len(stages) == 0:
         raise InstanceError("a pipeline needs at least one stage", where="stages", hint="pass one StageTimes per stage")
     for i, stage in enumerate(stages):
