@@ -14,6 +14,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from partopt.errors import InstanceError
 from partopt.schedules import check_microbatches, check_schedule, interleaved_warmup, iteration_time
@@ -105,7 +106,8 @@ def closed_form_inputs(stages: Sequence[StageTimes], schedule: str = "1f1b", vir
     v = virtual_stages if schedule == "interleaved" else 1
     wrap = _wrap_send(stages, wrap_send_s)
     times = [stage.forward_s + stage.backward_s + 2 * v * stage.send_s for stage in stages]
-    times[-1] += 2 * (v - 1) * wrap
+    if len(stages) > 1:  # one stage passes its chunks on without a send
+        times[-1] += 2 * (v - 1) * wrap
     return times, [stage.forward_s + stage.send_s for stage in stages], [stage.weight_s for stage in stages]
 
 
@@ -212,21 +214,11 @@ def simulate(stages: Sequence[StageTimes], microbatches: int, schedule: str = "1
     last = num_stages * v - 1  # the last virtual stage
     orders = [_order(schedule, i, num_stages, microbatches, v) for i in range(num_stages)]
     split = schedule == "zero-bubble"
-
-    def duration(i: int, kind: str) -> float:
-        stage = stages[i]
-        if kind == "forward":
-            return stage.forward_s / v
-        if kind == "weight":
-            return stage.weight_s
-        return (stage.backward_s - stage.weight_s) if split else stage.backward_s / v
-
-    def send_time(sender: int, receiver: int) -> float:
-        if sender == receiver:
-            return 0.0
-        if abs(sender - receiver) == 1:
-            return stages[min(sender, receiver)].send_s
-        return wrap  # interleaved: stage S-1 and stage 0
+    durations = [{"forward": stage.forward_s / v, "weight": stage.weight_s,
+                  "backward": (stage.backward_s - stage.weight_s) if split else stage.backward_s / v} for stage in stages]
+    # the send from a stage to the one it feeds: the boundary's send_i, the wrap-around (interleaved), none to itself
+    sends = {(i, j): stages[min(i, j)].send_s if abs(i - j) == 1 else wrap
+             for i in range(num_stages) for j in (i - 1, i + 1, 0, num_stages - 1) if 0 <= j < num_stages and j != i}
 
     # arrived[(kind, virtual stage, m)]: when that task has its input; stage 0's first forwards need nothing
     arrived: dict[tuple[str, int, int], float] = {("forward", 0, m): 0.0 for m in range(microbatches)}
@@ -237,31 +229,36 @@ def simulate(stages: Sequence[StageTimes], microbatches: int, schedule: str = "1
     pending = deque(range(num_stages))
     while pending:
         i = pending.popleft()
-        while position[i] < len(orders[i]):
-            kind, chunk, m = orders[i][position[i]]
+        order, took, done = orders[i], durations[i], ran[i]
+        k, now = position[i], free_at[i]
+        while k < len(order):
+            kind, chunk, m = order[k]
             u = chunk * num_stages + i
             ready = arrived.get((kind, u, m))
             if ready is None:
                 break  # the neighbour that sends it re-queues this stage
-            start = max(free_at[i], ready)
-            end = free_at[i] = start + duration(i, kind)
-            ran[i].append(Event(i, m, kind, start, end, chunk))
-            position[i] += 1
+            start = now if now > ready else ready
+            now = start + took[kind]
+            done.append(Event(i, m, kind, start, now, chunk))
+            k += 1
             if kind == "weight":
                 continue
             if kind == "forward" and u == last:
-                arrived["backward", u, m] = end
+                arrived["backward", u, m] = now
                 continue
             if split and kind == "backward":
-                arrived["weight", u, m] = end
+                arrived["weight", u, m] = now
             target = u + 1 if kind == "forward" else u - 1
             if 0 <= target <= last:
                 receiver = target % num_stages
-                sent = max(end, link_free.get((i, receiver), 0.0)) + send_time(i, receiver)
-                if receiver != i:
-                    link_free[i, receiver] = sent
-                arrived[kind, target, m] = sent
+                if receiver == i:
+                    arrived[kind, target, m] = now
+                    continue
+                link = (i, receiver)
+                sent = max(now, link_free.get(link, 0.0)) + sends[link]
+                arrived[kind, target, m] = link_free[link] = sent
                 pending.append(receiver)
+        position[i], free_at[i] = k, now
     assert all(position[i] == len(orders[i]) for i in range(num_stages)), "schedule deadlocked"
 
     freed_by = "weight" if split else "backward"
@@ -278,11 +275,11 @@ def simulate(stages: Sequence[StageTimes], microbatches: int, schedule: str = "1
         memory.append(steps)
         peaks.append(max(nbytes for _, nbytes in steps))
         inflight.append(most / v if v > 1 else most)
-    ordered = sorted(((e.start_s, e.stage, k), e) for events in ran for k, e in enumerate(events))
+    ordered = sorted((e for events in ran for e in events), key=attrgetter("start_s", "stage"))  # stable: keeps order
     return Simulation(
         schedule=schedule,
         iteration_time_s=max(free_at),
-        events=[event for _, event in ordered],
+        events=ordered,
         memory=memory,
         peak_memory_bytes=peaks,
         max_inflight=inflight,

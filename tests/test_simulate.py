@@ -377,6 +377,13 @@ def test_interleaved_sends_each_boundary_of_every_chunk():
     assert closed_form(stages, 2, "interleaved", 2) == 9.0
 
 
+def test_one_interleaved_stage_runs_its_chunks_back_to_back_without_sends():
+    # S = 1: v chunks on one device, no link: B (f + b) whatever the wrap-around send would cost
+    stages = [StageTimes(1.0, 2.0)]
+    assert simulate(stages, 3, "interleaved", 2, wrap_send_s=5.0).iteration_time_s == 9.0
+    assert closed_form(stages, 3, "interleaved", 2, wrap_send_s=5.0) == 9.0
+
+
 @st.composite
 def interleaved_pipelines(draw, uniform: bool = False, sends: bool = True):
     """A pipeline for the interleaved schedule: v in {2, 4}, B a multiple of S, b = r f on every stage."""
