@@ -585,10 +585,20 @@ def test_closed_forms_reject_bad_input_naming_the_place(call, where):
     assert caught.value.where == where and caught.value.hint
 
 
-def test_each_schedule_at_1024_microbatches_takes_well_under_a_second():
+def test_new_schedules_cost_time_in_proportion_to_their_tasks():
+    # 16 stages, 1024 microbatches: 1F1B runs 32 Ki tasks, zero-bubble 48 Ki, interleaved (v = 2) 64 Ki. Each
+    # against 1F1B on the same machine at the same moment (best of two runs), so a loaded machine does not matter.
     stages = [StageTimes(1e-3 * (1 + i % 3), 2e-3 * (1 + i % 3), 1e-4 if i < 15 else 0.0, 1e8, 1e9, 1e-3)
               for i in range(16)]
-    for schedule, v in (("interleaved", 2), ("zero-bubble", 1)):
-        began = time.perf_counter()
-        simulate(stages, 1024, schedule, v)
-        assert time.perf_counter() - began < 2.0
+
+    def best(schedule: str, v: int = 1) -> float:
+        runs = []
+        for _ in range(2):
+            began = time.perf_counter()
+            simulate(stages, 1024, schedule, v)
+            runs.append(time.perf_counter() - began)
+        return min(runs)
+
+    base = best("1f1b")
+    assert best("zero-bubble") < 1.5 * 2 * base
+    assert best("interleaved", 2) < 2 * 2 * base
