@@ -33,7 +33,7 @@ from partopt.inter import DEFAULT_MAX_LAYERS, optimize
 from partopt.intra import RECOMPUTE_MODES
 from partopt.ops import KINDS, is_matmul
 from partopt.plan import Plan, plan_text, read_plan, write_plan
-from partopt.simulate import SCHEDULES
+from partopt.schedules import SCHEDULES
 from partopt.solvers import BACKENDS
 from partopt.units import fmt_bytes, fmt_scaled, fmt_seconds
 
@@ -665,10 +665,12 @@ def _render_verification(out: Console, stage: dict[str, Any]) -> None:
 @click.argument("plan_file", metavar="PLAN")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Image file: .svg or .png.")
 @click.option("--schedule", type=click.Choice(SCHEDULES), default="1f1b", show_default=True, help="Pipeline schedule.")
-def draw_command(plan_file: str, output: str, schedule: str) -> None:
+@click.option("--virtual-stages", type=int, default=1, show_default=True,
+              help="Model chunks per stage (v) of the interleaved schedule: 2 or more.")
+def draw_command(plan_file: str, output: str, schedule: str, virtual_stages: int) -> None:
     """Draw PLAN's pipeline schedule of one iteration and its memory per stage."""
     io.check_output(output)
-    draw(validate.read_checked(plan_file), output, schedule)
+    draw(validate.read_checked(plan_file), output, schedule, virtual_stages=virtual_stages)
     click.echo(f"wrote {output}")
 
 
