@@ -34,6 +34,7 @@ FLOP_COUNTS = ("executed", "model")  # the plan's FLOPs with recomputation, or t
 # STEP_TOL (relative), or the damping needed for progress exceeds MAX_DAMPING.
 MAX_ITERATIONS = 60
 STEP_TOL = 1e-9
+COST_TOL = 1e-6  # ... or a step lowers the cost by less than this fraction
 MAX_DAMPING = 1e10
 JACOBIAN_STEP = 1e-6  # forward-difference step in log(parameter)
 # A parameter is identified when some point's log prediction moves by SENSITIVE per unit of
@@ -148,17 +149,17 @@ def _model(entry: Mapping[str, Any], base: Path, where: str) -> Graph:
         raise InstanceError(f"the model names {' and '.join(kinds) or 'nothing'}", where,
                             "give exactly one of \"preset\", \"generator\" or \"graph\"")
     args = dict(entry.get("args", {}))
+    if kinds[0] == "graph":
+        if args:
+            raise InstanceError("a graph file takes no args", f"{where}.args", "drop \"args\" or use a generator")
+        return io.read_graph(base / entry["graph"])  # its errors name the graph file
     try:
-        if kinds[0] == "graph":
-            if args:
-                raise InstanceError("a graph file takes no args", "args", "drop \"args\" or use a generator")
-            return io.read_graph(base / entry["graph"])
         if kinds[0] == "preset":
             return models.preset(entry["preset"], **args)
         return models.generate(entry["generator"], **args)
-    except PartoptError as err:
-        raise InstanceError(err.cause, f"{where}.{err.where}" if err.where else where, err.hint) from None
-    except TypeError as err:  # a generator argument of the wrong type
+    except InstanceError as err:
+        raise InstanceError(err.cause, where, err.hint) from None
+    except (TypeError, ValueError) as err:  # an argument of the wrong type or size
         raise InstanceError(f"bad model arguments: {err}", f"{where}.args", "check the generator's arguments") from None
 
 
@@ -255,7 +256,7 @@ class Calibration:
     fitted: tuple[str, ...]
     start: dict[str, float]
     results: tuple[PointResult, ...]
-    evaluations: int  # predictions of all points made
+    evaluations: int  # point predictions made (each prices one plan)
 
     def cluster(self) -> Cluster:
         """The preset with the fitted values."""
@@ -276,16 +277,25 @@ class _Problem:
         self.points, self.names = points, list(names)
         self.base, self.nominal = preset(name), nominal_preset(name)
         self.at_most_one = np.array([PARAMETERS[n].at_most_one for n in names])
-        self.evaluations = 0
+        self.cache: dict[tuple[bytes, int], float] = {}  # (z, point) -> residual: fits share their starts
+
+    @property
+    def evaluations(self) -> int:
+        """Point predictions made (each prices one plan)."""
+        return len(self.cache)
 
     def cluster(self, z: np.ndarray) -> Cluster:
         return with_values(self.base, self.nominal, dict(zip(self.names, np.exp(z).tolist())))
 
     def residuals(self, z: np.ndarray, rows: Sequence[int] | None = None) -> np.ndarray:
-        base = self.cluster(z)
-        self.evaluations += 1
         chosen = range(len(self.points)) if rows is None else rows
-        return np.array([math.log(ratio(self.points[i], point_cluster(self.points[i], base))) for i in chosen])
+        missing = [i for i in chosen if (z.tobytes(), i) not in self.cache]
+        if missing:
+            base = self.cluster(z)
+            for i in missing:
+                point = self.points[i]
+                self.cache[z.tobytes(), i] = math.log(ratio(point, point_cluster(point, base)))
+        return np.array([self.cache[z.tobytes(), i] for i in chosen])
 
     def jacobian(self, z: np.ndarray, r: np.ndarray, rows: Sequence[int] | None = None) -> np.ndarray:
         columns = []
@@ -321,9 +331,10 @@ def _levenberg_marquardt(problem: _Problem, z: np.ndarray, rows: Sequence[int] |
         else:
             return z  # no step lowers the cost: a minimum (to the precision of the predictions)
         moved = float(np.max(np.abs(trial - z)))
+        previous = cost
         z, r, cost = trial, r_trial, cost_trial
         damping = max(damping / 10, 1e-12)
-        if moved < STEP_TOL or cost < 1e-30:
+        if moved < STEP_TOL or cost < 1e-30 or cost_trial > (1 - COST_TOL) * previous:
             break
     return z
 
@@ -364,11 +375,15 @@ def identifiable(points: Sequence[Point], name: str, candidates: Sequence[str] =
     return tuple(candidates[j] for j in kept)
 
 
-def _check(points: Sequence[Point], name: str, parameters: Sequence[str], where: str) -> None:
+def _check_presets(points: Sequence[Point], name: str) -> None:
+    nominal_preset(name)  # an unknown preset is an error before any work
     for p in points:
         if p.preset != name:
             raise InstanceError(f"the point ran on preset {p.preset!r}, the fit is for {name!r}",
                                 f"{p.where}.cluster.preset", "fit each preset on its own points")
+
+
+def _check(points: Sequence[Point], parameters: Sequence[str], where: str) -> None:
     for n in parameters:
         if n not in PARAMETERS:
             raise InstanceError(f"unknown calibration parameter {n!r}", where, f"use some of {', '.join(PARAMETERS)}")
@@ -393,9 +408,9 @@ def fit(points: Points | Sequence[Point], name: str, parameters: Sequence[str] |
         parameters = parameters if parameters is not None else points.fit
         points = points.points
     points = list(points)
-    nominal_preset(name)  # an unknown preset is an error before any work
+    _check_presets(points, name)
     parameters = tuple(parameters if parameters is not None else identifiable(points, name))
-    _check(points, name, parameters, where)
+    _check(points, parameters, where)
     problem = _Problem(points, name, parameters)
     z0 = _start(problem, parameters)
     if start:
