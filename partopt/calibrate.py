@@ -27,8 +27,6 @@ from partopt.evaluate import uniform
 from partopt.graph import Graph
 
 POINTS_FORMAT = "partopt.points"
-VERSION = 1
-FLOP_COUNTS = ("executed", "model")  # the plan's FLOPs with recomputation, or the model's without
 
 # Levenberg-Marquardt on z = log(parameter): stop when a step moves no parameter by more than
 # STEP_TOL (relative), or the damping needed for progress exceeds MAX_DAMPING.
@@ -125,8 +123,8 @@ class Point:
     zero: bool
     iteration_s: float | None  # the measured figure: an iteration time ...
     tflops_per_gpu: float | None  # ... or per-GPU TFLOP/s counted with `flops`
-    flops: str | float = "executed"  # FLOP_COUNTS, or the source's FLOPs per iteration
-    where: str = ""
+    flops: str | float = "executed"  # the plan's FLOPs with recomputation, "model" without, or the source's count
+    where: str = "point"  # its place in the points file, for errors
 
     @property
     def gpus(self) -> int:

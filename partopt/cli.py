@@ -696,12 +696,12 @@ def calibrate_command(points_file: str, preset_name: str, output: str | None) ->
         result = calibrate.fit(points, preset_name)
     out = console()
     params = Table(title=f"{preset_name}: parameters", title_justify="left")
-    for column in ("parameter", "unit", "start", "value", ""):
+    for column in ("parameter", "unit", "start", "value", "", "meaning"):
         params.add_column(column)
     for name, value in result.values.items():
         fitted = name in result.fitted
         params.add_row(name, calibrate.PARAMETERS[name].unit, f"{result.start[name]:.4g}" if fitted else "",
-                       f"{value:.4g}", "fitted" if fitted else "kept")
+                       f"{value:.4g}", "fitted" if fitted else "kept", calibrate.PARAMETERS[name].doc)
     out.print(params)
     table = Table(title=f"{preset_name}: predicted / measured throughput − 1", title_justify="left")
     for column in ("point", "fitted error", "leave-one-out error", "source"):
@@ -712,7 +712,7 @@ def calibrate_command(points_file: str, preset_name: str, output: str | None) ->
     loo = sorted(abs(r.loo_error) for r in result.results if r.loo_error is not None)
     if loo:
         out.print(f"leave-one-out |error|: median {statistics.median(loo):.1%}, max {loo[-1]:.1%}; "
-                  f"{result.evaluations} evaluations of all points")
+                  f"{result.evaluations} point predictions (plans priced)")
     if output:
         io.write_json(result.to_dict(points_file), output)
         out.print(f"wrote {output}")

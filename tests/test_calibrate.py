@@ -182,13 +182,6 @@ def test_written_file_is_a_cluster_file_the_preset_reads(tmp_path, monkeypatch):
     assert preset("dgx-a100") == nominal_preset("dgx-a100")  # presets without a data file: the code's values
 
 
-def test_the_package_ships_no_preset_data_file_yet():
-    """This branch changes no preset's predictions (docs/COSTMODEL.md §7 reports the V100 fit instead)."""
-    for name in cluster.PRESETS:
-        assert not cluster.preset_file(name).is_file()
-        assert preset(name) == nominal_preset(name)
-
-
 # ---------------------------------------------------------------- the V100 points
 
 def test_v100_points_file_matches_the_reference():
