@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import statistics
 import sys
 import threading
 from pathlib import Path
@@ -690,6 +691,52 @@ def check_command(plan_file: str, graph_file: str, cluster_source: str, nodes: i
         click.echo(f"{plan_file}: {len(found)} figures differ from their re-derivation", err=True)
         raise SystemExit(EXIT_INCONSISTENT)
     click.echo(f"{plan_file}: consistent (every figure re-derived within a relative {validate.TOLERANCE:g})")
+
+
+# ---------------------------------------------------------------- calibrate
+
+def _percent(x: float | None) -> str:
+    return "—" if x is None else f"{x:+.1%}"
+
+
+@main.command("calibrate")
+@click.argument("points_file", metavar="POINTS")
+@click.option("--preset", "preset_name", required=True, type=click.Choice(PRESETS), help="The cluster preset to fit.")
+@click.option("-o", "--output", type=click.Path(),
+              help="Write the preset's data file here: a cluster file with the fitted values and their provenance "
+              "(partopt/presets/<preset>.json in the package makes it the preset).")
+def calibrate_command(points_file: str, preset_name: str, output: str | None) -> None:
+    """Fit a preset's physical parameters to the measured runs of POINTS (least squares on log error),
+    printing each point's fitted and leave-one-out error (docs/COSTMODEL.md §7)."""
+    from partopt import calibrate  # numpy-heavy fitting, needed by this command only
+
+    if output:
+        io.check_output(output)
+    points = calibrate.read_points(points_file)
+    with console(stderr=True).status(f"fitting {preset_name} to {len(points.points)} points …"):
+        result = calibrate.fit(points, preset_name)
+    out = console()
+    params = Table(title=f"{preset_name}: parameters", title_justify="left")
+    for column in ("parameter", "unit", "start", "value", "", "meaning"):
+        params.add_column(column)
+    for name, value in result.values.items():
+        fitted = name in result.fitted
+        params.add_row(name, calibrate.PARAMETERS[name].unit, f"{result.start[name]:.4g}" if fitted else "",
+                       f"{value:.4g}", "fitted" if fitted else "kept", calibrate.PARAMETERS[name].doc)
+    out.print(params)
+    table = Table(title=f"{preset_name}: predicted / measured throughput − 1", title_justify="left")
+    for column in ("point", "fitted error", "leave-one-out error", "source"):
+        table.add_column(column)
+    for r in result.results:
+        table.add_row(Text(r.label), _percent(r.error), _percent(r.loo_error), Text(r.source))
+    out.print(table)
+    loo = sorted(abs(r.loo_error) for r in result.results if r.loo_error is not None)
+    if loo:
+        out.print(f"leave-one-out |error|: median {statistics.median(loo):.1%}, max {loo[-1]:.1%}; "
+                  f"{result.evaluations} point predictions (plans priced)")
+    if output:
+        io.write_json(result.to_dict(points_file), output)
+        out.print(f"wrote {output}")
 
 
 @main.group("reproduce")
