@@ -91,11 +91,11 @@ def spec_from_dict(data: Any, where: str = "sweep", base: str | os.PathLike[str]
     io.validate_against_schema(data, "sweep", where)
     graphs = [_model(entry, io.at(where, f"$.models[{i}]"), Path(base)) for i, entry in enumerate(data["models"])]
     clusters = [_cluster(entry, io.at(where, f"$.clusters[{i}]"), Path(base)) for i, entry in enumerate(data["clusters"])]
-    for kind, names in (("model", [g.name for g in graphs]), ("cluster", [c.name for c in clusters])):
+    for kind, names, hint in (("model", [g.name for g in graphs], "a named model takes \"params\": {\"name\": ...}"),
+                              ("cluster", [c.name for c in clusters], "give each cluster file its own \"name\"")):
         twice = next((n for n in names if names.count(n) > 1), None)
         if twice is not None:
-            raise InstanceError(f"two {kind}s are named {twice!r}", io.at(where, f"$.{kind}s"),
-                                "give each its own name (a named model: \"params\": {\"name\": ...})")
+            raise InstanceError(f"two {kind}s are named {twice!r}", io.at(where, f"$.{kind}s"), hint)
     options, vary = data.get("options", {}), data.get("vary", {})
     both = sorted(set(options) & set(vary))
     if both:
@@ -276,14 +276,21 @@ def read_csv(path: str | os.PathLike[str]) -> list[Row]:
 
 # ---------------------------------------------------------------- plot
 
-def plot(rows: list[Row], path: str | os.PathLike[str]) -> None:
-    """Throughput per GPU and time to train (iteration time without tokens) against GPUs, one line
-    per model, cluster and varied options; PNG or SVG by suffix, written atomically. Points without
-    a plan are left out of their line."""
+def check_plot_path(path: str | os.PathLike[str]) -> str:
+    """The plot's format (".png" or ".svg") from its suffix; any other is an InstanceError, raised before the work."""
     suffix = Path(path).suffix.lower()
     if suffix not in PLOT_FORMATS:
         raise InstanceError(f"cannot plot to {suffix or 'a file without suffix'!r}", str(path),
                             "name the plot *.png or *.svg")
+    io.check_output(path)
+    return suffix
+
+
+def plot(rows: list[Row], path: str | os.PathLike[str]) -> None:
+    """Throughput per GPU and time to train (iteration time without tokens) against GPUs, one line
+    per model, cluster and varied options; PNG or SVG by suffix, written atomically. Points without
+    a plan are left out of their line."""
+    suffix = check_plot_path(path)
     trained = any(r.time_to_train_s is not None for r in rows)
     figure = Figure(figsize=(11, 4.2))
     FigureCanvasAgg(figure)
@@ -303,8 +310,11 @@ def plot(rows: list[Row], path: str | os.PathLike[str]) -> None:
     tokens = next((r.tokens for r in rows if r.tokens is not None), None)
     duration.set(xlabel="GPUs", ylabel="days" if trained else "seconds", yscale="log",
                  title=f"Time to train {tokens:.3g} tokens" if trained else "Iteration time")
+    ticks = sorted({r.gpus for line in lines.values() for r in line})
     for axes in (speed, duration):
         axes.set_xscale("log", base=2)
+        axes.set_xticks(ticks, [str(t) for t in ticks])
+        axes.minorticks_off()
         axes.grid(True, which="both", alpha=0.3)
     if lines:
         speed.legend(fontsize="small")
