@@ -550,7 +550,7 @@ def _sweep_table(rows: list[sweep_module.Row]) -> Table:
             table.add_row(*map(Text, head), Text("no plan (below)", style="red"), *[""] * (width - 1),
                           fmt_seconds(r.planning_s))
             continue
-        train = [_fmt_days(r.time_to_train_s), f"{r.gpu_hours:,.4g}"] if trained else []
+        train = [_fmt_days(r.time_to_train_s), f"{r.gpu_hours:,.0f}" if r.gpu_hours >= 100 else f"{r.gpu_hours:.3g}"] if trained else []
         table.add_row(*map(Text, [*head, r.plan, r.recompute]), str(r.microbatches), fmt_seconds(r.iteration_time_s),
                       f"{r.tflops_per_gpu:.3g}", fmt_bytes(r.peak_memory_bytes), *train, str(r.ilps_solved),
                       fmt_seconds(r.planning_s))

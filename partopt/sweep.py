@@ -165,26 +165,30 @@ def sweep(spec: Spec | Mapping[str, Any], point: Callable[[int, int, str], None]
     """Plan every grid point of `spec` (a Spec or its file form); one row per point, in `points` order.
 
     `point(k, total, label)` is called before point k is planned, `pricing(done, total)` with the ILPs
-    of the current point (optimize's progress). One ILP cache per (model, cluster) is shared by its points.
+    of the current point (optimize's progress). One ILP cache per (model, cluster) is shared by its points,
+    which `points` keeps together: the cache is dropped when they are done, so memory stays that of one pair.
     """
     spec = spec if isinstance(spec, Spec) else spec_from_dict(spec)
     grid = points(spec)
-    caches: dict[tuple[str, str], dict] = {}
+    pair, cache = None, {}
     rows = []
     for k, p in enumerate(grid):
         if point:
             point(k, len(grid), _label(p))
-        cache = caches.setdefault((p.graph.name, p.cluster.name), {})
+        if (p.graph.name, p.cluster.name) != pair:
+            pair, cache = (p.graph.name, p.cluster.name), {}
         rows.append(_row(p, spec, cache, pricing))
     return rows
 
 
 def _label(p: Point) -> str:
+    """What the progress bar names a point by: "gpt-1.3b on 2 × p3.16xlarge (recompute=full)"."""
     varied = f" ({_varied_text(p.varied)})" if p.varied else ""
     return f"{p.graph.name} on {p.cluster.nodes} × {p.cluster.name}{varied}"
 
 
 def _varied_text(varied: Mapping[str, Any]) -> str:
+    """The varied options of a point as one cell, "recompute=full; layers=8"."""
     return "; ".join(f"{k}={v}" for k, v in varied.items())
 
 
@@ -230,6 +234,7 @@ def recompute_summary(plan: Plan) -> str:
 # ---------------------------------------------------------------- CSV
 
 def _parser(name: str) -> Callable[[str], Any]:
+    """How a CSV cell of Row field `name` reads back (its annotation: int, float, str, or optional number)."""
     kind = Row.__dataclass_fields__[name].type
     if kind in ("int", "float"):
         return int if kind == "int" else float
