@@ -52,8 +52,9 @@ def main() -> None:
         same = "no plan" if row.no_plan and iteration is None else str(row.iteration_time_s == iteration)
         table.add_row(row.model, row.cluster, str(row.gpus), str(row.ilps_solved or "—"), str(ilps or "—"),
                       f"{row.planning_s:.1f} s", f"{seconds:.1f} s", same)
-    Console().print(table)
-    Console().print(f"wall: sweep {shared_wall:.1f} s, separate calls {alone_wall:.1f} s")
+    out = Console(width=None if Console().is_terminal else 200)  # piped: whole cells, not "gpt-1.…"
+    out.print(table)
+    out.print(f"wall: sweep {shared_wall:.1f} s, separate calls {alone_wall:.1f} s")
 
 
 if __name__ == "__main__":
