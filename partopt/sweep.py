@@ -163,7 +163,8 @@ def tokens_per_iteration(graph: Graph) -> int:
 
 def sweep(spec: Spec | Mapping[str, Any], point: Callable[[int, int, str], None] | None = None,
           pricing: Callable[[int, int], None] | None = None) -> list[Row]:
-    """Plan every grid point of `spec` (a Spec or its file form); one row per point, in `points` order.
+    """Plan every grid point of `spec` (a Spec, or its file form with paths relative to the working
+    directory); one row per point, in `points` order.
 
     `point(k, total, label)` is called before point k is planned, `pricing(done, total)` with the ILPs
     of the current point (optimize's progress). One ILP cache per (model, cluster) is shared by its points,

@@ -4,7 +4,7 @@
 Prints one row per point: the layer ILPs each way, the planning time each way, and whether both found the
 same iteration time; then both wall times. Every point runs in this process, one after the other.
 
-    python scripts/bench_sweep.py instances/sweep-gpt-p3.json
+    python scripts/bench_sweep.py scripts/sweep-gpt-p3.json
 """
 
 from __future__ import annotations
