@@ -2,11 +2,21 @@
 
     import partopt
     plan = partopt.optimize(partopt.read_graph("instances/gpt-1.3b.json"), partopt.preset("p3.16xlarge", 1))
+
+docs/API.md walks through the library: build or load a graph, make a cluster, optimize, read the
+plan, evaluate, simulate and export.
 """
 
-from partopt.cluster import preset
-from partopt.inter import optimize
-from partopt.io import read_cluster, read_graph
-from partopt.plan import Plan, read_plan, write_plan
+from partopt.cluster import Cluster, Device, Link, preset
+from partopt.evaluate import evaluate, uniform
+from partopt.export import export
+from partopt.graph import Graph, Op, Tensor
+from partopt.inter import Options, optimize
+from partopt.io import read_cluster, read_graph, write_graph
+from partopt.models.builder import GraphBuilder
+from partopt.plan import Plan, StagePlan, read_plan, write_plan
+from partopt.simulate import StageTimes, simulate
 
-__all__ = ["Plan", "optimize", "preset", "read_cluster", "read_graph", "read_plan", "write_plan"]
+__all__ = ["Cluster", "Device", "Graph", "GraphBuilder", "Link", "Op", "Options", "Plan", "StagePlan", "StageTimes",
+           "Tensor", "evaluate", "export", "optimize", "preset", "read_cluster", "read_graph", "read_plan", "simulate",
+           "uniform", "write_graph", "write_plan"]

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from partopt import costmodel, evaluate
+from partopt import costmodel
+from partopt.evaluate import evaluate
 from partopt.cluster import Cluster
 from partopt.errors import InfeasibleError
 from partopt.graph import Graph
@@ -69,7 +70,7 @@ def differences(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan")
               for i, stage in enumerate(plan.stages) if stage.memory_bytes > budget * (1 + 1e-12)]
     backend = plan.solver.get("backend")
     try:
-        derived = evaluate.evaluate(graph, cluster, plan, where=where, memory_reserve=reserve,
+        derived = evaluate(graph, cluster, plan, where=where, memory_reserve=reserve,
                                     **({"backend": backend} if backend in BACKENDS else {}))
     except InfeasibleError as err:
         return [*found, Difference(err.where or "$.stages", "fits the device memory", err.cause)]

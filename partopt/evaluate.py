@@ -216,8 +216,9 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
 
     Axis 0 splits the batch (and ZeRO-shards optimizer state with `zero`); the ILP chooses the
     tensor-parallel sharding over axis 1, which stays inside a node when tp ≤ devices per node.
-    `microbatches` defaults to pp (the fewest that fill the pipeline). Every stage recomputes
-    alike: the `recompute` keyword's mode, or (auto, the default) the fastest mode that fits.
+    `microbatches` is searched when not given, as users tune it: every power-of-two count of at
+    least pp whose microbatch splits over dp; the fastest plan that fits wins. Every stage
+    recomputes alike: the `recompute` keyword's mode, or (auto, the default) the fastest that fits.
     """
     where = f"--tp {tp} --pp {pp} --dp {dp}"
     if min(tp, pp, dp) < 1:
@@ -233,25 +234,39 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     if graph.batch_dim is None:
         raise InstanceError("the graph names no batch dim", "batch_dim", "set `batch_dim` to plan data parallelism")
     options = Options(layers=None, **kwargs)
-    count = microbatch_counts(graph.dims[graph.batch_dim], microbatches or pp)[0]
-    if (graph.dims[graph.batch_dim] // count) % dp:
-        raise InfeasibleError(f"a microbatch of {graph.dims[graph.batch_dim] // count} samples does not split "
-                              f"over {dp} data-parallel ranks", where, "choose microbatches so that batch / B is divisible by dp")
+    batch = graph.dims[graph.batch_dim]
+    if microbatches is None:
+        counts = [c for c in microbatch_counts(batch, "auto") if c >= pp and (batch // c) % dp == 0]
+        if not counts:
+            raise InfeasibleError(f"no power-of-two microbatch count of at least {pp} splits a batch of {batch} "
+                                  f"over {dp} data-parallel ranks", where, "give --microbatches, or change the batch")
+    else:
+        counts = microbatch_counts(batch, microbatches)
+        if (batch // counts[0]) % dp:
+            raise InfeasibleError(f"a microbatch of {batch // counts[0]} samples does not split over {dp} "
+                                  f"data-parallel ranks", where, "choose microbatches so that batch / B is divisible by dp")
     layering = build_layers(graph, None)
     L = len(layering.groups)
     if L % pp:
         raise InfeasibleError(f"{L} layers do not split into {pp} equal stages", where, f"choose pp dividing {L}")
     size = L // pp
-    restriction = _megatron(intra.with_batch(graph, graph.dims[graph.batch_dim] // count), tp, dp, zero)
-    plans, error = [], None
-    for mode in options.recompute_modes:
-        specs = [StageSpec(i * size, (i + 1) * size - 1, submesh, (dp, tp), min(pp - i, count), mode)
-                 for i in range(pp)]
-        try:
-            plans.append(price(graph, cluster, layering, count, specs, [restriction] * pp, options, where,
-                               fit_memory=True))
-        except InfeasibleError as err:
-            error = err  # the leanest mode's overflow is the one worth reporting
+    start = time.perf_counter()
+    plans, error, cache = [], None, {}
+    for count in counts:
+        restriction = _megatron(intra.with_batch(graph, batch // count), tp, dp, zero)
+        for mode in options.recompute_modes:
+            specs = [StageSpec(i * size, (i + 1) * size - 1, submesh, (dp, tp), min(pp - i, count), mode)
+                     for i in range(pp)]
+            try:
+                plans.append(price(graph, cluster, layering, count, specs, [restriction] * pp, options, where,
+                                   fit_memory=True, cache=cache))
+            except InfeasibleError as err:
+                error = err  # the smallest microbatch's leanest mode: its overflow is the one worth reporting
     if not plans:
         raise error
-    return min(plans, key=lambda plan: plan.iteration_time_s)
+    best = min(plans, key=lambda plan: plan.iteration_time_s)
+    best.solver.update(ilps=sum(p.solver["ilps"] for p in plans), ilp_time_s=sum(p.solver["ilp_time_s"] for p in plans),
+                       time_s=time.perf_counter() - start, microbatch_counts=counts,
+                       status="optimal" if all(p.solver["status"] == "optimal" for p in plans) else "timeout",
+                       gap=max(p.solver["gap"] for p in plans))
+    return best

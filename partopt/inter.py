@@ -31,6 +31,7 @@ from partopt.layering import Layering, build_layers
 from partopt.ops import is_matmul
 from partopt.plan import Plan, StagePlan
 from partopt.sharding import Shard, fmt
+from partopt.shared import correction, shared_params
 from partopt.units import fmt_bytes
 
 DEFAULT_MAX_LAYERS = 64  # every block up to 64 (GPT-39B: 48); more are grouped (docs/benchmarks.md)
@@ -166,7 +167,7 @@ def _devices_of(cluster: Cluster, submeshes: list[tuple[int, int]]) -> list[list
 
 
 def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, cache: dict | None = None,
-             **kwargs) -> Plan:
+             options: Options | None = None, **kwargs) -> Plan:
     """The best pipeline + sharding plan of `graph` on `cluster` under the cost model.
 
     Options (keywords): microbatches ("auto": the powers of two dividing the batch; a count; or
@@ -177,12 +178,16 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
     memory kept free), intra_only / inter_only / data_parallel_only / stage_data_parallel
     (restricted searches, the benchmarks' baselines: one stage on the whole cluster; stages of
     one device; one data-parallel stage with ZeRO allowed, like DeepSpeed; pipeline stages that
-    are each plain data parallel, like PP-DP), seed.
+    are each plain data parallel, like PP-DP), seed, workers, recompute ("auto" | "none" |
+    "selective" | "full"). Give them as keywords or as one `options=Options(...)`, not both.
     `cache`: a dict that keeps the per-layer ILP solutions; pass the same one to several calls (a
     full search, then its restricted variants) to solve each distinct layer ILP once.
     """
+    if options is not None and kwargs:
+        raise PartoptError(f"options given twice: an Options object and keywords {sorted(kwargs)}", "optimize",
+                           "put every option in the Options object, or pass keywords only")
     try:
-        options = Options(**kwargs)
+        options = options or Options(**kwargs)
     except TypeError as err:
         raise PartoptError(f"unknown option: {err}", "optimize", f"use one of {list(Options.__dataclass_fields__)}") from None
     start = time.perf_counter()
@@ -196,6 +201,7 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
     meshes = {(s, shape): cluster.logical_mesh(s, shape) for s in submeshes for shape in _shapes(cluster, s, options)}
     link = cluster.intra_node if cluster.nodes == 1 else cluster.inter_node
     boundary = _boundary_bytes(graph, layering)
+    shared = shared_params(graph, layering.base)
 
     sizes = [n * m for n, m in submeshes]
     ilp_stats = {"ilps": 0, "status": "optimal", "gap": 0.0, "solve_time_s": 0.0, "counts": []}
@@ -233,7 +239,7 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
                 _tighten(rows_of, priced, jobs, hashes, budget, len(base_ops), count,
                          best[0] if best else math.inf, pricer, ilp_stats)
                 t, extra, options_of = _stage_table(layering, costs, submeshes, boundary, count, mb, batch, link,
-                                                    budget)
+                                                    budget, shared, cluster.devices_per_node)
                 result = stagedp.solve(t, extra, sizes, cluster.num_devices, count)
                 if result is not None:
                     ilp_stats["dp_rounds"] = ilp_stats.get("dp_rounds", 0) + result.rounds
@@ -241,7 +247,8 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
                     break
                 if free is None:  # the first mode's plan with memory ignored: what recomputation could recover
                     free = stagedp.solve(*_stage_table(layering, costs, submeshes, boundary, count, mb, batch, link,
-                                                       math.inf)[:2], sizes, cluster.num_devices, count)
+                                                       math.inf, shared, cluster.devices_per_node)[:2],
+                                         sizes, cluster.num_devices, count)
                 if result is not None and result.total <= free.total * (1 + 1e-12):
                     break  # memory does not bind: recomputing more only adds time
             ilp_stats["counts"].append(count)
@@ -297,7 +304,7 @@ def _tighten(costs: dict, priced: dict, jobs: dict, hashes: list, budget: float,
         if not tight:
             break
         for key, cost in pricer.run(tight, stats, lambda k: None).items():
-            if cost is None:
+            if not isinstance(cost, LayerCost):
                 stuck.add(key)  # cannot fit this cap: keep its leanest option, stop refining it
             else:
                 last[key] = cost
@@ -379,12 +386,21 @@ def _fits_at_all(graph: Graph, g_mb: Graph, cluster: Cluster, budget: float, rec
     return (state + activations) / cluster.num_devices <= budget
 
 
+@dataclass(frozen=True)
+class Dropped:
+    """A leaner option whose ILP found no solution within its time limit: not priced, and counted
+    in the plan (`solver.dropped_options`) so that the search says what it could not look at."""
+
+    time_limit_s: float
+
+
 def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, recompute: str, budget: float,
-           options: Options, inflight: int = 1) -> LayerCost | None:
+           options: Options, inflight: int = 1) -> LayerCost | Dropped | None:
     """One base layer's optimal sharding on `mesh`, or None when it cannot fit the memory budget.
 
     Under a cap tighter than the device's budget (a leaner option, see `_tighten`) the solver gets
-    at most LEAN_TIME_LIMIT_S: such ILPs can be slow to find any solution, and the option is optional.
+    at most LEAN_TIME_LIMIT_S: such ILPs can be slow to find any solution, and the option is
+    optional: one that finds none in time is `Dropped`.
     """
     lean = budget < costmodel.memory_budget(mesh.device, options.memory_reserve)
     limit = min(options.time_limit_s, LEAN_TIME_LIMIT_S) if lean else options.time_limit_s
@@ -397,7 +413,7 @@ def _price(g_mb: Graph, ops: list[Op], mesh: LogicalMesh, count: int, recompute:
         return None
     except SolverError:
         if lean:
-            return None  # no leaner option found in time
+            return Dropped(limit)  # no leaner option found in time
         raise
     return LayerCost.of(sharding)
 
@@ -482,10 +498,13 @@ class _Pricer:
         return {key: out[key] for key in jobs}
 
 
-def _record(stats: dict, cost: LayerCost | None, solved: bool) -> None:
+def _record(stats: dict, cost: LayerCost | Dropped | None, solved: bool) -> None:
     """Add one priced layer to the ILP statistics: counted and timed when solved here; a
-    non-optimal status (time limit) is reported whether solved here or taken from the cache."""
-    if cost is None:
+    non-optimal status (time limit) and a dropped option are reported whether solved here or taken
+    from the cache."""
+    if isinstance(cost, Dropped):
+        stats["dropped"] = stats.get("dropped", 0) + 1
+    if not isinstance(cost, LayerCost):
         return
     result = cost.sharding.solution.result
     if solved:
@@ -529,13 +548,14 @@ def _send(boundary: list[float], last: int, mb: int, batch: int, link) -> float:
     return 2 * costmodel.p2p_time(boundary[last] * mb / batch, link) if last < len(boundary) - 1 else 0.0
 
 
-def _stage_table(layering, costs, submeshes, boundary, count, mb, batch, link, budget):
+def _stage_table(layering, costs, submeshes, boundary, count, mb, batch, link, budget, shared, per_node):
     """t[h, k, i, j, s] and extra[h, k, i, j, s] for the stage DP; option h of submesh s is a logical
     shape and recomputation mode with one row of layer costs (`costs[(submesh, shape, mode)]`, see
     `_tighten`).
 
-    An entry is inf when the stage's memory does not fit k in-flight microbatches (1F1B).
-    Returns the tables and, per submesh, its (shape, mode, row index) options in order.
+    An entry is inf when the stage's memory does not fit k in-flight microbatches (1F1B). Parameters
+    read by several base layers (`shared`) are held once per stage, their gradients summed across
+    stages (`partopt.shared`). Returns the tables and, per submesh, its (shape, mode, row index) options in order.
     """
     L, S = len(layering.groups), len(submeshes)
     options = [[(shape, mode, r) for (x, shape, mode) in costs if x == sub for r in range(len(costs[(x, shape, mode)]))]
@@ -554,6 +574,10 @@ def _stage_table(layering, costs, submeshes, boundary, count, mb, batch, link, b
                         break
                     total = _fold(total, sums)
                     time_s, sync_s, params, acts, working = total
+                    fix = correction(row, layering.groups[i][0], layering.groups[j][1], shared, link,
+                                     min(sub[0] * sub[1], per_node))
+                    if fix is not None:
+                        params, sync_s = params + fix.param_bytes, sync_s + fix.iteration_s
                     latency = time_s + _send(boundary, j, mb, batch, link)
                     for k in range(1, L + 1):
                         if params + min(k, count) * acts + working > budget:
@@ -617,6 +641,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
     mb = batch // count
     link = cluster.intra_node if cluster.nodes == 1 else cluster.inter_node
     boundary = _boundary_bytes(graph, layering)
+    shared = shared_params(graph, layering.base)
     placed = _devices_of(cluster, [spec.submesh for spec in specs])
     stages = []
     recomputed_flops = 0.0
@@ -647,6 +672,19 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
             for tensor, pc in zip(params_of(graph, layering.base[b]), sharding.params):
                 placement = tuple(_renamed_placement(pc.strategy.placement, rename))
                 param_info[tensor] = {"placement": fmt(placement), "zero_axes": list(pc.strategy.zero_axes)}
+        state = {part: sum(row[b].sharding.breakdown.state_bytes[part] for b in range(first, last + 1))
+                 for part in intra.STATE_PARTS}
+        optimizer_s = sum(row[b].sharding.breakdown.optimizer_s for b in range(first, last + 1))
+        fix = correction(row, first, last, shared, link, min(len(devices), cluster.devices_per_node))
+        if fix is not None:  # a parameter shared by several layers: one copy here, its gradient summed across stages
+            params, sync_s = params + fix.param_bytes, sync_s + fix.iteration_s
+            for part, delta in zip(intra.STATE_PARTS, fix.state_bytes):
+                state[part] += delta
+            for kind, delta in fix.sync_s.items():
+                if kind == "optimizer":
+                    optimizer_s += delta
+                else:
+                    sync[kind] = sync.get(kind, 0.0) + delta
         stage_ops = [op for j in range(spec.first, spec.last + 1) for op in layering.ops(j)]
         forward_flops = sum(graph.flops(op) for op in stage_ops)
         rerun = _recomputed_flops(graph, layering.base[first:last + 1], spec.recompute)
@@ -662,11 +700,10 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
             inflight_microbatches=spec.inflight, recompute=spec.recompute,
             breakdown={"compute_s": sum(row[b].sharding.breakdown.compute_s for b in range(first, last + 1)),
                        "comm_s": comm, "sync_s": sync,
-                       "optimizer_s": sum(row[b].sharding.breakdown.optimizer_s for b in range(first, last + 1)),
+                       "optimizer_s": optimizer_s,
                        "recompute_s": sum(row[b].sharding.breakdown.recompute_s for b in range(first, last + 1)),
                        "param_bytes": params, "activation_bytes": acts, "working_bytes": working,
-                       "state_bytes": {part: sum(row[b].sharding.breakdown.state_bytes[part] for b in range(first, last + 1))
-                                       for part in intra.STATE_PARTS}},
+                       "state_bytes": state},
             ops=ops, params=param_info))
     latencies = [s.stage_time_s for s in stages]
     iteration = sum(latencies) + (count - 1) * max(latencies) + max(s.sync_time_s for s in stages)
@@ -685,7 +722,8 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
         solver={"backend": options.backend, "status": ilp_stats["status"], "gap": ilp_stats["gap"],
                 "ilps": ilp_stats["ilps"], "ilp_time_s": ilp_stats["solve_time_s"], "time_s": elapsed,
                 "dp_rounds": ilp_stats.get("dp_rounds", 0), "microbatch_counts": ilp_stats.get("counts", [count]),
-                "recompute_modes": {str(c): list(m) for c, m in ilp_stats.get("recompute_modes", {}).items()}},
+                "recompute_modes": {str(c): list(m) for c, m in ilp_stats.get("recompute_modes", {}).items()},
+                "dropped_options": ilp_stats.get("dropped", 0)},
         options={"microbatches": options.microbatches if isinstance(options.microbatches, (int, str))
                  else list(options.microbatches), "layers": options.layers,
                  "logical_shapes": options.logical_shapes if isinstance(options.logical_shapes, str)

@@ -451,6 +451,8 @@ class Breakdown:
     activation_bytes: float = 0.0  # kept for backward, one microbatch, per device
     recompute_s: float = 0.0  # per microbatch: the forward compute and collectives recomputation reruns
     working_bytes: float = 0.0  # per device: one microbatch's full activations while recomputing (else 0)
+    # per iteration, by parameter: its gradient synchronisation by collective kind, and its "optimizer" step
+    param_sync_s: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def per_microbatch_s(self) -> float:
@@ -532,6 +534,8 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
         c = _use_collectives(g, use, chosen[use.src], chosen[use.dst], mesh)
         pay(c.per_microbatch, breakdown.comm_s)
         pay(c.per_iteration, breakdown.sync_s, bucketed=True)
+        if use.param:
+            pay(c.per_iteration, breakdown.param_sync_s.setdefault(use.tensor, defaultdict(float)), bucketed=True)
         if _reruns(use, model.ops, model.recompute):
             breakdown.recompute_s += collectives_time(c.recomputed(use.param), mesh)
         if not use.param:
@@ -567,10 +571,13 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
         breakdown.param_bytes += p.memory_bytes
         for part, size in zip(STATE_PARTS, p.state_bytes):
             breakdown.state_bytes[part] += size
-        breakdown.optimizer_s += optimizer_step_time(g, tensor, p, mesh)
+        step = optimizer_step_time(g, tensor, p, mesh)
+        breakdown.optimizer_s += step
+        breakdown.param_sync_s.setdefault(tensor, defaultdict(float))["optimizer"] += step
         param_choices.append(ParamChoice(tensor, p))
     breakdown.comm_s = dict(breakdown.comm_s)
     breakdown.sync_s = dict(breakdown.sync_s)
+    breakdown.param_sync_s = {t: dict(kinds) for t, kinds in breakdown.param_sync_s.items()}
     return StageSharding(mesh, op_choices, param_choices, breakdown, model.inflight, solution.objective, solution,
                          ilp.min_memory(model.costs))
 

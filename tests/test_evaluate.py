@@ -205,3 +205,34 @@ def test_a_plan_evaluates_on_its_graph_under_another_name_but_not_on_another_gra
     plan.tensors = {}  # a hand-written plan without its tensor table: the names must agree
     with pytest.raises(InstanceError, match="made for graph"):
         evaluate(renamed, cluster, plan)
+
+
+def test_uniform_searches_the_microbatch_count_when_none_is_given(small_gpt):
+    """Users tune the microbatch count: with none given, the fastest that fits over every count that fills the
+    pipeline and splits over dp — no slower than any such count priced alone, and one of them."""
+    cluster = preset("p3.16xlarge", 1)
+    batch = small_gpt.dims[small_gpt.batch_dim]
+    searched = uniform(small_gpt, cluster, tp=2, pp=2, dp=2)
+    alone = {}
+    for count in (2, 4, 8, 16, 32):
+        if count <= batch and batch % count == 0 and (batch // count) % 2 == 0:
+            alone[count] = uniform(small_gpt, cluster, tp=2, pp=2, dp=2, microbatches=count).iteration_time_s
+    assert len(alone) > 1 and searched.num_microbatches in alone
+    assert searched.iteration_time_s == pytest.approx(min(alone.values()), rel=1e-12)
+    assert searched.solver["microbatch_counts"] == sorted(alone)
+
+
+def test_evaluate_cli_reads_megatrons_microbatch_size_per_data_parallel_rank(tmp_path, small_gpt):
+    from partopt.io import write_graph
+
+    graph_file = tmp_path / "g.json"
+    write_graph(small_gpt, graph_file)
+    batch = small_gpt.dims[small_gpt.batch_dim]
+    out = tmp_path / "p.json"
+    run = CliRunner().invoke(main, ["evaluate", str(graph_file), "--cluster", "p3.16xlarge", "--nodes", "1", "--tp", "2",
+                                    "--pp", "2", "--dp", "2", "--microbatch-size", "1", "-o", str(out)])
+    assert run.exit_code == 0, run.output
+    assert read_plan(out).num_microbatches == batch // 2  # one sample on each of the 2 data-parallel ranks
+    bad = CliRunner().invoke(main, ["evaluate", str(graph_file), "--cluster", "p3.16xlarge", "--nodes", "1", "--tp",
+                                    "2", "--pp", "2", "--dp", "2", "--microbatch-size", "3"])
+    assert bad.exit_code == 2 and "--microbatch-size" in bad.output

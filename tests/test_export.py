@@ -1,6 +1,7 @@
 """Exports: JAX PartitionSpecs, DTensor placements and Megatron-LM arguments, on hand-made plans with
 answers derived by hand and on real solves checked for consistency."""
 
+import importlib
 import json
 import math
 import shlex
@@ -8,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from partopt import export as ex
 from partopt.cluster import preset
 from partopt.errors import InstanceError, PartoptError
 from partopt.inter import optimize
@@ -16,6 +16,8 @@ from partopt.io import read_graph
 from partopt.models import gpt
 from partopt.evaluate import evaluate
 from partopt.plan import Plan, StagePlan, plan_from_dict, plan_to_dict
+
+ex = importlib.import_module("partopt.export")  # the module: the name `partopt.export` is the export function
 from partopt.sharding import P, R, Shard, fmt
 
 INSTANCES = Path(__file__).parent.parent / "instances"

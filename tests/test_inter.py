@@ -200,3 +200,26 @@ def test_a_layers_ilp_minimises_its_time_per_microbatch_plus_sync_over_the_count
     for count in (1, 8):
         cost = _price(graph, graph.ops[:1], mesh, count, "none", costmodel.memory_budget(cluster.device), Options())
         assert cost.sharding.objective == pytest.approx(cost.time_s + cost.sync_s / count, rel=1e-9)
+
+
+def test_a_leaner_option_that_finds_no_solution_in_time_is_counted_not_silently_dropped(monkeypatch):
+    """A memory-capped ILP that times out without a solution is `Dropped`, and the plan says how many."""
+    from partopt import inter, intra
+    from partopt.errors import SolverError
+
+    graph, cluster = mlp(4, 4096, 4096), preset("p3.16xlarge", 1)
+    budget = costmodel.memory_budget(cluster.device)
+    solve = intra.shard_stage
+
+    def lean_times_out(*args, memory_budget=None, **kwargs):
+        if memory_budget is not None and memory_budget < budget:
+            raise SolverError("no solution within the time limit", "test")
+        return solve(*args, memory_budget=memory_budget, **kwargs)
+
+    monkeypatch.setattr(intra, "shard_stage", lean_times_out)
+    mesh = cluster.logical_mesh((1, 2), (2, 1))
+    assert isinstance(inter._price(graph, graph.ops[:1], mesh, 1, "none", budget / 64, Options()), inter.Dropped)
+    stats = {"ilps": 0, "status": "optimal", "gap": 0.0, "solve_time_s": 0.0}
+    inter._record(stats, inter.Dropped(10.0), solved=True)
+    inter._record(stats, None, solved=True)  # an infeasible cap is not a drop: it is proven
+    assert stats["dropped"] == 1 and stats["ilps"] == 0

@@ -165,19 +165,23 @@ def check_plan(got, t, extra, sizes, devices, microbatches):
     assert got.max_latency == max(lat)
 
 
+def agrees(expected, t, extra, sizes, devices, microbatches) -> None:
+    """`stagedp.solve` finds `expected` (None: no plan), with a plan that is valid and adds up to its total."""
+    got = stagedp.solve(t, extra, sizes, devices, microbatches)
+    if expected is None:
+        assert got is None
+        return
+    assert got.total == pytest.approx(expected, rel=1e-12)
+    check_plan(got, t, extra, sizes, devices, microbatches)
+
+
 @pytest.mark.parametrize("mode", ["memory", "uniform", "arbitrary"])
 @pytest.mark.parametrize("seed", range(30))
 def test_dp_equals_brute_force(seed, mode):
     rng = random.Random(seed)
     t, extra, sizes, devices = random_instance(rng, mode)
     for microbatches in (1, 2, 3, 8, 128):
-        expected = brute_force(t, extra, sizes, devices, microbatches)
-        got = stagedp.solve(t, extra, sizes, devices, microbatches)
-        if expected is None:
-            assert got is None
-            continue
-        assert got.total == pytest.approx(expected, rel=1e-12)
-        check_plan(got, t, extra, sizes, devices, microbatches)
+        agrees(brute_force(t, extra, sizes, devices, microbatches), t, extra, sizes, devices, microbatches)
 
 
 @settings(max_examples=30, deadline=None)
@@ -187,13 +191,7 @@ def test_dp_equals_reference_on_medium_instances(seed, mode, microbatches):
     """Up to 9 layers and 8 devices: beyond brute force, within the plain enumeration's reach."""
     rng = random.Random(seed)
     t, extra, sizes, devices = random_instance(rng, mode, max_layers=9)
-    expected = reference_solve(t, extra, sizes, devices, microbatches)
-    got = stagedp.solve(t, extra, sizes, devices, microbatches)
-    if expected is None:
-        assert got is None
-        return
-    assert got.total == pytest.approx(expected, rel=1e-12)
-    check_plan(got, t, extra, sizes, devices, microbatches)
+    agrees(reference_solve(t, extra, sizes, devices, microbatches), t, extra, sizes, devices, microbatches)
 
 
 def test_per_iteration_work_is_a_max_not_a_sum():
