@@ -5,12 +5,14 @@ atomically (partopt.io.write_atomic), so neither leaves a partial file."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import multiprocessing
 import statistics
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from partopt import baselines, check, io, models, validate
+from partopt import sweep as sweep_module
 from partopt.cluster import PRESETS, Cluster, Link, preset
 from partopt.costmodel import training_flops
 from partopt.draw import draw
@@ -544,6 +547,86 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
     else:
         plan = uniform(graph, cluster, tp, pp, dp, microbatches, zero, recompute=recompute or "auto", **options)
     _emit(plan, output, as_json)
+
+
+# ---------------------------------------------------------------- sweep
+
+def _sweep_table(rows: list[sweep_module.Row]) -> Table:
+    """The sweep's rows: one per grid point, with the plan's figures or why it has none."""
+    table = Table(title="Sweep", box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False)
+    varied = any(r.options for r in rows)
+    trained = any(r.tokens is not None for r in rows)
+    columns = ["model", "cluster", "GPUs", *(["options"] if varied else []), "plan", "recompute", "µbatches",
+               "iteration", "TFLOP/s/GPU", "memory", *(["time to train", "GPU-hours"] if trained else []), "ILPs",
+               "planning"]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("model", "cluster", "options", "plan", "recompute")
+                         else "right")
+    for r in rows:
+        head = [r.model, r.cluster, f"{r.nodes} × {r.gpus // r.nodes}", *([r.options] if varied else [])]
+        if r.no_plan:  # the reason is printed under the table: as a cell it would widen the plan column
+            width = len(columns) - len(head) - 1
+            table.add_row(*map(Text, head), Text("no plan (below)", style="red"), *[""] * (width - 1),
+                          fmt_seconds(r.planning_s))
+            continue
+        train = [_fmt_days(r.time_to_train_s), f"{r.gpu_hours:,.0f}" if r.gpu_hours >= 100 else f"{r.gpu_hours:.3g}"] if trained else []
+        table.add_row(*map(Text, [*head, r.plan, r.recompute]), str(r.microbatches), fmt_seconds(r.iteration_time_s),
+                      f"{r.tflops_per_gpu:.3g}", fmt_bytes(r.peak_memory_bytes), *train, str(r.ilps_solved),
+                      fmt_seconds(r.planning_s))
+    return table
+
+
+def _fmt_days(seconds: float) -> str:
+    """A training time in days or hours when it is that long, else in the shared seconds format."""
+    if seconds >= 86400:
+        return f"{seconds / 86400:,.4g} days"
+    return f"{seconds / 3600:.3g} h" if seconds >= 3600 else fmt_seconds(seconds)
+
+
+@main.command("sweep")
+@click.argument("spec_file", metavar="SPEC")
+@click.option("-o", "--output", type=click.Path(), help="Write the table as CSV here.")
+@click.option("--plot", "plot_file", type=click.Path(), help="Plot throughput per GPU and time to train (.png, .svg).")
+@click.option("--tokens", type=FiniteFloat(), help="Training tokens for time to train and GPU-hours (overrides the spec's).")
+def sweep_command(spec_file: str, output: str | None, plot_file: str | None, tokens: float | None) -> None:
+    """Plan every model × cluster × node count (× varied option) of a sweep SPEC file and tabulate the best
+    plans: throughput per GPU, memory, time to train and GPU-hours; a point with no plan says why."""
+    if output:
+        io.check_output(output)
+    if plot_file:
+        sweep_module.check_plot_path(plot_file)
+    spec = sweep_module.read_spec(spec_file)
+    if tokens is not None:
+        spec = dataclasses.replace(spec, tokens=tokens)
+    err = console(stderr=True)
+    start = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True, disable=not err.is_terminal) as bar:
+        grid = bar.add_task("grid points", total=None)
+        ilps = bar.add_task("pricing", total=None)
+
+        def point(k: int, total: int, label: str) -> None:
+            bar.update(grid, completed=k, total=total)
+            bar.update(ilps, description=f"pricing {label}", completed=0, total=None)
+
+        rows = sweep_module.sweep(spec, point, lambda done, total: bar.update(ilps, completed=done, total=total))
+    wall = time.perf_counter() - start
+    if output:
+        sweep_module.write_csv(rows, output)
+    if plot_file:
+        sweep_module.plot(rows, plot_file)
+    out = console()
+    out.print(_sweep_table(rows))
+    for r in rows:
+        if r.no_plan:
+            out.print(Text(f"no plan for {r.model} on {r.nodes} × {r.cluster}"
+                           f"{f' ({r.options})' if r.options else ''}: {r.no_plan}"))
+    planned = sum(1 for r in rows if not r.no_plan)
+    out.print(f"{len(rows)} grid points, {planned} planned, {len(rows) - planned} without a plan; "
+              f"wall time {fmt_seconds(wall)}")
+    for path in (output, plot_file):
+        if path:
+            out.print(f"wrote {path}")
 
 
 # ---------------------------------------------------------------- explain, export, draw
