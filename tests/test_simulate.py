@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -261,11 +260,11 @@ def test_closed_form_rejects_bad_input_too():
         closed_form([StageTimes(1.0, 1.0)], 0)
 
 
-def test_sixteen_stages_and_1024_microbatches_take_well_under_a_second():
+def test_sixteen_stages_and_1024_microbatches_simulate_every_task():
+    """The size the planner simulates (timings belong in benchmarks, not here): one forward and one backward
+    per stage and microbatch under 1F1B."""
     stages = [StageTimes(1e-3 * (1 + i % 3), 2e-3 * (1 + i % 3), 1e-4 if i < 15 else 0.0, 1e8, 1e9) for i in range(16)]
-    began = time.perf_counter()
     sim = simulate(stages, 1024)
-    assert time.perf_counter() - began < 1.0
     assert len(sim.events) == 2 * 16 * 1024
 
 
@@ -585,20 +584,11 @@ def test_closed_forms_reject_bad_input_naming_the_place(call, where):
     assert caught.value.where == where and caught.value.hint
 
 
-def test_new_schedules_cost_time_in_proportion_to_their_tasks():
-    # 16 stages, 1024 microbatches: 1F1B runs 32 Ki tasks, zero-bubble 48 Ki, interleaved (v = 2) 64 Ki. Each
-    # against 1F1B on the same machine at the same moment (best of two runs), so a loaded machine does not matter.
+def test_new_schedules_run_the_tasks_they_split_into():
+    # 16 stages, 1024 microbatches: 1F1B runs 32 Ki tasks (F, B), zero-bubble 48 Ki (F, B, W), interleaved (v = 2)
+    # 64 Ki (F and B of two chunks per stage)
     stages = [StageTimes(1e-3 * (1 + i % 3), 2e-3 * (1 + i % 3), 1e-4 if i < 15 else 0.0, 1e8, 1e9, 1e-3)
               for i in range(16)]
-
-    def best(schedule: str, v: int = 1) -> float:
-        runs = []
-        for _ in range(2):
-            began = time.perf_counter()
-            simulate(stages, 1024, schedule, v)
-            runs.append(time.perf_counter() - began)
-        return min(runs)
-
-    base = best("1f1b")
-    assert best("zero-bubble") < 1.5 * 2 * base
-    assert best("interleaved", 2) < 2 * 2 * base
+    assert len(simulate(stages, 1024, "1f1b").events) == 2 * 16 * 1024
+    assert len(simulate(stages, 1024, "zero-bubble").events) == 3 * 16 * 1024
+    assert len(simulate(stages, 1024, "interleaved", 2).events) == 2 * 2 * 16 * 1024
