@@ -5,11 +5,14 @@ atomically (partopt.io.write_atomic), so neither leaves a partial file."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import multiprocessing
+import statistics
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from partopt import baselines, check, io, models, validate
+from partopt import sweep as sweep_module
 from partopt.cluster import PRESETS, Cluster, Link, preset
 from partopt.costmodel import training_flops
 from partopt.draw import draw
@@ -33,7 +37,7 @@ from partopt.inter import DEFAULT_MAX_LAYERS, optimize
 from partopt.intra import RECOMPUTE_MODES
 from partopt.ops import KINDS, is_matmul
 from partopt.plan import Plan, plan_text, read_plan, write_plan
-from partopt.simulate import SCHEDULES
+from partopt.schedules import SCHEDULES
 from partopt.solvers import BACKENDS
 from partopt.units import fmt_bytes, fmt_scaled, fmt_seconds
 
@@ -545,6 +549,86 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
     _emit(plan, output, as_json)
 
 
+# ---------------------------------------------------------------- sweep
+
+def _sweep_table(rows: list[sweep_module.Row]) -> Table:
+    """The sweep's rows: one per grid point, with the plan's figures or why it has none."""
+    table = Table(title="Sweep", box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False)
+    varied = any(r.options for r in rows)
+    trained = any(r.tokens is not None for r in rows)
+    columns = ["model", "cluster", "GPUs", *(["options"] if varied else []), "plan", "recompute", "µbatches",
+               "iteration", "TFLOP/s/GPU", "memory", *(["time to train", "GPU-hours"] if trained else []), "ILPs",
+               "planning"]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("model", "cluster", "options", "plan", "recompute")
+                         else "right")
+    for r in rows:
+        head = [r.model, r.cluster, f"{r.nodes} × {r.gpus // r.nodes}", *([r.options] if varied else [])]
+        if r.no_plan:  # the reason is printed under the table: as a cell it would widen the plan column
+            width = len(columns) - len(head) - 1
+            table.add_row(*map(Text, head), Text("no plan (below)", style="red"), *[""] * (width - 1),
+                          fmt_seconds(r.planning_s))
+            continue
+        train = [_fmt_days(r.time_to_train_s), f"{r.gpu_hours:,.0f}" if r.gpu_hours >= 100 else f"{r.gpu_hours:.3g}"] if trained else []
+        table.add_row(*map(Text, [*head, r.plan, r.recompute]), str(r.microbatches), fmt_seconds(r.iteration_time_s),
+                      f"{r.tflops_per_gpu:.3g}", fmt_bytes(r.peak_memory_bytes), *train, str(r.ilps_solved),
+                      fmt_seconds(r.planning_s))
+    return table
+
+
+def _fmt_days(seconds: float) -> str:
+    """A training time in days or hours when it is that long, else in the shared seconds format."""
+    if seconds >= 86400:
+        return f"{seconds / 86400:,.4g} days"
+    return f"{seconds / 3600:.3g} h" if seconds >= 3600 else fmt_seconds(seconds)
+
+
+@main.command("sweep")
+@click.argument("spec_file", metavar="SPEC")
+@click.option("-o", "--output", type=click.Path(), help="Write the table as CSV here.")
+@click.option("--plot", "plot_file", type=click.Path(), help="Plot throughput per GPU and time to train (.png, .svg).")
+@click.option("--tokens", type=FiniteFloat(), help="Training tokens for time to train and GPU-hours (overrides the spec's).")
+def sweep_command(spec_file: str, output: str | None, plot_file: str | None, tokens: float | None) -> None:
+    """Plan every model × cluster × node count (× varied option) of a sweep SPEC file and tabulate the best
+    plans: throughput per GPU, memory, time to train and GPU-hours; a point with no plan says why."""
+    if output:
+        io.check_output(output)
+    if plot_file:
+        sweep_module.check_plot_path(plot_file)
+    spec = sweep_module.read_spec(spec_file)
+    if tokens is not None:
+        spec = dataclasses.replace(spec, tokens=tokens)
+    err = console(stderr=True)
+    start = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True, disable=not err.is_terminal) as bar:
+        grid = bar.add_task("grid points", total=None)
+        ilps = bar.add_task("pricing", total=None)
+
+        def point(k: int, total: int, label: str) -> None:
+            bar.update(grid, completed=k, total=total)
+            bar.update(ilps, description=f"pricing {label}", completed=0, total=None)
+
+        rows = sweep_module.sweep(spec, point, lambda done, total: bar.update(ilps, completed=done, total=total))
+    wall = time.perf_counter() - start
+    if output:
+        sweep_module.write_csv(rows, output)
+    if plot_file:
+        sweep_module.plot(rows, plot_file)
+    out = console()
+    out.print(_sweep_table(rows))
+    for r in rows:
+        if r.no_plan:
+            out.print(Text(f"no plan for {r.model} on {r.nodes} × {r.cluster}"
+                           f"{f' ({r.options})' if r.options else ''}: {r.no_plan}"))
+    planned = sum(1 for r in rows if not r.no_plan)
+    out.print(f"{len(rows)} grid points, {planned} planned, {len(rows) - planned} without a plan; "
+              f"wall time {fmt_seconds(wall)}")
+    for path in (output, plot_file):
+        if path:
+            out.print(f"wrote {path}")
+
+
 # ---------------------------------------------------------------- explain, export, draw
 
 @main.command("explain")
@@ -665,10 +749,12 @@ def _render_verification(out: Console, stage: dict[str, Any]) -> None:
 @click.argument("plan_file", metavar="PLAN")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Image file: .svg or .png.")
 @click.option("--schedule", type=click.Choice(SCHEDULES), default="1f1b", show_default=True, help="Pipeline schedule.")
-def draw_command(plan_file: str, output: str, schedule: str) -> None:
+@click.option("--virtual-stages", type=int, default=1, show_default=True,
+              help="Model chunks per stage (v) of the interleaved schedule: 2 or more.")
+def draw_command(plan_file: str, output: str, schedule: str, virtual_stages: int) -> None:
     """Draw PLAN's pipeline schedule of one iteration and its memory per stage."""
     io.check_output(output)
-    draw(validate.read_checked(plan_file), output, schedule)
+    draw(validate.read_checked(plan_file), output, schedule, virtual_stages=virtual_stages)
     click.echo(f"wrote {output}")
 
 
@@ -688,6 +774,52 @@ def check_command(plan_file: str, graph_file: str, cluster_source: str, nodes: i
         click.echo(f"{plan_file}: {len(found)} figures differ from their re-derivation", err=True)
         raise SystemExit(EXIT_INCONSISTENT)
     click.echo(f"{plan_file}: consistent (every figure re-derived within a relative {validate.TOLERANCE:g})")
+
+
+# ---------------------------------------------------------------- calibrate
+
+def _percent(x: float | None) -> str:
+    return "—" if x is None else f"{x:+.1%}"
+
+
+@main.command("calibrate")
+@click.argument("points_file", metavar="POINTS")
+@click.option("--preset", "preset_name", required=True, type=click.Choice(PRESETS), help="The cluster preset to fit.")
+@click.option("-o", "--output", type=click.Path(),
+              help="Write the preset's data file here: a cluster file with the fitted values and their provenance "
+              "(partopt/presets/<preset>.json in the package makes it the preset).")
+def calibrate_command(points_file: str, preset_name: str, output: str | None) -> None:
+    """Fit a preset's physical parameters to the measured runs of POINTS (least squares on log error),
+    printing each point's fitted and leave-one-out error (docs/COSTMODEL.md §7)."""
+    from partopt import calibrate  # numpy-heavy fitting, needed by this command only
+
+    if output:
+        io.check_output(output)
+    points = calibrate.read_points(points_file)
+    with console(stderr=True).status(f"fitting {preset_name} to {len(points.points)} points …"):
+        result = calibrate.fit(points, preset_name)
+    out = console()
+    params = Table(title=f"{preset_name}: parameters", title_justify="left")
+    for column in ("parameter", "unit", "start", "value", "", "meaning"):
+        params.add_column(column)
+    for name, value in result.values.items():
+        fitted = name in result.fitted
+        params.add_row(name, calibrate.PARAMETERS[name].unit, f"{result.start[name]:.4g}" if fitted else "",
+                       f"{value:.4g}", "fitted" if fitted else "kept", calibrate.PARAMETERS[name].doc)
+    out.print(params)
+    table = Table(title=f"{preset_name}: predicted / measured throughput − 1", title_justify="left")
+    for column in ("point", "fitted error", "leave-one-out error", "source"):
+        table.add_column(column)
+    for r in result.results:
+        table.add_row(Text(r.label), _percent(r.error), _percent(r.loo_error), Text(r.source))
+    out.print(table)
+    loo = sorted(abs(r.loo_error) for r in result.results if r.loo_error is not None)
+    if loo:
+        out.print(f"leave-one-out |error|: median {statistics.median(loo):.1%}, max {loo[-1]:.1%}; "
+                  f"{result.evaluations} point predictions (plans priced)")
+    if output:
+        io.write_json(result.to_dict(points_file), output)
+        out.print(f"wrote {output}")
 
 
 @main.group("reproduce")

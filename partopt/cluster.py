@@ -8,6 +8,8 @@ explains the logical-mesh placement rule and how groups share a node's NIC.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from importlib import resources
+from importlib.resources.abc import Traversable
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping
 
@@ -17,6 +19,7 @@ FORMAT = "partopt.cluster"
 VERSION = 1
 GB = 1e9  # the file's "gbps" fields are GIGABYTES per second (per direction)
 TERA = 1e12
+GIGA = 1e9  # FLOPs per GFLOP
 GIB = 2**30
 MICRO = 1e6  # µs per second
 DICT_DIGITS = 12  # significant digits of floats written by cluster_to_dict (so round trips are exact)
@@ -56,6 +59,7 @@ class Device:
     memory_bandwidth: float  # bytes/s (HBM)
     matmul_efficiency: float = 0.75  # fraction of peak a large GEMM reaches (placeholder, see COSTMODEL.md)
     memory_efficiency: float = 0.8  # fraction of HBM bandwidth streaming ops reach (placeholder)
+    matmul_half_flops: float = 0.0  # GEMM size (FLOPs per call) reaching half of matmul_efficiency; 0: no curve
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
@@ -71,6 +75,8 @@ class Device:
                "a fraction of peak, e.g. 0.75")
         _check(_fraction_ok(self.memory_efficiency), f"{who}: memory_efficiency {self.memory_efficiency} is not in (0, 1]",
                "a fraction of HBM bandwidth, e.g. 0.8")
+        _check(self.matmul_half_flops >= 0, f"{who}: matmul_half_flops {self.matmul_half_flops} is negative",
+               "give the GEMM size in FLOPs at which matmuls reach half their efficiency, or 0 for none")
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`, falling back along PEAK_FALLBACK (fp16 <-> bf16, int8/fp8 -> 16-bit, -> fp32)."""
@@ -242,11 +248,26 @@ _PRESETS: dict[str, Cluster] = {
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
 
 
-def preset(name: str, nodes: int | None = None) -> Cluster:
-    """A preset cluster by name, resized to `nodes` nodes when given."""
+def preset_file(name: str) -> Traversable:
+    """Where the package keeps preset `name`'s data file (fitted values, `partopt calibrate -o`)."""
+    return resources.files("partopt").joinpath("presets", f"{name}.json")
+
+
+def nominal_preset(name: str) -> Cluster:
+    """Preset `name` as defined in code: datasheet figures and the default efficiencies."""
     if name not in _PRESETS:
         raise InstanceError(f"unknown cluster preset {name!r}", hint=f"known presets: {', '.join(PRESETS)}")
-    cluster = _PRESETS[name]
+    return _PRESETS[name]
+
+
+def preset(name: str, nodes: int | None = None) -> Cluster:
+    """A preset cluster by name, resized to `nodes` nodes when given: its data file in the package
+    (`preset_file`) when there is one, else the definition in code (`nominal_preset`)."""
+    cluster = nominal_preset(name)
+    path = preset_file(name)
+    if path.is_file():
+        from partopt import io  # io builds clusters with this module: imported here, once both are loaded
+        cluster = io.read_cluster(path)
     return cluster if nodes is None else cluster.resized(nodes)
 
 
@@ -275,7 +296,8 @@ def cluster_from_dict(data: dict[str, Any], where: str = "") -> Cluster:
             memory_bytes=round(dev["memory_gib"] * GIB),
             memory_bandwidth=dev["memory_bandwidth_gbps"] * GB,
             matmul_efficiency=dev.get("matmul_efficiency", Device.matmul_efficiency),
-            memory_efficiency=dev.get("memory_efficiency", Device.memory_efficiency))
+            memory_efficiency=dev.get("memory_efficiency", Device.memory_efficiency),
+            matmul_half_flops=dev.get("matmul_half_gflop", 0.0) * GIGA)
     links = {}
     for key, default_latency in (("intra_node", NVLINK_LATENCY_S), ("inter_node", INFINIBAND_LATENCY_S)):
         link = data[key]
@@ -312,6 +334,8 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             "memory_bandwidth_gbps": _num(dev.memory_bandwidth / GB),
             "matmul_efficiency": dev.matmul_efficiency,
             "memory_efficiency": dev.memory_efficiency,
+            # written only when set, so that files of devices without a curve stay as they were
+            **({"matmul_half_gflop": _num(dev.matmul_half_flops / GIGA)} if dev.matmul_half_flops else {}),
         },
         "intra_node": link(cluster.intra_node),
         "inter_node": link(cluster.inter_node),

@@ -1,7 +1,8 @@
 """A picture of a plan: the simulated pipeline schedule of one iteration and memory per stage (SVG or PNG).
 
-The schedule comes from `partopt.simulate` run on the plan's stage times (`stage_times`), so
-the drawing shows what the simulator computes; the title also gives the plan's closed-form time.
+The schedule (GPipe, 1F1B, interleaved 1F1B with v chunks per stage, zero-bubble ZB-H1) comes from
+`partopt.simulate` run on the plan's stage times (`stage_times`), so the drawing shows what the
+simulator computes; the title also gives the plan's closed-form time.
 Layout is fixed in inches (no pyplot, no automatic layout): rows keep their height however many
 stages there are, and the output is byte-for-byte deterministic for a given matplotlib.
 """
@@ -14,6 +15,7 @@ import matplotlib
 from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
@@ -28,7 +30,7 @@ from partopt.validate import check_plan
 
 FORMATS: tuple[str, ...] = (".svg", ".png")
 GIB = 2.0**30
-COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "sync": "#55a868", "idle": "#ececec",
+COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "weight": "#937860", "sync": "#55a868", "idle": "#ececec",
            "params": "#8172b3", "activations": "#ccb974", "budget": "#c44e52"}
 
 # figure geometry, inches
@@ -38,6 +40,7 @@ _BAR = 0.7  # bar height, in rows
 _FONT = 6.5  # microbatch numbers, points
 _DPI = 150
 MAX_MICROBATCHES = 4096  # more are not legible, and simulating them costs memory in proportion
+WEIGHT_SHARE = 0.5  # of a backward, the weight-gradient pass W that zero-bubble splits off (a matmul's dW GEMM)
 
 
 def stage_times(plan: Plan) -> list[StageTimes]:
@@ -47,6 +50,8 @@ def stage_times(plan: Plan) -> list[StageTimes]:
     `forward_s` is the forward's FLOP share of `stage_time_s`, sends included. So per stage:
     send_s = send_time_s / 2, compute = stage_time_s - send_time_s split by the same share,
     activation_bytes and static_bytes (parameter state and recomputation's working set) from the breakdown.
+    A plan does not split the backward: weight_s (zero-bubble's W pass) is `WEIGHT_SHARE` of it, exact
+    for matmuls (dX and dW are GEMMs of equal FLOPs), an overestimate where other ops weigh in.
     """
     result = []
     for i, stage in enumerate(plan.stages):
@@ -64,6 +69,7 @@ def stage_times(plan: Plan) -> list[StageTimes]:
         share = stage.forward_s / stage.stage_time_s if stage.stage_time_s > 0 else 0.0
         forward = compute * share
         result.append(StageTimes(forward_s=forward, backward_s=compute - forward, send_s=stage.send_time_s / 2,
+                                 weight_s=(compute - forward) * WEIGHT_SHARE,
                                  activation_bytes=float(stage.breakdown["activation_bytes"]),
                                  static_bytes=float(stage.breakdown["param_bytes"] + stage.breakdown.get("working_bytes", 0.0))))
     return result
@@ -76,10 +82,12 @@ def plan_budget(plan: Plan) -> float | None:
     return memory_budget(preset(plan.cluster).device, plan.options.get("memory_reserve", DEFAULT_MEMORY_RESERVE))
 
 
-def draw(plan: Plan, path: str | Path, schedule: str = "1f1b", memory_budget_bytes: float | None = None) -> None:
+def draw(plan: Plan, path: str | Path, schedule: str = "1f1b", memory_budget_bytes: float | None = None,
+         virtual_stages: int = 1) -> None:
     """Write the plan's pipeline timeline and per-stage memory as SVG or PNG (format from the suffix).
 
     `memory_budget_bytes` draws the budget line; by default it is derived for preset clusters.
+    `virtual_stages` is the interleaved schedule's v (model chunks per stage; later chunks drawn lighter).
     The plan is validated first (`partopt.validate.check_plan`): no drawing of figures that disagree.
     """
     path = Path(path)
@@ -92,7 +100,7 @@ def draw(plan: Plan, path: str | Path, schedule: str = "1f1b", memory_budget_byt
         raise InstanceError(f"{plan.num_microbatches} microbatches are too many to draw (at most {MAX_MICROBATCHES})",
                             "$.num_microbatches", "draw a plan with fewer microbatches")
     stages = stage_times(plan)
-    simulation = simulate(stages, plan.num_microbatches, schedule)
+    simulation = simulate(stages, plan.num_microbatches, schedule, virtual_stages)
     budget = plan_budget(plan) if memory_budget_bytes is None else memory_budget_bytes
     figure = _figure(plan, stages, simulation, budget)
     with matplotlib.rc_context({"svg.hashsalt": "partopt", "svg.fonttype": "path"}):
@@ -112,16 +120,24 @@ def _figure(plan: Plan, stages: list[StageTimes], simulation: Simulation, budget
     memory = figure.add_axes(((_LEFT + _TIMELINE + _GAP) / _WIDTH, box[0], _MEMORY / _WIDTH, box[1]), sharey=timeline)
     end = _timeline(timeline, plan, simulation)
     handles = _memory(memory, stages, simulation, budget)
+    schedule = simulation.schedule
+    if simulation.virtual_stages > 1:
+        schedule += f" (v = {simulation.virtual_stages}, later chunks lighter)"
     figure.suptitle(f"{plan.graph} on {plan.cluster} ({plan.nodes} × {plan.devices_per_node} devices) · "
-                    f"{plan.num_microbatches} microbatches of {plan.microbatch_size} · {simulation.schedule}\n"
+                    f"{plan.num_microbatches} microbatches of {plan.microbatch_size} · {schedule}\n"
                     f"iteration {fmt_seconds(plan.iteration_time_s)} (plan, closed form) · "
                     f"{fmt_seconds(end)} ({simulation.schedule} simulation)",
                     y=1 - 0.12 / height, va="top", fontsize=10)
-    figure.legend(handles=[Patch(color=COLOURS["forward"], label="forward"),
-                           Patch(color=COLOURS["backward"], label="backward"),
-                           Patch(color=COLOURS["sync"], label="gradient sync + optimizer"),
-                           Patch(color=COLOURS["idle"], label="idle (bubble)"), *handles],
-                  loc="lower center", bbox_to_anchor=(0.5, 0.02 / height), ncols=7, fontsize=8, frameon=False)
+    passes = [Patch(color=COLOURS["forward"], label="forward")]
+    if simulation.schedule == "zero-bubble":
+        passes += [Patch(color=COLOURS["backward"], label="input gradient (B)"),
+                   Patch(color=COLOURS["weight"], label="weight gradient (W)")]
+    else:
+        passes.append(Patch(color=COLOURS["backward"], label="backward"))
+    handles = [*passes, Patch(color=COLOURS["sync"], label="gradient sync + optimizer"),
+               Patch(color=COLOURS["idle"], label="idle (bubble)"), *handles]
+    figure.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.02 / height),
+                  ncols=len(handles) if len(handles) <= 7 else -(-len(handles) // 2), fontsize=8, frameon=False)
     return figure
 
 
@@ -139,17 +155,21 @@ def _timeline(ax: Axes, plan: Plan, simulation: Simulation) -> float:
     for i, stage in enumerate(plan.stages):
         y = (i - _BAR / 2, _BAR)
         ax.broken_barh([(0, (done[i] + stage.sync_time_s) * scale)], y, facecolors=COLOURS["idle"], gid=f"idle-{i}")
-        for kind in ("forward", "backward"):
+        for kind in ("forward", "backward", "weight"):
             events = [e for e in simulation.events if e.stage == i and e.kind == kind]
+            if not events:
+                continue
             blocks = [(e.start_s * scale, (e.end_s - e.start_s) * scale) for e in events]
             thin = any(w * points_per_unit < 3 for _, w in blocks)
-            ax.broken_barh(blocks, y, facecolors=COLOURS[kind], edgecolors="white",
-                           linewidth=0 if thin else 0.4, gid=f"{kind}-{i}")
+            ax.broken_barh(blocks, y, facecolors=[_shade(COLOURS[kind], e.chunk, simulation.virtual_stages) for e in events],
+                           edgecolors="white", linewidth=0 if thin else 0.4, gid=f"{kind}-{i}")
             for e, (x, w) in zip(events, blocks):
                 text = str(e.microbatch)
                 if w * points_per_unit >= 0.62 * _FONT * len(text) + 2:
+                    chunk = f"-c{e.chunk}" if simulation.virtual_stages > 1 else ""
                     ax.text(x + w / 2, i, text, ha="center", va="center", fontsize=_FONT,
-                            color="white" if kind == "forward" else "black", gid=f"label-{kind}-{i}-{e.microbatch}")
+                            color="white" if kind == "forward" else "black",
+                            gid=f"label-{kind}-{i}-{e.microbatch}{chunk}")
         if stage.sync_time_s > 0:
             ax.broken_barh([(done[i] * scale, stage.sync_time_s * scale)], y, facecolors=COLOURS["sync"], gid=f"sync-{i}")
         busy = sum(e.end_s - e.start_s for e in simulation.events if e.stage == i) + stage.sync_time_s
@@ -164,6 +184,12 @@ def _timeline(ax: Axes, plan: Plan, simulation: Simulation) -> float:
     ax.set_axisbelow(True)
     ax.set_title("pipeline schedule of one iteration", fontsize=9)
     return end
+
+
+def _shade(colour: str, chunk: int, chunks: int) -> tuple[float, float, float]:
+    """`colour` for model chunk `chunk` of `chunks`: the first as is, later ones mixed with up to 45 % white."""
+    mix = 0.45 * chunk / (chunks - 1) if chunks > 1 else 0.0
+    return tuple(c + (1 - c) * mix for c in to_rgb(colour))  # type: ignore[return-value]
 
 
 def _memory(ax: Axes, stages: list[StageTimes], simulation: Simulation, budget: float | None) -> list[Artist]:
@@ -181,7 +207,7 @@ def _memory(ax: Axes, stages: list[StageTimes], simulation: Simulation, budget: 
                                   label=f"memory budget {fmt_bytes(budget)}", gid="memory-budget"))
         top = max(top, budget / GIB)
     for i, inflight in zip(rows, simulation.max_inflight):
-        ax.text(params[i] + acts[i] + top * 0.02, i, f"{params[i] + acts[i]:.3g} (×{inflight})", va="center", fontsize=7,
+        ax.text(params[i] + acts[i] + top * 0.02, i, f"{params[i] + acts[i]:.3g} (×{inflight:g})", va="center", fontsize=7,
                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
     ax.set_xlim(0, top * 1.45 if top > 0 else 1.0)
     ax.tick_params(axis="y", labelleft=False)

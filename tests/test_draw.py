@@ -7,9 +7,15 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from click.testing import CliRunner
+
+from partopt import models
+from partopt.cli import main
+from partopt.cluster import preset
 from partopt.draw import draw, plan_budget, stage_times
 from partopt.errors import InstanceError
-from partopt.plan import Plan, StagePlan
+from partopt.inter import optimize
+from partopt.plan import Plan, StagePlan, write_plan
 from partopt.simulate import closed_form, simulate
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -186,4 +192,58 @@ def test_missing_directory_is_an_instance_error(tmp_path):
 
 def test_unknown_schedule_is_an_instance_error(tmp_path):
     with pytest.raises(InstanceError, match="unknown pipeline schedule"):
-        draw(_one_stage(), tmp_path / "t.svg", schedule="interleaved")
+        draw(_one_stage(), tmp_path / "t.svg", schedule="zb-h2")
+
+
+def test_interleaved_without_virtual_stages_is_an_instance_error(tmp_path):
+    with pytest.raises(InstanceError, match="at least 2 virtual stages") as info:
+        draw(_four_stages(), tmp_path / "t.svg", schedule="interleaved")
+    assert info.value.where == "virtual_stages"
+    assert not (tmp_path / "t.svg").exists()
+
+
+def test_interleaved_draws_every_chunk_and_its_extra_inflight(tmp_path):
+    # 4 stages, B = 4, v = 2: each stage runs 4 microbatches x 2 chunks of forwards and of backwards.
+    # B = S: Megatron warms up completely, so each stage holds all 8 chunk-microbatches = 4 stage-activations.
+    draw(_four_stages(4), tmp_path / "t.svg", schedule="interleaved", virtual_stages=2)
+    root = ET.parse(tmp_path / "t.svg").getroot()
+    for kind in ("forward", "backward"):
+        assert [len(_group(root, f"{kind}-{i}").findall(f"{SVG}path")) for i in range(4)] == [8] * 4
+    assert not any((g.get("id") or "").startswith("weight-") for g in root.iter(f"{SVG}g"))
+    assert "label-forward-0-0-c1" in _labels(root)
+
+
+def test_zero_bubble_draws_weight_passes_of_half_the_backward(tmp_path):
+    times = stage_times(_four_stages())
+    assert [s.weight_s for s in times] == [s.backward_s / 2 for s in times]
+    draw(_four_stages(5), tmp_path / "t.svg", schedule="zero-bubble")
+    root = ET.parse(tmp_path / "t.svg").getroot()
+    for kind in ("forward", "backward", "weight"):
+        assert [len(_group(root, f"{kind}-{i}").findall(f"{SVG}path")) for i in range(4)] == [5] * 4
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    """A solved plan on file: GPT of 8 layers on one p3 node, 8 stages, B = 8 (a multiple of S, as interleaved needs)."""
+    graph = models.gpt(hidden=256, layers=8, heads=4, seq=128, vocab=1024, batch=64)
+    plan = optimize(graph, preset("p3.16xlarge", 1), microbatches=8, inter_only=True)
+    assert len(plan.stages) == plan.num_microbatches == 8
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    write_plan(plan, path)
+    return path
+
+
+@pytest.mark.parametrize("args, code", [
+    (["--schedule", "interleaved", "--virtual-stages", "2"], 0),
+    (["--schedule", "zero-bubble"], 0),
+    (["--schedule", "interleaved"], 2),  # v missing: one line, exit 2
+    (["--schedule", "1f1b", "--virtual-stages", "2"], 2),
+])
+def test_cli_draws_the_new_schedules(plan_file, tmp_path, args, code):
+    result = CliRunner().invoke(main, ["draw", str(plan_file), "-o", str(tmp_path / "t.svg"), *args])
+    assert result.exit_code == code, result.output
+    if code:
+        assert "virtual_stages" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+        assert "Traceback" not in result.output and not (tmp_path / "t.svg").exists()
+    else:
+        assert (tmp_path / "t.svg").stat().st_size > 0
