@@ -105,7 +105,7 @@ def _inner(t: np.ndarray, sizes: list[int], devices: int):
 def _plan(t: np.ndarray, f, after, stay, sizes: list[int], devices: int) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The inner DP's best plan on all `devices`: (sum t, [(first, last, submesh, level)]), or None.
     Each stage is the (last layer, submesh) whose sum t + rest equals the state's value, as `_inner` added them."""
-    K, L = f.shape[0] - 1, f.shape[1] - 1
+    K = f.shape[0] - 1
     level = 1 + int(np.argmin(f[1:, 0, devices]))
     value = float(f[level, 0, devices])
     if not np.isfinite(value):
