@@ -19,7 +19,7 @@ from partopt.errors import InfeasibleError, InstanceError, SolverError
 from partopt.graph import Graph, Op
 from partopt.inter import LayerCost, Options, StageSpec, _record, assemble, microbatch_counts, params_of
 from partopt.layering import Layering, build_layers
-from partopt.plan import Plan
+from partopt.plan import Plan, tensor_table
 from partopt.sharding import ParamStrategy, Replicate, Strategy, fmt, op_strategies, param_strategies
 from partopt.units import fmt_bytes
 
@@ -179,10 +179,10 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
 def _records_graph(plan: Plan, graph: Graph) -> bool:
     """True when the plan's tensor table is `graph`'s (names, dims, one microbatch's shape, roles):
     the plan was made for this graph under another name (a renamed or copied graph file)."""
-    mb = {graph.batch_dim: plan.microbatch_size} if graph.batch_dim else {}
-    tensors = {name: {"dims": list(t.dims), "shape": [mb.get(d, graph.dims[d]) for d in t.dims], "role": t.role}
-               for name, t in graph.tensors.items()}
-    return bool(plan.tensors) and plan.tensors == tensors
+    try:
+        return bool(plan.tensors) and plan.tensors == tensor_table(intra.with_batch(graph, plan.microbatch_size))
+    except InfeasibleError:  # a microbatch this graph cannot have (its derived dims do not scale)
+        return False
 
 
 def evaluate(graph: Graph, cluster: Cluster, plan: Plan, where: str = "plan", **kwargs) -> Plan:

@@ -29,7 +29,7 @@ from partopt.errors import InfeasibleError, InstanceError, PartoptError, SolverE
 from partopt.graph import Graph, Op
 from partopt.layering import Layering, build_layers
 from partopt.ops import is_matmul
-from partopt.plan import Plan, StagePlan
+from partopt.plan import Plan, StagePlan, tensor_table
 from partopt.sharding import Shard, fmt
 from partopt.shared import correction, shared_params
 from partopt.units import fmt_bytes
@@ -627,7 +627,11 @@ def _training_flops(graph: Graph, ops: Sequence[Op] | None = None) -> float:
 
 def _recomputed_flops(graph: Graph, units: Sequence[Sequence[Op]], mode: str) -> float:
     """Forward FLOPs that recomputation `mode` runs again in these base layers (priced one by one)."""
-    return sum(graph.flops(op) for ops in units for op in ops if op.name in intra.recomputed_ops(graph, ops, mode))
+    total = 0.0
+    for ops in units:
+        rerun = intra.recomputed_ops(graph, ops, mode)
+        total += sum(graph.flops(op) for op in ops if op.name in rerun)
+    return total
 
 
 def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Options, count: int,
@@ -709,9 +713,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options: Option
     iteration = sum(latencies) + (count - 1) * max(latencies) + max(s.sync_time_s for s in stages)
     flops = _training_flops(graph)
     executed = flops + recomputed_flops
-    g_mb = intra.with_batch(graph, mb)
-    tensors = {name: {"dims": list(t.dims), "shape": [g_mb.dims[d] for d in t.dims], "role": t.role}
-               for name, t in g_mb.tensors.items()}
+    tensors = tensor_table(intra.with_batch(graph, mb))
     return Plan(
         graph=graph.name, cluster=cluster.name, nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,
         iteration_time_s=float(iteration), num_microbatches=count, microbatch_size=mb, stages=stages,

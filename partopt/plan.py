@@ -9,6 +9,7 @@ from typing import Any
 
 from partopt import io
 from partopt.errors import InstanceError
+from partopt.graph import Graph
 
 FORMAT = "partopt.plan"
 VERSION = 1
@@ -53,6 +54,13 @@ class Plan:
     options: dict[str, Any] = field(default_factory=dict)
     batch_dim: str | None = None
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"dims", "shape" (one microbatch), "role"}
+
+
+def tensor_table(g_mb: Graph) -> dict[str, dict[str, Any]]:
+    """A plan's `tensors` record of a graph at microbatch size (`intra.with_batch`): each tensor's
+    dims, one microbatch's shape and role — what exporters and checks read instead of the graph."""
+    return {name: {"dims": list(t.dims), "shape": [g_mb.dims[d] for d in t.dims], "role": t.role}
+            for name, t in g_mb.tensors.items()}
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from partopt.export import parse_placement
 from partopt.graph import Graph
 from partopt.io import at
 from partopt.layering import build_layers
-from partopt.plan import Plan, StagePlan, read_plan
+from partopt.plan import Plan, StagePlan, read_plan, tensor_table
 from partopt.sharding import Shard, fmt, op_strategies, param_strategies
 
 TOLERANCE = 1e-6  # relative: stored figures are sums of the same floats in the same order
@@ -183,12 +183,12 @@ def _check_target(plan: Plan, graph: Graph, cluster: Cluster, where: str) -> Non
 
 
 def _check_tensors(plan: Plan, g_mb: Graph, where: str) -> None:
+    table = tensor_table(g_mb)
     for name, t in (plan.tensors or {}).items():
-        tensor = g_mb.tensors.get(name)
         place = at(where, f"$.tensors[{name!r}]")
-        if tensor is None:
+        if name not in table:
             raise InstanceError(f"tensor {name!r} is not in the graph", place, _REDO)
-        expected = {"dims": list(tensor.dims), "shape": [g_mb.dims[d] for d in tensor.dims], "role": tensor.role}
+        expected = table[name]
         if {k: t[k] for k in expected} != expected:
             raise InstanceError(f"tensor {name!r} is {t['dims']} {t['shape']} {t['role']}, the graph's (one microbatch) is "
                                 f"{expected['dims']} {expected['shape']} {expected['role']}", place, _REDO)

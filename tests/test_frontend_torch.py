@@ -328,11 +328,17 @@ def test_cli_import_hf_without_model_type_is_one_line(tmp_path):
     assert result.output.count("\n") == 1 and "no model_type" in result.output
 
 
-def test_cli_import_torch_from_a_file(tmp_path):
+def mlp_source(tmp_path, hidden: int, activation: str, batch: int):
+    """A `file.py` whose make() returns an 8 → hidden → 8 MLP and an example input of `batch` rows."""
     source = tmp_path / "mlp.py"
     source.write_text("import torch\n\ndef make():\n"
-                      "    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)), "
-                      "(torch.empty(16, 8),)\n")
+                      f"    return torch.nn.Sequential(torch.nn.Linear(8, {hidden}), torch.nn.{activation}(), "
+                      f"torch.nn.Linear({hidden}, 8)), (torch.empty({batch}, 8),)\n")
+    return source
+
+
+def test_cli_import_torch_from_a_file(tmp_path):
+    source = mlp_source(tmp_path, 32, "GELU", 16)
     out = tmp_path / "g.json"
     result = CliRunner().invoke(main, ["import", "torch", f"{source}:make", "-o", str(out)])
     assert result.exit_code == 0, result.output

@@ -19,6 +19,7 @@ from partopt.frontends.torch import from_hf_config, read_hf_config
 from partopt.inter import optimize
 from partopt.plan import write_plan
 from partopt.verify_torch import differences, dtensor_placements, torch_axes, verify_plan
+from test_frontend_torch import mlp_source
 
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 8}
@@ -106,10 +107,7 @@ def test_every_process_builds_the_same_model_from_a_torch_source(tmp_path):
 
     from partopt.verify_torch import _build
 
-    source = tmp_path / "mlp.py"
-    source.write_text("import torch\n\ndef make():\n"
-                      "    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)), "
-                      "(torch.empty(6, 8),)\n")
+    source = mlp_source(tmp_path, 16, "ReLU", 6)
     (m1, x1, loss_fn), (m2, x2, _) = _build(f"{source}:make", None), _build(f"{source}:make", None)
     assert all(p.device.type == "cpu" for p in m1.parameters())
     assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
