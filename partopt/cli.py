@@ -849,9 +849,9 @@ def reproduce_alpa(quick: bool) -> None:
                     table.add_row(*row)
                 out.print(table)
     found = harness.checks(results)
-    for check in found:
-        out.print(f"{'PASS' if check.passed else 'FAIL'} {check.name} — {check.detail}")
-    if not all(check.passed for check in found):
+    for claim in found:
+        out.print(f"{'PASS' if claim.passed else 'FAIL'} {claim.name} — {claim.detail}")
+    if not all(claim.passed for claim in found):
         raise SystemExit(1)  # a claim of the paper does not hold under the model: say so to scripts and CI
 
 

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from functools import partial
 
 from partopt import costmodel, intra
 from partopt.cluster import Cluster
-from partopt.errors import InfeasibleError, InstanceError, SolverError
+from partopt.errors import InfeasibleError, InstanceError
 from partopt.graph import Graph, Op
-from partopt.inter import LayerCost, Options, StageSpec, _record, assemble, microbatch_counts, params_of
+from partopt.assemble import assemble
+from partopt.options import Options, microbatch_counts
+from partopt.pricing import Job, LayerCost, Pricer, Stats
+from partopt.stages import StageSpec
 from partopt.layering import Layering, build_layers
 from partopt.plan import Plan, tensor_table
-from partopt.sharding import ParamStrategy, Replicate, Strategy, fmt, op_strategies, param_strategies
+from partopt.sharding import ParamStrategy, Replicate, Strategy, fmt
 from partopt.units import fmt_bytes
 
 
@@ -101,47 +103,29 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool) -> intra.Restriction:
 LOOSER = (1.0, 1.5, 2.0, 3.0)  # caps tried for a layer, in units of its even share of the budget
 
 
-def _price_layers(graph: Graph, cluster: Cluster, layering: Layering, count: int, spec: StageSpec,
-                  restriction: intra.Restriction, options: Options, stats: dict, cache: dict,
-                  budget: float | None = None) -> list[LayerCost | None]:
+def _price_layers(pricer: Pricer, cluster: Cluster, layering: Layering, count: int, spec: StageSpec,
+                  restriction: intra.Restriction, stats: Stats, budget: float | None = None) -> list[LayerCost | None]:
     """The stage's base layers priced on its mesh under `restriction` (others None: not in this stage).
 
     With a `budget`, each of the stage's n layers is first solved within budget / n with the
     stage's in-flight microbatches (so that together they fit), then within looser caps (a small
     embedding leaves room to the blocks), and without a cap only if all fail.
     """
-    mb = graph.dims[graph.batch_dim] // count
-    g_mb = intra.with_batch(graph, mb)
+    mb = pricer.graph.dims[pricer.graph.batch_dim] // count
     mesh = cluster.logical_mesh(spec.submesh, spec.shape)
     first, last = layering.groups[spec.first][0], layering.groups[spec.last][1]
     row: list[LayerCost | None] = [None] * len(layering.base)
     for b in range(first, last + 1):
-        ops = [g_mb.op_index[op.name] for op in layering.base[b]]
-        params = params_of(g_mb, ops)
-        # layers alike under alike pins share one solve
-        cap = None if budget is None else (budget / (last - first + 1), spec.inflight)
-        key = (g_mb.structural_hash(ops), mesh, spec.recompute, cap,
-               tuple(tuple(s.axes) for op in ops for s in op_strategies(g_mb, op, mesh) if restriction.op(op, s)),
-               tuple(s.name for t in params for s in param_strategies(g_mb, g_mb.tensors[t], mesh)
-                     if restriction.param(t, s)))
-        if key not in cache:
-            solve = partial(intra.shard_stage, g_mb, mesh, ops, microbatches=count, backend=options.backend,
-                            time_limit_s=options.time_limit_s, seed=options.seed, restriction=restriction,
-                            recompute=spec.recompute)
-            sharding = None
-            for factor in (LOOSER if cap else ()):  # the even share first, then looser caps
-                try:
-                    sharding = solve(inflight=cap[1], memory_budget=min(budget, factor * cap[0]))
-                    break
-                except (InfeasibleError, SolverError):
-                    continue
-            if sharding is None:
-                sharding = solve(inflight=1)  # the stage will not fit: the check in `price` says by how much
-            cache[key] = LayerCost.of(sharding)
-            _record(stats, cache[key], solved=True)
-        else:
-            _record(stats, cache[key], solved=False)
-        row[b] = cache[key]
+        names = tuple(op.name for op in layering.base[b])
+        share = None if budget is None else budget / (last - first + 1)
+        for factor in (LOOSER if share else ()):  # the even share first, then looser caps
+            cost = pricer.one(Job(mb, count, names, mesh, spec.recompute, min(budget, factor * share),
+                                  spec.inflight, restriction), stats)
+            if isinstance(cost, LayerCost):
+                break
+        else:  # the stage will not fit: the check in `price` says by how much
+            cost = pricer.one(Job(mb, count, names, mesh, spec.recompute, None, 1, restriction), stats)
+        row[b] = cost
     return row
 
 
@@ -151,18 +135,17 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
     """The plan of fixed stages (`specs`), each priced by the intra-op ILP under its restriction
     (None: every strategy allowed); `fit_memory` makes each stage's layers choose strategies that
     fit the device memory together (see `_price_layers`), rather than the fastest. `cache` keeps
-    the layer solutions across calls with the same graph, cluster and options (else per call).
+    the layer solutions across calls (`pricing.Pricer`'s, shared with `optimize`).
 
     Raises InfeasibleError when a stage's memory exceeds the budget.
     """
     start = time.perf_counter()
-    stats = {"ilps": 0, "status": "optimal", "gap": 0.0, "solve_time_s": 0.0}
-    cache = {} if cache is None else cache
+    stats = Stats()
     restrictions = restrictions or [intra.Restriction()] * len(specs)
     budget = costmodel.memory_budget(cluster.device, options.memory_reserve)
-    rows = [_price_layers(graph, cluster, layering, count, spec, r, options, stats, cache,
-                          budget if fit_memory else None)
-            for spec, r in zip(specs, restrictions)]
+    with Pricer(graph, options, cache) as pricer:
+        rows = [_price_layers(pricer, cluster, layering, count, spec, r, stats, budget if fit_memory else None)
+                for spec, r in zip(specs, restrictions)]
     plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start)
     for i, stage in enumerate(plan.stages):
         if stage.memory_bytes > budget:

@@ -1,6 +1,6 @@
 """Stage DP benchmark (issue 19): `stagedp.solve` time and peak memory on seeded random stage-cost tables.
 
-The tables have the planner's shape (`inter._stage_table`): t[h, k, i, j, s] and extra[h, k, i, j, s]
+The tables have the planner's shape (`stages.stage_table`): t[h, k, i, j, s] and extra[h, k, i, j, s]
 for 5 logical options h, in-flight counts k = 0 … L, layers i ≤ j, and submesh shapes (1, 1), (1, 2),
 (1, 4), (1, 8) then (n, 8) for n = 2, 4, … up to the nodes (the power-of-two family of
 `Cluster.submesh_shapes`, as the issue's (2, 8), (4, 8), (8, 8)). Every stage is feasible (same

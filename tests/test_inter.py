@@ -11,7 +11,8 @@ from partopt import costmodel
 from partopt.cli import main
 from partopt.cluster import preset
 from partopt.errors import InfeasibleError
-from partopt.inter import LayerCost, Options, _longest_stage, _price, microbatch_counts, optimize
+from partopt.inter import Options, microbatch_counts, optimize
+from partopt.pricing import Dropped, Job, LayerCost, Stats, longest_stage, price
 from partopt.plan import plan_to_dict, read_plan
 from partopt.simulate import StageTimes, closed_form
 from test_intra import mlp
@@ -186,11 +187,11 @@ def test_longest_stage_is_the_longest_run_of_layers_costing_under_the_bound():
 
     # with B = 4 the layers cost 4·time + sync = 5, 8, (cannot run), 3, 3, 3
     row = [layer(1.0, 1.0), layer(2.0, 0.0), None, layer(0.5, 1.0), layer(0.5, 1.0), layer(0.5, 1.0)]
-    assert _longest_stage(row, 4, float("inf")) == 3  # a layer that cannot run splits the runs
-    assert _longest_stage(row, 4, 14.0) == 3  # 5 + 8 = 13 and 3 + 3 + 3 = 9 both fit
-    assert _longest_stage(row, 4, 9.0) == 2  # 3 + 3 + 3 = 9 is not under 9
-    assert _longest_stage(row, 4, 5.0) == 1  # only a 3 alone
-    assert _longest_stage(row, 4, 3.0) == 0
+    assert longest_stage(row, 4, float("inf")) == 3  # a layer that cannot run splits the runs
+    assert longest_stage(row, 4, 14.0) == 3  # 5 + 8 = 13 and 3 + 3 + 3 = 9 both fit
+    assert longest_stage(row, 4, 9.0) == 2  # 3 + 3 + 3 = 9 is not under 9
+    assert longest_stage(row, 4, 5.0) == 1  # only a 3 alone
+    assert longest_stage(row, 4, 3.0) == 0
 
 
 def test_a_layers_ilp_minimises_its_time_per_microbatch_plus_sync_over_the_count():
@@ -198,13 +199,14 @@ def test_a_layers_ilp_minimises_its_time_per_microbatch_plus_sync_over_the_count
     graph, cluster = mlp(2, 4096, 1024), preset("p3.16xlarge", 1)
     mesh = cluster.logical_mesh((1, 4), (2, 2))
     for count in (1, 8):
-        cost = _price(graph, graph.ops[:1], mesh, count, "none", costmodel.memory_budget(cluster.device), Options())
+        cost = price(graph, Job(graph.dims[graph.batch_dim], count, (graph.ops[0].name,), mesh, "none", costmodel.memory_budget(cluster.device)),
+                     Options())
         assert cost.sharding.objective == pytest.approx(cost.time_s + cost.sync_s / count, rel=1e-9)
 
 
 def test_a_leaner_option_that_finds_no_solution_in_time_is_counted_not_silently_dropped(monkeypatch):
     """A memory-capped ILP that times out without a solution is `Dropped`, and the plan says how many."""
-    from partopt import inter, intra
+    from partopt import intra
     from partopt.errors import SolverError
 
     graph, cluster = mlp(4, 4096, 4096), preset("p3.16xlarge", 1)
@@ -218,8 +220,8 @@ def test_a_leaner_option_that_finds_no_solution_in_time_is_counted_not_silently_
 
     monkeypatch.setattr(intra, "shard_stage", lean_times_out)
     mesh = cluster.logical_mesh((1, 2), (2, 1))
-    assert isinstance(inter._price(graph, graph.ops[:1], mesh, 1, "none", budget / 64, Options()), inter.Dropped)
-    stats = {"ilps": 0, "status": "optimal", "gap": 0.0, "solve_time_s": 0.0}
-    inter._record(stats, inter.Dropped(10.0), solved=True)
-    inter._record(stats, None, solved=True)  # an infeasible cap is not a drop: it is proven
-    assert stats["dropped"] == 1 and stats["ilps"] == 0
+    assert isinstance(price(graph, Job(graph.dims[graph.batch_dim], 1, (graph.ops[0].name,), mesh, "none", budget / 64), Options()), Dropped)
+    stats = Stats()
+    stats.record(Dropped(10.0), solved=True)
+    stats.record(None, solved=True)  # an infeasible cap is not a drop: it is proven
+    assert stats.dropped == 1 and stats.ilps == 0

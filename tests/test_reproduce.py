@@ -15,7 +15,8 @@ from partopt import intra
 from partopt.bench import alpa, calibrate, harness, report
 from partopt.cli import main
 from partopt.errors import InfeasibleError, InstanceError
-from partopt.inter import Options, StageSpec
+from partopt.inter import Options
+from partopt.stages import StageSpec
 from partopt.layering import build_layers
 from partopt.io import read_graph
 from partopt.plan import Plan, StagePlan

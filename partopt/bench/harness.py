@@ -20,7 +20,8 @@ from partopt.cluster import Cluster
 from partopt.errors import InfeasibleError
 from partopt.evaluate import price
 from partopt.graph import Graph
-from partopt.inter import Options, StageSpec, optimize
+from partopt.inter import Options, optimize
+from partopt.stages import StageSpec
 from partopt.layering import Layering, build_layers
 from partopt.plan import Plan
 

@@ -1,0 +1,58 @@
+"""The search options of `optimize` and the microbatch counts it may try."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from partopt import costmodel, intra
+from partopt.errors import InfeasibleError, InstanceError
+
+DEFAULT_MAX_LAYERS = 64  # every block up to 64 (GPT-39B: 48); more are grouped (docs/benchmarks.md)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Search options of `optimize` (see its docstring)."""
+
+    microbatches: int | str | Sequence[int] = "auto"  # a count, several to search, or auto (powers of two)
+    layers: int | None = DEFAULT_MAX_LAYERS
+    submesh_family: str = "alpa"
+    logical_shapes: str | Sequence[tuple[int, int]] = "node_local"  # or "all", or the allowed (a, b)
+    backend: str = "highs"  # fastest in docs/benchmarks.md
+    time_limit_s: float = 60.0
+    memory_reserve: float = costmodel.DEFAULT_MEMORY_RESERVE
+    intra_only: bool = False
+    inter_only: bool = False
+    data_parallel_only: bool = False
+    stage_data_parallel: bool = False
+    seed: int = 0
+    workers: int | None = None  # processes for the ILPs; None: one per available core
+    recompute: str = "auto"  # activation recomputation per stage: auto (searched) or one of intra.RECOMPUTE_MODES
+
+    def __post_init__(self) -> None:
+        if isinstance(self.recompute, bool):  # the former flag: recompute meant full recomputation
+            object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+        if self.recompute not in ("auto", *intra.RECOMPUTE_MODES):
+            raise InstanceError(f"unknown recomputation mode {self.recompute!r}", "recompute",
+                                f"use auto or one of {', '.join(intra.RECOMPUTE_MODES)}")
+
+    @property
+    def recompute_modes(self) -> tuple[str, ...]:
+        """The modes the search prices, cheapest in time first (auto: all of them)."""
+        return intra.RECOMPUTE_MODES if self.recompute == "auto" else (self.recompute,)
+
+
+
+def microbatch_counts(batch: int, requested: int | str | Sequence[int]) -> list[int]:
+    """Candidate microbatch counts: the requested ones, or ("auto") the powers of two dividing the batch."""
+    if requested == "auto":
+        return [b for b in (2**e for e in range(batch.bit_length())) if batch % b == 0]
+    counts = [int(requested)] if isinstance(requested, (int, str)) else [int(c) for c in requested]
+    for count in counts:
+        if count < 1 or batch % count:
+            raise InfeasibleError(f"batch {batch} is not divisible into {count} microbatches", "--microbatches",
+                                  f"use divisors of {batch}, or auto")
+    if not counts:
+        raise InstanceError("no microbatch count to search", "--microbatches", "give one or more counts, or auto")
+    return sorted(set(counts))

@@ -1,0 +1,327 @@
+"""Pricing: each base layer's optimal sharding on a logical mesh, solved by the intra-op ILP.
+
+One service for the search (`inter.optimize`) and for pricing a given plan (`evaluate`): one
+cache with one key, one place that records each ILP's status and gap, one ladder of
+memory-lean options. Jobs run in this process, or on a pool of worker processes when many.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from partopt import costmodel, intra
+from partopt.cluster import LogicalMesh
+from partopt.errors import InfeasibleError, SolverError
+from partopt.graph import Graph
+from partopt.sharding import op_strategies, param_strategies
+
+LEAN_TIME_LIMIT_S = 10.0
+MEMORY_RUNGS = (2, 4, 8, 16, 32, 64)  # per-layer caps budget / r that a stage of about r layers needs
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One base layer solved on one mesh: what a stage adds up."""
+
+    time_s: float  # per microbatch
+    sync_s: float  # per iteration
+    param_bytes: float
+    activation_bytes: float  # kept per in-flight microbatch
+    working_bytes: float  # transient, once (recomputation)
+    sharding: intra.StageSharding
+
+    @classmethod
+    def of(cls, sharding: intra.StageSharding) -> LayerCost:
+        b = sharding.breakdown
+        return cls(b.per_microbatch_s, b.per_iteration_s, b.param_bytes, b.activation_bytes, b.working_bytes, sharding)
+
+    @property
+    def memory_bytes(self) -> float:
+        """Per device with one microbatch in flight."""
+        return self.param_bytes + self.activation_bytes + self.working_bytes
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A leaner option whose ILP found no solution within its time limit: not priced, and counted
+    in the plan (`solver.dropped_options`) so that the search says what it could not look at."""
+
+    time_limit_s: float
+
+
+Priced = LayerCost | Dropped | None  # None: the layer cannot fit the job's memory cap on that mesh
+
+
+@dataclass(frozen=True)
+class Job:
+    """One layer ILP: base layer `ops` (names) of the microbatch view of size `mb`, on `mesh`,
+    within `cap` bytes per device (None: no cap) with `inflight` microbatches kept, under an
+    optional restriction of its strategies (`evaluate`'s pinned plans; such jobs run in this process)."""
+
+    mb: int
+    count: int
+    ops: tuple[str, ...]
+    mesh: LogicalMesh
+    recompute: str
+    cap: float | None
+    inflight: int = 1
+    restriction: intra.Restriction | None = field(default=None, compare=False)
+
+
+@dataclass
+class Stats:
+    """What a solve did: ILPs solved here and their time, the worst status and gap over every
+    layer it used (cached or not), options dropped, and the search's own counts."""
+
+    ilps: int = 0
+    solve_time_s: float = 0.0
+    status: str = "optimal"
+    gap: float = 0.0
+    dropped: int = 0
+    dp_rounds: int = 0
+    counts: list[int] = field(default_factory=list)
+    recompute_modes: dict[int, list[str]] = field(default_factory=dict)
+
+    def record(self, cost: Priced, solved: bool) -> None:
+        """Add one priced layer: counted and timed when solved here; a non-optimal status (time
+        limit) and a dropped option are reported whether solved here or taken from the cache."""
+        if isinstance(cost, Dropped):
+            self.dropped += 1
+        if not isinstance(cost, LayerCost):
+            return
+        result = cost.sharding.solution.result
+        if solved:
+            self.ilps += 1
+            self.solve_time_s += result.time_s
+        if result.status != "optimal":
+            self.status = result.status
+            self.gap = max(self.gap, result.gap or 0.0)
+
+    def merge(self, other: Stats) -> None:
+        """Fold another solve's ILP statistics into this one (a search over several priced plans)."""
+        self.ilps += other.ilps
+        self.solve_time_s += other.solve_time_s
+        self.dropped += other.dropped
+        if other.status != "optimal":
+            self.status = other.status
+        self.gap = max(self.gap, other.gap)
+
+
+def price(g_mb: Graph, job: Job, options) -> Priced:
+    """One base layer's optimal sharding on `job.mesh`, or None when it cannot fit the job's cap
+    (without a cap, an infeasible layer raises).
+
+    Under a cap tighter than the device's budget (a leaner option) the solver gets at most
+    LEAN_TIME_LIMIT_S: such ILPs can be slow to find any solution, and the option is optional:
+    one that finds none in time is `Dropped`.
+    """
+    lean = job.cap is not None and job.cap < costmodel.memory_budget(job.mesh.device, options.memory_reserve)
+    limit = min(options.time_limit_s, LEAN_TIME_LIMIT_S) if lean else options.time_limit_s
+    try:
+        sharding = intra.shard_stage(g_mb, job.mesh, [g_mb.op_index[n] for n in job.ops], microbatches=job.count,
+                                     inflight=job.inflight, memory_budget=job.cap, backend=options.backend,
+                                     time_limit_s=limit, seed=options.seed,
+                                     data_parallel=options.data_parallel_only or options.stage_data_parallel,
+                                     allow_zero=not options.stage_data_parallel, recompute=job.recompute,
+                                     restriction=job.restriction)
+    except InfeasibleError:
+        if job.cap is None:
+            raise  # not a memory cap: a restriction that leaves some op no strategy (its message names it)
+        return None
+    except SolverError:
+        if lean:
+            return Dropped(limit)  # no leaner option found in time
+        raise
+    return LayerCost.of(sharding)
+
+
+def _price_in(graph: Graph, options, job: Job, views: dict[int, Graph]) -> Priced:
+    """`price` with the graph's microbatch views cached by size across jobs."""
+    if job.mb not in views:
+        views[job.mb] = intra.with_batch(graph, job.mb)
+    return price(views[job.mb], job, options)
+
+
+_WORKER: dict = {}
+
+
+def _worker_init(graph: Graph, options) -> None:
+    _WORKER.update(graph=graph, options=options)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the planner's to handle (the CLI ends its workers)
+    parent = os.getppid()
+
+    def orphaned() -> None:  # a killed planner must not leave its workers running
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=orphaned, daemon=True).start()
+
+
+def _worker_job(job: Job) -> Priced:
+    return _price_in(_WORKER["graph"], _WORKER["options"], job, _WORKER.setdefault("views", {}))
+
+
+def _restriction_key(g_mb: Graph, job: Job) -> tuple:
+    """What a restriction allows, as a key: layers alike under alike pins share one solve."""
+    r = job.restriction
+    if r is None:
+        return ()
+    ops = [g_mb.op_index[n] for n in job.ops]
+    params = list(dict.fromkeys(t for op in ops for t in op.inputs if g_mb.tensors[t].role == "param"))
+    return (tuple(tuple(s.axes) for op in ops for s in op_strategies(g_mb, op, job.mesh) if r.op(op, s)),
+            tuple(s.name for t in params for s in param_strategies(g_mb, g_mb.tensors[t], job.mesh) if r.param(t, s)))
+
+
+class Pricer:
+    """Runs layer ILPs: in this process, or on a pool of worker processes for many of them.
+    Results are kept in `cache` under the graph, the pricing options and the job (by structure:
+    layers that hash alike share one solve), so later calls given the same dict reuse them."""
+
+    MIN_OPS = 500  # below this many ops over all jobs, starting worker processes costs more than it saves
+
+    def __init__(self, graph: Graph, options, cache: dict | None = None):
+        self.graph, self.options = graph, options
+        self.views: dict[int, Graph] = {}
+        self.hashes: dict[tuple, str] = {}
+        self.workers = options.workers or len(os.sched_getaffinity(0))
+        self.pool: ProcessPoolExecutor | None = None
+        self.cache = {} if cache is None else cache
+        self.prefix = (graph.name, graph.structural_hash(), options.backend, options.time_limit_s, options.seed,
+                       options.memory_reserve, options.data_parallel_only, options.stage_data_parallel)
+
+    def view(self, mb: int) -> Graph:
+        """The graph at microbatch size `mb` (built once)."""
+        if mb not in self.views:
+            self.views[mb] = intra.with_batch(self.graph, mb)
+        return self.views[mb]
+
+    def _key(self, job: Job) -> tuple:
+        g_mb = self.view(job.mb)
+        if (job.mb, job.ops) not in self.hashes:
+            self.hashes[(job.mb, job.ops)] = g_mb.structural_hash([g_mb.op_index[n] for n in job.ops])
+        return (self.prefix, job.mb, job.count, self.hashes[(job.mb, job.ops)], job.mesh, job.recompute, job.cap,
+                job.inflight, _restriction_key(g_mb, job))
+
+    def __enter__(self) -> Pricer:
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        if self.pool is not None:  # interrupted: do not wait for running ILPs (their workers exit with us)
+            self.pool.shutdown(wait=kind is None, cancel_futures=True)
+
+    def _results(self, jobs: list[Job]) -> Iterable[Priced]:
+        local = any(job.restriction is not None for job in jobs)  # restrictions are closures: not shipped
+        if not local and self.workers > 1 and self.pool is None and sum(len(j.ops) for j in jobs) >= self.MIN_OPS:
+            # spawned, not forked: the solvers' threads in this process must not be copied mid-lock
+            self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=_worker_init, initargs=(self.graph, self.options))
+        if self.pool is not None and not local:
+            return self.pool.map(_worker_job, jobs, chunksize=1)
+        return (_price_in(self.graph, self.options, job, self.views) for job in jobs)
+
+    def run(self, jobs: dict, stats: Stats, progress: Callable[[int], None] = lambda n: None) -> dict:
+        """Results of `jobs` (key -> Job) by key, each recorded in `stats`. Jobs with one cache key
+        (layers alike) are solved once: the first of them is counted as solved, the rest as cached."""
+        cache_keys = {key: self._key(job) for key, job in jobs.items()}
+        solving: dict[tuple, object] = {}  # cache key -> the job key that solves it
+        for key, ck in cache_keys.items():
+            if ck not in self.cache:
+                solving.setdefault(ck, key)
+        done = 0
+        for key, ck in cache_keys.items():
+            if ck in self.cache:
+                stats.record(self.cache[ck], solved=False)
+                done += 1
+                progress(done)
+        for (ck, key), cost in zip(solving.items(), self._results([jobs[k] for k in solving.values()])):
+            self.cache[ck] = cost
+            stats.record(cost, solved=True)
+            done += 1
+            progress(done)
+        for key, ck in cache_keys.items():
+            if solving.get(ck, key) != key:  # alike a job solved in this call
+                stats.record(self.cache[ck], solved=False)
+                done += 1
+                progress(done)
+        return {key: self.cache[ck] for key, ck in cache_keys.items()}
+
+    def one(self, job: Job, stats: Stats) -> Priced:
+        """The result of a single job."""
+        return self.run({0: job}, stats)[0]
+
+
+def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: float, layers: int, count: int,
+            bound: float, pricer: Pricer, stats: Stats) -> None:
+    """Add memory-leaner options: re-price layers whose optimum overflows budget / r, r = 2, 4, …
+
+    Each layer's ILP alone sees only its own memory; a stage of r such layers needs each to fit
+    about budget / r, with the in-flight microbatches of a stage that leads about layers / r
+    stages (the most it could have). A layer whose optimum already fits the tighter cap keeps it
+    (the same ILP with a tighter, non-binding constraint has the same optimum), so small models
+    cost nothing. The cap of rung r serves stages of more than r / 2 layers (smaller ones fit the
+    rung before); a mesh on which every such stage costs more than `bound` (the iteration time of
+    the best plan known, from another microbatch count; see `longest_stage`) is not refined at
+    that rung or beyond.
+    `costs[option]` is the list of rows of layer costs of one (submesh, shape, mode) option and
+    `jobs[(layer key, option)]` its unconstrained job; each option gets one more row per cap at
+    which any of its layers changed.
+    """
+    last = dict(priced)
+    stuck = {key for key, cost in last.items() if cost is None}
+    longest = {option: longest_stage(rows[0], count, bound) for option, rows in costs.items()}
+    for r in MEMORY_RUNGS:
+        if r > layers:
+            break
+        cap = budget / r
+        for key in jobs:  # no ILP where the cap is below the leanest assignment, or serves no stage that can win
+            if key not in stuck and (last[key].sharding.least_memory_bytes > cap or longest[key[1]] <= r // 2):
+                stuck.add(key)
+        inflight = min(count, math.ceil(layers / r))  # stages of r layers are the first of about layers / r
+        tight = {key: _with_cap(job, cap, inflight) for key, job in jobs.items()
+                 if key not in stuck and last[key].param_bytes + inflight * last[key].activation_bytes
+                 + last[key].working_bytes > cap}
+        if not tight:
+            break
+        for key, cost in pricer.run(tight, stats).items():
+            if not isinstance(cost, LayerCost):
+                stuck.add(key)  # cannot fit this cap: keep its leanest option, stop refining it
+            else:
+                last[key] = cost
+        for option, rows in costs.items():
+            row = [last[(k, option)] for k in layer_keys]
+            if any(new is not old for new, old in zip(row, rows[-1])):
+                rows.append(row)
+
+
+def _with_cap(job: Job, cap: float, inflight: int) -> Job:
+    return Job(job.mb, job.count, job.ops, job.mesh, job.recompute, cap, inflight, job.restriction)
+
+
+def longest_stage(row: list[LayerCost | None], count: int, limit: float) -> int:
+    """The most consecutive base layers a stage on this mesh can hold and still cost under `limit`.
+
+    A plan's iteration time is at least B · t + sync of each of its stages (B microbatches, t its
+    latency, sync its per-iteration work), and no option of a layer on a mesh costs less than its
+    unconstrained optimum `row[b]`, count · time + sync, which is what its ILP minimises.
+    """
+    costs = [None if c is None else count * c.time_s + c.sync_s for c in row]
+    longest, start, total = 0, 0, 0.0
+    for end, cost in enumerate(costs):
+        if cost is None:  # cannot run on this mesh at all: no stage spans it
+            start, total = end + 1, 0.0
+            continue
+        total += cost
+        while total >= limit and start <= end:
+            total -= costs[start]
+            start += 1
+        longest = max(longest, end - start + 1)
+    return longest

@@ -1,0 +1,170 @@
+"""The stage accountant: a stage's time, memory, sends and sync from its layers' costs.
+
+One set of sums serves the stage DP's table (`stage_table`), plan assembly and `evaluate`, so a
+plan priced again adds up to the same number. A stage runs DP layers [first, last] on one mesh;
+its latency is the sum of its base layers' times plus the send of its boundary activations; its
+memory is the parameter state plus in-flight × kept activations plus the largest working set;
+parameters read by several base layers are held once (`partopt.shared`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from partopt import costmodel
+from partopt.cluster import Link
+from partopt.graph import Graph
+from partopt.layering import Layering
+from partopt.pricing import LayerCost
+from partopt.shared import Correction, correction
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """A stage as the plan fixes it: DP layers [first, last], submesh, logical shape, in-flight
+    microbatches, recomputation mode."""
+
+    first: int
+    last: int
+    submesh: tuple[int, int]
+    shape: tuple[int, int]
+    inflight: int
+    recompute: str = "none"
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """What every stage of one plan shares: DP layers, boundary bytes, microbatch and batch size,
+    the link between stages, the shared parameters and the devices per node."""
+
+    layering: Layering
+    boundary: list[float]  # bytes leaving each DP layer at the full batch
+    mb: int
+    batch: int
+    link: Link
+    shared: dict[str, tuple[int, ...]]
+    per_node: int
+
+    def send_s(self, last: int) -> float:
+        """Point-to-point time of a stage's boundary activations out and their gradients back, per microbatch."""
+        if last >= len(self.boundary) - 1:
+            return 0.0
+        return 2 * costmodel.p2p_time(self.boundary[last] * self.mb / self.batch, self.link)
+
+
+@dataclass(frozen=True)
+class StageTotals:
+    """A stage's sums: per-microbatch compute and communication, its send, per-iteration sync,
+    parameter state, kept activations per in-flight microbatch, the largest working set, and the
+    shared-parameter correction already folded in (None when the stage holds none)."""
+
+    time_s: float
+    send_s: float
+    sync_s: float
+    param_bytes: float
+    activation_bytes: float
+    working_bytes: float
+    fix: Correction | None
+
+    @property
+    def latency_s(self) -> float:
+        return self.time_s + self.send_s
+
+    def memory_bytes(self, inflight: int) -> float:
+        return self.param_bytes + inflight * self.activation_bytes + self.working_bytes
+
+
+def boundary_bytes(graph: Graph, layering: Layering) -> list[float]:
+    """Bytes leaving each DP layer for later layers (activations at the graph's batch size)."""
+    position = {}
+    for g in range(len(layering.groups)):
+        for op in layering.ops(g):
+            position[op.name] = g
+    sent = [0.0] * len(layering.groups)
+    for op in graph.ops:
+        later = [position[c.name] for c in graph.consumers[op.output] if position[c.name] > position[op.name]]
+        if later:
+            for g in range(position[op.name], max(later)):
+                sent[g] += graph.nbytes(op.output)
+    return sent
+
+
+def _columns(row: Sequence[LayerCost | None], layering: Layering) -> np.ndarray:
+    """Per DP layer: time, sync, parameter and kept activation bytes (sums over its base layers) and
+    working bytes (their max: layers recompute one at a time); NaN where a base layer cannot run."""
+    out = np.full((len(layering.groups), 5), np.nan)
+    for j, (a, b) in enumerate(layering.groups):
+        parts = row[a:b + 1]
+        if any(c is None for c in parts):
+            continue
+        out[j] = (sum(c.time_s for c in parts), sum(c.sync_s for c in parts), sum(c.param_bytes for c in parts),
+                  sum(c.activation_bytes for c in parts), max(c.working_bytes for c in parts))
+    return out
+
+
+def _running(columns: np.ndarray, i: int) -> np.ndarray:
+    """Totals of stages [i, j] for every j ≥ i, summed left to right (as a loop would: the same
+    floats whichever j a caller asks for); rows after a layer that cannot run are NaN."""
+    part = columns[i:]
+    totals = np.empty_like(part)
+    np.add.accumulate(part[:, :4], axis=0, out=totals[:, :4])
+    np.maximum.accumulate(part[:, 4], out=totals[:, 4])
+    return totals
+
+
+def totals(row: Sequence[LayerCost | None], pipe: Pipeline, first: int, last: int, devices: int) -> StageTotals:
+    """The sums of a stage of DP layers [first, last] on `devices` devices with its layers' costs `row`."""
+    time_s, sync_s, params, acts, working = _running(_columns(row, pipe.layering), first)[last - first]
+    fix = correction(row, pipe.layering.groups[first][0], pipe.layering.groups[last][1], pipe.shared, pipe.link,
+                     min(devices, pipe.per_node))
+    if fix is not None:
+        params, sync_s = params + fix.param_bytes, sync_s + fix.iteration_s
+    return StageTotals(float(time_s), pipe.send_s(last), float(sync_s), float(params), float(acts), float(working), fix)
+
+
+def stage_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], count: int, budget: float):
+    """t[h, k, i, j, s] and extra[h, k, i, j, s] for the stage DP (`stagedp.solve`): the latency and
+    per-iteration sync of DP layers [i, j] as one stage on submesh s with option h, inf when its
+    memory does not fit k in-flight microbatches (1F1B holds min(k, count)). Option h of submesh s
+    is a logical shape and recomputation mode with one row of layer costs
+    (`costs[(submesh, shape, mode)]`: a list of rows, see `pricing.tighten`).
+    Returns the tables and, per submesh, its (shape, mode, row index) options in order.
+    """
+    L, S = len(pipe.layering.groups), len(submeshes)
+    options = [[(shape, mode, r) for (x, shape, mode) in costs if x == sub for r in range(len(costs[(x, shape, mode)]))]
+               for sub in submeshes]
+    H = max(len(x) for x in options)
+    t = np.full((H, L + 1, L, L, S), np.inf)
+    extra = np.zeros((H, L + 1, L, L, S))
+    sends = np.array([pipe.send_s(j) for j in range(L)])
+    for s, sub in enumerate(submeshes):
+        for h, (shape, mode, r) in enumerate(options[s]):
+            row = costs[(sub, shape, mode)][r]
+            columns = _columns(row, pipe.layering)
+            for i in range(L):
+                run = _running(columns, i)
+                runnable = int(np.argmax(np.isnan(run[:, 0]))) if np.isnan(run[:, 0]).any() else len(run)
+                for n in range(runnable):
+                    j = i + n
+                    time_s, sync_s, params, acts, working = run[n]
+                    fix = correction(row, pipe.layering.groups[i][0], pipe.layering.groups[j][1], pipe.shared,
+                                     pipe.link, min(sub[0] * sub[1], pipe.per_node))
+                    if fix is not None:
+                        params, sync_s = params + fix.param_bytes, sync_s + fix.iteration_s
+                    fits = _most_inflight(params, acts, working, budget, count, L)
+                    t[h, 1:fits + 1, i, j, s] = time_s + sends[j]
+                    extra[h, 1:fits + 1, i, j, s] = sync_s
+    return t, extra, options
+
+
+def _most_inflight(params: float, acts: float, working: float, budget: float, count: int, most: int) -> int:
+    """The largest k ≤ most whose memory params + min(k, count) · acts + working fits `budget` (0 if none)."""
+    for k in range(1, most + 1):
+        if params + min(k, count) * acts + working > budget:
+            return k - 1
+        if k >= count:
+            return most  # min(k, count) stops growing: every larger k fits too
+    return most
