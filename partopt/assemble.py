@@ -179,5 +179,5 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
                  "submesh_family": options.submesh_family, "memory_reserve": options.memory_reserve,
                  "intra_only": options.intra_only, "inter_only": options.inter_only,
                  "data_parallel_only": options.data_parallel_only, "stage_data_parallel": options.stage_data_parallel,
-                 "recompute": options.recompute},
+                 "recompute": options.recompute, "cost_model": (options.cost_model or costmodel.ANALYTICAL).key},
         batch_dim=graph.batch_dim, tensors=tensors)

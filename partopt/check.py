@@ -56,21 +56,27 @@ def compare(plan: Plan, derived: Plan) -> list[Difference]:
     return found
 
 
-def differences(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan") -> list[Difference]:
-    """Every figure of `plan` that does not hold on `graph` and `cluster` (empty: consistent).
+def differences(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan",
+                cost_model: costmodel.CostModel | None = None) -> list[Difference]:
+    """Every figure of `plan` that does not hold on `graph` and `cluster` under `cost_model`
+    (default analytical; empty: consistent).
 
     An invalid plan raises InstanceError (see `partopt.validate`); a plan whose re-derived memory
     does not fit is a difference, not an error."""
     check_plan(plan, where, figures=False)
     check_against(plan, graph, cluster, where)
     found = [Difference(*mismatch) for mismatch in mismatches(plan)]
+    priced_by, model = plan.options.get("cost_model", "analytical"), (cost_model or costmodel.ANALYTICAL).key
+    if priced_by != model:
+        return [*found, Difference("$.options.cost_model", priced_by,
+                                   f"{model} (give the cost model that priced the plan: --profile FILE)")]
     reserve = plan.options.get("memory_reserve", costmodel.DEFAULT_MEMORY_RESERVE)
     budget = costmodel.memory_budget(cluster.device, reserve)
     found += [Difference(f"$.stages[{i}].memory_bytes", stage.memory_bytes, f"over the budget of {budget!r} bytes")
               for i, stage in enumerate(plan.stages) if stage.memory_bytes > budget * (1 + 1e-12)]
     backend = plan.solver.get("backend")
     try:
-        derived = evaluate(graph, cluster, plan, where=where, memory_reserve=reserve,
+        derived = evaluate(graph, cluster, plan, where=where, memory_reserve=reserve, cost_model=cost_model,
                                     **({"backend": backend} if backend in BACKENDS else {}))
     except InfeasibleError as err:
         return [*found, Difference(err.where or "$.stages", "fits the device memory", err.cause)]

@@ -37,6 +37,7 @@ from partopt.inter import DEFAULT_MAX_LAYERS, optimize
 from partopt.intra import RECOMPUTE_MODES
 from partopt.ops import KINDS, is_matmul
 from partopt.plan import Plan, plan_text, read_plan, write_plan
+from partopt.profiled import read_profile
 from partopt.schedules import SCHEDULES
 from partopt.solvers import BACKENDS
 from partopt.units import fmt_bytes, fmt_scaled, fmt_seconds
@@ -428,16 +429,19 @@ def _render_plan(plan: Plan) -> list[Table]:
 @click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), default="auto", show_default=True, is_flag=False,
               flag_value="full", help="Activation recomputation per stage: searched (auto), none, selective (the "
               "attention core) or full (each layer keeps only its input); --recompute alone means full.")
+@click.option("--profile", "profile_file", type=click.Path(),
+              help="Measured op times and collective bandwidths (a partopt.profile file); the analytical model prices the rest.")
 @click.option("-o", "--output", type=click.Path(), help="Write the plan file here.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the plan file to stdout.")
 def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches: str, layers: int, solver: str,
           time_limit: float, memory_reserve: float, search: str, logical_shapes: str, submeshes: str,
-          workers: int | None, recompute: str, output: str | None, as_json: bool) -> None:
+          workers: int | None, recompute: str, profile_file: str | None, output: str | None, as_json: bool) -> None:
     """Plan GRAPH on a cluster: pipeline stages, submeshes, logical meshes and per-op shardings.
     The plan is re-derived (as `partopt check` does) before it is written or printed."""
     if output:
         io.check_output(output)
     graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
+    cost_model = read_profile(profile_file) if profile_file else None
     counts = microbatches.split(",")
     if microbatches != "auto" and not all(c.strip().isdigit() for c in counts):
         raise InstanceError(f"--microbatches must be auto or positive counts separated by commas, got {microbatches!r}",
@@ -450,14 +454,14 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
                   TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("price", total=None)
         plan = baselines.megatron(graph, cluster, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
-                                  recompute=recompute) if search == "megatron" else optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
+                                  recompute=recompute, cost_model=cost_model) if search == "megatron" else optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
                         microbatches=microbatches if microbatches == "auto" else [int(c) for c in counts],
                         layers=layers, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
                         logical_shapes=logical_shapes, submesh_family=submeshes, workers=workers,
-                        recompute=recompute, **restrict)
+                        recompute=recompute, cost_model=cost_model, **restrict)
     # a Megatron-style plan restricts a tied parameter that `evaluate` leaves free (it records one placement of
     # the copies each priced layer chose): such plans are not re-derived here (noted on issue 17)
-    found = [] if search == "megatron" else check.differences(plan, graph, cluster, "the solved plan")
+    found = [] if search == "megatron" else check.differences(plan, graph, cluster, "the solved plan", cost_model)
     if found:
         for difference in found:
             click.echo(f"error: {difference.line()}", err=True)
@@ -513,12 +517,15 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
 @click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
+@click.option("--profile", "profile_file", type=click.Path(),
+              help="Measured op times and collective bandwidths (a partopt.profile file); the analytical model prices the rest.")
 @click.option("-o", "--output", type=click.Path(), help="Write the priced plan file here.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the priced plan file to stdout.")
 def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, plan_file: str | None,
                      tp: int | None, pp: int | None, dp: int | None, microbatches: int | None,
                      microbatch_size: int | None, zero: bool, recompute: str | None,
-                     solver: str, memory_reserve: float, output: str | None, as_json: bool) -> None:
+                     solver: str, memory_reserve: float, profile_file: str | None, output: str | None,
+                     as_json: bool) -> None:
     """Price a plan of GRAPH under the cost model: a plan file (--plan) or a Megatron-style uniform
     plan (--tp T --pp P --dp D): P equal stages, each on a (D, T) mesh, batch over D."""
     if output:
@@ -540,7 +547,8 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
             raise InstanceError(f"a batch of {batch} does not split into microbatches of {microbatch_size} × {dp} "
                                 f"data-parallel ranks", "--microbatch-size", f"choose m with m × {dp} dividing {batch}")
         microbatches = batch // samples
-    options = {"backend": solver, "memory_reserve": memory_reserve}
+    options = {"backend": solver, "memory_reserve": memory_reserve,
+               "cost_model": read_profile(profile_file) if profile_file else None}
     if plan_file is not None:
         plan = evaluate_plan(graph, cluster, validate.read_checked(plan_file, graph, cluster), where=plan_file,
                                  **options)
@@ -763,11 +771,15 @@ def draw_command(plan_file: str, output: str, schedule: str, virtual_stages: int
 @click.option("--graph", "graph_file", required=True, help="The graph file the plan was made for.")
 @click.option("--cluster", "cluster_source", required=True, help="Cluster file or preset name.")
 @click.option("--nodes", type=click.IntRange(min=1), help="Resize the cluster to this many nodes.")
-def check_command(plan_file: str, graph_file: str, cluster_source: str, nodes: int | None) -> None:
+@click.option("--profile", "profile_file", type=click.Path(),
+              help="Measured op times and collective bandwidths (a partopt.profile file); the analytical model prices the rest.")
+def check_command(plan_file: str, graph_file: str, cluster_source: str, nodes: int | None,
+                  profile_file: str | None) -> None:
     """Re-derive every figure of PLAN from scratch on its graph and cluster (devices, stage times, memory
     against the device budget, iteration time) and list those that differ; exit 0 when all agree, 1 if not."""
     graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
-    found = check.differences(read_plan(plan_file), graph, cluster, plan_file)
+    found = check.differences(read_plan(plan_file), graph, cluster, plan_file,
+                              read_profile(profile_file) if profile_file else None)
     for difference in found:
         click.echo(f"{plan_file}: {difference.line()}")
     if found:

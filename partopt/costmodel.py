@@ -6,8 +6,10 @@ depends on who computed it. All inputs and outputs are SI: bytes, FLOP, seconds.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterator, Mapping, Protocol
 
 from partopt.cluster import Device, Link, MeshAxis
 from partopt.errors import InstanceError
@@ -154,3 +156,59 @@ def inflight_microbatches(stage: int, num_stages: int, microbatches: int) -> int
     if not 0 <= stage < num_stages or microbatches < 1:
         raise ValueError(f"stage {stage} of {num_stages} with {microbatches} microbatches")
     return min(num_stages - stage, microbatches)
+
+
+class CostModel(Protocol):
+    """What prices a plan: an op's training compute under a sharding, a collective on a mesh axis, a
+    point-to-point send. `key` names the model and its data (layer solutions are cached under it).
+    The analytical model (`ANALYTICAL`, the formulas above) is the default; `partopt.profiled.Profiled`
+    reads measured times. Memory is not a model's choice: bytes are bytes (`param_memory`)."""
+
+    key: str
+
+    def op_time(self, kind: str, shapes: tuple[tuple[int, ...], ...], dtype: str, flops: float, nbytes: float,
+                device: Device, matmul: bool) -> float:
+        """Seconds of one op's forward and backward on one device: `shapes` are its local input and
+        output shapes, `flops` its local training FLOPs, `nbytes` the bytes it moves."""
+
+    def collective_time(self, kind: str, nbytes: float, axis: MeshAxis, bucketed: bool = False) -> float:
+        """Seconds of collective `kind` over a full buffer of `nbytes` on one mesh axis."""
+
+    def p2p_time(self, nbytes: float, link: Link) -> float:
+        """Seconds to send `nbytes` point to point over `link`."""
+
+
+@dataclass(frozen=True)
+class Analytical:
+    """The analytical model of this module: roofline compute, ring collectives."""
+
+    key: str = "analytical"
+
+    def op_time(self, kind: str, shapes: tuple[tuple[int, ...], ...], dtype: str, flops: float, nbytes: float,
+                device: Device, matmul: bool) -> float:
+        return compute_time(flops, nbytes, device, dtype, matmul)
+
+    def collective_time(self, kind: str, nbytes: float, axis: MeshAxis, bucketed: bool = False) -> float:
+        return collective_time(kind, nbytes, axis, bucketed)
+
+    def p2p_time(self, nbytes: float, link: Link) -> float:
+        return p2p_time(nbytes, link)
+
+
+ANALYTICAL = Analytical()
+_ACTIVE: ContextVar[CostModel] = ContextVar("partopt_cost_model", default=ANALYTICAL)
+
+
+def active() -> CostModel:
+    """The cost model pricing now: the one `optimize`, `evaluate` or a layer ILP was given, else analytical."""
+    return _ACTIVE.get()
+
+
+@contextmanager
+def using(model: CostModel | None) -> Iterator[CostModel]:
+    """Price with `model` (None: the analytical model) inside the block."""
+    token = _ACTIVE.set(model or ANALYTICAL)
+    try:
+        yield _ACTIVE.get()
+    finally:
+        _ACTIVE.reset(token)

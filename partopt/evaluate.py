@@ -143,10 +143,10 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
     stats = Stats()
     restrictions = restrictions or [intra.Restriction()] * len(specs)
     budget = costmodel.memory_budget(cluster.device, options.memory_reserve)
-    with Pricer(graph, options, cache) as pricer:
+    with costmodel.using(options.cost_model), Pricer(graph, options, cache) as pricer:
         rows = [_price_layers(pricer, cluster, layering, count, spec, r, stats, budget if fit_memory else None)
                 for spec, r in zip(specs, restrictions)]
-    plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start)
+        plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start)
     for i, stage in enumerate(plan.stages):
         if stage.memory_bytes > budget:
             raise InfeasibleError(

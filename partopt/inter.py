@@ -70,7 +70,7 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
     (restricted searches, the benchmarks' baselines: one stage on the whole cluster; stages of
     one device; one data-parallel stage with ZeRO allowed, like DeepSpeed; pipeline stages that
     are each plain data parallel, like PP-DP), seed, workers, recompute ("auto" | "none" |
-    "selective" | "full"). Give them as keywords or as one `options=Options(...)`, not both.
+    "selective" | "full"), cost_model (a `costmodel.CostModel`; default analytical). Give them as keywords or as one `options=Options(...)`, not both.
     `cache`: a dict that keeps the per-layer ILP solutions; pass the same one to several calls (a
     full search, then its restricted variants) to solve each distinct layer ILP once.
     """
@@ -81,6 +81,12 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
         options = options or Options(**kwargs)
     except TypeError as err:
         raise PartoptError(f"unknown option: {err}", "optimize", f"use one of {list(Options.__dataclass_fields__)}") from None
+    with costmodel.using(options.cost_model):
+        return _search(graph, cluster, options, progress, cache)
+
+
+def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress | None, cache: dict | None) -> Plan:
+    """`optimize` under its cost model."""
     start = time.perf_counter()
     if graph.batch_dim is None:
         raise InstanceError("the graph names no batch dim", "batch_dim", "set `batch_dim` to plan data parallelism and microbatches")
@@ -186,8 +192,11 @@ def _lower_bound(g_mb: Graph, count: int, cluster: Cluster) -> float:
 
     The pipeline part is at least B · max_i t_i ≥ B · sum_i D_i t_i / N, and a stage's device-time
     D_i t_i is at least its ops' single-device roofline time (no split divides FLOPs or bytes by
-    more than D_i; communication only adds).
+    more than D_i; communication only adds). Only the analytical model has that property: under
+    another (measured times) the bound is 0 and no microbatch count is skipped unpriced.
     """
+    if not isinstance(costmodel.active(), costmodel.Analytical):
+        return 0.0
     work = 0.0
     for op in g_mb.ops:
         if op.kind == "reshape":

@@ -247,7 +247,7 @@ def optimizer_step_time(graph: Graph, tensor: str, strategy: ParamStrategy, mesh
     """Seconds of the per-iteration optimizer update of one parameter (memory bound)."""
     state = costmodel.param_memory(graph.numel(tensor), graph.dtype_of(tensor), graph.optimizer).total
     local = state / shards(strategy.placement, mesh) / max(1, np.prod([mesh.shape[i] for i in strategy.zero_axes]))
-    return costmodel.compute_time(0.0, 2 * local, mesh.device, graph.dtype_of(tensor), matmul=False)
+    return costmodel.active().op_time("optimizer", (), graph.dtype_of(tensor), 0.0, 2 * local, mesh.device, False)
 
 
 @dataclass(frozen=True)
@@ -512,7 +512,7 @@ def describe(graph: Graph, op: Op, strategy: Strategy, outgoing: Sequence[tuple[
     text = f"{head} — in {ins}; out {fmt(strategy.output)}"
     parts = []
     for kind, axis, size in outgoing:
-        t = costmodel.collective_time(kind, size, mesh.axes[axis])
+        t = costmodel.active().collective_time(kind, size, mesh.axes[axis])
         parts.append(f"{kind.replace('_', '-')} {fmt_bytes(size)} on {_axis_label(mesh, axis)}, {fmt_seconds(t)}")
     if strategy.comm:
         parts.append(f"statistics all-reduce {fmt_seconds(strategy.comm_s)}")
@@ -526,9 +526,11 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
     breakdown = Breakdown()
     outgoing: dict[int, list] = defaultdict(list)
 
+    prices = costmodel.active()
+
     def pay(steps, into: dict[str, float], bucketed: bool = False) -> None:
         for kind, axis, size in steps:
-            into[kind] += costmodel.collective_time(kind, size, mesh.axes[axis], bucketed)
+            into[kind] += prices.collective_time(kind, size, mesh.axes[axis], bucketed)
 
     for use in model.uses:
         c = _use_collectives(g, use, chosen[use.src], chosen[use.dst], mesh)

@@ -29,6 +29,7 @@ class Options:
     seed: int = 0
     workers: int | None = None  # processes for the ILPs; None: one per available core
     recompute: str = "auto"  # activation recomputation per stage: auto (searched) or one of intra.RECOMPUTE_MODES
+    cost_model: costmodel.CostModel | None = None  # None: the analytical model (`costmodel.ANALYTICAL`)
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):  # the former flag: recompute meant full recomputation

@@ -126,12 +126,13 @@ def price(g_mb: Graph, job: Job, options) -> Priced:
     lean = job.cap is not None and job.cap < costmodel.memory_budget(job.mesh.device, options.memory_reserve)
     limit = min(options.time_limit_s, LEAN_TIME_LIMIT_S) if lean else options.time_limit_s
     try:
-        sharding = intra.shard_stage(g_mb, job.mesh, [g_mb.op_index[n] for n in job.ops], microbatches=job.count,
-                                     inflight=job.inflight, memory_budget=job.cap, backend=options.backend,
-                                     time_limit_s=limit, seed=options.seed,
-                                     data_parallel=options.data_parallel_only or options.stage_data_parallel,
-                                     allow_zero=not options.stage_data_parallel, recompute=job.recompute,
-                                     restriction=job.restriction)
+        with costmodel.using(options.cost_model):
+            sharding = intra.shard_stage(g_mb, job.mesh, [g_mb.op_index[n] for n in job.ops], microbatches=job.count,
+                                         inflight=job.inflight, memory_budget=job.cap, backend=options.backend,
+                                         time_limit_s=limit, seed=options.seed,
+                                         data_parallel=options.data_parallel_only or options.stage_data_parallel,
+                                         allow_zero=not options.stage_data_parallel, recompute=job.recompute,
+                                         restriction=job.restriction)
     except InfeasibleError:
         if job.cap is None:
             raise  # not a memory cap: a restriction that leaves some op no strategy (its message names it)
@@ -196,7 +197,8 @@ class Pricer:
         self.pool: ProcessPoolExecutor | None = None
         self.cache = {} if cache is None else cache
         self.prefix = (graph.name, graph.structural_hash(), options.backend, options.time_limit_s, options.seed,
-                       options.memory_reserve, options.data_parallel_only, options.stage_data_parallel)
+                       options.memory_reserve, options.data_parallel_only, options.stage_data_parallel,
+                       (options.cost_model or costmodel.ANALYTICAL).key)
 
     def view(self, mb: int) -> Graph:
         """The graph at microbatch size `mb` (built once)."""

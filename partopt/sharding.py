@@ -62,6 +62,15 @@ def local_bytes(nbytes: float, placement: Placement, mesh: LogicalMesh) -> float
     return nbytes / shards(placement, mesh)
 
 
+def local_shape(graph: Graph, tensor: str, placement: Placement, mesh: LogicalMesh) -> tuple[int, ...]:
+    """The shape one device holds of `tensor` under `placement`: each dim divided by the mesh axes that shard it."""
+    split = {}
+    for p, size in zip(placement, mesh.shape):
+        if isinstance(p, Shard):
+            split[p.dim] = split.get(p.dim, 1) * size
+    return tuple(graph.dims[d] // split.get(d, 1) for d in graph.tensors[tensor].dims)
+
+
 # ---------------------------------------------------------------- resharding (DESIGN §4 table)
 
 def axis_collective(src: AxisPlacement, dst: AxisPlacement) -> str | None:
@@ -95,7 +104,8 @@ def reshard_collectives(src: Placement, dst: Placement, nbytes: float,
 
 
 def collectives_time(steps: Sequence[tuple[str, int, float]], mesh: LogicalMesh, bucketed: bool = False) -> float:
-    return sum(costmodel.collective_time(kind, size, mesh.axes[axis], bucketed) for kind, axis, size in steps)
+    model = costmodel.active()
+    return sum(model.collective_time(kind, size, mesh.axes[axis], bucketed) for kind, axis, size in steps)
 
 
 def reshard_time(src: Placement, dst: Placement, nbytes: float, mesh: LogicalMesh) -> float:
@@ -182,6 +192,7 @@ def op_strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None
     dtype = graph.dtype_of(op.output)
     matmul = opkinds.is_matmul(op)
     flops = costmodel.training_flops(graph.flops(op), matmul)
+    model = costmodel.active()
     strategies = []
     for axes in itertools.product(*_axis_choices(graph, op, mesh, force_dim)):
         if not _divisible(graph, axes, mesh):
@@ -196,12 +207,12 @@ def op_strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None
                 output.append(Shard(d))
                 if behaviour[d] == Behaviour.NORMALISED:  # statistics all-reduce, forward and backward
                     stats = STATS_BYTES * graph.numel(op.output) / graph.dims[d] / _split(axes, mesh, besides=d)
-                    t = 2 * costmodel.collective_time("all_reduce", stats, mesh.axes[axis])
+                    t = 2 * model.collective_time("all_reduce", stats, mesh.axes[axis])
                     comm["all_reduce"] = comm.get("all_reduce", 0.0) + t
             elif behaviour[d] == Behaviour.NORMALISED:  # vocab-parallel loss: output complete after stats
                 output.append(R)
                 stats = STATS_BYTES * 3 * graph.numel(op.inputs[0]) / graph.dims[d] / _split(axes, mesh, besides=d)
-                t = 2 * costmodel.collective_time("all_reduce", stats, mesh.axes[axis])
+                t = 2 * model.collective_time("all_reduce", stats, mesh.axes[axis])
                 comm["all_reduce"] = comm.get("all_reduce", 0.0) + t
             else:  # contracted, reduced, gathered: a pending sum
                 output.append(P)
@@ -209,8 +220,9 @@ def op_strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None
         split = _split(axes, mesh)
         moved = (sum(local_bytes(graph.nbytes(t), p, mesh) for t, p in zip(op.inputs, inputs))
                  + local_bytes(graph.nbytes(op.output), output_t, mesh))
-        compute = 0.0 if op.kind == "reshape" else costmodel.compute_time(
-            flops / split, 2 * moved, mesh.device, dtype, matmul)
+        shapes = tuple(local_shape(graph, t, p, mesh) for t, p in zip((*op.inputs, op.output), (*inputs, output_t)))
+        compute = 0.0 if op.kind == "reshape" else model.op_time(
+            op.kind, shapes, dtype, flops / split, 2 * moved, mesh.device, matmul)
         strategies.append(Strategy(
             axes=tuple(axes), inputs=inputs, output=output_t, compute_s=compute, comm=comm,
             memory_bytes=local_bytes(graph.nbytes(op.output), output_t, mesh),

@@ -52,7 +52,7 @@ class Pipeline:
         """Point-to-point time of a stage's boundary activations out and their gradients back, per microbatch."""
         if last >= len(self.boundary) - 1:
             return 0.0
-        return 2 * costmodel.p2p_time(self.boundary[last] * self.mb / self.batch, self.link)
+        return 2 * costmodel.active().p2p_time(self.boundary[last] * self.mb / self.batch, self.link)
 
 
 @dataclass(frozen=True)
