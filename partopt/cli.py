@@ -399,6 +399,10 @@ def _render_plan(plan: Plan) -> list[Table]:
                    f"{plan.solver['ilps']} ILPs, planning {fmt_seconds(plan.solver['time_s'])}"
                    + (f"; {plan.solver['dropped_options']} leaner options dropped (no solution within their time "
                       "limit)" if plan.solver.get("dropped_options") else "")),
+        *([("stopped early", f"{'at the deadline' if plan.solver['stopped'] == 'deadline' else 'by Ctrl-C'}: the best "
+                             f"plan found, at most {plan.solver['bound_gap']:.1%} slower than the best possible "
+                             f"(lower bound {fmt_seconds(plan.solver['lower_bound_s'])} per iteration)")]
+          if plan.solver.get("stopped") else []),
     ])
     return [stages, totals]
 
@@ -431,11 +435,14 @@ def _render_plan(plan: Plan) -> list[Table]:
               "attention core) or full (each layer keeps only its input); --recompute alone means full.")
 @click.option("--profile", "profile_file", type=click.Path(),
               help="Measured op times and collective bandwidths (a partopt.profile file); the analytical model prices the rest.")
+@click.option("--deadline", type=FiniteFloat(), help="Seconds for the whole search: then the best plan found, "
+              "marked as stopped early with its gap to a lower bound (Ctrl-C does the same).")
 @click.option("-o", "--output", type=click.Path(), help="Write the plan file here.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the plan file to stdout.")
 def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches: str, layers: int, solver: str,
           time_limit: float, memory_reserve: float, search: str, logical_shapes: str, submeshes: str,
-          workers: int | None, recompute: str, profile_file: str | None, output: str | None, as_json: bool) -> None:
+          workers: int | None, recompute: str, profile_file: str | None, deadline: float | None, output: str | None,
+          as_json: bool) -> None:
     """Plan GRAPH on a cluster: pipeline stages, submeshes, logical meshes and per-op shardings.
     The plan is re-derived (as `partopt check` does) before it is written or printed."""
     if output:
@@ -458,7 +465,7 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
                         microbatches=microbatches if microbatches == "auto" else [int(c) for c in counts],
                         layers=layers, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
                         logical_shapes=logical_shapes, submesh_family=submeshes, workers=workers,
-                        recompute=recompute, cost_model=cost_model, **restrict)
+                        recompute=recompute, cost_model=cost_model, deadline_s=deadline, **restrict)
     # a Megatron-style plan restricts a tied parameter that `evaluate` leaves free (it records one placement of
     # the copies each priced layer chose): such plans are not re-derived here (noted on issue 17)
     found = [] if search == "megatron" else check.differences(plan, graph, cluster, "the solved plan", cost_model)

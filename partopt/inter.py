@@ -25,7 +25,7 @@ from partopt.layering import build_layers
 from partopt.ops import is_matmul
 from partopt.options import DEFAULT_MAX_LAYERS, Options, microbatch_counts
 from partopt.plan import Plan
-from partopt.pricing import Job, Pricer, Stats, tighten
+from partopt.pricing import Expired, Job, Pricer, Stats, tighten
 from partopt.stages import StageSpec, stage_table
 from partopt.units import fmt_bytes
 
@@ -106,58 +106,75 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                   if _fits_at_all(graph, views[c], cluster, budget, options.recompute != "none")]
     if not candidates:
         raise _no_plan(graph, cluster, budget)
-    done = 0
-    with Pricer(graph, options, cache) as pricer:
-        for n, count in enumerate(candidates):
-            if best is not None and bounds[count] >= best[0]:
-                continue  # its lower bound already loses: no ILP needed
-            mb, g_mb = batch // count, views[count]
-            pricer.views[mb] = g_mb
-            pipe = pipeline_of(graph, cluster, layering, count)
-            base_ops = [[g_mb.op_index[op.name] for op in ops] for ops in layering.base]
-            hashes = [g_mb.structural_hash(ops) for ops in base_ops]
-            names = [tuple(op.name for op in ops) for ops in base_ops]
-            modes = _distinct_modes(g_mb, base_ops, options.recompute_modes)
-            # one option per (submesh, logical shape, recomputation mode): a list of rows of layer costs
-            costs: dict = {}
-            result = free = None
-            for m, mode in enumerate(modes):
-                jobs = {(hashes[b], (*key, mode)): Job(mb, count, names[b], meshes[key], mode, budget)
-                        for key in meshes for b in range(len(base_ops))}
-                total = done + len(jobs) * (len(candidates) - n)  # an estimate: later counts may be skipped
-                priced = pricer.run(jobs, stats, lambda k: progress(done + k, total) if progress else None)
-                done += len(jobs)
-                rows_of = {(*key, mode): [[priced[(hashes[b], (*key, mode))] for b in range(len(base_ops))]]
-                           for key in meshes}
-                costs.update(rows_of)
-                tighten(rows_of, priced, jobs, hashes, budget, len(base_ops), count,
-                        best[0] if best else math.inf, pricer, stats)
-                t, extra, options_of = stage_table(pipe, costs, submeshes, count, budget)
-                result = stagedp.solve(t, extra, sizes, cluster.num_devices, count)
-                if result is not None:
-                    stats.dp_rounds += result.rounds
-                if m == len(modes) - 1:
-                    break
-                if free is None:  # the first mode's plan with memory ignored: what recomputation could recover
-                    free = stagedp.solve(*stage_table(pipe, costs, submeshes, count, math.inf)[:2],
-                                         sizes, cluster.num_devices, count)
-                if result is not None and result.total <= free.total * (1 + 1e-12):
-                    break  # memory does not bind: recomputing more only adds time
-            stats.counts.append(count)
-            stats.recompute_modes[count] = modes[:m + 1]
-            if result is None:
-                continue
-            if best is None or result.total < best[0] - 1e-15:
-                chosen = [options_of[c.submesh][c.option] for c in result.stages]
-                specs = [StageSpec(c.first, c.last, submeshes[c.submesh], shape, min(c.inflight, count), mode)
-                         for c, (shape, mode, _) in zip(result.stages, chosen)]
-                rows = [costs[(spec.submesh, spec.shape, spec.recompute)][r]
-                        for spec, (_, _, r) in zip(specs, chosen)]
-                best = (result.total, count, specs, rows)
+    done, unfinished, stopped = 0, list(candidates), None
+    deadline = start + options.deadline_s if options.deadline_s is not None else math.inf
+    try:
+        with Pricer(graph, options, cache, deadline) as pricer:
+            for n, count in enumerate(candidates):
+                if best is not None and bounds[count] >= best[0]:
+                    unfinished.remove(count)
+                    continue  # its lower bound already loses: no ILP needed
+                if time.perf_counter() > deadline:
+                    raise Expired
+                mb, g_mb = batch // count, views[count]
+                pricer.views[mb] = g_mb
+                pipe = pipeline_of(graph, cluster, layering, count)
+                base_ops = [[g_mb.op_index[op.name] for op in ops] for ops in layering.base]
+                hashes = [g_mb.structural_hash(ops) for ops in base_ops]
+                names = [tuple(op.name for op in ops) for ops in base_ops]
+                modes = _distinct_modes(g_mb, base_ops, options.recompute_modes)
+                # one option per (submesh, logical shape, recomputation mode): a list of rows of layer costs
+                costs: dict = {}
+                result = free = None
+                for m, mode in enumerate(modes):
+                    jobs = {(hashes[b], (*key, mode)): Job(mb, count, names[b], meshes[key], mode, budget)
+                            for key in meshes for b in range(len(base_ops))}
+                    total = done + len(jobs) * (len(candidates) - n)  # an estimate: later counts may be skipped
+                    priced = pricer.run(jobs, stats, lambda k: progress(done + k, total) if progress else None)
+                    done += len(jobs)
+                    rows_of = {(*key, mode): [[priced[(hashes[b], (*key, mode))] for b in range(len(base_ops))]]
+                               for key in meshes}
+                    costs.update(rows_of)
+                    tighten(rows_of, priced, jobs, hashes, budget, len(base_ops), count,
+                            best[0] if best else math.inf, pricer, stats)
+                    t, extra, options_of = stage_table(pipe, costs, submeshes, count, budget)
+                    result = stagedp.solve(t, extra, sizes, cluster.num_devices, count)
+                    if result is not None:
+                        stats.dp_rounds += result.rounds
+                    if m == len(modes) - 1:
+                        break
+                    if free is None:  # the first mode's plan with memory ignored: what recomputation could recover
+                        free = stagedp.solve(*stage_table(pipe, costs, submeshes, count, math.inf)[:2],
+                                             sizes, cluster.num_devices, count)
+                    if result is not None and result.total <= free.total * (1 + 1e-12):
+                        break  # memory does not bind: recomputing more only adds time
+                stats.counts.append(count)
+                stats.recompute_modes[count] = modes[:m + 1]
+                unfinished.remove(count)
+                if result is None:
+                    continue
+                if best is None or result.total < best[0] - 1e-15:
+                    chosen = [options_of[c.submesh][c.option] for c in result.stages]
+                    specs = [StageSpec(c.first, c.last, submeshes[c.submesh], shape, min(c.inflight, count), mode)
+                             for c, (shape, mode, _) in zip(result.stages, chosen)]
+                    rows = [costs[(spec.submesh, spec.shape, spec.recompute)][r]
+                            for spec, (_, _, r) in zip(specs, chosen)]
+                    best = (result.total, count, specs, rows)
+    except (Expired, KeyboardInterrupt) as err:
+        stopped = "deadline" if isinstance(err, Expired) else "interrupted"
+        if best is None:
+            if stopped == "interrupted":
+                raise
+            raise PartoptError(f"no plan found within the deadline of {options.deadline_s:g} s", "--deadline",
+                               "give the search more time") from None
     if best is None:
         raise _no_plan(graph, cluster, budget)
-    _, count, specs, rows = best
-    return assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start)
+    total, count, specs, rows = best
+    plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start)
+    if stopped:  # the counts not finished could still win, down to their lower bounds
+        bound = min([total, *(bounds[c] for c in unfinished)])
+        plan.solver.update(stopped=stopped, lower_bound_s=bound, bound_gap=(total - bound) / total)
+    return plan
 
 
 def _distinct_modes(graph: Graph, base_ops: list[list[Op]], modes: Sequence[str]) -> list[str]:

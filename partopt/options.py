@@ -30,10 +30,14 @@ class Options:
     workers: int | None = None  # processes for the ILPs; None: one per available core
     recompute: str = "auto"  # activation recomputation per stage: auto (searched) or one of intra.RECOMPUTE_MODES
     cost_model: costmodel.CostModel | None = None  # None: the analytical model (`costmodel.ANALYTICAL`)
+    deadline_s: float | None = None  # wall seconds for the whole search: then the best plan found, marked stopped
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):  # the former flag: recompute meant full recomputation
             object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+        if self.deadline_s is not None and not self.deadline_s > 0:  # NaN too
+            raise InstanceError(f"deadline {self.deadline_s} is not a positive number of seconds", "deadline",
+                                "give the seconds the search may take, e.g. 60")
         if self.recompute not in ("auto", *intra.RECOMPUTE_MODES):
             raise InstanceError(f"unknown recomputation mode {self.recompute!r}", "recompute",
                                 f"use auto or one of {', '.join(intra.RECOMPUTE_MODES)}")

@@ -182,6 +182,10 @@ def _restriction_key(g_mb: Graph, job: Job) -> tuple:
             tuple(s.name for t in params for s in param_strategies(g_mb, g_mb.tensors[t], job.mesh) if r.param(t, s)))
 
 
+class Expired(Exception):
+    """The search's deadline passed while layers were being priced."""
+
+
 class Pricer:
     """Runs layer ILPs: in this process, or on a pool of worker processes for many of them.
     Results are kept in `cache` under the graph, the pricing options and the job (by structure:
@@ -189,8 +193,9 @@ class Pricer:
 
     MIN_OPS = 500  # below this many ops over all jobs, starting worker processes costs more than it saves
 
-    def __init__(self, graph: Graph, options, cache: dict | None = None):
+    def __init__(self, graph: Graph, options, cache: dict | None = None, deadline: float = math.inf):
         self.graph, self.options = graph, options
+        self.deadline = deadline  # time.perf_counter() after which `run` raises Expired
         self.views: dict[int, Graph] = {}
         self.hashes: dict[tuple, str] = {}
         self.workers = options.workers or len(os.sched_getaffinity(0))
@@ -245,6 +250,8 @@ class Pricer:
                 done += 1
                 progress(done)
         for (ck, key), cost in zip(solving.items(), self._results([jobs[k] for k in solving.values()])):
+            if time.perf_counter() > self.deadline:
+                raise Expired  # a finished ILP past the deadline is dropped with the rest of this call
             self.cache[ck] = cost
             stats.record(cost, solved=True)
             done += 1
