@@ -80,12 +80,12 @@ def _recomputed_flops(graph: Graph, units: Sequence[Sequence[Op]], mode: str) ->
     return total
 
 
-def pipeline_of(graph: Graph, cluster: Cluster, layering: Layering, count: int) -> Pipeline:
+def pipeline_of(graph: Graph, cluster: Cluster, layering: Layering, count: int, overlap: bool) -> Pipeline:
     """What the stages of a plan with `count` microbatches share (see `stages.Pipeline`)."""
     batch = graph.dims[graph.batch_dim]
     return Pipeline(layering, boundary_bytes(graph, layering), batch // count, batch,
                     cluster.intra_node if cluster.nodes == 1 else cluster.inter_node,
-                    shared_params(graph, layering.base), cluster.devices_per_node)
+                    shared_params(graph, layering.base), cluster.devices_per_node, overlap)
 
 
 def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count: int,
@@ -95,7 +95,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
     Stage latency and memory come from the stage accountant, as in the stage DP's table, so a plan
     evaluated again prices to the same number.
     """
-    pipe = pipeline_of(graph, cluster, layering, count)
+    pipe = pipeline_of(graph, cluster, layering, count, options.overlap)
     batch, mb = pipe.batch, pipe.mb
     placed = place(cluster, [spec.submesh for spec in specs])
     stages = []
@@ -153,7 +153,8 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
                        "recompute_s": sum(row[b].sharding.breakdown.recompute_s for b in range(first, last + 1)),
                        "param_bytes": sums.param_bytes, "activation_bytes": sums.activation_bytes,
                        "working_bytes": sums.working_bytes,
-                       "state_bytes": state},
+                       "state_bytes": state,
+                       "overlapped_s": max(0.0, sum(sync.values()) + optimizer_s - sums.sync_s) if options.overlap else 0.0},
             ops=ops, params=param_info))
     latencies = [s.stage_time_s for s in stages]
     iteration = sum(latencies) + (count - 1) * max(latencies) + max(s.sync_time_s for s in stages)
@@ -179,5 +180,5 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
                  "submesh_family": options.submesh_family, "memory_reserve": options.memory_reserve,
                  "intra_only": options.intra_only, "inter_only": options.inter_only,
                  "data_parallel_only": options.data_parallel_only, "stage_data_parallel": options.stage_data_parallel,
-                 "recompute": options.recompute, "cost_model": (options.cost_model or costmodel.ANALYTICAL).key},
+                 "recompute": options.recompute, "overlap": options.overlap, "cost_model": (options.cost_model or costmodel.ANALYTICAL).key},
         batch_dim=graph.batch_dim, tensors=tensors)

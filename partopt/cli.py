@@ -433,6 +433,8 @@ def _render_plan(plan: Plan) -> list[Table]:
 @click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), default="auto", show_default=True, is_flag=False,
               flag_value="full", help="Activation recomputation per stage: searched (auto), none, selective (the "
               "attention core) or full (each layer keeps only its input); --recompute alone means full.")
+@click.option("--no-overlap", is_flag=True, help="Price gradient reduction after the backward instead of overlapped "
+              "with it (docs/COSTMODEL.md §5b): every cost adds up, the model before overlap.")
 @click.option("--profile", "profile_file", type=click.Path(),
               help="Measured op times and collective bandwidths (a partopt.profile file); the analytical model prices the rest.")
 @click.option("--deadline", type=FiniteFloat(), help="Seconds for the whole search: then the best plan found, "
@@ -441,8 +443,8 @@ def _render_plan(plan: Plan) -> list[Table]:
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the plan file to stdout.")
 def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches: str, layers: int, solver: str,
           time_limit: float, memory_reserve: float, search: str, logical_shapes: str, submeshes: str,
-          workers: int | None, recompute: str, profile_file: str | None, deadline: float | None, output: str | None,
-          as_json: bool) -> None:
+          workers: int | None, recompute: str, no_overlap: bool, profile_file: str | None, deadline: float | None,
+          output: str | None, as_json: bool) -> None:
     """Plan GRAPH on a cluster: pipeline stages, submeshes, logical meshes and per-op shardings.
     The plan is re-derived (as `partopt check` does) before it is written or printed."""
     if output:
@@ -461,11 +463,12 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
                   TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("price", total=None)
         plan = baselines.megatron(graph, cluster, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
-                                  recompute=recompute, cost_model=cost_model) if search == "megatron" else optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
+                                  recompute=recompute, cost_model=cost_model, overlap=not no_overlap) if search == "megatron" else optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
                         microbatches=microbatches if microbatches == "auto" else [int(c) for c in counts],
                         layers=layers, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
                         logical_shapes=logical_shapes, submesh_family=submeshes, workers=workers,
-                        recompute=recompute, cost_model=cost_model, deadline_s=deadline, **restrict)
+                        recompute=recompute, cost_model=cost_model, deadline_s=deadline, overlap=not no_overlap,
+                        **restrict)
     # a Megatron-style plan restricts a tied parameter that `evaluate` leaves free (it records one placement of
     # the copies each priced layer chose): such plans are not re-derived here (noted on issue 17)
     found = [] if search == "megatron" else check.differences(plan, graph, cluster, "the solved plan", cost_model)
@@ -524,6 +527,8 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
 @click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
+@click.option("--no-overlap", is_flag=True, help="Price gradient reduction after the backward instead of overlapped "
+              "with it (docs/COSTMODEL.md §5b): every cost adds up, the model before overlap.")
 @click.option("--profile", "profile_file", type=click.Path(),
               help="Measured op times and collective bandwidths (a partopt.profile file); the analytical model prices the rest.")
 @click.option("-o", "--output", type=click.Path(), help="Write the priced plan file here.")
@@ -531,8 +536,8 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
 def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, plan_file: str | None,
                      tp: int | None, pp: int | None, dp: int | None, microbatches: int | None,
                      microbatch_size: int | None, zero: bool, recompute: str | None,
-                     solver: str, memory_reserve: float, profile_file: str | None, output: str | None,
-                     as_json: bool) -> None:
+                     solver: str, memory_reserve: float, no_overlap: bool, profile_file: str | None,
+                     output: str | None, as_json: bool) -> None:
     """Price a plan of GRAPH under the cost model: a plan file (--plan) or a Megatron-style uniform
     plan (--tp T --pp P --dp D): P equal stages, each on a (D, T) mesh, batch over D."""
     if output:
@@ -542,8 +547,10 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
     if (plan_file is None) == all(d is None for d in degrees) or (plan_file is None and None in degrees):
         raise InstanceError("give either --plan FILE or all of --tp, --pp and --dp", "partopt evaluate",
                             "for example --plan plan.json, or --tp 8 --pp 2 --dp 4")
-    if plan_file is not None and (microbatches is not None or microbatch_size is not None or zero or recompute):
-        raise InstanceError("--microbatches, --microbatch-size, --zero and --recompute describe a Megatron-style plan, "
+    if plan_file is not None and (microbatches is not None or microbatch_size is not None or zero or recompute
+                                  or no_overlap):
+        raise InstanceError("--microbatches, --microbatch-size, --zero, --recompute and --no-overlap describe a "
+                            "Megatron-style plan, "
                             "not a plan file", "partopt evaluate", "edit the plan file instead")
     if microbatches is not None and microbatch_size is not None:
         raise InstanceError("give --microbatches or --microbatch-size, not both", "partopt evaluate",
@@ -560,7 +567,8 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
         plan = evaluate_plan(graph, cluster, validate.read_checked(plan_file, graph, cluster), where=plan_file,
                                  **options)
     else:
-        plan = uniform(graph, cluster, tp, pp, dp, microbatches, zero, recompute=recompute or "auto", **options)
+        plan = uniform(graph, cluster, tp, pp, dp, microbatches, zero, recompute=recompute or "auto",
+                       overlap=not no_overlap, **options)
     _emit(plan, output, as_json)
 
 

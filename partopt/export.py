@@ -188,6 +188,7 @@ def training(plan: Plan) -> dict[str, Any]:
     return {"schedule": SCHEDULE, "num_microbatches": plan.num_microbatches, "microbatch_size": plan.microbatch_size,
             "global_batch_size": plan.num_microbatches * plan.microbatch_size,
             "recompute": [recomputation(s) for s in plan.stages],
+            "overlap_grad_reduce": bool(plan.options.get("overlap", False)),
             "optimizer_state_sharded": any(info.get("zero_axes") for s in plan.stages for info in s.params.values()),
             "sequence_parallel": [i for i, s in enumerate(plan.stages) if _sequence_split(plan, i, s)]}
 
@@ -535,7 +536,8 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
             "num_layers": sum(counts), "layers_per_stage": counts,
             "first_stage_layers": first, "last_stage_layers": last,
             "sequence_parallel": roles[0].sequence_parallel and tp > 1,
-            "distributed_optimizer": zero, "recompute": recomputation(plan.stages[0])}
+            "distributed_optimizer": zero, "recompute": recomputation(plan.stages[0]),
+            "overlap_grad_reduce": bool(plan.options.get("overlap", False))}
 
 
 def _span(ids: Sequence[int]) -> str:
@@ -559,6 +561,8 @@ def to_megatron(plan: Plan) -> list[str]:
         args.append("--sequence-parallel")
     if c["distributed_optimizer"]:
         args.append("--use-distributed-optimizer")
+    if c["overlap_grad_reduce"]:
+        args.append("--overlap-grad-reduce")
     if c["recompute"]:
         r = c["recompute"]
         args += ["--recompute-granularity", r["granularity"]]

@@ -118,7 +118,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     raise Expired
                 mb, g_mb = batch // count, views[count]
                 pricer.views[mb] = g_mb
-                pipe = pipeline_of(graph, cluster, layering, count)
+                pipe = pipeline_of(graph, cluster, layering, count, options.overlap)
                 base_ops = [[g_mb.op_index[op.name] for op in ops] for ops in layering.base]
                 hashes = [g_mb.structural_hash(ops) for ops in base_ops]
                 names = [tuple(op.name for op in ops) for ops in base_ops]

@@ -20,9 +20,10 @@ from partopt import costmodel, gradients, ilp
 from partopt.cluster import LogicalMesh
 from partopt.errors import InfeasibleError
 from partopt.graph import Graph, Op
+from partopt.ops import is_matmul
 from partopt.units import fmt_bytes, fmt_seconds
 from partopt.sharding import (
-    ParamStrategy, Placement, Strategy, as_gradient_target, collectives_time, fmt,
+    ParamStrategy, Placement, Strategy, as_gradient_target, collectives_time, fmt, forward_share,
     gradient_placement, op_strategies, param_strategies, param_sync_collectives,
     R, Shard, reshard_collectives, shards, tensor_placements,
 )
@@ -443,6 +444,7 @@ class Breakdown:
     """Where a stage's time and memory go, under one chosen assignment."""
 
     compute_s: float = 0.0  # per microbatch, forward + backward (recomputation apart)
+    backward_compute_s: float = 0.0  # per microbatch: the backward's share of compute_s
     comm_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per microbatch, by kind
     sync_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per iteration, by kind
     optimizer_s: float = 0.0  # per iteration
@@ -557,6 +559,7 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
             if op.name in model.recompute:
                 breakdown.recompute_s += collectives_time(forward, mesh)
         breakdown.compute_s += s.compute_s
+        breakdown.backward_compute_s += s.compute_s * (1.0 - forward_share(is_matmul(op)))
         for kind, t in s.comm.items():
             breakdown.comm_s[kind] += t
         if op.name in model.recompute:

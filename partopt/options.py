@@ -30,6 +30,7 @@ class Options:
     workers: int | None = None  # processes for the ILPs; None: one per available core
     recompute: str = "auto"  # activation recomputation per stage: auto (searched) or one of intra.RECOMPUTE_MODES
     cost_model: costmodel.CostModel | None = None  # None: the analytical model (`costmodel.ANALYTICAL`)
+    overlap: bool = True  # gradient reductions overlap the backward (docs/COSTMODEL.md §5b); False: all costs add
     deadline_s: float | None = None  # wall seconds for the whole search: then the best plan found, marked stopped
 
     def __post_init__(self) -> None:

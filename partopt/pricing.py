@@ -23,6 +23,7 @@ from partopt.errors import InfeasibleError, SolverError
 from partopt.graph import Graph
 from partopt.sharding import op_strategies, param_strategies
 
+REDUCTIONS = ("all_reduce", "reduce_scatter")  # gradient collectives DDP/Megatron overlap with backward
 LEAN_TIME_LIMIT_S = 10.0
 MEMORY_RUNGS = (2, 4, 8, 16, 32, 64)  # per-layer caps budget / r that a stage of about r layers needs
 
@@ -37,11 +38,15 @@ class LayerCost:
     activation_bytes: float  # kept per in-flight microbatch
     working_bytes: float  # transient, once (recomputation)
     sharding: intra.StageSharding
+    reduce_s: float = 0.0  # per iteration: the part of sync_s that reduces gradients (overlappable with backward)
+    backward_s: float = 0.0  # per microbatch: backward compute and recomputation (what a reduction can hide behind)
 
     @classmethod
     def of(cls, sharding: intra.StageSharding) -> LayerCost:
         b = sharding.breakdown
-        return cls(b.per_microbatch_s, b.per_iteration_s, b.param_bytes, b.activation_bytes, b.working_bytes, sharding)
+        reduce = sum(b.sync_s.get(kind, 0.0) for kind in REDUCTIONS)
+        return cls(b.per_microbatch_s, b.per_iteration_s, b.param_bytes, b.activation_bytes, b.working_bytes, sharding,
+                   reduce, b.backward_compute_s + b.recompute_s)
 
     @property
     def memory_bytes(self) -> float:

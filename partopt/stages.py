@@ -18,7 +18,7 @@ from partopt import costmodel
 from partopt.cluster import Link
 from partopt.graph import Graph
 from partopt.layering import Layering
-from partopt.pricing import LayerCost
+from partopt.pricing import REDUCTIONS, LayerCost
 from partopt.shared import Correction, correction
 
 
@@ -47,6 +47,7 @@ class Pipeline:
     link: Link
     shared: dict[str, tuple[int, ...]]
     per_node: int
+    overlap: bool = False  # gradient reductions overlap the last microbatch's backward (`exposed_reduction`)
 
     def send_s(self, last: int) -> float:
         """Point-to-point time of a stage's boundary activations out and their gradients back, per microbatch."""
@@ -93,35 +94,58 @@ def boundary_bytes(graph: Graph, layering: Layering) -> list[float]:
 
 
 def _columns(row: Sequence[LayerCost | None], layering: Layering) -> np.ndarray:
-    """Per DP layer: time, sync, parameter and kept activation bytes (sums over its base layers) and
-    working bytes (their max: layers recompute one at a time); NaN where a base layer cannot run."""
-    out = np.full((len(layering.groups), 5), np.nan)
+    """Per DP layer: time, sync, parameter and kept activation bytes, working bytes (the max: layers
+    recompute one at a time), sync other than gradient reductions, gradient reductions, backward
+    time (the rest are sums over its base layers); NaN where a base layer cannot run."""
+    out = np.full((len(layering.groups), 8), np.nan)
     for j, (a, b) in enumerate(layering.groups):
         parts = row[a:b + 1]
         if any(c is None for c in parts):
             continue
         out[j] = (sum(c.time_s for c in parts), sum(c.sync_s for c in parts), sum(c.param_bytes for c in parts),
-                  sum(c.activation_bytes for c in parts), max(c.working_bytes for c in parts))
+                  sum(c.activation_bytes for c in parts), max(c.working_bytes for c in parts),
+                  sum(c.sync_s - c.reduce_s for c in parts), sum(c.reduce_s for c in parts),
+                  sum(c.backward_s for c in parts))
     return out
 
 
-def _running(columns: np.ndarray, i: int) -> np.ndarray:
+SUMMED = [0, 1, 2, 3, 5, 6, 7]
+
+
+def _running(columns: np.ndarray, i: int, overlap: bool) -> np.ndarray:
     """Totals of stages [i, j] for every j ≥ i, summed left to right (as a loop would: the same
-    floats whichever j a caller asks for); rows after a layer that cannot run are NaN."""
+    floats whichever j a caller asks for); rows after a layer that cannot run are NaN. Column 1 is
+    the stage's sync: with `overlap`, the other sync plus the exposed part of its gradient reductions."""
     part = columns[i:]
     totals = np.empty_like(part)
-    np.add.accumulate(part[:, :4], axis=0, out=totals[:, :4])
+    totals[:, SUMMED] = np.add.accumulate(part[:, SUMMED], axis=0)
     np.maximum.accumulate(part[:, 4], out=totals[:, 4])
+    if overlap:
+        totals[:, 1] = totals[:, 5] + exposed_reduction(part[:, 6], part[:, 7])
     return totals
+
+
+def exposed_reduction(reduce_s: np.ndarray, backward_s: np.ndarray) -> np.ndarray:
+    """Seconds of gradient reduction left after the last backward, for the stages [0, j] of these
+    layers, every j: max over l ≤ j of (Σ_{m ≤ l} reduce_m − Σ_{m < l} backward_m).
+
+    The last microbatch's backward runs layer j down to 0; layer l's gradients are reduced (one
+    bucket, one communication stream) once its backward is done and the buckets before it are
+    sent — as DDP's and Megatron's overlapped gradient reduction do. The chain that starts at
+    layer l ends Σ_{m ≤ l} reduce_m after l's backward, which is Σ_{m < l} backward_m before the
+    backward of layer 0 ends; the latest chain is what remains exposed (at least layer 0's own).
+    """
+    before = np.concatenate(([0.0], np.add.accumulate(backward_s)[:-1]))
+    return np.maximum.accumulate(np.add.accumulate(reduce_s) - before)
 
 
 def totals(row: Sequence[LayerCost | None], pipe: Pipeline, first: int, last: int, devices: int) -> StageTotals:
     """The sums of a stage of DP layers [first, last] on `devices` devices with its layers' costs `row`."""
-    time_s, sync_s, params, acts, working = _running(_columns(row, pipe.layering), first)[last - first]
+    time_s, sync_s, params, acts, working = _running(_columns(row, pipe.layering), first, pipe.overlap)[last - first, :5]
     fix = correction(row, pipe.layering.groups[first][0], pipe.layering.groups[last][1], pipe.shared, pipe.link,
                      min(devices, pipe.per_node))
     if fix is not None:
-        params, sync_s = params + fix.param_bytes, sync_s + fix.iteration_s
+        params, sync_s = params + fix.param_bytes, sync_s + _fix_sync(fix, pipe.overlap)
     return StageTotals(float(time_s), pipe.send_s(last), float(sync_s), float(params), float(acts), float(working), fix)
 
 
@@ -145,19 +169,28 @@ def stage_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], c
             row = costs[(sub, shape, mode)][r]
             columns = _columns(row, pipe.layering)
             for i in range(L):
-                run = _running(columns, i)
+                run = _running(columns, i, pipe.overlap)
                 runnable = int(np.argmax(np.isnan(run[:, 0]))) if np.isnan(run[:, 0]).any() else len(run)
                 for n in range(runnable):
                     j = i + n
-                    time_s, sync_s, params, acts, working = run[n]
+                    time_s, sync_s, params, acts, working = run[n, :5]
                     fix = correction(row, pipe.layering.groups[i][0], pipe.layering.groups[j][1], pipe.shared,
                                      pipe.link, min(sub[0] * sub[1], pipe.per_node))
                     if fix is not None:
-                        params, sync_s = params + fix.param_bytes, sync_s + fix.iteration_s
+                        params, sync_s = params + fix.param_bytes, sync_s + _fix_sync(fix, pipe.overlap)
                     fits = _most_inflight(params, acts, working, budget, count, L)
                     t[h, 1:fits + 1, i, j, s] = time_s + sends[j]
                     extra[h, 1:fits + 1, i, j, s] = sync_s
     return t, extra, options
+
+
+def _fix_sync(fix: Correction, overlap: bool) -> float:
+    """The per-iteration change of a shared-parameter correction. Under overlap a removed copy's
+    gradient reduction is not taken back out of the exposed part (it may have been hidden anyway):
+    an over-estimate by at most that reduction, never an under-estimate."""
+    if not overlap:
+        return fix.iteration_s
+    return sum(seconds for kind, seconds in fix.sync_s.items() if kind not in REDUCTIONS)
 
 
 def _most_inflight(params: float, acts: float, working: float, budget: float, count: int, most: int) -> int:

@@ -42,37 +42,45 @@ def test_evaluating_a_solved_plan_reproduces_its_iteration_time(small_gpt, tmp_p
         assert (b["working_bytes"] > 0) == bool(search.get("recompute"))
 
 
-def _mlp_data_parallel_by_hand(graph, n: int, state_per_param: int = 16) -> float:
+def _mlp_data_parallel_by_hand(graph, n: int, state_per_param: int = 16, overlap: bool = False) -> float:
     """One iteration of the 2-layer MLP data parallel over n NVLink devices of a p3 node, B = 1.
 
     Each op computes 1/n of the batch with replicated weights (roofline over its FLOPs and the bytes
     it moves, forward + backward); once per iteration each weight gradient is all-reduced over the
     n devices (bucketed) and the optimizer reads and writes its state (fp32 Adam: 16 B/param).
+    With `overlap`, layer 1's reduction (R1) runs during layer 0's backward (B0) and layer 0's (R0)
+    after it: R0 + max(0, R1 − B0) stays exposed (docs/COSTMODEL.md §5b).
     """
     cluster = preset("p3.16xlarge", 1)
     dev, link = cluster.device, cluster.intra_node
     b, h, f = (graph.dims[d] for d in ("b", "h", "f"))
     word = 4  # fp32
-    ops = [  # (training FLOPs, bytes read + written by one device, matmul)
-        (3 * 2 * b * h * f / n, word * (b * h / n + h * f + b * f / n), True),  # fc1
-        (2 * b * f / n, word * (b * f / n + f + b * f / n), False),  # bias1
-        (2 * b * f / n, word * (b * f / n + b * f / n), False),  # act1
-        (3 * 2 * b * f * h / n, word * (b * f / n + f * h + b * h / n), True),  # fc2
-        (2 * b * h / n, word * (b * h / n + h + b * h / n), False),  # bias2
+    ops = [  # (layer, training FLOPs, bytes read + written by one device, matmul)
+        (0, 3 * 2 * b * h * f / n, word * (b * h / n + h * f + b * f / n), True),  # fc1
+        (0, 2 * b * f / n, word * (b * f / n + f + b * f / n), False),  # bias1
+        (0, 2 * b * f / n, word * (b * f / n + b * f / n), False),  # act1
+        (1, 3 * 2 * b * f * h / n, word * (b * f / n + f * h + b * h / n), True),  # fc2
+        (1, 2 * b * h / n, word * (b * h / n + h + b * h / n), False),  # bias2
     ]
     # the cost model counts every byte twice (read in the forward, again in the backward)
-    compute = sum(costmodel.compute_time(fl, 2 * by, dev, "fp32", mm) for fl, by, mm in ops)
-    params = [h * f, f, f * h, h]
+    times = [(layer, costmodel.compute_time(fl, 2 * by, dev, "fp32", mm), mm) for layer, fl, by, mm in ops]
+    compute = sum(t for _, t, _ in times)
+    params = {0: [h * f, f], 1: [f * h, h]}
     # gradients are all-reduced in buckets: only the bandwidth terms count
-    sync = sum(2 * (n - 1) / n * word * p / link.bandwidth for p in params)
-    optimizer = sum(costmodel.compute_time(0.0, 2 * state_per_param * p, dev, "fp32", False) for p in params)
-    return compute + sync + optimizer
+    reduce = {layer: sum(2 * (n - 1) / n * word * p / link.bandwidth for p in ps) for layer, ps in params.items()}
+    optimizer = sum(costmodel.compute_time(0.0, 2 * state_per_param * p, dev, "fp32", False)
+                    for ps in params.values() for p in ps)
+    if not overlap:
+        return compute + reduce[0] + reduce[1] + optimizer
+    backward0 = sum(t * (2 / 3 if mm else 1 / 2) for layer, t, mm in times if layer == 0)  # backward: 2 of 3 GEMMs
+    return compute + reduce[0] + max(0.0, reduce[1] - backward0) + optimizer
 
 
-def test_uniform_pure_data_parallel_equals_the_hand_formula():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_uniform_pure_data_parallel_equals_the_hand_formula(overlap):
     graph = io.read_graph(INSTANCES / "mlp-2layer.json")
-    plan = uniform(graph, preset("p3.16xlarge", 1), tp=1, pp=1, dp=8, microbatches=1)
-    assert plan.iteration_time_s == pytest.approx(_mlp_data_parallel_by_hand(graph, 8), rel=1e-9)
+    plan = uniform(graph, preset("p3.16xlarge", 1), tp=1, pp=1, dp=8, microbatches=1, overlap=overlap)
+    assert plan.iteration_time_s == pytest.approx(_mlp_data_parallel_by_hand(graph, 8, overlap=overlap), rel=1e-9)
     stage = plan.stages[0]
     assert stage.logical_mesh == [8, 1] and stage.submesh == [1, 8]
     assert all(entry["axes"][0] == "b" for entry in stage.ops.values())
@@ -83,7 +91,7 @@ def test_uniform_pure_data_parallel_equals_the_hand_formula():
 def test_the_optimizer_sets_state_bytes_and_step_time(optimizer, state_per_param):
     # fp32 weights and grads, plus SGD's momentum buffer or (Adafactor) nothing but factored moments
     graph = dataclasses.replace(io.read_graph(INSTANCES / "mlp-2layer.json"), optimizer=optimizer)
-    plan = uniform(graph, preset("p3.16xlarge", 1), tp=1, pp=1, dp=8, microbatches=1)
+    plan = uniform(graph, preset("p3.16xlarge", 1), tp=1, pp=1, dp=8, microbatches=1, overlap=False)
     assert plan.iteration_time_s == pytest.approx(_mlp_data_parallel_by_hand(graph, 8, state_per_param), rel=1e-9)
     assert plan.stages[0].breakdown["param_bytes"] == pytest.approx(graph.num_params * state_per_param)
 
