@@ -201,7 +201,7 @@ def test_a_split_that_does_not_divide_its_dim_is_illegal(tiny):
     cluster = preset("p3.16xlarge", 1)
     plan = optimize(tiny.graph, cluster, microbatches=1, intra_only=True, logical_shapes=[(8, 1)], workers=1)
     stage = plan.stages[0]
-    ops = {**stage.ops, "l0.scores": {**stage.ops["l0.scores"], "axes": ["n", None]}}  # 4 heads cannot split 8 ways
+    ops = {**stage.ops, "l0.scores": dataclasses.replace(stage.ops["l0.scores"], axes=("n", None))}  # 4 heads: not 8 ways
     bad = dataclasses.replace(plan, stages=[dataclasses.replace(stage, ops=ops)])
     with pytest.raises(InstanceError, match=r"ops\['l0.scores'\].axes: op l0.scores cannot split \['n', None\] on mesh \[8, 1\]"):
         validate.check_against(bad, tiny.graph, cluster)
