@@ -189,6 +189,20 @@ def test_ops_and_parameters_must_exist_sit_in_their_stage_and_be_legal(tiny, tmp
         one_error_line(run("evaluate", tiny.graph_file, *where, "--plan", plan), plan, fragment)
 
 
+def test_a_malformed_placement_is_refused_everywhere_with_its_json_path(tiny, tmp_path):
+    """Placements are parsed when the file is read: every command names the op or parameter and the field."""
+    d = json.loads(Path(tiny.plan_file).read_text())
+    op = next(n for n, o in d["stages"][1]["ops"].items() if len(o["inputs"]) > 1)
+    param = next(iter(d["stages"][1]["params"]))
+    bad_input = lambda d: d["stages"][1]["ops"][op]["inputs"].__setitem__(1, "[S(h) R]")
+    assert_refused_everywhere(tiny, tmp_path, bad_input,
+                              f"$.stages[1].ops['{op}'].inputs[1]: malformed placement '[S(h) R]': 'S(h) R'")
+    bad_param = lambda d: d["stages"][1]["params"][param].__setitem__("placement", "R, R")
+    assert_refused_everywhere(tiny, tmp_path, bad_param,
+                              f"$.stages[1].params['{param}'].placement: malformed placement 'R, R' (hint: write it "
+                              "like [S(b), R]")
+
+
 def test_a_split_of_a_foreign_dim_is_illegal(tiny, tmp_path):
     d = json.loads(Path(tiny.plan_file).read_text())
     name = next(n for n, o in d["stages"][0]["ops"].items() if o["kind"] == "einsum")
