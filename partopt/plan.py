@@ -18,8 +18,9 @@ VERSION = 1
 
 @dataclass(frozen=True)
 class OpStrategy:
-    """The sharding a plan chose for one op (DTensor's vocabulary: a placement per mesh axis of
-    each input and of the output); the plan file writes placements as text, `[S(b), R]`."""
+    """The sharding a plan chose for one op — the recorded part of its `sharding.Strategy`, prices
+    left out — with DTensor's vocabulary: a placement (`Shard(dim)`, `Replicate()`, `Partial()` per
+    mesh axis) for each input and the output. The plan file writes placements as text, `[S(b), R]`."""
 
     kind: str
     tensor: str  # the op's output tensor
