@@ -31,7 +31,7 @@ class NotExpressibleError(PartoptError):
     """A plan that Megatron-LM's uniform (tp, pp, dp) form cannot express; the cause names why."""
 
 
-# ---------------------------------------------------------------- reading placements
+# ---------------------------------------------------------------- a stage's tensors and their placements
 
 @dataclass(frozen=True)
 class TensorPlacement:
