@@ -14,10 +14,12 @@ from partopt.graph import Graph, Op, Tensor
 from partopt.inter import Options, optimize
 from partopt.io import read_cluster, read_graph, write_graph
 from partopt.models.builder import GraphBuilder
-from partopt.plan import Plan, StagePlan, read_plan, write_plan
+from partopt.plan import OpStrategy, ParamPlacement, Plan, StagePlan, read_plan, write_plan
 from partopt.profiled import Profiled, read_profile
+from partopt.sharding import Partial, Replicate, Shard
 from partopt.simulate import StageTimes, simulate
 
-__all__ = ["Cluster", "Device", "Graph", "GraphBuilder", "Link", "Op", "Options", "Plan", "StagePlan", "StageTimes",
-           "Profiled", "Tensor", "evaluate", "export", "optimize", "preset", "read_cluster", "read_graph", "read_plan",
-           "read_profile", "simulate", "uniform", "write_graph", "write_plan"]
+__all__ = ["Cluster", "Device", "Graph", "GraphBuilder", "Link", "Op", "OpStrategy", "Options", "ParamPlacement",
+           "Partial", "Plan", "Profiled", "Replicate", "Shard", "StagePlan", "StageTimes", "Tensor", "evaluate", "export",
+           "optimize", "preset", "read_cluster", "read_graph", "read_plan", "read_profile", "simulate", "uniform",
+           "write_graph", "write_plan"]

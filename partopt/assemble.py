@@ -15,9 +15,9 @@ from partopt.cluster import Cluster
 from partopt.graph import Graph, Op
 from partopt.layering import Layering
 from partopt.ops import is_matmul
-from partopt.plan import Plan, StagePlan, tensor_table
+from partopt.plan import OpStrategy, ParamPlacement, Plan, StagePlan, tensor_table
 from partopt.pricing import LayerCost, Stats
-from partopt.sharding import Shard, fmt
+from partopt.sharding import Shard
 from partopt.shared import shared_params
 from partopt.stages import Pipeline, StageSpec, boundary_bytes, totals
 
@@ -117,12 +117,11 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
             rename = _dim_map(graph, [graph.op_index[oc.op] for oc in sharding.ops], layering.base[b])
             for op, oc in zip(layering.base[b], sharding.ops):
                 strategy = _renamed(oc.strategy, rename)
-                ops[op.name] = {"kind": op.kind, "tensor": op.output, "axes": list(strategy.axes),
-                                "inputs": [fmt(x) for x in strategy.inputs], "output": fmt(strategy.output),
-                                "explanation": intra.describe(graph, op, strategy, oc.collectives, sharding.mesh)}
+                ops[op.name] = OpStrategy(op.kind, op.output, strategy.axes, strategy.inputs, strategy.output,
+                                          intra.describe(graph, op, strategy, oc.collectives, sharding.mesh))
             for tensor, pc in zip(params_of(graph, layering.base[b]), sharding.params):
                 placement = tuple(_renamed_placement(pc.strategy.placement, rename))
-                param_info[tensor] = {"placement": fmt(placement), "zero_axes": list(pc.strategy.zero_axes)}
+                param_info[tensor] = ParamPlacement(placement, pc.strategy.zero_axes)
         state = {part: sum(row[b].sharding.breakdown.state_bytes[part] for b in range(first, last + 1))
                  for part in intra.STATE_PARTS}
         optimizer_s = sum(row[b].sharding.breakdown.optimizer_s for b in range(first, last + 1))

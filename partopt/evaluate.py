@@ -21,8 +21,8 @@ from partopt.options import Options, microbatch_counts
 from partopt.pricing import Job, LayerCost, Pricer, Stats
 from partopt.stages import StageSpec
 from partopt.layering import Layering, build_layers
-from partopt.plan import Plan, tensor_table
-from partopt.sharding import ParamStrategy, Replicate, Strategy, fmt
+from partopt.plan import OpStrategy, ParamPlacement, Plan, tensor_table
+from partopt.sharding import ParamStrategy, Replicate, Strategy
 from partopt.units import fmt_bytes
 
 
@@ -58,8 +58,8 @@ def _check_meshes(cluster: Cluster, specs: list[StageSpec], where: str) -> None:
                               "use smaller submeshes or a larger cluster (--nodes)")
 
 
-def _pinned(op_entries: dict, param_entries: dict, layering: Layering, first: int, last: int,
-            where: str) -> intra.Restriction:
+def _pinned(op_entries: dict[str, OpStrategy], param_entries: dict[str, ParamPlacement], layering: Layering,
+            first: int, last: int, where: str) -> intra.Restriction:
     """The restriction that keeps each listed op's recorded axes and each listed parameter's placement.
 
     A parameter read in two priced layers of the stage (a tied embedding) is priced in each with
@@ -72,15 +72,14 @@ def _pinned(op_entries: dict, param_entries: dict, layering: Layering, first: in
             raise InstanceError(f"op {name!r} is not in this stage's layers", f"{where}.ops.{name}",
                                 "list each op under the stage that runs it")
     readers = Counter(t for ops in units for t in {t for op in ops for t in op.inputs})
-    axes = {name: tuple(entry["axes"]) for name, entry in op_entries.items()}
-    params = {name: (entry["placement"], tuple(entry.get("zero_axes", ()))) for name, entry in param_entries.items()
-              if readers[name] == 1}
+    axes = {name: entry.axes for name, entry in op_entries.items()}
+    params = {name: entry for name, entry in param_entries.items() if readers[name] == 1}
 
     def op_ok(op: Op, s: Strategy) -> bool:
         return op.name not in axes or tuple(s.axes) == axes[op.name]
 
     def param_ok(tensor: str, s: ParamStrategy) -> bool:
-        return tensor not in params or (fmt(s.placement), tuple(s.zero_axes)) == params[tensor]
+        return tensor not in params or ParamPlacement(s.placement, s.zero_axes) == params[tensor]
 
     return intra.Restriction(op_ok, param_ok, f"the plan ({where}; a split must divide its dim on the mesh)")
 

@@ -55,5 +55,5 @@ def explain(plan: Plan) -> list[StageExplanation]:
             stage.inflight_microbatches * bd["activation_bytes"])
         if bd.get("working_bytes"):
             memory["recomputation working set"] = bd["working_bytes"]
-        result.append(StageExplanation(i, time_s, memory, [entry["explanation"] for entry in stage.ops.values()]))
+        result.append(StageExplanation(i, time_s, memory, [op.explanation for op in stage.ops.values()]))
     return result

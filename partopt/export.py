@@ -17,14 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from partopt.errors import InstanceError, PartoptError
-from partopt.plan import Plan, StagePlan
-from partopt.sharding import P, Partial, Placement, R, Replicate, Shard, fmt
+from partopt.plan import OpStrategy, Plan, StagePlan
+from partopt.sharding import Partial, Placement, Replicate, Shard, fmt
 
 AXIS_NAMES = ("x", "y")
 TARGETS = ("jax", "dtensor", "megatron")
 NORM_KINDS = ("layernorm", "rmsnorm")
 UNSUPPORTED_BY_MEGATRON = ("conv2d", "pool")  # Megatron-LM trains transformers
-OP_FIELDS = ("kind", "tensor", "axes", "inputs", "output")  # what exporters read of a plan's op
 SCHEDULE = "1f1b"  # the schedule a plan's in-flight microbatches and iteration time assume (min(S - i, B) kept)
 
 
@@ -32,25 +31,7 @@ class NotExpressibleError(PartoptError):
     """A plan that Megatron-LM's uniform (tp, pp, dp) form cannot express; the cause names why."""
 
 
-# ---------------------------------------------------------------- reading placements
-
-_AXIS_TEXT = re.compile(r"^(?:S\((?P<dim>[^()\s,]+)\)|(?P<r>R)|(?P<p>P))$")
-
-
-def parse_placement(text: str, where: str = "placement") -> Placement:
-    """The inverse of `partopt.sharding.fmt`: "[S(b), R]" -> (Shard("b"), R); InstanceError if malformed."""
-    body = text.strip()
-    if not (body.startswith("[") and body.endswith("]")):
-        raise InstanceError(f"malformed placement {text!r}", where, "write it like [S(b), R] (S(dim), R or P per mesh axis)")
-    result = []
-    for part in body[1:-1].split(","):
-        match = _AXIS_TEXT.match(part.strip())
-        if match is None:
-            raise InstanceError(f"malformed placement {text!r}: {part.strip()!r}", where,
-                                "each mesh axis is S(dim), R or P")
-        result.append(Shard(match["dim"]) if match["dim"] else (R if match["r"] else P))
-    return tuple(result)
-
+# ---------------------------------------------------------------- a stage's tensors and their placements
 
 @dataclass(frozen=True)
 class TensorPlacement:
@@ -74,13 +55,10 @@ def _mesh(stage: StagePlan, where: str) -> tuple[int, ...]:
 
 
 def _check_ops(stage: StagePlan, ndims: int, where: str) -> None:
-    """InstanceError unless every op records the fields exporters read, with one axis entry per mesh axis."""
+    """InstanceError unless every op has one axis entry per mesh axis."""
     for op, info in stage.ops.items():
-        missing = [f for f in OP_FIELDS if f not in info]
-        if missing:
-            raise InstanceError(f"op {op} lacks {', '.join(missing)}", f"{where}.ops.{op}", "compare with docs/FORMAT.md")
-        if len(info["axes"]) != ndims:
-            raise InstanceError(f"op {op} has {len(info['axes'])} axis entries for a {ndims}-axis mesh",
+        if len(info.axes) != ndims:
+            raise InstanceError(f"op {op} has {len(info.axes)} axis entries for a {ndims}-axis mesh",
                                 f"{where}.ops.{op}.axes")
 
 
@@ -92,16 +70,15 @@ def _tensor_info(plan: Plan, name: str, where: str) -> dict[str, Any]:
     return info
 
 
-def _resolve(plan: Plan, name: str, role: str, text: str, where: str, ndims: int,
+def _resolve(plan: Plan, name: str, role: str, placement: Placement, where: str, ndims: int,
              zero_axes: Sequence[int] = ()) -> TensorPlacement:
     info = _tensor_info(plan, name, where)
-    placement = parse_placement(text, where)
     if len(placement) != ndims:
-        raise InstanceError(f"placement {text} has {len(placement)} entries for a {ndims}-axis mesh", where)
+        raise InstanceError(f"placement {fmt(placement)} has {len(placement)} entries for a {ndims}-axis mesh", where)
     dims = tuple(info["dims"])
     for p in placement:
         if isinstance(p, Shard) and p.dim not in dims:
-            raise InstanceError(f"placement {text} splits {p.dim!r}, which {name!r} {list(dims)} lacks", where)
+            raise InstanceError(f"placement {fmt(placement)} splits {p.dim!r}, which {name!r} {list(dims)} lacks", where)
     return TensorPlacement(name, role, dims, tuple(info["shape"]), placement, tuple(zero_axes))
 
 
@@ -112,9 +89,9 @@ def stage_tensors(plan: Plan, index: int) -> Iterator[TensorPlacement]:
     ndims = len(_mesh(stage, where))
     _check_ops(stage, ndims, where)
     for name, info in stage.params.items():
-        yield _resolve(plan, name, "param", info["placement"], f"{where}.params.{name}", ndims, info.get("zero_axes", ()))
+        yield _resolve(plan, name, "param", info.placement, f"{where}.params.{name}", ndims, info.zero_axes)
     for op, info in stage.ops.items():
-        yield _resolve(plan, info["tensor"], "activation", info["output"], f"{where}.ops.{op}", ndims)
+        yield _resolve(plan, info.tensor, "activation", info.output, f"{where}.ops.{op}", ndims)
 
 
 def dim_axes(t: TensorPlacement) -> list[tuple[int, ...]]:
@@ -174,11 +151,11 @@ def recomputation(stage: StagePlan) -> dict[str, Any] | None:
 def _sequence_split(plan: Plan, i: int, stage: StagePlan) -> bool:
     """Whether some norm of the stage splits a dim besides the batch and its feature dims (the sequence)."""
     for op, info in stage.ops.items():
-        if info["kind"] not in NORM_KINDS:
+        if info.kind not in NORM_KINDS:
             continue
-        dims = _tensor_info(plan, info["tensor"], f"stages[{i}].ops.{op}")["dims"]
-        for k, dim in enumerate(info["axes"]):
-            if dim not in (None, plan.batch_dim) and not _is_feature_dim(info, dims, k, dim, f"stages[{i}].ops.{op}"):
+        dims = _tensor_info(plan, info.tensor, f"stages[{i}].ops.{op}")["dims"]
+        for k, dim in enumerate(info.axes):
+            if dim not in (None, plan.batch_dim) and not _is_feature_dim(info, dims, k, dim):
                 return True
     return False
 
@@ -189,7 +166,7 @@ def training(plan: Plan) -> dict[str, Any]:
             "global_batch_size": plan.num_microbatches * plan.microbatch_size,
             "recompute": [recomputation(s) for s in plan.stages],
             "overlap_grad_reduce": bool(plan.options.get("overlap", False)),
-            "optimizer_state_sharded": any(info.get("zero_axes") for s in plan.stages for info in s.params.values()),
+            "optimizer_state_sharded": any(info.zero_axes for s in plan.stages for info in s.params.values()),
             "sequence_parallel": [i for i, s in enumerate(plan.stages) if _sequence_split(plan, i, s)]}
 
 
@@ -322,13 +299,12 @@ def parallelize_plan(plan: Plan, index: int) -> dict[str, dict[str, str]]:
             continue
         module = module_of(name)
         readers = [(op, o) for op, o in stage.ops.items()
-                   if module_of(op) == module and o["kind"] in ("einsum", "embedding")]
+                   if module_of(op) == module and o.kind in ("einsum", "embedding")]
         if len(readers) != 1:
             continue
-        out_dims = set(_tensor_info(plan, readers[0][1]["tensor"], f"stages[{index}].ops.{readers[0][0]}")["dims"])
-        placement = parse_placement(info["placement"], f"stages[{index}].params.{name}")
+        out_dims = set(_tensor_info(plan, readers[0][1].tensor, f"stages[{index}].ops.{readers[0][0]}")["dims"])
         styles = {AXIS_NAMES[k]: "ColwiseParallel()" if p.dim in out_dims else "RowwiseParallel()"
-                  for k, p in enumerate(placement) if isinstance(p, Shard)}
+                  for k, p in enumerate(info.placement) if isinstance(p, Shard)}
         if styles:
             result[module] = styles
     return result
@@ -351,16 +327,16 @@ def _axis_role(plan: Plan, i: int, stage: StagePlan, axis: int) -> str:
     """"dp" when every op splits the batch dim over `axis` (ops without it may run replicated), else "tp"."""
     batch = plan.batch_dim
     where = f"stage {i}"
-    splits_batch = [op for op, info in stage.ops.items() if info["axes"][axis] == batch]
-    splits_other = [(op, info["axes"][axis]) for op, info in stage.ops.items()
-                    if info["axes"][axis] not in (None, batch)]
+    splits_batch = [op for op, info in stage.ops.items() if info.axes[axis] == batch]
+    splits_other = [(op, info.axes[axis]) for op, info in stage.ops.items()
+                    if info.axes[axis] not in (None, batch)]
     if splits_batch and splits_other:
         op, dim = splits_other[0]
         raise _not_expressible(f"axis {axis} mixes data and tensor parallelism: op {op} splits {dim} over it, "
                                f"op {splits_batch[0]} splits the batch dim {batch}", where)
     if splits_batch:
         idle = [op for op, info in stage.ops.items()
-                if info["axes"][axis] is None and batch in _tensor_info(plan, info["tensor"], f"{where} op {op}")["dims"]]
+                if info.axes[axis] is None and batch in _tensor_info(plan, info.tensor, f"{where} op {op}")["dims"]]
         if idle:
             raise _not_expressible(f"op {idle[0]} runs replicated over data-parallel axis {axis}; Megatron gives "
                                    f"every data-parallel rank its own samples", where)
@@ -371,9 +347,9 @@ def _axis_role(plan: Plan, i: int, stage: StagePlan, axis: int) -> str:
     return "tp"
 
 
-def _is_feature_dim(info: dict[str, Any], dims: Sequence[str], axis: int, dim: str, where: str) -> bool:
+def _is_feature_dim(info: OpStrategy, dims: Sequence[str], axis: int, dim: str) -> bool:
     """Whether a norm's split dim is one of its feature dims (those its scale/shift carry, else its last dim)."""
-    params = [parse_placement(text, where) for text in info["inputs"][1:]]
+    params = info.inputs[1:]
     if params:
         return any(p[axis] == Shard(dim) for p in params)
     return dim == dims[-1]
@@ -383,15 +359,14 @@ def _tensor_parallel_axes(stage: StagePlan, mesh: Sequence[int], tp: list[int], 
     """The tensor-parallel axes: one, or both when every op and parameter treats them alike (one group of a*b)."""
     if len(tp) > 1:
         for op, info in stage.ops.items():
-            if len(set(info["axes"])) > 1:
+            if len(set(info.axes)) > 1:
                 what = [f"splits {d} over axis {k}" if d else f"runs replicated over axis {k}"
-                        for k, d in enumerate(info["axes"])]
+                        for k, d in enumerate(info.axes)]
                 raise _not_expressible(f"op {op} {' but '.join(what)}: Megatron has a single tensor-parallel group, "
                                        f"not a 2-D one", where)
         for name, info in stage.params.items():
-            placement = parse_placement(info["placement"], f"{where} param {name}")
-            if len(set(placement)) > 1:
-                raise _not_expressible(f"param {name} is {info['placement']}: Megatron has a single tensor-parallel "
+            if len(set(info.placement)) > 1:
+                raise _not_expressible(f"param {name} is {fmt(info.placement)}: Megatron has a single tensor-parallel "
                                        f"group, not a 2-D one", where)
     if tp and tp[0] != len(mesh) - 1 and mesh[-1] > 1 and len(tp) == 1:
         raise _not_expressible(f"tensor parallelism runs over axis {tp[0]}, whose devices are {mesh[-1]} apart; "
@@ -404,13 +379,13 @@ def _sequence_parallel(plan: Plan, i: int, stage: StagePlan, axis: int) -> bool:
     where = f"stage {i}"
     sequence_split, replicated = [], []
     for op, info in stage.ops.items():
-        if info["kind"] not in NORM_KINDS:
+        if info.kind not in NORM_KINDS:
             continue
-        dim = info["axes"][axis]
-        dims = _tensor_info(plan, info["tensor"], f"{where} op {op}")["dims"]
+        dim = info.axes[axis]
+        dims = _tensor_info(plan, info.tensor, f"{where} op {op}")["dims"]
         if dim is None:
             replicated.append(op)
-        elif _is_feature_dim(info, dims, axis, dim, f"stages[{i}].ops.{op}"):
+        elif _is_feature_dim(info, dims, axis, dim):
             raise _not_expressible(f"op {op} splits its feature dim {dim} over the tensor-parallel axis {axis}; "
                                    f"Megatron's norms split only the sequence (sequence parallelism)", where)
         else:
@@ -429,17 +404,16 @@ def _stage_roles(plan: Plan, i: int, stage: StagePlan) -> _StageRoles:
     mesh = _mesh(stage, f"stages[{i}]")
     _check_ops(stage, len(mesh), f"stages[{i}]")
     for op, info in stage.ops.items():
-        if info["kind"] in UNSUPPORTED_BY_MEGATRON:
-            raise _not_expressible(f"op {op} is a {info['kind']}: Megatron-LM trains transformers, without "
+        if info.kind in UNSUPPORTED_BY_MEGATRON:
+            raise _not_expressible(f"op {op} is a {info.kind}: Megatron-LM trains transformers, without "
                                    f"convolution or pooling layers", where)
     roles = {k: _axis_role(plan, i, stage, k) for k in range(len(mesh)) if mesh[k] > 1}
     tp_axes = _tensor_parallel_axes(stage, mesh, [k for k, r in roles.items() if r == "tp"], where)
     dp_axes = tuple(k for k, r in roles.items() if r == "dp")
     for name, info in stage.params.items():
-        placement = parse_placement(info["placement"], f"stages[{i}].params.{name}")
-        split = [k for k in dp_axes if not isinstance(placement[k], Replicate)]
+        split = [k for k in dp_axes if not isinstance(info.placement[k], Replicate)]
         if split:
-            raise _not_expressible(f"param {name} is {info['placement']}, split over data-parallel axis {split[0]}; "
+            raise _not_expressible(f"param {name} is {fmt(info.placement)}, split over data-parallel axis {split[0]}; "
                                    f"Megatron replicates weights across data-parallel ranks (its distributed "
                                    f"optimizer shards only optimizer state)", where)
     sequence_parallel = bool(tp_axes) and _sequence_parallel(plan, i, stage, tp_axes[0])
@@ -528,7 +502,7 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
     counts = _layer_counts(plan)
     first, last = _uneven_ends(counts)
     zero = any(k in roles[0].dp_axes for s in plan.stages for info in s.params.values()
-               for k in info.get("zero_axes", ()))
+               for k in info.zero_axes)
     return {"tp": tp, "pp": len(plan.stages), "dp": dp,
             "micro_batch_size": plan.microbatch_size // dp,
             "global_batch_size": plan.microbatch_size * plan.num_microbatches,

@@ -3,16 +3,39 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from partopt import io
 from partopt.errors import InstanceError
 from partopt.graph import Graph
+from partopt.sharding import Placement, fmt, parse_placement
 
 FORMAT = "partopt.plan"
 VERSION = 1
+
+
+@dataclass(frozen=True)
+class OpStrategy:
+    """The sharding a plan chose for one op — the recorded part of its `sharding.Strategy`, prices
+    left out — with DTensor's vocabulary: a placement (`Shard(dim)`, `Replicate()`, `Partial()` per
+    mesh axis) for each input and the output. The plan file writes placements as text, `[S(b), R]`."""
+
+    kind: str
+    tensor: str  # the op's output tensor
+    axes: tuple[str | None, ...]  # per mesh axis: the dim it splits, or None (replicated over it)
+    inputs: tuple[Placement, ...]  # the placement the op reads each input in, in the op's input order
+    output: Placement  # its output's placement (Partial: a pending sum)
+    explanation: str  # one readable line: what it splits and what that costs
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    """Where a plan keeps one parameter: its placement, and the mesh axes its optimizer state is split over (ZeRO)."""
+
+    placement: Placement
+    zero_axes: tuple[int, ...] = ()
 
 
 @dataclass
@@ -31,8 +54,8 @@ class StagePlan:
     memory_bytes: float  # per device, with its in-flight microbatches
     inflight_microbatches: int
     breakdown: dict[str, Any]  # compute_s, comm_s by kind, sync_s by kind, optimizer_s, param/activation bytes
-    ops: dict[str, dict[str, Any]]  # op -> {"kind", "tensor", "axes", "inputs", "output", "explanation"}
-    params: dict[str, dict[str, Any]]  # param -> {"placement", "zero_axes"}
+    ops: dict[str, OpStrategy]  # op name -> its sharding, in the stage's op order
+    params: dict[str, ParamPlacement]  # parameter -> its placement
     recompute: str = "none"  # activation recomputation of its layers: none | selective | full
 
 
@@ -63,16 +86,51 @@ def tensor_table(g_mb: Graph) -> dict[str, dict[str, Any]]:
             for name, t in g_mb.tensors.items()}
 
 
+def _op_to_dict(op: OpStrategy) -> dict[str, Any]:
+    return {"kind": op.kind, "tensor": op.tensor, "axes": list(op.axes), "inputs": [fmt(p) for p in op.inputs],
+            "output": fmt(op.output), "explanation": op.explanation}
+
+
+def _op_from_dict(data: dict[str, Any], where: str) -> OpStrategy:
+    inputs = tuple(parse_placement(text, f"{where}.inputs[{j}]") for j, text in enumerate(data["inputs"]))
+    return OpStrategy(data["kind"], data["tensor"], tuple(data["axes"]), inputs,
+                      parse_placement(data["output"], f"{where}.output"), data["explanation"])
+
+
+def _param_to_dict(param: ParamPlacement) -> dict[str, Any]:
+    return {"placement": fmt(param.placement), "zero_axes": list(param.zero_axes)}
+
+
+def _param_from_dict(data: dict[str, Any], where: str) -> ParamPlacement:
+    return ParamPlacement(parse_placement(data["placement"], f"{where}.placement"), tuple(data.get("zero_axes", ())))
+
+
+def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
+    data = asdict(replace(stage, ops={}, params={}))  # keeps the fields' order; placements are written as text
+    data["ops"] = {name: _op_to_dict(op) for name, op in stage.ops.items()}
+    data["params"] = {name: _param_to_dict(p) for name, p in stage.params.items()}
+    return data
+
+
+def _stage_from_dict(data: dict[str, Any], recompute: str, where: str) -> StagePlan:
+    ops = {name: _op_from_dict(op, f"{where}.ops[{name!r}]") for name, op in data["ops"].items()}
+    params = {name: _param_from_dict(p, f"{where}.params[{name!r}]") for name, p in data["params"].items()}
+    return StagePlan(**{"recompute": recompute, **data, "ops": ops, "params": params})
+
+
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """The file form of `plan`: format and version first, then the fields in dataclass order."""
-    data = asdict(plan)
+    data = asdict(replace(plan, stages=[]))
+    data["stages"] = [_stage_to_dict(s) for s in plan.stages]
     head = {"format": data.pop("format"), "version": data.pop("version")}
     return {**head, **data}
 
 
 def plan_from_dict(data: Any, where: str = "plan") -> Plan:
-    """A Plan from its file form, checked against the packaged schema (`partopt/schemas/plan.schema.json`);
-    errors name `where` and the JSON path. Semantic checks are `partopt.validate`'s."""
+    """A Plan from its file form, checked against the packaged schema (`partopt/schemas/plan.schema.json`),
+    its placements parsed; errors name `where` and the JSON path. Semantic checks are `partopt.validate`'s.
+
+    A file partopt wrote reads back to a plan whose `plan_text` is that file, byte for byte."""
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
         found = (data.get("format"), data.get("version")) if isinstance(data, dict) else (None, None)
         raise InstanceError(f"not a {FORMAT} v{VERSION} file (format {found[0]!r}, version {found[1]!r})",
@@ -80,7 +138,7 @@ def plan_from_dict(data: Any, where: str = "plan") -> Plan:
     io.validate_against_schema(data, "plan", where)
     # plans written before per-stage modes carry one flag in their options: true meant full recomputation
     default = "full" if data.get("options", {}).get("recompute") is True else "none"
-    stages = [StagePlan(**{"recompute": default, **s}) for s in data["stages"]]
+    stages = [_stage_from_dict(s, default, io.at(where, f"$.stages[{i}]")) for i, s in enumerate(data["stages"])]
     rest = {k: v for k, v in data.items() if k not in ("stages", "format", "version")}
     return Plan(stages=stages, **rest)
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from partopt import costmodel
 from partopt import ops as opkinds
 from partopt.cluster import LogicalMesh
+from partopt.errors import InstanceError
 from partopt.graph import Graph, Op, Tensor
 from partopt.ops import Behaviour
 
@@ -47,8 +49,26 @@ Placement = tuple[AxisPlacement, ...]  # one entry per mesh axis
 
 
 def fmt(placement: Placement) -> str:
-    """`[S(b), R]` style text of a placement."""
+    """`[S(b), R]` style text of a placement (the plan file's form; `parse_placement` reads it back)."""
     return "[" + ", ".join(str(p) for p in placement) + "]"
+
+
+_AXIS_TEXT = re.compile(r"^(?:S\((?P<dim>[^()\s,]+)\)|(?P<r>R)|(?P<p>P))$")
+
+
+def parse_placement(text: str, where: str = "placement") -> Placement:
+    """The inverse of `fmt`: "[S(b), R]" -> (Shard("b"), R); InstanceError naming `where` if malformed."""
+    body = text.strip()
+    if not (body.startswith("[") and body.endswith("]")):
+        raise InstanceError(f"malformed placement {text!r}", where, "write it like [S(b), R] (S(dim), R or P per mesh axis)")
+    result: list[AxisPlacement] = []
+    for part in body[1:-1].split(","):
+        match = _AXIS_TEXT.match(part.strip())
+        if match is None:
+            raise InstanceError(f"malformed placement {text!r}: {part.strip()!r}", where,
+                                "each mesh axis is S(dim), R or P")
+        result.append(Shard(match["dim"]) if match["dim"] else (R if match["r"] else P))
+    return tuple(result)
 
 
 def shards(placement: Placement, mesh: LogicalMesh, skip_axis: int | None = None) -> int:

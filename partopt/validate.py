@@ -2,7 +2,8 @@
 
 `check_plan` needs only the plan: stages cover the DP layers once and in order, submeshes are
 shapes of the plan's cluster that its stages tile exactly with distinct devices, logical meshes
-factor their submesh, placements parse, and the stored figures agree with each other
+factor their submesh, placements have one entry per mesh axis and split their tensor's dims (they were
+parsed when the file was read, `partopt.plan`), and the stored figures agree with each other
 (memory = state + in-flight activations + working set, iteration = Σt + (B − 1)·max t + max sync).
 `check_against` adds the graph and the cluster: the plan was made for them, its microbatches
 divide the graph's batch, its stages cover the graph's layers, and every op and parameter it
@@ -18,12 +19,11 @@ from typing import Any
 from partopt import intra
 from partopt.cluster import Cluster
 from partopt.errors import InstanceError
-from partopt.export import parse_placement
 from partopt.graph import Graph
 from partopt.io import at
 from partopt.layering import build_layers
-from partopt.plan import Plan, StagePlan, read_plan, tensor_table
-from partopt.sharding import Shard, fmt, op_strategies, param_strategies
+from partopt.plan import ParamPlacement, Plan, StagePlan, read_plan, tensor_table
+from partopt.sharding import Placement, Shard, fmt, op_strategies, param_strategies
 
 TOLERANCE = 1e-6  # relative: stored figures are sums of the same floats in the same order
 YEAR_S = 365.25 * 24 * 3600
@@ -84,35 +84,34 @@ def _check_devices(plan: Plan, where: str) -> None:
                             "a plan's submeshes tile the whole cluster")
 
 
-def _check_placement(text: str, tensor: dict[str, Any] | None, place: str) -> None:
-    placement = parse_placement(text, place)
+def _check_placement(placement: Placement, tensor: dict[str, Any] | None, place: str) -> None:
     if len(placement) != MESH_AXES:
-        raise InstanceError(f"placement {text} has {len(placement)} entries for a {MESH_AXES}-axis mesh", place,
-                            "give one entry (S(dim), R or P) per mesh axis")
+        raise InstanceError(f"placement {fmt(placement)} has {len(placement)} entries for a {MESH_AXES}-axis mesh",
+                            place, "give one entry (S(dim), R or P) per mesh axis")
     if tensor is not None:
         for p in placement:
             if isinstance(p, Shard) and p.dim not in tensor["dims"]:
-                raise InstanceError(f"placement {text} splits {p.dim!r}, which the tensor {tensor['dims']} lacks", place,
-                                    "split only the tensor's own dims")
+                raise InstanceError(f"placement {fmt(placement)} splits {p.dim!r}, which the tensor {tensor['dims']} "
+                                    "lacks", place, "split only the tensor's own dims")
 
 
 def _check_strategies(plan: Plan, stage: StagePlan, place: str) -> None:
     tensors = plan.tensors or {}
     for op, info in stage.ops.items():
         here = f"{place}.ops[{op!r}]"
-        if len(info["axes"]) != MESH_AXES:
-            raise InstanceError(f"op {op} has {len(info['axes'])} axis entries for a {MESH_AXES}-axis mesh",
+        if len(info.axes) != MESH_AXES:
+            raise InstanceError(f"op {op} has {len(info.axes)} axis entries for a {MESH_AXES}-axis mesh",
                                 f"{here}.axes", "give one dim (or null) per mesh axis")
-        if tensors and info["tensor"] not in tensors:
-            raise InstanceError(f"op {op}'s tensor {info['tensor']!r} is not in the plan's tensors", f"{here}.tensor", _REDO)
-        _check_placement(info["output"], tensors.get(info["tensor"]), f"{here}.output")
-        for j, text in enumerate(info["inputs"]):
-            _check_placement(text, None, f"{here}.inputs[{j}]")
+        if tensors and info.tensor not in tensors:
+            raise InstanceError(f"op {op}'s tensor {info.tensor!r} is not in the plan's tensors", f"{here}.tensor", _REDO)
+        _check_placement(info.output, tensors.get(info.tensor), f"{here}.output")
+        for j, placement in enumerate(info.inputs):
+            _check_placement(placement, None, f"{here}.inputs[{j}]")
     for name, info in stage.params.items():
         here = f"{place}.params[{name!r}]"
         if tensors and name not in tensors:
             raise InstanceError(f"parameter {name!r} is not in the plan's tensors", here, _REDO)
-        _check_placement(info["placement"], tensors.get(name), f"{here}.placement")
+        _check_placement(info.placement, tensors.get(name), f"{here}.placement")
 
 
 def mismatches(plan: Plan) -> list[tuple[str, float, float]]:
@@ -216,28 +215,28 @@ def check_against(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan
                                     f" (layers {stage.layers[0]}–{stage.layers[1]})", here,
                                     "list each op under the stage that runs it")
             op = g_mb.op_index[name]
-            if (info["kind"], info["tensor"]) != (op.kind, op.output):
-                raise InstanceError(f"op {name} is recorded as a {info['kind']} making {info['tensor']!r}; the graph's is a "
+            if (info.kind, info.tensor) != (op.kind, op.output):
+                raise InstanceError(f"op {name} is recorded as a {info.kind} making {info.tensor!r}; the graph's is a "
                                     f"{op.kind} making {op.output!r}", here, _REDO)
             legal = {tuple(s.axes): s for s in op_strategies(g_mb, op, mesh)}
-            strategy = legal.get(tuple(info["axes"]))
+            strategy = legal.get(info.axes)
             if strategy is None:
-                raise InstanceError(f"op {name} cannot split {info['axes']} on mesh {stage.logical_mesh} (a dim it lacks, or "
-                                    f"a split that does not divide its size)", f"{here}.axes",
+                raise InstanceError(f"op {name} cannot split {list(info.axes)} on mesh {stage.logical_mesh} (a dim it "
+                                    f"lacks, or a split that does not divide its size)", f"{here}.axes",
                                     f"use one of {sorted(map(str, legal), key=len)[:4]} …")
-            recorded = (info["inputs"], info["output"])
-            if recorded != ([fmt(x) for x in strategy.inputs], fmt(strategy.output)):
-                raise InstanceError(f"op {name}'s placements {recorded} do not follow from its axes {info['axes']}",
+            if (info.inputs, info.output) != (strategy.inputs, strategy.output):
+                recorded = ([fmt(x) for x in info.inputs], fmt(info.output))
+                raise InstanceError(f"op {name}'s placements {recorded} do not follow from its axes {list(info.axes)}",
                                     here, _REDO)
         for name, info in stage.params.items():
             here = at(where, f"{place}.params[{name!r}]")
             tensor = g_mb.tensors.get(name)
             if tensor is None or tensor.role != "param":
                 raise InstanceError(f"{name!r} is not a parameter of the graph", here, _REDO)
-            legal = {(fmt(s.placement), tuple(s.zero_axes)) for s in param_strategies(g_mb, tensor, mesh)}
-            if (info["placement"], tuple(info.get("zero_axes", ()))) not in legal:
-                raise InstanceError(f"parameter {name} cannot be placed {info['placement']} with zero_axes "
-                                    f"{info.get('zero_axes', [])} on mesh {stage.logical_mesh}", here,
+            legal = {ParamPlacement(s.placement, s.zero_axes) for s in param_strategies(g_mb, tensor, mesh)}
+            if info not in legal:
+                raise InstanceError(f"parameter {name} cannot be placed {fmt(info.placement)} with zero_axes "
+                                    f"{list(info.zero_axes)} on mesh {stage.logical_mesh}", here,
                                     "split only its dims, by divisors of their sizes; ZeRO only over replicated axes")
 
 

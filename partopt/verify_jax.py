@@ -31,7 +31,7 @@ from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from partopt.errors import PartoptError
-from partopt.export import AXIS_NAMES, TensorPlacement, parse_placement, stage_tensors
+from partopt.export import AXIS_NAMES, TensorPlacement, stage_tensors
 from partopt.frontends.jax import CALLS, Traced, _sub_jaxpr, trace
 from partopt.graph import Graph
 from partopt.plan import Plan, StagePlan
@@ -115,7 +115,7 @@ def verify(plan: Plan, fn: Callable[..., Any], args: Sequence[Any], params_argnu
 
 
 def _check_same_graph(plan: Plan, graph: Graph) -> None:
-    missing = [t for s in plan.stages for t in (*s.params, *(i["tensor"] for i in s.ops.values())) if t not in graph.tensors]
+    missing = [t for s in plan.stages for t in (*s.params, *(i.tensor for i in s.ops.values())) if t not in graph.tensors]
     if missing:
         raise PartoptError(f"the plan names {len(missing)} tensors the model lacks, e.g. {missing[0]!r}", "verify",
                            "solve a graph imported from this model (partopt import jax) and verify that plan")
@@ -177,7 +177,7 @@ def _check_stage(plan: Plan, index: int, stage: StagePlan, traced: Traced, flat:
     replicated = [R] * len(AXIS_NAMES)
     for op in traced.graph.ops:
         info = stage.ops.get(op.name)
-        needs = [parse_placement(text) for text in info["inputs"]] if info else [tuple(replicated)] * len(op.inputs)
+        needs = info.inputs if info else [tuple(replicated)] * len(op.inputs)
         for t, need in zip(op.inputs, needs):
             if any(isinstance(p, Partial) for p in need):
                 continue
@@ -220,10 +220,10 @@ def _input_placements(plan: Plan, stage: StagePlan, graph: Graph) -> dict[str, T
         op = graph.op_index.get(op_name)
         if op is None:
             continue
-        for t, text in zip(op.inputs, info["inputs"]):
+        for t, placement in zip(op.inputs, info.inputs):
             tensor = graph.tensors[t]
             if tensor.role == "input" and t not in result:
-                result[t] = TensorPlacement(t, "input", tensor.dims, (), parse_placement(text, op_name))
+                result[t] = TensorPlacement(t, "input", tensor.dims, (), placement)
     return result
 
 
@@ -362,9 +362,8 @@ def planned_collectives(plan: Plan, index: int, graph: Graph) -> list[Collective
     """
     stage = plan.stages[index]
     mesh = _MeshShape((stage.logical_mesh[0], stage.logical_mesh[1]))
-    produced = {info["tensor"]: parse_placement(info["output"]) for info in stage.ops.values()}
-    params = {name: (parse_placement(info["placement"]), tuple(info.get("zero_axes", ())))
-              for name, info in stage.params.items()}
+    produced = {info.tensor: info.output for info in stage.ops.values()}
+    params = {name: (info.placement, info.zero_axes) for name, info in stage.params.items()}
     grads: dict[str, Placement] = {}
     result: list[Collective] = []
 
@@ -373,9 +372,8 @@ def planned_collectives(plan: Plan, index: int, graph: Graph) -> list[Collective
 
     for op_name, info in stage.ops.items():
         op = graph.op_index[op_name]
-        axes = info["axes"]
-        for t, text in zip(op.inputs, info["inputs"]):
-            required = parse_placement(text)
+        axes = info.axes
+        for t, required in zip(op.inputs, info.inputs):
             nbytes = graph.nbytes(t)
             floating = graph.dtype_of(t) not in ("int8", "int32", "int64", "bool")
             if t in params:

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from partopt.errors import PartoptError
-from partopt.export import AXIS_NAMES, TensorPlacement, optimizer_placement, parse_placement
+from partopt.export import AXIS_NAMES, TensorPlacement, optimizer_placement
 from partopt.plan import Plan, plan_from_dict, plan_to_dict
-from partopt.sharding import Shard
+from partopt.sharding import R, Shard
 
 MAX_PROCESSES = 8  # one CPU process per device of a stage
 RTOL, ATOL = 1e-4, 1e-5  # fp32 on CPU: a sharded sum differs from the unsharded one by rounding only
@@ -307,15 +307,14 @@ def _param_specs(plan: Plan, stage: Any, fqn: str, shape: tuple[int, ...], sizes
     info = stage.params.get(fqn)
     if info is None:
         chunks = [k for k in stage.params if k.startswith(fqn + "[")]
-        if chunks and any(stage.params[k]["placement"] != "[R, R]" for k in chunks):
+        if chunks and any(p != R for k in chunks for p in stage.params[k].placement):
             notes.append(f"{fqn}: the plan shards its chunks {', '.join(chunks)} separately; one DTensor cannot: replicated")
         return replicated, replicated
     dims = tuple(plan.tensors[fqn]["dims"])
-    placement = parse_placement(info["placement"], f"params.{fqn}")
-    spec, why = dtensor_placements(placement, shape, dims, sizes)
+    spec, why = dtensor_placements(info.placement, shape, dims, sizes)
     if why:
         notes.append(f"{fqn}: {why}")
-    t = TensorPlacement(fqn, "param", dims, tuple(plan.tensors[fqn]["shape"]), placement, tuple(info.get("zero_axes", ())))
+    t = TensorPlacement(fqn, "param", dims, tuple(plan.tensors[fqn]["shape"]), info.placement, info.zero_axes)
     state, _flat = optimizer_placement(t, tuple(stage.logical_mesh))
     sync, _ = dtensor_placements(state, shape, dims, sizes)
     return spec, sync
@@ -326,7 +325,7 @@ def _batch_axes(stage: Any, batch_dim: str | None) -> set[int]:
     first = next(iter(stage.ops.values()), None)
     if first is None or batch_dim is None:
         return set()
-    return {k for k, d in enumerate(first["axes"]) if d == batch_dim}
+    return {k for k, d in enumerate(first.axes) if d == batch_dim}
 
 
 def _predicted(stage: Any) -> dict[str, dict[str, int]]:
@@ -334,7 +333,7 @@ def _predicted(stage: Any) -> dict[str, dict[str, int]]:
     explanation), and the per-iteration gradient synchronisation under TOP_LEVEL."""
     result: dict[str, dict[str, int]] = {}
     for op, info in stage.ops.items():
-        _, arrow, tail = info.get("explanation", "").partition(" → ")
+        _, arrow, tail = info.explanation.partition(" → ")
         module = op.rpartition(".")[0] if "." in op else TOP_LEVEL
         for part in tail.split("; ") if arrow else []:
             words = part.split()

@@ -41,7 +41,7 @@ def test_deepspeed_is_one_data_parallel_stage_and_ppdp_has_no_zero(small):
     plan = baselines.deepspeed(graph, cluster, microbatches=1)
     assert len(plan.stages) == 1 and plan.stages[0].logical_mesh in ([4, 1], [1, 4])
     plan = baselines.ppdp(graph, cluster, microbatches=4)
-    assert all(not p["zero_axes"] for s in plan.stages for p in s.params.values())
+    assert all(not p.zero_axes for s in plan.stages for p in s.params.values())
     assert set(baselines.BASELINES) == {"megatron", "deepspeed", "ppdp"}
 
 

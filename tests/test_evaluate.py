@@ -14,7 +14,8 @@ from partopt.errors import InfeasibleError, InstanceError
 from partopt.evaluate import evaluate, uniform
 from partopt.export import megatron_config
 from partopt.inter import optimize
-from partopt.plan import read_plan, write_plan
+from partopt.plan import ParamPlacement, read_plan, write_plan
+from partopt.sharding import R
 
 INSTANCES = Path(__file__).parent.parent / "instances"
 
@@ -83,8 +84,8 @@ def test_uniform_pure_data_parallel_equals_the_hand_formula(overlap):
     assert plan.iteration_time_s == pytest.approx(_mlp_data_parallel_by_hand(graph, 8, overlap=overlap), rel=1e-9)
     stage = plan.stages[0]
     assert stage.logical_mesh == [8, 1] and stage.submesh == [1, 8]
-    assert all(entry["axes"][0] == "b" for entry in stage.ops.values())
-    assert all(p["placement"] == "[R, R]" and p["zero_axes"] == [] for p in stage.params.values())
+    assert all(entry.axes[0] == "b" for entry in stage.ops.values())
+    assert all(p == ParamPlacement((R, R), ()) for p in stage.params.values())
 
 
 @pytest.mark.parametrize("optimizer, state_per_param", [("sgd", 4 + 4 + 4), ("adafactor", 4 + 4)])
@@ -101,7 +102,7 @@ def test_uniform_zero_shards_optimizer_state_over_data_parallel_ranks():
     cluster = preset("p3.16xlarge", 1)
     plain = uniform(graph, cluster, tp=1, pp=1, dp=8, microbatches=1)
     zero = uniform(graph, cluster, tp=1, pp=1, dp=8, microbatches=1, zero=True)
-    assert all(p["zero_axes"] == [0] for p in zero.stages[0].params.values())
+    assert all(p.zero_axes == (0,) for p in zero.stages[0].params.values())
     # weights + grads stay whole (8 B/param of fp32), Adam's m and v (8 B/param) are split 8 ways
     saved = sum(graph.numel(t.name) for t in graph.params) * 8 * (1 - 1 / 8)
     assert plain.stages[0].breakdown["param_bytes"] - zero.stages[0].breakdown["param_bytes"] == pytest.approx(saved)
@@ -111,7 +112,7 @@ def test_uniform_tensor_parallel_keeps_the_batch_off_the_tensor_axis(small_gpt):
     plan = uniform(small_gpt, preset("p3.16xlarge", 1), tp=4, pp=2, dp=1, microbatches=8)
     assert [s.layers for s in plan.stages] == [[0, 3], [4, 7]]
     assert [s.logical_mesh for s in plan.stages] == [[1, 4], [1, 4]]
-    assert all(entry["axes"][1] != "b" for s in plan.stages for entry in s.ops.values())
+    assert all(entry.axes[1] != "b" for s in plan.stages for entry in s.ops.values())
     assert [s.inflight_microbatches for s in plan.stages] == [2, 1]
 
 
@@ -149,7 +150,7 @@ def test_a_split_that_does_not_divide_its_dim_names_the_op(small_gpt, solved):
     whole = optimize(small_gpt, cluster, microbatches=8, intra_only=True)  # one stage on all 8 devices
     stage = whole.stages[0]
     assert stage.logical_mesh in ([8, 1], [1, 8], [4, 2], [2, 4])
-    ops = {**stage.ops, "l0.scores": {**stage.ops["l0.scores"], "axes": ["n", "n"]}}
+    ops = {**stage.ops, "l0.scores": dataclasses.replace(stage.ops["l0.scores"], axes=("n", "n"))}
     mesh = stage.logical_mesh  # 4 heads cannot split 8 ways
     with pytest.raises(InfeasibleError, match=r"l0.scores has no strategy allowed by the plan"):
         evaluate(small_gpt, cluster, dataclasses.replace(whole, stages=[dataclasses.replace(stage, ops=ops)]))

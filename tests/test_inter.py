@@ -14,6 +14,7 @@ from partopt.errors import InfeasibleError
 from partopt.inter import Options, microbatch_counts, optimize
 from partopt.pricing import Dropped, Job, LayerCost, Stats, longest_stage, price
 from partopt.plan import plan_to_dict, read_plan
+from partopt.sharding import R, Shard
 from partopt.simulate import StageTimes, closed_form
 from test_intra import mlp
 
@@ -104,26 +105,26 @@ def test_shared_solves_name_each_layers_own_dims():
     for stage in plan.stages:
         for name, entry in stage.ops.items():
             op_dims = {d for t in (*ops[name].inputs, ops[name].output) for d in graph.tensors[t].dims}
-            assert {d for d in entry["axes"] if d} <= op_dims, (name, entry["axes"])
-            assert any(entry["axes"]), name
+            assert {d for d in entry.axes if d} <= op_dims, (name, entry.axes)
+            assert any(entry.axes), name
         for name, entry in stage.params.items():
-            for dim in entry["placement"].strip("[]").split(", "):
-                if dim.startswith("S("):
-                    assert dim[2:-1] in graph.tensors[name].dims
+            for p in entry.placement:
+                if isinstance(p, Shard):
+                    assert p.dim in graph.tensors[name].dims
 
 
 # ---------------------------------------------------------------- known outcomes (issue 5)
 
 def _axes_and_placements(plan):
-    axes = {a for s in plan.stages for e in s.ops.values() for a in e["axes"]}
-    return axes, {e["placement"] for s in plan.stages for e in s.params.values()}
+    axes = {a for s in plan.stages for e in s.ops.values() for a in e.axes}
+    return axes, {e.placement for s in plan.stages for e in s.params.values()}
 
 
 def test_a_model_that_fits_one_device_with_a_large_batch_is_pure_data_parallel():
     plan = optimize(mlp(2, 8192, 256), preset("p3.16xlarge", 1), microbatches=1)
     assert [(s.submesh, s.logical_mesh) for s in plan.stages] == [([1, 8], [8, 1])]
     axes, placements = _axes_and_placements(plan)
-    assert axes <= {"b", None} and placements == {"[R, R]"}
+    assert axes <= {"b", None} and placements == {(R, R)}
 
 
 def test_a_model_larger_than_a_node_is_pipelined_across_nodes_with_intra_op_inside_them():
@@ -140,8 +141,8 @@ def test_a_model_larger_than_a_node_is_pipelined_across_nodes_with_intra_op_insi
     assert len(plan.stages) > 1 and nodes == {0, 1}
     for stage in plan.stages:
         if stage.submesh[0] > 1:  # a stage spanning nodes: its axis 0 crosses them and may only split the batch
-            assert all(e["axes"][0] in ("b", None) for e in stage.ops.values())
-        assert any(a for e in stage.ops.values() for a in e["axes"] if a != "b")  # tensor-parallel inside
+            assert all(e.axes[0] in ("b", None) for e in stage.ops.values())
+        assert any(a for e in stage.ops.values() for a in e.axes if a != "b")  # tensor-parallel inside
     assert max(s.memory_bytes for s in plan.stages) <= costmodel.memory_budget(tiny.device)
 
 

@@ -10,6 +10,7 @@ from partopt.evaluate import evaluate
 from partopt.inter import optimize
 from partopt.models.gpt import gpt
 from partopt.shared import ALL_REDUCE_KEY, shared_params
+from partopt.sharding import R
 
 H, V = 64, 512
 
@@ -52,7 +53,7 @@ def test_two_stages_each_hold_the_table_and_all_reduce_its_gradient():
     table = 16 * V * H  # each stage keeps a whole copy of the table (one device per stage)
     gradient = 2 * V * H  # fp16 gradient of the table
     for stage in plan.stages:
-        assert stage.params["embed.wte"]["placement"] == "[R, R]"
+        assert stage.params["embed.wte"].placement == (R, R)
         # a bucketed ring all-reduce over 2 ranks: 2 (n - 1) / n · S / bw = S / bw on the link between stages
         link = cluster.intra_node
         assert stage.breakdown["sync_s"][ALL_REDUCE_KEY] == pytest.approx(gradient / link.bandwidth, rel=1e-12)

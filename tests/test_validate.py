@@ -189,6 +189,20 @@ def test_ops_and_parameters_must_exist_sit_in_their_stage_and_be_legal(tiny, tmp
         one_error_line(run("evaluate", tiny.graph_file, *where, "--plan", plan), plan, fragment)
 
 
+def test_a_malformed_placement_is_refused_everywhere_with_its_json_path(tiny, tmp_path):
+    """Placements are parsed when the file is read: every command names the op or parameter and the field."""
+    d = json.loads(Path(tiny.plan_file).read_text())
+    op = next(n for n, o in d["stages"][1]["ops"].items() if len(o["inputs"]) > 1)
+    param = next(iter(d["stages"][1]["params"]))
+    bad_input = lambda d: d["stages"][1]["ops"][op]["inputs"].__setitem__(1, "[S(h) R]")
+    assert_refused_everywhere(tiny, tmp_path, bad_input,
+                              f"$.stages[1].ops['{op}'].inputs[1]: malformed placement '[S(h) R]': 'S(h) R'")
+    bad_param = lambda d: d["stages"][1]["params"][param].__setitem__("placement", "R, R")
+    assert_refused_everywhere(tiny, tmp_path, bad_param,
+                              f"$.stages[1].params['{param}'].placement: malformed placement 'R, R' (hint: write it "
+                              "like [S(b), R]")
+
+
 def test_a_split_of_a_foreign_dim_is_illegal(tiny, tmp_path):
     d = json.loads(Path(tiny.plan_file).read_text())
     name = next(n for n, o in d["stages"][0]["ops"].items() if o["kind"] == "einsum")
@@ -201,7 +215,7 @@ def test_a_split_that_does_not_divide_its_dim_is_illegal(tiny):
     cluster = preset("p3.16xlarge", 1)
     plan = optimize(tiny.graph, cluster, microbatches=1, intra_only=True, logical_shapes=[(8, 1)], workers=1)
     stage = plan.stages[0]
-    ops = {**stage.ops, "l0.scores": {**stage.ops["l0.scores"], "axes": ["n", None]}}  # 4 heads cannot split 8 ways
+    ops = {**stage.ops, "l0.scores": dataclasses.replace(stage.ops["l0.scores"], axes=("n", None))}  # 4 heads: not 8 ways
     bad = dataclasses.replace(plan, stages=[dataclasses.replace(stage, ops=ops)])
     with pytest.raises(InstanceError, match=r"ops\['l0.scores'\].axes: op l0.scores cannot split \['n', None\] on mesh \[8, 1\]"):
         validate.check_against(bad, tiny.graph, cluster)

@@ -14,10 +14,11 @@ from click.testing import CliRunner
 
 from partopt.cli import main
 from partopt.cluster import preset
-from partopt.export import parse_placement, to_dtensor
+from partopt.export import to_dtensor
 from partopt.frontends.torch import from_hf_config, read_hf_config
 from partopt.inter import optimize
-from partopt.plan import write_plan
+from partopt.plan import ParamPlacement, write_plan
+from partopt.sharding import R, Shard
 from partopt.verify_torch import differences, dtensor_placements, torch_axes, verify_plan
 from test_frontend_torch import mlp_source
 
@@ -34,9 +35,9 @@ def test_torch_axes_group_dims_by_size():
 def test_shard_of_a_major_part_is_a_dtensor_shard_and_a_minor_part_is_not():
     sizes = {"g": 2, "r": 2, "d": 8, "h": 32}
     shape, dims = (32, 32), ("h", "g", "r", "d")  # o_proj.weight: [hidden, heads·head_dim]
-    spec, why = dtensor_placements(parse_placement("[S(g), S(h)]"), shape, dims, sizes)
+    spec, why = dtensor_placements((Shard("g"), Shard("h")), shape, dims, sizes)
     assert spec == [("shard", 1), ("shard", 0)] and why is None
-    spec, why = dtensor_placements(parse_placement("[S(d), R]"), shape, dims, sizes)
+    spec, why = dtensor_placements((Shard("d"), R), shape, dims, sizes)
     assert spec == [("replicate", None), ("replicate", None)] and "minor part" in why
 
 
@@ -60,7 +61,7 @@ def split_plan(tmp_path_factory):
     for name, dim in [("model.layers.0.mlp.up_proj.weight", f), ("model.layers.0.mlp.gate_proj.weight", f),
                       ("model.layers.0.mlp.down_proj.weight", f), ("model.layers.0.self_attn.o_proj.weight", heads),
                       ("model.layers.0.self_attn.k_proj.weight", heads)]:
-        params[name] = {"placement": f"[R, S({dim})]", "zero_axes": []}
+        params[name] = ParamPlacement((R, Shard(dim)), ())
     return plan, config
 
 
