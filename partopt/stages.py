@@ -164,24 +164,43 @@ def stage_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], c
     t = np.full((H, L + 1, L, L, S), np.inf)
     extra = np.zeros((H, L + 1, L, L, S))
     sends = np.array([pipe.send_s(j) for j in range(L)])
+    held = np.minimum(np.arange(1, L + 1), count)[:, None]  # microbatches held with k in flight, k = 1 … L
     for s, sub in enumerate(submeshes):
+        devices = min(sub[0] * sub[1], pipe.per_node)
         for h, (shape, mode, r) in enumerate(options[s]):
             row = costs[(sub, shape, mode)][r]
             columns = _columns(row, pipe.layering)
             for i in range(L):
                 run = _running(columns, i, pipe.overlap)
-                runnable = int(np.argmax(np.isnan(run[:, 0]))) if np.isnan(run[:, 0]).any() else len(run)
-                for n in range(runnable):
-                    j = i + n
-                    time_s, sync_s, params, acts, working = run[n, :5]
-                    fix = correction(row, pipe.layering.groups[i][0], pipe.layering.groups[j][1], pipe.shared,
-                                     pipe.link, min(sub[0] * sub[1], pipe.per_node))
-                    if fix is not None:
-                        params, sync_s = params + fix.param_bytes, sync_s + _fix_sync(fix, pipe.overlap)
-                    fits = _most_inflight(params, acts, working, budget, count, L)
-                    t[h, 1:fits + 1, i, j, s] = time_s + sends[j]
-                    extra[h, 1:fits + 1, i, j, s] = sync_s
+                n = int(np.argmax(np.isnan(run[:, 0]))) if np.isnan(run[:, 0]).any() else len(run)  # runnable ends
+                if n == 0:
+                    continue
+                time_s, sync_s, params, acts, working = (run[:n, c].copy() for c in range(5))
+                for lo, hi, fix in _corrections(row, pipe, i, n, devices):
+                    params[lo:hi] += fix.param_bytes
+                    sync_s[lo:hi] += _fix_sync(fix, pipe.overlap)
+                fits = params + held * acts + working <= budget  # [k, j − i]: a prefix in k, memory grows with it
+                t[h, 1:, i, i:i + n, s] = np.where(fits, time_s + sends[i:i + n], np.inf)
+                extra[h, 1:, i, i:i + n, s] = np.where(fits, sync_s, 0.0)
     return t, extra, options
+
+
+def _corrections(row: Sequence[LayerCost | None], pipe: Pipeline, i: int, n: int, devices: int):
+    """(lo, hi, correction) for the stages [i, i + m], lo ≤ m < hi, that hold the same copies of the
+    shared parameters (a correction depends only on which of their readers a stage runs)."""
+    if not pipe.shared:
+        return []
+    groups = np.array(pipe.layering.groups[i:i + n])
+    first, lasts = groups[0, 0], groups[:, 1]
+    inside = np.stack([np.searchsorted(np.array(units), lasts, "right") - np.searchsorted(units, first)
+                       for units in pipe.shared.values()])  # readers of each shared tensor inside [i, j]
+    changes = [0, *(m for m in range(1, n) if (inside[:, m] != inside[:, m - 1]).any()), n]
+    out = []
+    for lo, hi in zip(changes, changes[1:]):
+        fix = correction(row, first, int(lasts[lo]), pipe.shared, pipe.link, devices)
+        if fix is not None:
+            out.append((lo, hi, fix))
+    return out
 
 
 def _fix_sync(fix: Correction, overlap: bool) -> float:
@@ -191,13 +210,3 @@ def _fix_sync(fix: Correction, overlap: bool) -> float:
     if not overlap:
         return fix.iteration_s
     return sum(seconds for kind, seconds in fix.sync_s.items() if kind not in REDUCTIONS)
-
-
-def _most_inflight(params: float, acts: float, working: float, budget: float, count: int, most: int) -> int:
-    """The largest k ≤ most whose memory params + min(k, count) · acts + working fits `budget` (0 if none)."""
-    for k in range(1, most + 1):
-        if params + min(k, count) * acts + working > budget:
-            return k - 1
-        if k >= count:
-            return most  # min(k, count) stops growing: every larger k fits too
-    return most
