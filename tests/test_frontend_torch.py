@@ -15,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MixtralConfig
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from partopt import io, models
 from partopt.cli import main
@@ -297,13 +297,6 @@ def test_batch_of_one_is_refused():
         module, x = torch.nn.Linear(4, 4), torch.empty(1, 4)
     with pytest.raises(FrontendError, match="batch of at least 2"):
         from_module(module, (x,))
-
-
-def test_mixture_of_experts_is_a_clear_error():
-    config = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=4)
-    with pytest.raises(FrontendError, match="mixture-of-experts"):
-        from_hf_config(config, batch=2, seq=8)
 
 
 # ---------------------------------------------------------------- CLI

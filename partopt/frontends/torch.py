@@ -33,7 +33,6 @@ _ELEMENTWISE = {"add", "sub", "mul", "div", "pow", "silu", "gelu", "relu", "tanh
                 "rsqrt", "sqrt", "abs", "reciprocal", "sin", "cos", "erf", "maximum", "minimum", "where",
                 "masked_fill", "softplus", "leaky_relu", "square", "clamp", "hardtanh", "mish", "rsub"}
 _NO_OUTPUT = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "_assert_async"}
-_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 class FrontendError(PartoptError):
@@ -120,7 +119,7 @@ Axis = tuple[tuple[int, bool], ...]  # (atom, virtual): a virtual atom is broadc
 class _Val:
     """What one traced value is: a constant, a real IR tensor, a pending chain over one, or a tuple."""
 
-    kind: str  # "const", "real", "pending", "tuple"
+    kind: str  # "const", "real", "pending", "tuple", "route" (a router's top-k: items = routing weights, mask)
     shape: tuple[int, ...] = ()
     axes: list[Axis] = field(default_factory=list)
     tensor: str | None = None  # real: its IR tensor
@@ -168,6 +167,7 @@ class _Importer:
         self.dtype = dtype
         self.user_inputs: list[str] = []
         self.replaced: set[str] = set()  # fused parameters that their chunks stand for
+        self.hints: dict[int, str] = {}  # atom -> the generators' name for it (experts e, capacity c)
 
     # ------------------------------------------------------------ errors and places
     def where(self) -> str:
@@ -330,6 +330,14 @@ class _Importer:
             return
         if all(v.kind == "const" for v in flat):
             self.vals[node.name] = _Val("const", _shape(val))
+            return
+        routes = [v for v in flat if v.kind == "route"]
+        if routes and name != "experts":  # arithmetic on the top-k weights and indices folds into the routing ops
+            if any(v.kind != "route" for v in flat):
+                raise self.fail("a router's top-k output meets an activation outside an experts module",
+                                "partopt maps routers whose top-k feeds experts stored as 3-D gate_up_proj/down_proj "
+                                "(transformers >= 5)")
+            self.vals[node.name] = routes[0]
             return
         handler = getattr(self, f"op_{name}", None)
         if handler is not None:
@@ -594,6 +602,68 @@ class _Importer:
         shape = _shape(node.meta["val"])
         return self.emit("einsum", [probs, v], [*q.axes[:-1], v.axes[-1]], shape, "context")
 
+    # ------------------------------------------------------------ mixture of experts
+    def op_topk(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
+        """A router's top-k over the gates[tokens, e]: GShard's routing ops (partopt.models.moe) over
+        groups of one sequence each, g = b and gs = s: the k-th largest gate per token, the routing
+        weights over (tokens, e, c) and their nonzero pattern, the dispatch mask."""
+        from partopt.frontends.torch_moe import capacity
+
+        gates = self.real(args[0])
+        k = args[1]
+        dim = (args[2] if len(args) > 2 else kwargs.get("dim", -1)) % len(gates.shape)
+        tokens = [a for axis in gates.axes[:-1] for a, virt in self.expand_axis(axis) if not virt]
+        if dim != len(gates.shape) - 1 or not tokens or self.atoms.find(tokens[0]) != self.atoms.find(self.batch_atom):
+            raise self.fail("top-k that is not a router's choice over the experts of each token",
+                            "partopt maps top-k over the last axis of gates[tokens, experts], tokens = batch x seq")
+        group = math.prod(self.atoms.size[self.atoms.find(a)] for a in tokens[1:])
+        experts = gates.shape[-1]
+        slots = capacity(group, experts, k)
+        if slots < 1 or slots * experts != k * group:
+            raise self.fail(f"top-{k} routing of {group} tokens per sequence to {experts} experts gives an expert "
+                            f"capacity of {k * group / experts:g} tokens", "choose seq so that top_k x seq is a "
+                            "multiple of the number of experts")
+        c = ((self.atoms.new(slots), False),)
+        self.hints[c[0][0]] = "c"
+        self.hints[self.expand_axis(gates.axes[-1])[0][0]] = "e"
+        kth = self.emit("reduce", [gates], gates.axes[:-1], gates.shape[:-1], f"top{k}", fn=f"top{k}")
+        route_axes = [*gates.axes, c]
+        route_shape = (*gates.shape, slots)
+        weights = self.emit("elementwise", [gates, kth], route_axes, route_shape, "route", fn=f"top{k}_slots")
+        mask = self.emit("elementwise", [weights], route_axes, route_shape, "dispatch_mask", fn="nonzero")
+        self.tensors[mask.tensor] = (route_axes, "activation", "bool")
+        route = _Val("route", _shape(node.meta["val"][0]), items=[weights, mask])
+        return _Val("tuple", items=[route, route])
+
+    def op_experts(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
+        """partopt::experts (torch_moe): dispatch tokens to (e, g, c), the gated experts, combine back."""
+        x, _, route, gate_up, down, act = args
+        x = self.real(x)
+        if route.kind != "route":
+            raise self.fail("experts whose routing does not come from a top-k", "report the model")
+        weights, mask = route.items
+        e_axis, c_axis = weights.axes[-2], weights.axes[-1]
+        self.contract(gate_up.axes[0], e_axis)
+        self.contract(down.axes[0], e_axis)
+        self.contract(gate_up.axes[2], x.axes[-1])
+        self.contract(down.axes[1], x.axes[-1])
+        chunk, f = self.atoms.new(2), self.atoms.new(gate_up.shape[1] // 2)
+        if not self.atoms.unify([a for a, _ in gate_up.axes[1]], [chunk, f]):
+            raise self.fail("gate_up_proj's axis 1 is not [gate; up]", "report the model")
+        self.contract(down.axes[2], ((f, False),))
+        tokens = self.expand_axis(x.axes[0])
+        group, f_axis = (tokens[0],), ((f, False),)
+        inner = [e_axis, group, c_axis]
+        shape = (gate_up.shape[0], self.atoms.size[self.atoms.find(tokens[0][0])], weights.shape[-1])
+        hidden = (*shape, x.shape[-1])
+        ffn = (*shape, gate_up.shape[1] // 2)
+        sent = self.emit("einsum", [mask, x], [*inner, x.axes[-1]], hidden, "dispatch")
+        gate = self.emit("einsum", [sent, self.param_chunk(gate_up.tensor, chunk, 0, 2)], [*inner, f_axis], ffn, "gate")
+        up = self.emit("einsum", [sent, self.param_chunk(gate_up.tensor, chunk, 1, 2)], [*inner, f_axis], ffn, "up")
+        both = self.emit("elementwise", [gate, up], [*inner, f_axis], ffn, act, fn=f"{act}+mul")
+        out = self.emit("einsum", [both, down], [*inner, x.axes[-1]], hidden, "down")
+        return self.emit("einsum", [weights, out], x.axes, x.shape, "combine")
+
     def op_conv2d(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
         """A 1x1 stride-1 convolution is an einsum over channels (its spatial dims stay shardable), any
         other a `conv2d` with its window, as partopt's Wide-ResNet generator writes them."""
@@ -770,10 +840,15 @@ class _Importer:
         if self.seq_atom is not None and self.atoms.find(self.seq_atom) not in names:
             names[self.atoms.find(self.seq_atom)] = "s"
 
+        hinted = {self.atoms.find(a): hint for a, hint in self.hints.items()}
+
         def dim(atom: int) -> str:
             r = self.atoms.find(atom)
             if r not in names:
-                names[r] = f"d{len(names)}"
+                taken = set(names.values())
+                hint = hinted.get(r)
+                names[r] = f"d{len(names)}" if hint is None else \
+                    next(n for k in range(len(names) + 1) if (n := hint if k == 0 else f"{hint}{k}") not in taken)
             return names[r]
 
         producers = {op.output: op for op in self.ops}
@@ -913,8 +988,13 @@ def from_module(module: Any, example_inputs: Sequence[Any], *, name: str | None 
     """
     import torch
 
+    from partopt.frontends.torch_moe import experts_as_one_op
+
     try:
-        program = torch.export.export(module, tuple(example_inputs), strict=False)
+        with experts_as_one_op(module):
+            program = torch.export.export(module, tuple(example_inputs), strict=False)
+    except PartoptError:
+        raise
     except Exception as err:  # torch raises many kinds; the user needs its first line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FrontendError(f"torch.export failed: {first}", type(module).__name__,
@@ -959,10 +1039,6 @@ def from_hf_config(config: Any, *, batch: int, seq: int, dtype: str | None = Non
     from transformers import AutoModelForCausalLM
 
     where = f"config ({getattr(config, 'model_type', '?')})"
-    experts = [k for k in _MOE_KEYS if getattr(config, k, None)]
-    if experts:
-        raise FrontendError(f"mixture-of-experts blocks ({experts[0]}={getattr(config, experts[0])}) are not mapped yet",
-                            where, "plan the model with `partopt generate moe` for now")
     if batch < 2 or seq < 2:
         raise FrontendError(f"batch {batch} and seq {seq} must be at least 2", where, "give --batch and --seq of 2 or more")
     config.use_cache = False
