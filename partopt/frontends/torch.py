@@ -341,7 +341,12 @@ class _Importer:
             return
         handler = getattr(self, f"op_{name}", None)
         if handler is not None:
-            result = handler(node, args, kwargs)
+            try:
+                result = handler(node, args, kwargs)
+            except FrontendError:  # a form of a mapped op that the mapping does not cover
+                if not self.opaque:
+                    raise
+                result = self.opaque_op(node, name, flat)
         elif name in _IDENTITY:
             result = args[0]
         elif name in _RESHAPES:
@@ -350,14 +355,35 @@ class _Importer:
             result = self.permute(node, args)
         elif name in _ELEMENTWISE:
             result = self.elementwise(name, args, kwargs, _shape(val))
+        elif self.opaque:
+            result = self.opaque_op(node, name, flat)
         else:
-            if self.opaque:
-                raise self.fail(f"no mapping for aten.{name}, and the PyTorch frontend does not emit opaque ops yet",
-                                "map the op in partopt/frontends/torch.py, or trace the model with the JAX frontend")
             raise self.fail(f"no mapping for aten.{name}",
-                            "rewrite that part of the model with mapped ops (docs/FRONTENDS.md lists them) "
-                            "or report the op")
+                            "import with --opaque (opaque=True) to keep it as an unsharded opaque op, or rewrite "
+                            "that part of the model with mapped ops (docs/FRONTENDS.md lists them)")
         self.vals[node.name] = result
+
+    def opaque_op(self, node: Any, name: str, flat: list[_Val]) -> _Val:
+        """An unmapped ATen op kept whole: an `opaque` op per tensor result over the tensors it reads, with
+        new dims (never sharded), priced by FlopCounterMode's formula for the op when torch has one,
+        else one FLOP per output element (the first result carries the FLOPs)."""
+        inputs = [self.real(v) for v in flat if v.kind in ("real", "pending")]
+        val = node.meta.get("val")
+        results = list(val) if isinstance(val, (list, tuple)) else [val]
+        flops = _flop_formula(node)
+        vals = []
+        for k, out in enumerate(results):
+            shape = _shape(out)
+            if not hasattr(out, "shape"):
+                vals.append(_Val("const"))
+                continue
+            v = self.emit("opaque", inputs, self.axes_of(shape), shape, name, primitive=f"aten.{name}",
+                          flops=0 if k else (math.prod(shape) if flops is None else flops))
+            dtype = TORCH_DTYPES.get(str(out.dtype).removeprefix("torch."))
+            if dtype not in ("fp32", "fp16", "bf16"):  # floating results take the graph's dtype
+                self.tensors[v.tensor] = (self.tensors[v.tensor][0], "activation", dtype)
+            vals.append(v)
+        return vals[0] if len(vals) == 1 and not isinstance(val, (list, tuple)) else _Val("tuple", items=vals)
 
     # ------------------------------------------------------------ relabelling ops
     def reshape(self, v: _Val, shape: tuple[int, ...]) -> _Val:
@@ -893,6 +919,25 @@ def _aten_name(target: Any) -> str:
         return "getitem"
     name = getattr(target, "__name__", str(target))
     return name.split(".")[0]
+
+
+def _flop_formula(node: Any) -> int | None:
+    """FlopCounterMode's forward FLOPs of an ATen node run on meta tensors of its shapes (composite ops
+    count through their decomposition, aten.conv2d as aten.convolution); None when it counts none."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def meta(n: Any) -> Any:
+        v = n.meta.get("val")
+        return torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), meta)
+    try:
+        with FlopCounterMode(display=False) as counter:
+            node.target(*args, **kwargs)
+    except Exception:  # an op meta tensors cannot run (data-dependent shapes): torch counts nothing
+        return None
+    return counter.get_total_flops() or None
 
 
 def _shape(val: Any) -> tuple[int, ...]:
