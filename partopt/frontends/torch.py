@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from networkx.utils import UnionFind
+
 from partopt.errors import PartoptError
 from partopt.graph import Graph, Op, Tensor
 
@@ -45,20 +47,16 @@ class _Atoms:
     """Union-find over axis sizes; a root may be split into ordered parts (the major part first)."""
 
     def __init__(self) -> None:
-        self.parent: list[int] = []
+        self.classes = UnionFind()
         self.size: list[int] = []
         self.parts: dict[int, tuple[int, int]] = {}
 
     def new(self, size: int) -> int:
-        self.parent.append(len(self.parent))
         self.size.append(size)
-        return len(self.parent) - 1
+        return len(self.size) - 1
 
     def find(self, a: int) -> int:
-        while self.parent[a] != a:
-            self.parent[a] = self.parent[self.parent[a]]
-            a = self.parent[a]
-        return a
+        return self.classes[a]
 
     def expand(self, a: int) -> list[int]:
         """The unsplit atoms `a` stands for now, major first."""
@@ -71,12 +69,13 @@ class _Atoms:
         if ra == rb:
             return
         pa, pb = self.parts.pop(ra, None), self.parts.pop(rb, None)
-        self.parent[rb] = ra
+        self.classes.union(ra, rb)
+        root = self.find(ra)
         if pa is not None:
-            self.parts[ra] = pa
+            self.parts[root] = pa
         if pb is not None:
             if pa is None:
-                self.parts[ra] = pb
+                self.parts[root] = pb
             else:
                 self.unify(list(pa), list(pb))
 
