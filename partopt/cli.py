@@ -667,9 +667,19 @@ def explain_command(plan_file: str, ops: bool) -> None:
 @main.command("export")
 @click.argument("plan_file", metavar="PLAN")
 @click.option("--to", "target", required=True, type=click.Choice(TARGETS), help="The runtime to export for.")
-def export_command(plan_file: str, target: str) -> None:
+@click.option("--model", "source", help="dtensor: the PyTorch model PLAN's graph was imported from (a Hugging Face "
+                                        "CONFIG.json or `pkg.mod:make`): parameters' Shard(k) then index its torch axes.")
+def export_command(plan_file: str, target: str, source: str | None) -> None:
     """Turn PLAN into Megatron-LM arguments, JAX PartitionSpecs or PyTorch DTensor placements."""
-    click.echo(export(validate.read_checked(plan_file), target))
+    shapes = None
+    if source is not None:
+        import os
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from partopt.frontends.torch import param_shapes
+
+        shapes = param_shapes(source)
+    click.echo(export(validate.read_checked(plan_file), target, shapes))
 
 
 VERIFY_TARGETS = ("jax", "torch")

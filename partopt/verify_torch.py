@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from partopt.errors import PartoptError
+from partopt.frontends.torch_axes import torch_placements
 from partopt.export import AXIS_NAMES, TensorPlacement, optimizer_placement, parse_placement
 from partopt.plan import Plan, plan_from_dict, plan_to_dict
-from partopt.sharding import Shard
 
 MAX_PROCESSES = 8  # one CPU process per device of a stage
 RTOL, ATOL = 1e-4, 1e-5  # fp32 on CPU: a sharded sum differs from the unsharded one by rounding only
@@ -83,42 +83,6 @@ class VerifyReport:
 
 
 # ---------------------------------------------------------------- placements
-
-def torch_axes(shape: tuple[int, ...], dims: tuple[str, ...], sizes: dict[str, int]) -> list[list[str]]:
-    """The partopt dims that make up each torch axis (major first): the frontend lays a parameter's
-    dims out axis by axis, so consuming them by size recovers the grouping; size-1 axes get none."""
-    result, rest = [], list(dims)
-    for n in shape:
-        group, need = [], n
-        while need > 1 and rest and need % sizes[rest[0]] == 0:
-            group.append(rest.pop(0))
-            need //= sizes[group[-1]]
-        if need != 1:
-            raise PartoptError(f"dims {list(dims)} do not lay out torch shape {list(shape)}", "verify",
-                               "verify a plan of the graph imported from this very model")
-        result.append(group)
-    return result
-
-
-def dtensor_placements(placement: tuple, shape: tuple[int, ...], dims: tuple[str, ...],
-                       sizes: dict[str, int]) -> tuple[list[tuple[str, int | None]], str | None]:
-    """Per mesh axis ("shard", torch axis) or ("replicate", None) for a partopt placement over `dims`;
-    plus why a Shard was replaced by Replicate (a dim that is not the major part of its torch axis)."""
-    groups = torch_axes(shape, dims, sizes)
-    result: list[tuple[str, int | None]] = []
-    why = None
-    for k, p in enumerate(placement):
-        if not isinstance(p, Shard):
-            result.append(("replicate", None))
-            continue
-        axis = next((i for i, g in enumerate(groups) if g and g[0] == p.dim), None)
-        if axis is None:
-            why = f"S({p.dim}) on mesh axis {AXIS_NAMES[k]} splits a minor part of a torch axis: replicated"
-            result.append(("replicate", None))
-        else:
-            result.append(("shard", axis))
-    return result, why
-
 
 def _placement_text(spec: list[tuple[str, int | None]]) -> str:
     return "[" + ", ".join(f"Shard({a})" if kind == "shard" else "Replicate()" for kind, a in spec) + "]"
@@ -312,12 +276,11 @@ def _param_specs(plan: Plan, stage: Any, fqn: str, shape: tuple[int, ...], sizes
         return replicated, replicated
     dims = tuple(plan.tensors[fqn]["dims"])
     placement = parse_placement(info["placement"], f"params.{fqn}")
-    spec, why = dtensor_placements(placement, shape, dims, sizes)
-    if why:
-        notes.append(f"{fqn}: {why}")
+    spec, why = torch_placements(fqn, placement, shape, dims, sizes)
+    notes.extend(why)
     t = TensorPlacement(fqn, "param", dims, tuple(plan.tensors[fqn]["shape"]), placement, tuple(info.get("zero_axes", ())))
     state, _flat = optimizer_placement(t, tuple(stage.logical_mesh))
-    sync, _ = dtensor_placements(state, shape, dims, sizes)
+    sync, _ = torch_placements(fqn, state, shape, dims, sizes)
     return spec, sync
 
 

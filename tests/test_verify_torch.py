@@ -18,26 +18,11 @@ from partopt.export import parse_placement, to_dtensor
 from partopt.frontends.torch import from_hf_config, read_hf_config
 from partopt.inter import optimize
 from partopt.plan import write_plan
-from partopt.verify_torch import differences, dtensor_placements, torch_axes, verify_plan
+from partopt.verify_torch import differences, verify_plan
 from test_frontend_torch import mlp_source
 
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 8}
-
-
-def test_torch_axes_group_dims_by_size():
-    sizes = {"g": 2, "r": 2, "d": 8, "h": 32}
-    assert torch_axes((32, 32), ("g", "r", "d", "h"), sizes) == [["g", "r", "d"], ["h"]]
-    assert torch_axes((1, 32), ("h",), sizes) == [[], ["h"]]
-
-
-def test_shard_of_a_major_part_is_a_dtensor_shard_and_a_minor_part_is_not():
-    sizes = {"g": 2, "r": 2, "d": 8, "h": 32}
-    shape, dims = (32, 32), ("h", "g", "r", "d")  # o_proj.weight: [hidden, heads·head_dim]
-    spec, why = dtensor_placements(parse_placement("[S(g), S(h)]"), shape, dims, sizes)
-    assert spec == [("shard", 1), ("shard", 0)] and why is None
-    spec, why = dtensor_placements(parse_placement("[S(d), R]"), shape, dims, sizes)
-    assert spec == [("replicate", None), ("replicate", None)] and "minor part" in why
 
 
 def test_differences_name_the_module():

@@ -1080,21 +1080,40 @@ def from_hf_config(config: Any, *, batch: int, seq: int, dtype: str | None = Non
     """The training graph (with its cross-entropy loss) of AutoModelForCausalLM.from_config(config),
     built on the meta device and traced on token ids of shape [batch, seq]."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     where = f"config ({getattr(config, 'model_type', '?')})"
     if batch < 2 or seq < 2:
         raise FrontendError(f"batch {batch} and seq {seq} must be at least 2", where, "give --batch and --seq of 2 or more")
+    model = _hf_model(config, where)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return from_module(model, (ids,), name=name or getattr(config, "model_type", "hf"), dtype=dtype, loss=True,
+                       opaque=opaque)
+
+
+def _hf_model(config: Any, where: str) -> Any:
+    """AutoModelForCausalLM.from_config(config) on the meta device, in eval mode (no dropout: the
+    planned step is priced without it, as partopt's generators are)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     config.use_cache = False
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         except ValueError as err:
             raise FrontendError(f"transformers cannot build the model: {err}", where) from None
-    model.eval()  # dropout off: the planned step is priced without it, as partopt's generators are
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    return from_module(model, (ids,), name=name or getattr(config, "model_type", "hf"), dtype=dtype, loss=True,
-                       opaque=opaque)
+    return model.eval()
+
+
+def param_shapes(source: str) -> dict[str, tuple[int, ...]]:
+    """Each torch parameter's shape (a tied one under its first FQN) of a Hugging Face config.json or a
+    `pkg.mod:make` / `file.py:make` source, built on the meta device."""
+    if source.endswith(".json"):
+        config = read_hf_config(source)
+        model = _hf_model(config, f"config ({getattr(config, 'model_type', '?')})")
+    else:
+        model = load_source(source)[0]
+    return {fqn: tuple(int(n) for n in p.shape) for fqn, p in model.named_parameters()}
 
 
 def load_source(source: str) -> tuple[Any, tuple[Any, ...]]:
