@@ -60,13 +60,16 @@ class StageReport:
 class VerifyReport:
     plan: str
     stages: list[StageReport]
+    pipeline: Any = None  # a verify_torch_pipeline.PipelineReport when the plan has several stages
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for s in self.stages for c in s.checks)
+        pipelined = self.pipeline.checks if self.pipeline is not None else []
+        return all(c.ok for s in self.stages for c in s.checks) and all(c.ok for c in pipelined)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"plan": self.plan, "ok": self.ok, "stages": [asdict(s) for s in self.stages]}
+        return {"plan": self.plan, "ok": self.ok, "stages": [asdict(s) for s in self.stages],
+                "pipeline": None if self.pipeline is None else asdict(self.pipeline)}
 
     def lines(self) -> list[str]:
         out = []
@@ -78,6 +81,8 @@ class VerifyReport:
                        f"from the plan" + (":" if n else ""))
             out += [f"    {d}" for d in s.differences]
             out += [f"  note {n}" for n in s.notes]
+        if self.pipeline is not None:
+            out += self.pipeline.lines()
         out.append("loss and gradients match" if self.ok else "MISMATCH: see the FAIL lines")
         return out
 
@@ -90,9 +95,10 @@ def _placement_text(spec: list[tuple[str, int | None]]) -> str:
 
 # ---------------------------------------------------------------- the model
 
-def _build(source: str, plan: Plan | None) -> tuple[Any, list[Any], Any]:
+def _build(source: str, plan: Plan | None, microbatches: int = 1) -> tuple[Any, list[Any], Any]:
     """(model with seeded random weights, its inputs, loss(model output, inputs)); `plan` gives a
-    Hugging Face model its microbatch shape (verify_plan checked it has input_ids)."""
+    Hugging Face model its microbatch shape (verify_plan checked it has input_ids), `microbatches`
+    of them make the batch."""
     import torch
 
     from partopt.frontends.torch import load_source, read_hf_config
@@ -108,7 +114,7 @@ def _build(source: str, plan: Plan | None) -> tuple[Any, list[Any], Any]:
         if plan is None or "input_ids" not in plan.tensors:
             raise PartoptError("a Hugging Face model is verified against a plan with input_ids", "verify")
         shape = plan.tensors["input_ids"]["shape"]
-        ids = torch.randint(0, config.vocab_size, tuple(shape), generator=gen)
+        ids = torch.randint(0, config.vocab_size, (shape[0] * microbatches, *shape[1:]), generator=gen)
 
         def hf_loss(out: Any, inputs: list[Any]) -> Any:
             logits = out.logits
@@ -355,7 +361,12 @@ def verify_plan(plan: Plan, source: str) -> VerifyReport:
                                    "check that the plan was solved for the graph of this model") from None
             result = json.loads(Path(out).read_text())
         stages.append(_report(i, stage, result))
-    return VerifyReport(plan.graph, stages)
+    pipelined = None
+    if len(plan.stages) > 1:
+        from partopt.verify_torch_pipeline import verify_pipeline
+
+        pipelined = verify_pipeline(plan, source)
+    return VerifyReport(plan.graph, stages, pipelined)
 
 
 def _report(i: int, stage: Any, r: dict[str, Any]) -> StageReport:
