@@ -37,7 +37,7 @@ class PipelineReport:
 
     def lines(self) -> list[str]:
         head = (f"pipeline: {self.stages} stages split at {', '.join(self.boundaries)}, {self.microbatches} "
-                f"microbatches (GPipe, {self.stages} gloo processes)")
+                f"microbatch{'' if self.microbatches == 1 else 'es'} (GPipe, {self.stages} gloo processes)")
         if self.note:
             return [head, f"  not run: {self.note}"]
         return [head] + [f"  {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}" for c in self.checks]
