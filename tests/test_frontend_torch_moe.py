@@ -10,6 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig
 
+from partopt import models
 from partopt.cluster import preset
 from partopt.costmodel import training_flops
 from partopt.frontends.torch import FrontendError, from_hf_config
@@ -66,6 +67,19 @@ def test_experts_take_the_expert_parallel_form(mix):
     assert gate_w.dims[0] == "e" and [mix.dims[d] for d in gate_w.dims] == [4, 96, 64]
     assert [mix.dims[d] for d in mix.tensors["model.layers.0.mlp.experts.down_proj"].dims] == [4, 64, 96]
     assert sum(op.kind == "einsum" and "experts" in op.name for op in mix.ops) == 2 * 5  # dispatch, gate, up, down, combine
+
+
+def test_routing_and_experts_cost_what_the_generators_moe_layer_costs(mix):
+    """partopt's own GShard layer of the same sizes (groups of one sequence, its relu fc1/fc2 where
+    Mixtral has gated silu experts): op for op the same FLOPs."""
+    gshard = models.moe_layer(hidden=64, experts=4, seq=SEQ, batch=BATCH, group_size=SEQ, ffn=96)
+    theirs = {op.name.removeprefix("l0."): gshard.flops(op) for op in gshard.ops}
+    ours = {op.name.removeprefix("model.layers.0.mlp."): mix.flops(op) for op in mix.ops}
+    pairs = {"gate.linear": "gate", "gate.softmax": "gates", "gate.top2": "top2", "gate.route": "route",
+             "gate.dispatch_mask": "dispatch_mask", "experts.dispatch": "dispatch", "experts.gate": "fc1",
+             "experts.up": "fc1", "experts.down": "fc2", "experts.combine": "combine"}
+    assert {a: ours[a] for a in pairs} == {a: theirs[b] for a, b in pairs.items()}
+    assert gshard.dims["c"] == mix.dims["c"]
 
 
 def test_the_mapped_op_computes_what_hugging_face_computes():

@@ -369,7 +369,7 @@ class _Importer:
         inputs = [self.real(v) for v in flat if v.kind in ("real", "pending")]
         val = node.meta.get("val")
         results = list(val) if isinstance(val, (list, tuple)) else [val]
-        flops = _flop_formula(node)
+        flops = _counted_flops(node)
         vals = []
         for k, out in enumerate(results):
             shape = _shape(out)
@@ -638,7 +638,8 @@ class _Importer:
         k = args[1]
         dim = (args[2] if len(args) > 2 else kwargs.get("dim", -1)) % len(gates.shape)
         tokens = [a for axis in gates.axes[:-1] for a, virt in self.expand_axis(axis) if not virt]
-        if dim != len(gates.shape) - 1 or not tokens or self.atoms.find(tokens[0]) != self.atoms.find(self.batch_atom):
+        if dim != len(gates.shape) - 1 or not tokens or self.batch_atom is None or \
+                self.atoms.find(tokens[0]) != self.atoms.find(self.batch_atom):
             raise self.fail("top-k that is not a router's choice over the experts of each token",
                             "partopt maps top-k over the last axis of gates[tokens, experts], tokens = batch x seq")
         group = math.prod(self.atoms.size[self.atoms.find(a)] for a in tokens[1:])
@@ -920,7 +921,7 @@ def _aten_name(target: Any) -> str:
     return name.split(".")[0]
 
 
-def _flop_formula(node: Any) -> int | None:
+def _counted_flops(node: Any) -> int | None:
     """FlopCounterMode's forward FLOPs of an ATen node run on meta tensors of its shapes (composite ops
     count through their decomposition, aten.conv2d as aten.convolution); None when it counts none."""
     import torch
@@ -1028,7 +1029,9 @@ def from_module(module: Any, example_inputs: Sequence[Any], *, name: str | None 
     Parameters keep their FQNs (tied ones appear once, under the first), layers come from
     ModuleList entries, the first input's axis 0 is the batch dim `b`. `dtype` defaults to the
     parameters'; `loss` adds a cross entropy of the (single) output against integer `labels`
-    shaped like the first input. An op with no mapping is a FrontendError naming it and its module.
+    shaped like the first input. Experts modules (3-D gate_up_proj/down_proj) run as one op while
+    traced and become the expert-parallel form (torch_moe). An op with no mapping is a
+    FrontendError naming it and its module, or with `opaque` an unsharded opaque op.
     """
     import torch
 
