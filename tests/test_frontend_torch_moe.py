@@ -137,3 +137,5 @@ def test_capacity_that_is_not_whole_is_refused():
         from_hf_config(mixtral(num_local_experts=8, num_experts_per_tok=2), batch=BATCH, seq=10)
     assert "aten.topk in module model.layers.0.mlp.gate" in err.value.line()
     assert "expert capacity of 2.5 tokens" in err.value.line()  # 2 · 10 / 8
+    with pytest.raises(FrontendError, match="expert capacity"):  # not hidden in an opaque op
+        from_hf_config(mixtral(num_local_experts=8, num_experts_per_tok=2), batch=BATCH, seq=10, opaque=True)

@@ -35,6 +35,8 @@ _ELEMENTWISE = {"add", "sub", "mul", "div", "pow", "silu", "gelu", "relu", "tanh
                 "rsqrt", "sqrt", "abs", "reciprocal", "sin", "cos", "erf", "maximum", "minimum", "where",
                 "masked_fill", "softplus", "leaky_relu", "square", "clamp", "hardtanh", "mish", "rsub"}
 _NO_OUTPUT = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "_assert_async"}
+# a router and its experts map whole or fail: as opaque ops their experts' FLOPs would go unpriced
+_ROUTING = {"topk", "experts"}
 
 
 class FrontendError(PartoptError):
@@ -343,7 +345,7 @@ class _Importer:
             try:
                 result = handler(node, args, kwargs)
             except FrontendError:  # a form of a mapped op that the mapping does not cover
-                if not self.opaque:
+                if not self.opaque or name in _ROUTING:
                     raise
                 result = self.opaque_op(node, name, flat)
         elif name in _IDENTITY:
@@ -364,7 +366,7 @@ class _Importer:
 
     def opaque_op(self, node: Any, name: str, flat: list[_Val]) -> _Val:
         """An unmapped ATen op kept whole: an `opaque` op per tensor result over the tensors it reads, with
-        new dims (never sharded), priced by FlopCounterMode's formula for the op when torch has one,
+        new dims (never sharded), priced by FlopCounterMode's count of the op when it counts any,
         else one FLOP per output element (the first result carries the FLOPs)."""
         inputs = [self.real(v) for v in flat if v.kind in ("real", "pending")]
         val = node.meta.get("val")
