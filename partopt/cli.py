@@ -347,7 +347,7 @@ def import_onnx(source: str, output: str, opaque: bool, name: str | None) -> Non
 @click.option("--name", help="Name of the graph (default: the module's class).")
 @click.option("--dtype", help="Element type of the graph (default: the parameters').")
 @click.option("--loss", is_flag=True, help="Add a cross entropy of the output against labels shaped like the first input.")
-@click.option("--opaque", is_flag=True, help="Keep ops with no mapping as opaque ops (not yet in the PyTorch frontend).")
+@click.option("--opaque", is_flag=True, help="Keep ops with no mapping as opaque ops (never sharded).")
 def import_torch(source: str, output: str, name: str | None, dtype: str | None, loss: bool, opaque: bool) -> None:
     """Import SOURCE (pkg.mod:make or file.py:make, returning (module, example_inputs), called on the meta device)."""
     from partopt.frontends.torch import from_module, load_source
@@ -363,7 +363,7 @@ def import_torch(source: str, output: str, name: str | None, dtype: str | None, 
 @click.option("--seq", type=click.IntRange(min=2), required=True, help="Sequence length.")
 @click.option("--name", help="Name of the graph (default: the config's model_type).")
 @click.option("--dtype", help="Element type of the graph (default: the parameters', fp32 from a config).")
-@click.option("--opaque", is_flag=True, help="Keep ops with no mapping as opaque ops (not yet in the PyTorch frontend).")
+@click.option("--opaque", is_flag=True, help="Keep ops with no mapping as opaque ops (never sharded).")
 def import_hf(config: str, output: str, batch: int, seq: int, name: str | None, dtype: str | None, opaque: bool) -> None:
     """Import a Hugging Face causal LM from its CONFIG.json (no weights, nothing downloaded) with its loss."""
     import os
@@ -690,9 +690,19 @@ def explain_command(plan_file: str, ops: bool) -> None:
 @main.command("export")
 @click.argument("plan_file", metavar="PLAN")
 @click.option("--to", "target", required=True, type=click.Choice(TARGETS), help="The runtime to export for.")
-def export_command(plan_file: str, target: str) -> None:
+@click.option("--model", "source", help="dtensor: the PyTorch model PLAN's graph was imported from (a Hugging Face "
+                                        "CONFIG.json or `pkg.mod:make`): parameters' Shard(k) then index its torch axes.")
+def export_command(plan_file: str, target: str, source: str | None) -> None:
     """Turn PLAN into Megatron-LM arguments, JAX PartitionSpecs or PyTorch DTensor placements."""
-    click.echo(export(validate.read_checked(plan_file), target))
+    shapes = None
+    if source is not None:
+        import os
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from partopt.frontends.torch import param_shapes
+
+        shapes = param_shapes(source)
+    click.echo(export(validate.read_checked(plan_file), target, shapes))
 
 
 VERIFY_TARGETS = ("jax", "torch")

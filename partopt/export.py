@@ -258,17 +258,49 @@ def _dtensor_entry(t: TensorPlacement, mesh: Sequence[int]) -> dict[str, Any]:
     return entry
 
 
-def to_dtensor(plan: Plan) -> dict[str, Any]:
+def _torch_param_entry(t: TensorPlacement, mesh: Sequence[int], shapes: dict[str, tuple[int, ...]],
+                       where: str) -> dict[str, Any]:
+    """A parameter's DTensor placements in its torch parameter's own axes (frontends.torch_axes)."""
+    from partopt.frontends.torch_axes import torch_name, torch_placements
+
+    fqn, _ = torch_name(t.name)
+    if fqn not in shapes:
+        raise PartoptError(f"the model has no parameter {fqn!r}", where,
+                           "give --model the model the plan's graph was imported from")
+    sizes = dict(zip(t.dims, t.shape))
+    notes: list[str] = []
+
+    def convert(tp: TensorPlacement) -> list[dict[str, Any]]:
+        spec, why = torch_placements(t.name, tp.placement, shapes[fqn], t.dims, sizes)
+        notes.extend(n for n in why if n not in notes)
+        return [{"type": "Shard", "dim": a} if kind == "shard" else {"type": kind.capitalize()} for kind, a in spec]
+
+    placements = convert(t)
+    entry: dict[str, Any] = {"placement": fmt(t.placement), "torch_param": fqn, "torch_shape": list(shapes[fqn]),
+                             "placements": placements, "text": dtensor_text(placements)}
+    _add_optimizer_state(entry, t, mesh, "placements", convert, dtensor_text)
+    if notes:
+        entry["notes"] = notes
+    return entry
+
+
+def to_dtensor(plan: Plan, torch_shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
     """Per stage: a DeviceMesh (shape, nested device ids, dim names), DTensor placements per
     parameter and per op output (Shard(k) with k the tensor dim index, Replicate(), Partial()),
-    a parallelize_module-style plan keyed by module FQN, and the module each stage begins with."""
+    a parallelize_module-style plan keyed by module FQN, and the module each stage begins with.
+    With `torch_shapes` (each torch parameter's shape, for a graph the PyTorch frontend imported)
+    a parameter's Shard(k) indexes its torch axes instead (Replicate, with notes, where a split is
+    not the outermost factor of a torch axis)."""
     stages = []
     for i, stage in enumerate(plan.stages):
         mesh = _mesh(stage, f"stages[{i}]")
         params: dict[str, Any] = {}
         activations: dict[str, Any] = {}
         for t in stage_tensors(plan, i):
-            (params if t.role == "param" else activations)[t.name] = _dtensor_entry(t, mesh)
+            if t.role == "param" and torch_shapes is not None:
+                params[t.name] = _torch_param_entry(t, mesh, torch_shapes, f"stages[{i}].params.{t.name}")
+            else:
+                (params if t.role == "param" else activations)[t.name] = _dtensor_entry(t, mesh)
         first_op = module_of(next(iter(stage.ops), ""))
         entry = re.match(r"^(.*?\.\d+)(\.|$)", first_op)  # inside a ModuleList entry: the entry
         stages.append({"stage": i, "device_mesh": {"device_type": "cuda", "shape": list(mesh),
@@ -547,12 +579,15 @@ def to_megatron(plan: Plan) -> list[str]:
 
 # ---------------------------------------------------------------- the CLI's text
 
-def export(plan: Plan, target: str) -> str:
+def export(plan: Plan, target: str, torch_shapes: dict[str, tuple[int, ...]] | None = None) -> str:
     """The text `partopt export` prints: JSON for jax/dtensor, one shell-quoted argument line for megatron."""
+    if torch_shapes is not None and target != "dtensor":
+        raise PartoptError(f"torch parameter shapes apply to --to dtensor, not --to {target}", "export",
+                           "drop --model, or export --to dtensor")
     if target == "jax":
         return json.dumps(to_jax(plan), indent=1)
     if target == "dtensor":
-        return json.dumps(to_dtensor(plan), indent=1)
+        return json.dumps(to_dtensor(plan, torch_shapes), indent=1)
     if target == "megatron":
         return shlex.join(to_megatron(plan))
     raise PartoptError(f"unknown export target {target!r}", "export", f"targets: {', '.join(TARGETS)}")

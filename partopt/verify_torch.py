@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from partopt.errors import PartoptError
+from partopt.frontends.torch_axes import torch_placements
 from partopt.export import AXIS_NAMES, TensorPlacement, optimizer_placement
 from partopt.plan import Plan, plan_from_dict, plan_to_dict
-from partopt.sharding import R, Shard
+from partopt.sharding import R
 
 MAX_PROCESSES = 8  # one CPU process per device of a stage
 RTOL, ATOL = 1e-4, 1e-5  # fp32 on CPU: a sharded sum differs from the unsharded one by rounding only
@@ -60,13 +61,16 @@ class StageReport:
 class VerifyReport:
     plan: str
     stages: list[StageReport]
+    pipeline: Any = None  # a verify_torch_pipeline.PipelineReport when the plan has several stages
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for s in self.stages for c in s.checks)
+        pipelined = self.pipeline.checks if self.pipeline is not None else []
+        return all(c.ok for s in self.stages for c in s.checks) and all(c.ok for c in pipelined)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"plan": self.plan, "ok": self.ok, "stages": [asdict(s) for s in self.stages]}
+        return {"plan": self.plan, "ok": self.ok, "stages": [asdict(s) for s in self.stages],
+                "pipeline": None if self.pipeline is None else asdict(self.pipeline)}
 
     def lines(self) -> list[str]:
         out = []
@@ -78,47 +82,13 @@ class VerifyReport:
                        f"from the plan" + (":" if n else ""))
             out += [f"    {d}" for d in s.differences]
             out += [f"  note {n}" for n in s.notes]
+        if self.pipeline is not None:
+            out += self.pipeline.lines()
         out.append("loss and gradients match" if self.ok else "MISMATCH: see the FAIL lines")
         return out
 
 
 # ---------------------------------------------------------------- placements
-
-def torch_axes(shape: tuple[int, ...], dims: tuple[str, ...], sizes: dict[str, int]) -> list[list[str]]:
-    """The partopt dims that make up each torch axis (major first): the frontend lays a parameter's
-    dims out axis by axis, so consuming them by size recovers the grouping; size-1 axes get none."""
-    result, rest = [], list(dims)
-    for n in shape:
-        group, need = [], n
-        while need > 1 and rest and need % sizes[rest[0]] == 0:
-            group.append(rest.pop(0))
-            need //= sizes[group[-1]]
-        if need != 1:
-            raise PartoptError(f"dims {list(dims)} do not lay out torch shape {list(shape)}", "verify",
-                               "verify a plan of the graph imported from this very model")
-        result.append(group)
-    return result
-
-
-def dtensor_placements(placement: tuple, shape: tuple[int, ...], dims: tuple[str, ...],
-                       sizes: dict[str, int]) -> tuple[list[tuple[str, int | None]], str | None]:
-    """Per mesh axis ("shard", torch axis) or ("replicate", None) for a partopt placement over `dims`;
-    plus why a Shard was replaced by Replicate (a dim that is not the major part of its torch axis)."""
-    groups = torch_axes(shape, dims, sizes)
-    result: list[tuple[str, int | None]] = []
-    why = None
-    for k, p in enumerate(placement):
-        if not isinstance(p, Shard):
-            result.append(("replicate", None))
-            continue
-        axis = next((i for i, g in enumerate(groups) if g and g[0] == p.dim), None)
-        if axis is None:
-            why = f"S({p.dim}) on mesh axis {AXIS_NAMES[k]} splits a minor part of a torch axis: replicated"
-            result.append(("replicate", None))
-        else:
-            result.append(("shard", axis))
-    return result, why
-
 
 def _placement_text(spec: list[tuple[str, int | None]]) -> str:
     return "[" + ", ".join(f"Shard({a})" if kind == "shard" else "Replicate()" for kind, a in spec) + "]"
@@ -126,9 +96,10 @@ def _placement_text(spec: list[tuple[str, int | None]]) -> str:
 
 # ---------------------------------------------------------------- the model
 
-def _build(source: str, plan: Plan | None) -> tuple[Any, list[Any], Any]:
+def _build(source: str, plan: Plan | None, microbatches: int = 1) -> tuple[Any, list[Any], Any]:
     """(model with seeded random weights, its inputs, loss(model output, inputs)); `plan` gives a
-    Hugging Face model its microbatch shape (verify_plan checked it has input_ids)."""
+    Hugging Face model its microbatch shape (verify_plan checked it has input_ids), `microbatches`
+    of them make the batch."""
     import torch
 
     from partopt.frontends.torch import load_source, read_hf_config
@@ -144,7 +115,7 @@ def _build(source: str, plan: Plan | None) -> tuple[Any, list[Any], Any]:
         if plan is None or "input_ids" not in plan.tensors:
             raise PartoptError("a Hugging Face model is verified against a plan with input_ids", "verify")
         shape = plan.tensors["input_ids"]["shape"]
-        ids = torch.randint(0, config.vocab_size, tuple(shape), generator=gen)
+        ids = torch.randint(0, config.vocab_size, (shape[0] * microbatches, *shape[1:]), generator=gen)
 
         def hf_loss(out: Any, inputs: list[Any]) -> Any:
             logits = out.logits
@@ -311,12 +282,11 @@ def _param_specs(plan: Plan, stage: Any, fqn: str, shape: tuple[int, ...], sizes
             notes.append(f"{fqn}: the plan shards its chunks {', '.join(chunks)} separately; one DTensor cannot: replicated")
         return replicated, replicated
     dims = tuple(plan.tensors[fqn]["dims"])
-    spec, why = dtensor_placements(info.placement, shape, dims, sizes)
-    if why:
-        notes.append(f"{fqn}: {why}")
+    spec, why = torch_placements(fqn, info.placement, shape, dims, sizes)
+    notes.extend(why)
     t = TensorPlacement(fqn, "param", dims, tuple(plan.tensors[fqn]["shape"]), info.placement, info.zero_axes)
     state, _flat = optimizer_placement(t, tuple(stage.logical_mesh))
-    sync, _ = dtensor_placements(state, shape, dims, sizes)
+    sync, _ = torch_placements(fqn, state, shape, dims, sizes)
     return spec, sync
 
 
@@ -391,7 +361,12 @@ def verify_plan(plan: Plan, source: str) -> VerifyReport:
                                    "check that the plan was solved for the graph of this model") from None
             result = json.loads(Path(out).read_text())
         stages.append(_report(i, stage, result))
-    return VerifyReport(plan.graph, stages)
+    pipelined = None
+    if len(plan.stages) > 1:
+        from partopt.verify_torch_pipeline import verify_pipeline
+
+        pipelined = verify_pipeline(plan, source)
+    return VerifyReport(plan.graph, stages, pipelined)
 
 
 def _report(i: int, stage: Any, r: dict[str, Any]) -> StageReport:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MixtralConfig
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from partopt import io, models
 from partopt.cli import main
@@ -23,7 +23,7 @@ from partopt.cluster import preset
 from partopt.costmodel import training_flops
 from partopt.frontends.torch import FrontendError, _Atoms, from_hf_config, from_module
 from partopt.inter import optimize
-from partopt.ops import is_matmul
+from partopt.ops import Behaviour, behaviours, is_matmul
 
 VOCAB = 128
 
@@ -272,8 +272,39 @@ def test_unmapped_op_names_the_aten_op_and_module():
     with pytest.raises(FrontendError) as err:
         from_module(module, (x,))
     assert "aten.cumsum" in err.value.line() and "(top level)" in err.value.line()
-    with pytest.raises(FrontendError, match="does not emit opaque ops yet"):
-        from_module(module, (x,), opaque=True)
+    assert "--opaque" in err.value.line()
+
+
+class Unmapped(torch.nn.Module):
+    """cumsum (no FLOP formula), sort (two results) and a depthwise convolution (mapped only for groups 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.dw = torch.nn.Conv2d(8, 8, 3, groups=8, padding=1)
+
+    def forward(self, x, img):
+        values, _ = torch.sort(torch.cumsum(self.inner(x), dim=1), dim=-1)
+        return self.inner(values), self.dw(img)
+
+
+def test_opaque_keeps_unmapped_ops_whole_priced_by_their_flops(tmp_path):
+    with torch.device("meta"):
+        module, x, img = Unmapped(), torch.empty(3, 4), torch.empty(3, 8, 6, 6)
+    graph = from_module(module, (x, img), opaque=True)
+    opaque = {op.name: op for op in graph.ops if op.kind == "opaque"}
+    assert sorted(opaque) == ["cumsum", "dw.conv2d", "sort", "sort_2"]  # sort's values and indices
+    assert opaque["cumsum"].attrs == {"primitive": "aten.cumsum", "flops": 3 * 4}  # one FLOP per output element
+    assert graph.tensors["sort_2"].dtype == "int64" and opaque["sort_2"].attrs["flops"] == 0
+    real_img = torch.randn(3, 8, 6, 6)
+    with FlopCounterMode(display=False) as counter:
+        torch.nn.Conv2d(8, 8, 3, groups=8, padding=1)(real_img)
+    assert graph.flops(opaque["dw.conv2d"]) == counter.get_total_flops() == 2 * 3 * 8 * 6 * 6 * 9  # closed form
+    assert opaque["dw.conv2d"].inputs == ("img", "dw.weight", "dw.bias")
+    for op in opaque.values():  # never sharded
+        assert set(behaviours(op, graph).values()) == {Behaviour.WINDOWED}
+    io.write_graph(graph, tmp_path / "g.json")
+    assert io.read_graph(tmp_path / "g.json").num_params == sum(p.numel() for p in Unmapped().parameters())
 
 
 class Spare(torch.nn.Module):
@@ -297,13 +328,6 @@ def test_batch_of_one_is_refused():
         module, x = torch.nn.Linear(4, 4), torch.empty(1, 4)
     with pytest.raises(FrontendError, match="batch of at least 2"):
         from_module(module, (x,))
-
-
-def test_mixture_of_experts_is_a_clear_error():
-    config = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=4)
-    with pytest.raises(FrontendError, match="mixture-of-experts"):
-        from_hf_config(config, batch=2, seq=8)
 
 
 # ---------------------------------------------------------------- CLI
@@ -347,6 +371,21 @@ def test_cli_import_torch_from_a_file(tmp_path):
     assert sum(graph.flops(op) for op in graph.ops if op.kind == "einsum") == 2 * (2 * 16 * 8 * 32)
     bad = CliRunner().invoke(main, ["import", "torch", f"{source}:nothing", "-o", str(out)])
     assert bad.exit_code == 2 and "has no function 'nothing'" in bad.output
+
+
+def test_cli_import_torch_opaque(tmp_path):
+    source = tmp_path / "cum.py"
+    source.write_text("import torch\n\nclass Cum(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                      "        self.inner = torch.nn.Linear(4, 4)\n\n    def forward(self, x):\n"
+                      "        return torch.cumsum(self.inner(x), dim=1)\n\ndef make():\n"
+                      "    return Cum(), (torch.empty(3, 4),)\n")
+    out = tmp_path / "g.json"
+    bad = CliRunner().invoke(main, ["import", "torch", f"{source}:make", "-o", str(out)])
+    assert bad.exit_code == 2 and bad.output.count("\n") == 1
+    assert "aten.cumsum in module (top level)" in bad.output and "--opaque" in bad.output
+    good = CliRunner().invoke(main, ["import", "torch", f"{source}:make", "-o", str(out), "--opaque"])
+    assert good.exit_code == 0, good.output
+    assert [op.kind for op in io.read_graph(out).ops] == ["einsum", "elementwise", "opaque"]
 
 
 def test_help_does_not_import_torch():

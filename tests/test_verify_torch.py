@@ -19,26 +19,11 @@ from partopt.frontends.torch import from_hf_config, read_hf_config
 from partopt.inter import optimize
 from partopt.plan import ParamPlacement, write_plan
 from partopt.sharding import R, Shard
-from partopt.verify_torch import differences, dtensor_placements, torch_axes, verify_plan
+from partopt.verify_torch import differences, verify_plan
 from test_frontend_torch import mlp_source
 
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 8}
-
-
-def test_torch_axes_group_dims_by_size():
-    sizes = {"g": 2, "r": 2, "d": 8, "h": 32}
-    assert torch_axes((32, 32), ("g", "r", "d", "h"), sizes) == [["g", "r", "d"], ["h"]]
-    assert torch_axes((1, 32), ("h",), sizes) == [[], ["h"]]
-
-
-def test_shard_of_a_major_part_is_a_dtensor_shard_and_a_minor_part_is_not():
-    sizes = {"g": 2, "r": 2, "d": 8, "h": 32}
-    shape, dims = (32, 32), ("h", "g", "r", "d")  # o_proj.weight: [hidden, heads·head_dim]
-    spec, why = dtensor_placements((Shard("g"), Shard("h")), shape, dims, sizes)
-    assert spec == [("shard", 1), ("shard", 0)] and why is None
-    spec, why = dtensor_placements((Shard("d"), R), shape, dims, sizes)
-    assert spec == [("replicate", None), ("replicate", None)] and "minor part" in why
 
 
 def test_differences_name_the_module():
@@ -114,3 +99,20 @@ def test_every_process_builds_the_same_model_from_a_torch_source(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
     assert torch.equal(x1[0], x2[0]) and x1[0].shape == (6, 8) and x1[0].abs().sum() > 0
     assert torch.isfinite(loss_fn(m1(*x1), x1))
+
+
+def test_a_two_stage_plan_runs_pipelined_with_the_unsharded_loss_and_gradients(tmp_path):
+    """Stages of one device each (inter_only) on 2 devices: the 2-layer Llama is cut at model.layers.1
+    and run with torch.distributed.pipelining (GPipe, 2 microbatches) in two gloo processes."""
+    from partopt.verify_torch_pipeline import verify_pipeline
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**LLAMA, "num_hidden_layers": 2}))
+    graph = from_hf_config(read_hf_config(config), batch=4, seq=8)
+    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    plan = optimize(graph, cluster, workers=1, microbatches=[2], inter_only=True)
+    assert len(plan.stages) == 2 and plan.num_microbatches == 2
+    report = verify_pipeline(plan, str(config))
+    assert report.boundaries == ["model.layers.1"] and report.note is None
+    assert [c.name for c in report.checks] == ["loss", "gradients"] and all(c.ok for c in report.checks)
+    assert report.checks[1].detail == "21 of 21 parameters match"  # every parameter, each on its stage

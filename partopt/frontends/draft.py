@@ -15,6 +15,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from networkx.utils import UnionFind
+
 from partopt.errors import PartoptError
 from partopt.graph import Graph, Op, Tensor
 
@@ -53,7 +55,7 @@ class Draft:
     """Dims as a union-find of axes, the tensors over them and the ops, in program order."""
 
     def __init__(self) -> None:
-        self._parent: list[int] = []
+        self._classes = UnionFind()
         self.sizes: list[int] = []
         self._members: dict[int, set[str]] = {}  # dim class -> tensors holding it
         self.tensors: dict[str, DraftTensor] = {}
@@ -65,15 +67,11 @@ class Draft:
     # ------------------------------------------------------------ dims
     def new_dim(self, size: int) -> int:
         """A fresh dim of `size` (sizes of 1 carry no dim: callers keep None for them)."""
-        self._parent.append(len(self._parent))
         self.sizes.append(int(size))
-        return len(self._parent) - 1
+        return len(self.sizes) - 1
 
     def find(self, d: int) -> int:
-        while self._parent[d] != d:
-            self._parent[d] = self._parent[self._parent[d]]
-            d = self._parent[d]
-        return d
+        return self._classes[d]
 
     def unify(self, a: int, b: int) -> bool:
         """Make dims a and b one; False (and nothing changes) when some tensor holds both."""
@@ -85,8 +83,10 @@ class Draft:
         ma, mb = self._members.get(ra, set()), self._members.get(rb, set())
         if ma & mb:
             return False
-        self._parent[rb] = ra
-        self._members[ra] = ma | self._members.pop(rb, set())
+        self._classes.union(ra, rb)
+        self._members.pop(ra, None)
+        self._members.pop(rb, None)
+        self._members[self.find(ra)] = ma | mb
         return True
 
     # ------------------------------------------------------------ tensors and ops

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from networkx.utils import UnionFind
+
 from partopt.errors import PartoptError
 from partopt.graph import Graph, Op, Tensor
 
@@ -33,7 +35,8 @@ _ELEMENTWISE = {"add", "sub", "mul", "div", "pow", "silu", "gelu", "relu", "tanh
                 "rsqrt", "sqrt", "abs", "reciprocal", "sin", "cos", "erf", "maximum", "minimum", "where",
                 "masked_fill", "softplus", "leaky_relu", "square", "clamp", "hardtanh", "mish", "rsub"}
 _NO_OUTPUT = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "_assert_async"}
-_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+# a router and its experts map whole or fail: as opaque ops their experts' FLOPs would go unpriced
+_ROUTING = {"topk", "experts"}
 
 
 class FrontendError(PartoptError):
@@ -46,20 +49,16 @@ class _Atoms:
     """Union-find over axis sizes; a root may be split into ordered parts (the major part first)."""
 
     def __init__(self) -> None:
-        self.parent: list[int] = []
+        self.classes = UnionFind()
         self.size: list[int] = []
         self.parts: dict[int, tuple[int, int]] = {}
 
     def new(self, size: int) -> int:
-        self.parent.append(len(self.parent))
         self.size.append(size)
-        return len(self.parent) - 1
+        return len(self.size) - 1
 
     def find(self, a: int) -> int:
-        while self.parent[a] != a:
-            self.parent[a] = self.parent[self.parent[a]]
-            a = self.parent[a]
-        return a
+        return self.classes[a]
 
     def expand(self, a: int) -> list[int]:
         """The unsplit atoms `a` stands for now, major first."""
@@ -72,12 +71,13 @@ class _Atoms:
         if ra == rb:
             return
         pa, pb = self.parts.pop(ra, None), self.parts.pop(rb, None)
-        self.parent[rb] = ra
+        self.classes.union(ra, rb)
+        root = self.find(ra)
         if pa is not None:
-            self.parts[ra] = pa
+            self.parts[root] = pa
         if pb is not None:
             if pa is None:
-                self.parts[ra] = pb
+                self.parts[root] = pb
             else:
                 self.unify(list(pa), list(pb))
 
@@ -120,7 +120,7 @@ Axis = tuple[tuple[int, bool], ...]  # (atom, virtual): a virtual atom is broadc
 class _Val:
     """What one traced value is: a constant, a real IR tensor, a pending chain over one, or a tuple."""
 
-    kind: str  # "const", "real", "pending", "tuple"
+    kind: str  # "const", "real", "pending", "tuple", "route" (a router's top-k: items = routing weights, mask)
     shape: tuple[int, ...] = ()
     axes: list[Axis] = field(default_factory=list)
     tensor: str | None = None  # real: its IR tensor
@@ -168,6 +168,7 @@ class _Importer:
         self.dtype = dtype
         self.user_inputs: list[str] = []
         self.replaced: set[str] = set()  # fused parameters that their chunks stand for
+        self.hints: dict[int, str] = {}  # atom -> the generators' name for it (experts e, capacity c)
 
     # ------------------------------------------------------------ errors and places
     def where(self) -> str:
@@ -331,9 +332,22 @@ class _Importer:
         if all(v.kind == "const" for v in flat):
             self.vals[node.name] = _Val("const", _shape(val))
             return
+        routes = [v for v in flat if v.kind == "route"]
+        if routes and name != "experts":  # arithmetic on the top-k weights and indices folds into the routing ops
+            if any(v.kind != "route" for v in flat):
+                raise self.fail("a router's top-k output meets an activation outside an experts module",
+                                "partopt maps routers whose top-k feeds experts stored as 3-D gate_up_proj/down_proj "
+                                "(transformers >= 5)")
+            self.vals[node.name] = routes[0]
+            return
         handler = getattr(self, f"op_{name}", None)
         if handler is not None:
-            result = handler(node, args, kwargs)
+            try:
+                result = handler(node, args, kwargs)
+            except FrontendError:  # a form of a mapped op that the mapping does not cover
+                if not self.opaque or name in _ROUTING:
+                    raise
+                result = self.opaque_op(node, name, flat)
         elif name in _IDENTITY:
             result = args[0]
         elif name in _RESHAPES:
@@ -342,14 +356,35 @@ class _Importer:
             result = self.permute(node, args)
         elif name in _ELEMENTWISE:
             result = self.elementwise(name, args, kwargs, _shape(val))
+        elif self.opaque:
+            result = self.opaque_op(node, name, flat)
         else:
-            if self.opaque:
-                raise self.fail(f"no mapping for aten.{name}, and the PyTorch frontend does not emit opaque ops yet",
-                                "map the op in partopt/frontends/torch.py, or trace the model with the JAX frontend")
             raise self.fail(f"no mapping for aten.{name}",
-                            "rewrite that part of the model with mapped ops (docs/FRONTENDS.md lists them) "
-                            "or report the op")
+                            "import with --opaque (opaque=True) to keep it as an unsharded opaque op, or rewrite "
+                            "that part of the model with mapped ops (docs/FRONTENDS.md lists them)")
         self.vals[node.name] = result
+
+    def opaque_op(self, node: Any, name: str, flat: list[_Val]) -> _Val:
+        """An unmapped ATen op kept whole: an `opaque` op per tensor result over the tensors it reads, with
+        new dims (never sharded), priced by FlopCounterMode's count of the op when it counts any,
+        else one FLOP per output element (the first result carries the FLOPs)."""
+        inputs = [self.real(v) for v in flat if v.kind in ("real", "pending")]
+        val = node.meta.get("val")
+        results = list(val) if isinstance(val, (list, tuple)) else [val]
+        flops = _counted_flops(node)
+        vals = []
+        for k, out in enumerate(results):
+            shape = _shape(out)
+            if not hasattr(out, "shape"):
+                vals.append(_Val("const"))
+                continue
+            v = self.emit("opaque", inputs, self.axes_of(shape), shape, name, primitive=f"aten.{name}",
+                          flops=0 if k else (math.prod(shape) if flops is None else flops))
+            dtype = TORCH_DTYPES.get(str(out.dtype).removeprefix("torch."))
+            if dtype not in ("fp32", "fp16", "bf16"):  # floating results take the graph's dtype
+                self.tensors[v.tensor] = (self.tensors[v.tensor][0], "activation", dtype)
+            vals.append(v)
+        return vals[0] if len(vals) == 1 and not isinstance(val, (list, tuple)) else _Val("tuple", items=vals)
 
     # ------------------------------------------------------------ relabelling ops
     def reshape(self, v: _Val, shape: tuple[int, ...]) -> _Val:
@@ -594,6 +629,69 @@ class _Importer:
         shape = _shape(node.meta["val"])
         return self.emit("einsum", [probs, v], [*q.axes[:-1], v.axes[-1]], shape, "context")
 
+    # ------------------------------------------------------------ mixture of experts
+    def op_topk(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
+        """A router's top-k over the gates[tokens, e]: GShard's routing ops (partopt.models.moe) over
+        groups of one sequence each, g = b and gs = s: the k-th largest gate per token, the routing
+        weights over (tokens, e, c) and their nonzero pattern, the dispatch mask."""
+        from partopt.frontends.torch_moe import capacity
+
+        gates = self.real(args[0])
+        k = args[1]
+        dim = (args[2] if len(args) > 2 else kwargs.get("dim", -1)) % len(gates.shape)
+        tokens = [a for axis in gates.axes[:-1] for a, virt in self.expand_axis(axis) if not virt]
+        if dim != len(gates.shape) - 1 or not tokens or self.batch_atom is None or \
+                self.atoms.find(tokens[0]) != self.atoms.find(self.batch_atom):
+            raise self.fail("top-k that is not a router's choice over the experts of each token",
+                            "partopt maps top-k over the last axis of gates[tokens, experts], tokens = batch x seq")
+        group = math.prod(self.atoms.size[self.atoms.find(a)] for a in tokens[1:])
+        experts = gates.shape[-1]
+        slots = capacity(group, experts, k)
+        if slots < 1 or slots * experts != k * group:
+            raise self.fail(f"top-{k} routing of {group} tokens per sequence to {experts} experts gives an expert "
+                            f"capacity of {k * group / experts:g} tokens", "choose seq so that top_k x seq is a "
+                            "multiple of the number of experts")
+        c = ((self.atoms.new(slots), False),)
+        self.hints[c[0][0]] = "c"
+        self.hints[self.expand_axis(gates.axes[-1])[0][0]] = "e"
+        kth = self.emit("reduce", [gates], gates.axes[:-1], gates.shape[:-1], f"top{k}", fn=f"top{k}")
+        route_axes = [*gates.axes, c]
+        route_shape = (*gates.shape, slots)
+        weights = self.emit("elementwise", [gates, kth], route_axes, route_shape, "route", fn=f"top{k}_slots")
+        mask = self.emit("elementwise", [weights], route_axes, route_shape, "dispatch_mask", fn="nonzero")
+        self.tensors[mask.tensor] = (route_axes, "activation", "bool")
+        route = _Val("route", _shape(node.meta["val"][0]), items=[weights, mask])
+        return _Val("tuple", items=[route, route])
+
+    def op_experts(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
+        """partopt::experts (torch_moe): dispatch tokens to (e, g, c), the gated experts, combine back."""
+        x, _, route, gate_up, down, act = args
+        x = self.real(x)
+        if route.kind != "route":
+            raise self.fail("experts whose routing does not come from a top-k", "report the model")
+        weights, mask = route.items
+        e_axis, c_axis = weights.axes[-2], weights.axes[-1]
+        self.contract(gate_up.axes[0], e_axis)
+        self.contract(down.axes[0], e_axis)
+        self.contract(gate_up.axes[2], x.axes[-1])
+        self.contract(down.axes[1], x.axes[-1])
+        chunk, f = self.atoms.new(2), self.atoms.new(gate_up.shape[1] // 2)
+        if not self.atoms.unify([a for a, _ in gate_up.axes[1]], [chunk, f]):
+            raise self.fail("gate_up_proj's axis 1 is not [gate; up]", "report the model")
+        self.contract(down.axes[2], ((f, False),))
+        tokens = self.expand_axis(x.axes[0])
+        group, f_axis = (tokens[0],), ((f, False),)
+        inner = [e_axis, group, c_axis]
+        shape = (gate_up.shape[0], self.atoms.size[self.atoms.find(tokens[0][0])], weights.shape[-1])
+        hidden = (*shape, x.shape[-1])
+        ffn = (*shape, gate_up.shape[1] // 2)
+        sent = self.emit("einsum", [mask, x], [*inner, x.axes[-1]], hidden, "dispatch")
+        gate = self.emit("einsum", [sent, self.param_chunk(gate_up.tensor, chunk, 0, 2)], [*inner, f_axis], ffn, "gate")
+        up = self.emit("einsum", [sent, self.param_chunk(gate_up.tensor, chunk, 1, 2)], [*inner, f_axis], ffn, "up")
+        both = self.emit("elementwise", [gate, up], [*inner, f_axis], ffn, act, fn=f"{act}+mul")
+        out = self.emit("einsum", [both, down], [*inner, x.axes[-1]], hidden, "down")
+        return self.emit("einsum", [weights, out], x.axes, x.shape, "combine")
+
     def op_conv2d(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
         """A 1x1 stride-1 convolution is an einsum over channels (its spatial dims stay shardable), any
         other a `conv2d` with its window, as partopt's Wide-ResNet generator writes them."""
@@ -770,10 +868,15 @@ class _Importer:
         if self.seq_atom is not None and self.atoms.find(self.seq_atom) not in names:
             names[self.atoms.find(self.seq_atom)] = "s"
 
+        hinted = {self.atoms.find(a): hint for a, hint in self.hints.items()}
+
         def dim(atom: int) -> str:
             r = self.atoms.find(atom)
             if r not in names:
-                names[r] = f"d{len(names)}"
+                taken = set(names.values())
+                hint = hinted.get(r)
+                names[r] = f"d{len(names)}" if hint is None else \
+                    next(n for k in range(len(names) + 1) if (n := hint if k == 0 else f"{hint}{k}") not in taken)
             return names[r]
 
         producers = {op.output: op for op in self.ops}
@@ -818,6 +921,25 @@ def _aten_name(target: Any) -> str:
         return "getitem"
     name = getattr(target, "__name__", str(target))
     return name.split(".")[0]
+
+
+def _counted_flops(node: Any) -> int | None:
+    """FlopCounterMode's forward FLOPs of an ATen node run on meta tensors of its shapes (composite ops
+    count through their decomposition, aten.conv2d as aten.convolution); None when it counts none."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def meta(n: Any) -> Any:
+        v = n.meta.get("val")
+        return torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), meta)
+    try:
+        with FlopCounterMode(display=False) as counter:
+            node.target(*args, **kwargs)
+    except Exception:  # an op meta tensors cannot run (data-dependent shapes): torch counts nothing
+        return None
+    return counter.get_total_flops() or None
 
 
 def _shape(val: Any) -> tuple[int, ...]:
@@ -909,12 +1031,19 @@ def from_module(module: Any, example_inputs: Sequence[Any], *, name: str | None 
     Parameters keep their FQNs (tied ones appear once, under the first), layers come from
     ModuleList entries, the first input's axis 0 is the batch dim `b`. `dtype` defaults to the
     parameters'; `loss` adds a cross entropy of the (single) output against integer `labels`
-    shaped like the first input. An op with no mapping is a FrontendError naming it and its module.
+    shaped like the first input. Experts modules (3-D gate_up_proj/down_proj) run as one op while
+    traced and become the expert-parallel form (torch_moe). An op with no mapping is a
+    FrontendError naming it and its module, or with `opaque` an unsharded opaque op.
     """
     import torch
 
+    from partopt.frontends.torch_moe import experts_as_one_op
+
     try:
-        program = torch.export.export(module, tuple(example_inputs), strict=False)
+        with experts_as_one_op(module):
+            program = torch.export.export(module, tuple(example_inputs), strict=False)
+    except PartoptError:
+        raise
     except Exception as err:  # torch raises many kinds; the user needs its first line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FrontendError(f"torch.export failed: {first}", type(module).__name__,
@@ -956,25 +1085,40 @@ def from_hf_config(config: Any, *, batch: int, seq: int, dtype: str | None = Non
     """The training graph (with its cross-entropy loss) of AutoModelForCausalLM.from_config(config),
     built on the meta device and traced on token ids of shape [batch, seq]."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     where = f"config ({getattr(config, 'model_type', '?')})"
-    experts = [k for k in _MOE_KEYS if getattr(config, k, None)]
-    if experts:
-        raise FrontendError(f"mixture-of-experts blocks ({experts[0]}={getattr(config, experts[0])}) are not mapped yet",
-                            where, "plan the model with `partopt generate moe` for now")
     if batch < 2 or seq < 2:
         raise FrontendError(f"batch {batch} and seq {seq} must be at least 2", where, "give --batch and --seq of 2 or more")
+    model = _hf_model(config, where)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return from_module(model, (ids,), name=name or getattr(config, "model_type", "hf"), dtype=dtype, loss=True,
+                       opaque=opaque)
+
+
+def _hf_model(config: Any, where: str) -> Any:
+    """AutoModelForCausalLM.from_config(config) on the meta device, in eval mode (no dropout: the
+    planned step is priced without it, as partopt's generators are)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     config.use_cache = False
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         except ValueError as err:
             raise FrontendError(f"transformers cannot build the model: {err}", where) from None
-    model.eval()  # dropout off: the planned step is priced without it, as partopt's generators are
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    return from_module(model, (ids,), name=name or getattr(config, "model_type", "hf"), dtype=dtype, loss=True,
-                       opaque=opaque)
+    return model.eval()
+
+
+def param_shapes(source: str) -> dict[str, tuple[int, ...]]:
+    """Each torch parameter's shape (a tied one under its first FQN) of a Hugging Face config.json or a
+    `pkg.mod:make` / `file.py:make` source, built on the meta device."""
+    if source.endswith(".json"):
+        config = read_hf_config(source)
+        model = _hf_model(config, f"config ({getattr(config, 'model_type', '?')})")
+    else:
+        model = load_source(source)[0]
+    return {fqn: tuple(int(n) for n in p.shape) for fqn, p in model.named_parameters()}
 
 
 def load_source(source: str) -> tuple[Any, tuple[Any, ...]]:
