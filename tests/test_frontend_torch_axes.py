@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
 from partopt.cli import main
 from partopt.cluster import preset
 from partopt.export import to_dtensor
-from partopt.sharding import parse_placement
+from partopt.sharding import R, Shard, parse_placement
 from partopt.frontends.torch import from_hf_config, param_shapes, read_hf_config
 from partopt.frontends.torch_axes import torch_axes, torch_placements
 from partopt.inter import optimize
-from partopt.plan import write_plan
+from partopt.plan import ParamPlacement, write_plan
 
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 8}
@@ -95,8 +95,8 @@ def llama_plan(tmp_path_factory):
     plan = optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(1, 2)])
     params = plan.stages[0].params
     q = plan.tensors[Q]["dims"]
-    params[Q] = {"placement": f"[R, S({q[3]})]", "zero_axes": []}  # the hidden dim: torch axis 1, IR dim 3
-    params["model.layers.0.self_attn.k_proj.weight"] = {"placement": f"[R, S({q[2]})]", "zero_axes": []}  # head_dim
+    params[Q] = ParamPlacement((R, Shard(q[3])))  # the hidden dim: torch axis 1, IR dim 3
+    params["model.layers.0.self_attn.k_proj.weight"] = ParamPlacement((R, Shard(q[2])))  # head_dim
     path = config.parent / "plan.json"
     write_plan(plan, path)
     return plan, config, path
