@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from partopt import costmodel
-from partopt.evaluate import evaluate
+from partopt.evaluate import evaluate, uniform
 from partopt.cluster import Cluster
 from partopt.errors import InfeasibleError
 from partopt.graph import Graph
@@ -61,8 +61,9 @@ def differences(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan",
     """Every figure of `plan` that does not hold on `graph` and `cluster` under `cost_model`
     (default analytical; empty: consistent).
 
-    An invalid plan raises InstanceError (see `partopt.validate`); a plan whose re-derived memory
-    does not fit is a difference, not an error."""
+    A Megatron-style plan (`evaluate.uniform`, `solve --search megatron`) is priced again as that
+    layout; any other as written (`evaluate.evaluate`). An invalid plan raises InstanceError (see
+    `partopt.validate`); a plan whose re-derived memory does not fit is a difference, not an error."""
     check_plan(plan, where, figures=False)
     check_against(plan, graph, cluster, where)
     found = [Difference(*mismatch) for mismatch in mismatches(plan)]
@@ -75,9 +76,15 @@ def differences(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan",
     found += [Difference(f"$.stages[{i}].memory_bytes", stage.memory_bytes, f"over the budget of {budget!r} bytes")
               for i, stage in enumerate(plan.stages) if stage.memory_bytes > budget * (1 + 1e-12)]
     backend = plan.solver.get("backend")
+    options = {"memory_reserve": reserve, "cost_model": cost_model, **({"backend": backend} if backend in BACKENDS else {})}
     try:
-        derived = evaluate(graph, cluster, plan, where=where, memory_reserve=reserve, cost_model=cost_model,
-                                    **({"backend": backend} if backend in BACKENDS else {}))
+        if "megatron" in plan.options:  # a uniform layout: priced again by the procedure that made it
+            layout = plan.options["megatron"]
+            derived = uniform(graph, cluster, layout["tp"], layout["pp"], layout["dp"], plan.num_microbatches,
+                              layout["zero"], recompute=plan.stages[0].recompute,
+                              overlap=plan.options.get("overlap", False), **options)
+        else:
+            derived = evaluate(graph, cluster, plan, where=where, **options)
     except InfeasibleError as err:
         return [*found, Difference(err.where or "$.stages", "fits the device memory", err.cause)]
     return found + [d for d in compare(plan, derived) if d not in found]

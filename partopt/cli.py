@@ -469,9 +469,7 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
                         logical_shapes=logical_shapes, submesh_family=submeshes, workers=workers,
                         recompute=recompute, cost_model=cost_model, deadline_s=deadline, overlap=not no_overlap,
                         **restrict)
-    # a Megatron-style plan restricts a tied parameter that `evaluate` leaves free (it records one placement of
-    # the copies each priced layer chose): such plans are not re-derived here (noted on issue 17)
-    found = [] if search == "megatron" else check.differences(plan, graph, cluster, "the solved plan", cost_model)
+    found = check.differences(plan, graph, cluster, "the solved plan", cost_model)
     if found:
         for difference in found:
             click.echo(f"error: {difference.line()}", err=True)

@@ -247,6 +247,7 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     if not plans:
         raise error
     best = min(plans, key=lambda plan: plan.iteration_time_s)
+    best.options["megatron"] = {"tp": tp, "pp": pp, "dp": dp, "zero": zero}  # how `partopt check` re-derives it
     best.solver.update(ilps=sum(p.solver["ilps"] for p in plans), ilp_time_s=sum(p.solver["ilp_time_s"] for p in plans),
                        time_s=time.perf_counter() - start, microbatch_counts=counts,
                        status="optimal" if all(p.solver["status"] == "optimal" for p in plans) else "timeout",

@@ -106,3 +106,23 @@ def test_solve_refuses_to_write_a_plan_that_does_not_re_derive(tiny, tmp_path, m
 def test_differences_of_a_plan_read_back_are_none(tiny):
     plan = plan_from_dict(json.loads(Path(tiny.plan_file).read_text()))
     assert check.compare(plan, tiny.plan) == []
+
+
+def test_megatron_layouts_re_derive_as_that_layout(tiny, tmp_path):
+    """The tiny GPT ties its embedding to the LM head: priced as written, its copies would be free to
+    leave Megatron's layout; `check` prices a uniform plan again as the layout it records."""
+    from partopt import baselines
+    from partopt.evaluate import uniform
+    from partopt.plan import write_plan
+
+    plan = uniform(tiny.graph, tiny.cluster, tp=2, pp=2, dp=1, microbatches=2)
+    assert plan.options["megatron"] == {"tp": 2, "pp": 2, "dp": 1, "zero": False}
+    assert check.differences(plan, tiny.graph, tiny.cluster) == []
+    best = baselines.megatron(tiny.graph, tiny.cluster)
+    assert check.differences(best, tiny.graph, tiny.cluster) == []
+    path = tmp_path / "megatron.json"
+    write_plan(dataclasses.replace(plan, iteration_time_s=plan.iteration_time_s * 2), path)
+    result = check_cli(tiny, path)
+    assert result.exit_code == 1 and "$.iteration_time_s" in result.stdout
+    solved = run("solve", tiny.graph_file, "--cluster", tiny.cluster_file, "--search", "megatron", "--json")
+    assert solved.exit_code == 0, solved.output + solved.stderr
