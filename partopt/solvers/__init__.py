@@ -3,7 +3,10 @@
 `Model` holds binary variables with objective costs and sparse rows `lo <= a·x <= hi`;
 `solve(model, backend=...)` hands it to HiGHS (default: the fastest, docs/benchmarks.md), OR-Tools CP-SAT or CBC (via PuLP)
 and returns a `Result` with status, objective, best bound, gap and time. Every backend is
-seeded and single-threaded or interleaved, so the same model gives the same answer.
+seeded and single-threaded, and stops at a deterministic work limit (`WORK_UNITS`: the solver's
+own measure, not the clock), so the same model gives the same answer whatever the machine's load;
+the wall-clock `time_limit_s` is only a safety net. A solve stopped by either limit returns its
+incumbent, if it has one, with the best bound and gap.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from typing import Callable
 
 from partopt.errors import PartoptError
 
-STATUSES = ("optimal", "feasible", "infeasible", "timeout")
+# limit: stopped at the work limit (the same on any machine); timeout: stopped by the wall clock
+STATUSES = ("optimal", "feasible", "infeasible", "limit", "timeout")
+WORK_UNITS = {"highs": "branch-and-bound nodes", "cpsat": "deterministic seconds", "cbc": "branch-and-bound nodes"}
+DEFAULT_WORK_LIMITS = {"highs": 2000, "cpsat": 60.0, "cbc": 2000}
 
 
 @dataclass
@@ -51,6 +57,12 @@ class Result:
     bound: float | None  # best proven lower bound on the objective
     time_s: float
     backend: str
+    work: float = 0.0  # work done, in the backend's WORK_UNITS
+
+    @property
+    def deterministic(self) -> bool:
+        """True unless the wall clock stopped the solve (then a loaded machine may answer otherwise)."""
+        return self.status != "timeout"
 
     @property
     def gap(self) -> float | None:
@@ -64,9 +76,10 @@ class Result:
 
 @dataclass(frozen=True)
 class Options:
-    time_limit_s: float = 60.0
+    time_limit_s: float = 60.0  # wall-clock safety net
     seed: int = 0
     threads: int = 1
+    work_limit: float = math.inf  # in the backend's WORK_UNITS
 
 
 def _backends() -> dict[str, Callable[[Model, Options], Result]]:
@@ -78,11 +91,17 @@ def _backends() -> dict[str, Callable[[Model, Options], Result]]:
 BACKENDS = ("cpsat", "highs", "cbc")
 
 
-def solve(model: Model, backend: str = "highs", time_limit_s: float = 60.0, seed: int = 0) -> Result:
-    """Solve `model` with the named backend."""
+def solve(model: Model, backend: str = "highs", time_limit_s: float = 60.0, seed: int = 0,
+          work_limit: float | None = None) -> Result:
+    """Solve `model` with the named backend, stopping at `work_limit` (in its WORK_UNITS; None: its
+    DEFAULT_WORK_LIMITS entry; math.inf: none) or, as a safety net, after `time_limit_s` seconds."""
     table = _backends()
     if backend not in table:
         raise PartoptError(f"unknown solver backend {backend!r}", "solver", f"use one of {list(BACKENDS)}")
     if time_limit_s <= 0:
         raise PartoptError(f"time limit must be positive, got {time_limit_s}", "time limit")
-    return table[backend](model, Options(time_limit_s=time_limit_s, seed=seed))
+    work = DEFAULT_WORK_LIMITS[backend] if work_limit is None else work_limit
+    if not work >= 0:
+        raise PartoptError(f"work limit must be non-negative, got {work_limit}", "work limit",
+                           f"give {WORK_UNITS[backend]}, or math.inf for none")
+    return table[backend](model, Options(time_limit_s=time_limit_s, seed=seed, work_limit=work))
