@@ -22,6 +22,10 @@ def power_sum(base: int, job: tuple) -> int:
 
 
 def sleepy(seconds: float, job: tuple) -> int:
+    """Sleep; job (directory,) first leaves this process's id there, for the test to watch."""
+    if job:
+        with open(os.path.join(job[0], str(os.getpid())), "w"):
+            pass
     time.sleep(seconds)
     return os.getpid()
 
@@ -99,7 +103,7 @@ def ray_workers_import_tests(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
 
 
-def test_ray_local_instance_same_results_and_exception_then_shut_down(ray_workers_import_tests):
+def test_ray_local_instance_same_results_and_exception_then_shut_down(ray_workers_import_tests, tmp_path):
     import ray
 
     executor = executors.make_executor("ray", power_sum, (3,), 2)
@@ -110,6 +114,18 @@ def test_ray_local_instance_same_results_and_exception_then_shut_down(ray_worker
         assert next(results) == 1
         with pytest.raises(SolverError, match="job -1 fails on purpose"):
             next(results)
+        # a second executor joins the running session: closing it without waiting kills its tasks, not the session
+        slow = executors.make_executor("ray", sleepy, (60.0,), 2)
+        slow.map([(str(tmp_path),), (str(tmp_path),)])
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = [int(name) for name in os.listdir(tmp_path)]
+        slow.close(wait=False)
+        deadline = time.monotonic() + 20
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(pids) == 2 and not any(_alive(pid) for pid in pids) and ray.is_initialized()
     finally:
         executor.close()
     assert not ray.is_initialized()  # the instance it started is gone
