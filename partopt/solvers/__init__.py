@@ -17,10 +17,15 @@ from typing import Callable
 
 from partopt.errors import PartoptError
 
-# limit: stopped at the work limit (the same on any machine); timeout: stopped by the wall clock
+# limit: stopped at the work limit (the same answer whatever the load); timeout: stopped by the wall clock
 STATUSES = ("optimal", "feasible", "infeasible", "limit", "timeout")
 WORK_UNITS = {"highs": "branch-and-bound nodes", "cpsat": "deterministic seconds", "cbc": "branch-and-bound nodes"}
-DEFAULT_WORK_LIMITS = {"highs": 2000, "cpsat": 60.0, "cbc": 2000}
+# HiGHS proves 15 of the 16 memory-capped GPT-39B block ILPs optimal at the root node and the last in 9 nodes,
+# the root taking up to 7 s here (22 s with the CPU loaded), so 1000 nodes binds only on ILPs unlike those;
+# CBC gets the same count (PuLP does not report CBC's nodes). CP-SAT spent about 2 s of wall time per
+# deterministic second on that block on this loaded 2-core machine, so 20 binds before the 60 s clock.
+# scripts/bench_solver_limits.py, docs/benchmarks.md ("Deterministic solver limits").
+DEFAULT_WORK_LIMITS = {"highs": 1000, "cpsat": 20.0, "cbc": 1000}
 
 
 @dataclass
