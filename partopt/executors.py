@@ -97,7 +97,7 @@ class LocalPool:
         return self.pool.map(_worker_job, jobs, chunksize=1)
 
     def close(self, wait: bool = True) -> None:
-        """Without `wait`, queued jobs are cancelled and running ones killed with their workers."""
+        """Queued jobs are cancelled; running ones finish first, or without `wait` die with their workers."""
         if self.pool is None:
             return
         pool, self.pool = self.pool, None
