@@ -104,6 +104,16 @@ def _copies(model: solvers.Model, k: int) -> solvers.Model:
     return out
 
 
+@pytest.mark.parametrize("backend", solvers.BACKENDS)
+def test_an_infeasible_model_is_infeasible_not_stopped(backend):
+    model = solvers.Model()
+    for _ in range(3):
+        model.add_var(1.0)
+    model.add_row([0, 1, 2], [1, 1, 1], 4, math.inf)  # three binaries cannot sum to 4
+    result = solvers.solve(model, backend)
+    assert result.status == "infeasible" and result.values is None
+
+
 def test_negative_work_limit_is_a_one_line_error():
     with pytest.raises(PartoptError, match="work limit must be non-negative.*branch-and-bound nodes"):
         solvers.solve(knapsack(), "highs", work_limit=-1)

@@ -36,12 +36,13 @@ def _solve(model: Model, options: Options) -> Result:
                             options=[f"randomSeed {options.seed + 1}", "ratioGap 0", "allowableGap 0"])
     prob.solve(cmd)
     elapsed = time.perf_counter() - start
-    status = pulp.LpStatus[prob.status]
-    if status == "Infeasible":
-        return Result("infeasible", None, None, None, elapsed, "cbc")
-    values = [int(round(v.value() or 0)) for v in x]
     # PuLP reads CBC's "Stopped on nodes" and "Stopped on time" alike: the clock stopped it if its limit passed
-    stopped = "timeout" if elapsed >= options.time_limit_s else "limit"
+    clock_ran_out = elapsed >= options.time_limit_s
+    stopped = "timeout" if clock_ran_out else "limit"
+    if pulp.LpStatus[prob.status] == "Infeasible":
+        # CBC can write "Integer infeasible" when its clock ran out before any integer solution: no proof then
+        return Result("timeout" if clock_ran_out else "infeasible", None, None, None, elapsed, "cbc")
+    values = [int(round(v.value() or 0)) for v in x]
     solution_ok = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
     if not solution_ok:
         return Result(stopped, None, None, None, elapsed, "cbc")
