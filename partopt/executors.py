@@ -168,16 +168,17 @@ class RayExecutor:
             except (ConnectionError, ValueError, RuntimeError) as err:
                 where = "local Ray instance" if address is None else f"Ray cluster at {address}"
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise PartoptError(f"cannot start or reach the {where}: {first}", "--ray-address",
+                raise PartoptError(f"cannot start or reach the {where}: {first}",
+                                   "executor ray" if address is None else "--ray-address",
                                    "start one with `ray start --head`, check the address, "
                                    "or use the local executor") from None
         self.context = [ray.put(context)]
         self.task = ray.remote(num_cpus=1)(_ray_job)
-        self.pending: list = []
+        self.pending: set = set()  # tasks submitted and not yet collected
 
     def map(self, jobs: Sequence[tuple]) -> Iterator[object]:
         refs = [self.task.remote(self.fn, self.context, job) for job in jobs]
-        self.pending.extend(refs)
+        self.pending.update(refs)
         return self._results(refs)
 
     def _results(self, refs: list) -> Iterator[object]:
@@ -187,18 +188,18 @@ class RayExecutor:
             except self.ray.exceptions.RayTaskError as err:
                 raise err.cause from None  # the job's own exception, as the local executors raise it
             finally:
-                self.pending.remove(ref)
+                self.pending.discard(ref)
             yield result
 
     def close(self, wait: bool = True) -> None:
         """Without `wait`, jobs not yet finished are cancelled (their worker processes killed)."""
         if self.pending:
             if wait:
-                self.ray.wait(self.pending, num_returns=len(self.pending))
+                self.ray.wait(list(self.pending), num_returns=len(self.pending))
             else:
                 for ref in self.pending:
                     self.ray.cancel(ref, force=True)
-            self.pending = []
+            self.pending = set()
         if self.owned and self.ray.is_initialized():
             self.ray.shutdown()
             self.owned = False
