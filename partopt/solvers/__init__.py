@@ -3,7 +3,10 @@
 `Model` holds binary variables with objective costs and sparse rows `lo <= a·x <= hi`;
 `solve(model, backend=...)` hands it to HiGHS (default: the fastest, docs/benchmarks.md), OR-Tools CP-SAT or CBC (via PuLP)
 and returns a `Result` with status, objective, best bound, gap and time. Every backend is
-seeded and single-threaded or interleaved, so the same model gives the same answer.
+seeded and single-threaded, and stops at a deterministic work limit (`WORK_UNITS`: the solver's
+own measure, not the clock), so the same model gives the same answer whatever the machine's load;
+the wall-clock `time_limit_s` is only a safety net. A solve stopped by either limit returns its
+incumbent, if it has one, with the best bound and gap.
 """
 
 from __future__ import annotations
@@ -14,7 +17,15 @@ from typing import Callable
 
 from partopt.errors import PartoptError
 
-STATUSES = ("optimal", "feasible", "infeasible", "timeout")
+# limit: stopped at the work limit (the same answer whatever the load); timeout: stopped by the wall clock
+STATUSES = ("optimal", "feasible", "infeasible", "limit", "timeout")
+WORK_UNITS = {"highs": "branch-and-bound nodes", "cpsat": "deterministic seconds", "cbc": "branch-and-bound nodes"}
+# HiGHS proves 15 of the 16 memory-capped GPT-39B block ILPs optimal at the root node and the last in 9 nodes,
+# the root taking up to 7 s here (22 s with the CPU loaded), so 1000 nodes binds only on ILPs unlike those;
+# CBC gets the same count (PuLP does not report CBC's nodes). CP-SAT spent about 2 s of wall time per
+# deterministic second on that block on this loaded 2-core machine, so 20 binds before the 60 s clock.
+# scripts/bench_solver_limits.py, docs/benchmarks.md ("Deterministic solver limits").
+DEFAULT_WORK_LIMITS = {"highs": 1000, "cpsat": 20.0, "cbc": 1000}
 
 
 @dataclass
@@ -51,6 +62,12 @@ class Result:
     bound: float | None  # best proven lower bound on the objective
     time_s: float
     backend: str
+    work: float = 0.0  # work done, in the backend's WORK_UNITS
+
+    @property
+    def deterministic(self) -> bool:
+        """True unless the wall clock stopped the solve (then a loaded machine may answer otherwise)."""
+        return self.status != "timeout"
 
     @property
     def gap(self) -> float | None:
@@ -64,9 +81,10 @@ class Result:
 
 @dataclass(frozen=True)
 class Options:
-    time_limit_s: float = 60.0
+    time_limit_s: float = 60.0  # wall-clock safety net
     seed: int = 0
     threads: int = 1
+    work_limit: float = math.inf  # in the backend's WORK_UNITS
 
 
 def _backends() -> dict[str, Callable[[Model, Options], Result]]:
@@ -78,11 +96,17 @@ def _backends() -> dict[str, Callable[[Model, Options], Result]]:
 BACKENDS = ("cpsat", "highs", "cbc")
 
 
-def solve(model: Model, backend: str = "highs", time_limit_s: float = 60.0, seed: int = 0) -> Result:
-    """Solve `model` with the named backend."""
+def solve(model: Model, backend: str = "highs", time_limit_s: float = 60.0, seed: int = 0,
+          work_limit: float | None = None) -> Result:
+    """Solve `model` with the named backend, stopping at `work_limit` (in its WORK_UNITS; None: its
+    DEFAULT_WORK_LIMITS entry; math.inf: none) or, as a safety net, after `time_limit_s` seconds."""
     table = _backends()
     if backend not in table:
         raise PartoptError(f"unknown solver backend {backend!r}", "solver", f"use one of {list(BACKENDS)}")
     if time_limit_s <= 0:
         raise PartoptError(f"time limit must be positive, got {time_limit_s}", "time limit")
-    return table[backend](model, Options(time_limit_s=time_limit_s, seed=seed))
+    work = DEFAULT_WORK_LIMITS[backend] if work_limit is None else work_limit
+    if not work >= 0:
+        raise PartoptError(f"work limit must be non-negative, got {work_limit}", "work limit",
+                           f"give {WORK_UNITS[backend]}, or math.inf for none")
+    return table[backend](model, Options(time_limit_s=time_limit_s, seed=seed, work_limit=work))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 
@@ -30,19 +31,23 @@ def _solve(model: Model, options: Options) -> Result:
                 prob += expr <= hi, f"u{k}"
             if lo > float("-inf"):
                 prob += expr >= lo, f"l{k}"
-    cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=options.threads,
+    nodes = None if math.isinf(options.work_limit) else int(options.work_limit)
+    cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=options.threads, maxNodes=nodes,
                             options=[f"randomSeed {options.seed + 1}", "ratioGap 0", "allowableGap 0"])
     prob.solve(cmd)
     elapsed = time.perf_counter() - start
-    status = pulp.LpStatus[prob.status]
-    if status == "Infeasible":
-        return Result("infeasible", None, None, None, elapsed, "cbc")
+    # PuLP reads CBC's "Stopped on nodes" and "Stopped on time" alike: the clock stopped it if its limit passed
+    clock_ran_out = elapsed >= options.time_limit_s
+    stopped = "timeout" if clock_ran_out else "limit"
+    if pulp.LpStatus[prob.status] == "Infeasible":
+        # CBC can write "Integer infeasible" when its clock ran out before any integer solution: no proof then
+        return Result("timeout" if clock_ran_out else "infeasible", None, None, None, elapsed, "cbc")
     values = [int(round(v.value() or 0)) for v in x]
     solution_ok = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
     if not solution_ok:
-        return Result("timeout", None, None, None, elapsed, "cbc")
+        return Result(stopped, None, None, None, elapsed, "cbc")
     objective = model.value(values)
     optimal = prob.sol_status == pulp.LpSolutionOptimal
-    # PuLP does not expose CBC's dual bound; without proof of optimality the bound is unknown.
-    return Result("optimal" if optimal else "timeout", values, objective,
+    # PuLP exposes neither CBC's dual bound nor its node count; without proof of optimality the bound is unknown.
+    return Result("optimal" if optimal else stopped, values, objective,
                   objective if optimal else None, elapsed, "cbc")

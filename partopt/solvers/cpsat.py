@@ -29,15 +29,19 @@ def solve(model: Model, options: Options) -> Result:
     cp.minimize(sum(int(round(c * scale)) * v for c, v in zip(model.objective, x) if c))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = options.time_limit_s
+    solver.parameters.max_deterministic_time = options.work_limit  # reproducible with one worker
     solver.parameters.random_seed = options.seed
     solver.parameters.num_workers = options.threads
     code = solver.solve(cp)
     elapsed = time.perf_counter() - start
+    work = solver.deterministic_time
+    # CP-SAT reports which limit stopped it only in its log: the clock did if the work limit was not reached
+    stopped = "limit" if work >= options.work_limit else "timeout"
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         values = [int(solver.boolean_value(v)) for v in x]
-        status = "optimal" if code == cp_model.OPTIMAL else "timeout"
+        status = "optimal" if code == cp_model.OPTIMAL else stopped
         bound = solver.best_objective_bound / scale
         objective = model.value(values)
-        return Result(status, values, objective, min(bound, objective), elapsed, "cpsat")
-    status = "infeasible" if code == cp_model.INFEASIBLE else "timeout"
-    return Result(status, None, None, None, elapsed, "cpsat")
+        return Result(status, values, objective, min(bound, objective), elapsed, "cpsat", work)
+    status = "infeasible" if code == cp_model.INFEASIBLE else stopped
+    return Result(status, None, None, None, elapsed, "cpsat", work)

@@ -11,6 +11,8 @@ import numpy as np
 
 from partopt.solvers import Model, Options, Result
 
+MAX_NODES = 2**31 - 1  # HiGHS's integer options are 32-bit; this is its "no limit"
+
 
 def _new_highs() -> highspy.Highs:
     """A Highs instance, constructed with stdout muted: HiGHS prints a banner from C++ once."""
@@ -30,6 +32,7 @@ def solve(model: Model, options: Options) -> Result:
     h = _new_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(options.time_limit_s))
+    h.setOptionValue("mip_max_nodes", int(min(options.work_limit, MAX_NODES)))
     h.setOptionValue("random_seed", int(options.seed))
     h.setOptionValue("threads", int(options.threads))
     h.setOptionValue("mip_rel_gap", 0.0)
@@ -58,13 +61,16 @@ def solve(model: Model, options: Options) -> Result:
     elapsed = time.perf_counter() - start
     status = h.getModelStatus()
     info = h.getInfo()
+    nodes = float(info.mip_node_count)
     has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
     if status == highspy.HighsModelStatus.kInfeasible:
-        return Result("infeasible", None, None, None, elapsed, "highs")
+        return Result("infeasible", None, None, None, elapsed, "highs", nodes)
+    optimal = status == highspy.HighsModelStatus.kOptimal
+    # the node limit ends a MIP solve with kSolutionLimit; only kTimeLimit comes from the clock
+    stopped = "timeout" if status == highspy.HighsModelStatus.kTimeLimit else "limit"
     if not has_solution:
-        return Result("timeout", None, None, None, elapsed, "highs")
+        return Result(stopped, None, None, None, elapsed, "highs", nodes)
     values = [int(round(v)) for v in h.getSolution().col_value]
     objective = model.value(values)
-    optimal = status == highspy.HighsModelStatus.kOptimal
     bound = objective if optimal else min(objective, info.mip_dual_bound)
-    return Result("optimal" if optimal else "timeout", values, objective, bound, elapsed, "highs")
+    return Result("optimal" if optimal else stopped, values, objective, bound, elapsed, "highs", nodes)
