@@ -396,7 +396,8 @@ def _render_plan(plan: Plan) -> list[Table]:
         ("columns", "µbatch: a microbatch's forward + backward (sends included); sync: gradients and optimizer "
                     "per iteration; memory: per device, with its in-flight microbatches"),
         ("solver", f"{plan.solver['backend']}: {plan.solver['status']}, gap {plan.solver['gap']:.2g}, "
-                   f"{plan.solver['ilps']} ILPs, planning {fmt_seconds(plan.solver['time_s'])}"
+                   f"{plan.solver['ilps']} ILPs"
+                   + (f", planning {fmt_seconds(plan.solver['time_s'])}" if "time_s" in plan.solver else "")
                    + (f"; {plan.solver['dropped_options']} leaner options dropped (no solution within their time "
                       "limit)" if plan.solver.get("dropped_options") else "")),
         *([("stopped early", f"{'at the deadline' if plan.solver['stopped'] == 'deadline' else 'by Ctrl-C'}: the best "
@@ -437,14 +438,18 @@ def _render_plan(plan: Plan) -> list[Table]:
               "with it (docs/COSTMODEL.md §5b): every cost adds up, the model before overlap.")
 @click.option("--profile", "profile_file", type=click.Path(),
               help="Measured op times and collective bandwidths (a partopt.profile file); the analytical model prices the rest.")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Where the layer ILPs run: this machine's processes, or a Ray cluster (pip install 'partopt[ray]').")
+@click.option("--ray-address", help="With --executor ray: auto (the cluster this machine is in) or HOST:PORT; "
+              "default: start a local Ray instance.")
 @click.option("--deadline", type=FiniteFloat(), help="Seconds for the whole search: then the best plan found, "
               "marked as stopped early with its gap to a lower bound (Ctrl-C does the same).")
 @click.option("-o", "--output", type=click.Path(), help="Write the plan file here.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the plan file to stdout.")
 def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches: str, layers: int, solver: str,
           time_limit: float, memory_reserve: float, search: str, logical_shapes: str, submeshes: str,
-          workers: int | None, recompute: str, no_overlap: bool, profile_file: str | None, deadline: float | None,
-          output: str | None, as_json: bool) -> None:
+          workers: int | None, recompute: str, no_overlap: bool, profile_file: str | None, executor: str,
+          ray_address: str | None, deadline: float | None, output: str | None, as_json: bool) -> None:
     """Plan GRAPH on a cluster: pipeline stages, submeshes, logical meshes and per-op shardings.
     The plan is re-derived (as `partopt check` does) before it is written or printed."""
     if output:
@@ -468,7 +473,7 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
                         layers=layers, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
                         logical_shapes=logical_shapes, submesh_family=submeshes, workers=workers,
                         recompute=recompute, cost_model=cost_model, deadline_s=deadline, overlap=not no_overlap,
-                        **restrict)
+                        executor=executor, ray_address=ray_address, **restrict)
     found = check.differences(plan, graph, cluster, "the solved plan", cost_model)
     if found:
         for difference in found:

@@ -28,6 +28,8 @@ class Options:
     stage_data_parallel: bool = False
     seed: int = 0
     workers: int | None = None  # processes for the ILPs; None: one per available core
+    executor: str = "local"  # where the layer ILPs run: local (this machine) or ray (partopt.executors)
+    ray_address: str | None = None  # with executor ray: "auto", "HOST:PORT", or None (start a local instance)
     recompute: str = "auto"  # activation recomputation per stage: auto (searched) or one of intra.RECOMPUTE_MODES
     cost_model: costmodel.CostModel | None = None  # None: the analytical model (`costmodel.ANALYTICAL`)
     overlap: bool = True  # gradient reductions overlap the backward (docs/COSTMODEL.md §5b); False: all costs add
@@ -36,6 +38,8 @@ class Options:
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):  # the former flag: recompute meant full recomputation
             object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+        if self.executor not in ("local", "ray"):
+            raise InstanceError(f"unknown executor {self.executor!r}", "executor", "use local or ray")
         if self.deadline_s is not None and not self.deadline_s > 0:  # NaN too
             raise InstanceError(f"deadline {self.deadline_s} is not a positive number of seconds", "deadline",
                                 "give the seconds the search may take, e.g. 60")

@@ -118,9 +118,16 @@ def _stage_from_dict(data: dict[str, Any], recompute: str, where: str) -> StageP
     return StagePlan(**{"recompute": recompute, **data, "ops": ops, "params": params})
 
 
+# How long planning took is a fact of the run, not of the plan: kept in memory (the CLI prints it),
+# left out of the file, so the same inputs give the same file on any machine, load and worker count.
+WALL_TIMES = ("time_s", "ilp_time_s")
+
+
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
-    """The file form of `plan`: format and version first, then the fields in dataclass order."""
+    """The file form of `plan`: format and version first, then the fields in dataclass order, without
+    the wall times of the run that found it (`WALL_TIMES`)."""
     data = asdict(replace(plan, stages=[]))
+    data["solver"] = {k: v for k, v in data["solver"].items() if k not in WALL_TIMES}
     data["stages"] = [_stage_to_dict(s) for s in plan.stages]
     head = {"format": data.pop("format"), "version": data.pop("version")}
     return {**head, **data}

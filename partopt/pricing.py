@@ -8,23 +8,21 @@ memory-lean options. Jobs run in this process, or on a pool of worker processes 
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
-import signal
-import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from partopt import costmodel, intra
 from partopt.cluster import LogicalMesh
 from partopt.errors import InfeasibleError, SolverError
+from partopt.executors import Executor, make_executor
 from partopt.graph import Graph
 from partopt.sharding import op_strategies, param_strategies
 
+# a timeout (the wall clock) outranks a work limit: only the former depends on the machine's load
+STATUS_RANK = {"optimal": 0, "limit": 1, "timeout": 2}
 REDUCTIONS = ("all_reduce", "reduce_scatter")  # gradient collectives DDP/Megatron overlap with backward
-LEAN_TIME_LIMIT_S = 10.0
 MEMORY_RUNGS = (2, 4, 8, 16, 32, 64)  # per-layer caps budget / r that a stage of about r layers needs
 
 
@@ -107,7 +105,7 @@ class Stats:
             self.ilps += 1
             self.solve_time_s += result.time_s
         if result.status != "optimal":
-            self.status = result.status
+            self.status = max(self.status, result.status, key=STATUS_RANK.get)
             self.gap = max(self.gap, result.gap or 0.0)
 
     def merge(self, other: Stats) -> None:
@@ -115,8 +113,7 @@ class Stats:
         self.ilps += other.ilps
         self.solve_time_s += other.solve_time_s
         self.dropped += other.dropped
-        if other.status != "optimal":
-            self.status = other.status
+        self.status = max(self.status, other.status, key=STATUS_RANK.get)
         self.gap = max(self.gap, other.gap)
 
 
@@ -124,12 +121,12 @@ def price(g_mb: Graph, job: Job, options) -> Priced:
     """One base layer's optimal sharding on `job.mesh`, or None when it cannot fit the job's cap
     (without a cap, an infeasible layer raises).
 
-    Under a cap tighter than the device's budget (a leaner option) the solver gets at most
-    LEAN_TIME_LIMIT_S: such ILPs can be slow to find any solution, and the option is optional:
-    one that finds none in time is `Dropped`.
+    The solvers stop at deterministic work limits (`partopt.solvers.DEFAULT_WORK_LIMITS`), the time
+    limit being a safety net, so the answer does not depend on the machine's load. A leaner option
+    (a cap below the device's budget) whose ILP finds no solution is `Dropped`: it is optional.
     """
     lean = job.cap is not None and job.cap < costmodel.memory_budget(job.mesh.device, options.memory_reserve)
-    limit = min(options.time_limit_s, LEAN_TIME_LIMIT_S) if lean else options.time_limit_s
+    limit = options.time_limit_s
     try:
         with costmodel.using(options.cost_model):
             sharding = intra.shard_stage(g_mb, job.mesh, [g_mb.op_index[n] for n in job.ops], microbatches=job.count,
@@ -156,24 +153,15 @@ def _price_in(graph: Graph, options, job: Job, views: dict[int, Graph]) -> Price
     return price(views[job.mb], job, options)
 
 
-_WORKER: dict = {}
+_WORKER_VIEWS: dict = {"graph": None, "views": {}}  # in a worker process: the context graph's microbatch views
 
 
-def _worker_init(graph: Graph, options) -> None:
-    _WORKER.update(graph=graph, options=options)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the planner's to handle (the CLI ends its workers)
-    parent = os.getppid()
-
-    def orphaned() -> None:  # a killed planner must not leave its workers running
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=orphaned, daemon=True).start()
-
-
-def _worker_job(job: Job) -> Priced:
-    return _price_in(_WORKER["graph"], _WORKER["options"], job, _WORKER.setdefault("views", {}))
+def price_job(graph: Graph, options, job: Job) -> Priced:
+    """`price` of one job on `graph`: the function the executors run (`partopt.executors`); a worker
+    keeps the microbatch views of the graph it was last given (its context, the same object each job)."""
+    if _WORKER_VIEWS["graph"] is not graph:
+        _WORKER_VIEWS.update(graph=graph, views={})
+    return _price_in(graph, options, job, _WORKER_VIEWS["views"])
 
 
 def _restriction_key(g_mb: Graph, job: Job) -> tuple:
@@ -192,11 +180,12 @@ class Expired(Exception):
 
 
 class Pricer:
-    """Runs layer ILPs: in this process, or on a pool of worker processes for many of them.
+    """Runs layer ILPs: in this process, or on an executor (`options.executor`: a local pool of worker
+    processes for many of them, or Ray).
     Results are kept in `cache` under the graph, the pricing options and the job (by structure:
     layers that hash alike share one solve), so later calls given the same dict reuse them."""
 
-    MIN_OPS = 500  # below this many ops over all jobs, starting worker processes costs more than it saves
+    MIN_OPS = 500  # below this many ops over all jobs, starting local worker processes costs more than it saves
 
     def __init__(self, graph: Graph, options, cache: dict | None = None, deadline: float = math.inf):
         self.graph, self.options = graph, options
@@ -204,7 +193,7 @@ class Pricer:
         self.views: dict[int, Graph] = {}
         self.hashes: dict[tuple, str] = {}
         self.workers = options.workers or len(os.sched_getaffinity(0))
-        self.pool: ProcessPoolExecutor | None = None
+        self.executor: Executor | None = None
         self.cache = {} if cache is None else cache
         self.prefix = (graph.name, graph.structural_hash(), options.backend, options.time_limit_s, options.seed,
                        options.memory_reserve, options.data_parallel_only, options.stage_data_parallel,
@@ -227,17 +216,17 @@ class Pricer:
         return self
 
     def __exit__(self, kind, *exc) -> None:
-        if self.pool is not None:  # interrupted: do not wait for running ILPs (their workers exit with us)
-            self.pool.shutdown(wait=kind is None, cancel_futures=True)
+        if self.executor is not None:  # interrupted: do not wait for running ILPs
+            self.executor.close(wait=kind is None)
 
     def _results(self, jobs: list[Job]) -> Iterable[Priced]:
         local = any(job.restriction is not None for job in jobs)  # restrictions are closures: not shipped
-        if not local and self.workers > 1 and self.pool is None and sum(len(j.ops) for j in jobs) >= self.MIN_OPS:
-            # spawned, not forked: the solvers' threads in this process must not be copied mid-lock
-            self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_worker_init, initargs=(self.graph, self.options))
-        if self.pool is not None and not local:
-            return self.pool.map(_worker_job, jobs, chunksize=1)
+        many = self.options.executor != "local" or (self.workers > 1 and sum(len(j.ops) for j in jobs) >= self.MIN_OPS)
+        if not local and self.executor is None and many:
+            self.executor = make_executor(self.options.executor, price_job, (self.graph, self.options), self.workers,
+                                          self.options.ray_address)
+        if self.executor is not None and not local:
+            return self.executor.map(jobs)
         return (_price_in(self.graph, self.options, job, self.views) for job in jobs)
 
     def run(self, jobs: dict, stats: Stats, progress: Callable[[int], None] = lambda n: None) -> dict:
