@@ -524,6 +524,8 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
               help="Samples per microbatch per data-parallel rank, Megatron-LM's --micro-batch-size (instead of --microbatches).")
 @click.option("--zero", "--distributed-optimizer", "zero", is_flag=True,
               help="Shard optimizer state over the data-parallel axis (Megatron-LM's distributed optimizer, ZeRO-1).")
+@click.option("--sequence-parallel", is_flag=True, help="Megatron-LM's sequence parallelism: every norm of a "
+              "Megatron-style plan splits its sequence over the tensor-parallel axis (otherwise the ILP chooses).")
 @click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), is_flag=False, flag_value="full",
               help="Recomputation of a Megatron-style plan: auto (default: the fastest that fits), none, selective "
               "or full; --recompute alone means full. A plan file keeps its own.")
@@ -538,7 +540,7 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the priced plan file to stdout.")
 def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, plan_file: str | None,
                      tp: int | None, pp: int | None, dp: int | None, microbatches: int | None,
-                     microbatch_size: int | None, zero: bool, recompute: str | None,
+                     microbatch_size: int | None, zero: bool, sequence_parallel: bool, recompute: str | None,
                      solver: str, memory_reserve: float, no_overlap: bool, profile_file: str | None,
                      output: str | None, as_json: bool) -> None:
     """Price a plan of GRAPH under the cost model: a plan file (--plan) or a Megatron-style uniform
@@ -551,9 +553,9 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
         raise InstanceError("give either --plan FILE or all of --tp, --pp and --dp", "partopt evaluate",
                             "for example --plan plan.json, or --tp 8 --pp 2 --dp 4")
     if plan_file is not None and (microbatches is not None or microbatch_size is not None or zero or recompute
-                                  or no_overlap):
-        raise InstanceError("--microbatches, --microbatch-size, --zero, --recompute and --no-overlap describe a "
-                            "Megatron-style plan, "
+                                  or no_overlap or sequence_parallel):
+        raise InstanceError("--microbatches, --microbatch-size, --zero, --sequence-parallel, --recompute and "
+                            "--no-overlap describe a Megatron-style plan, "
                             "not a plan file", "partopt evaluate", "edit the plan file instead")
     if microbatches is not None and microbatch_size is not None:
         raise InstanceError("give --microbatches or --microbatch-size, not both", "partopt evaluate",
@@ -570,8 +572,8 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
         plan = evaluate_plan(graph, cluster, validate.read_checked(plan_file, graph, cluster), where=plan_file,
                                  **options)
     else:
-        plan = uniform(graph, cluster, tp, pp, dp, microbatches, zero, recompute=recompute or "auto",
-                       overlap=not no_overlap, **options)
+        plan = uniform(graph, cluster, tp, pp, dp, microbatches, zero, sequence_parallel,
+                       recompute=recompute or "auto", overlap=not no_overlap, **options)
     _emit(plan, output, as_json)
 
 

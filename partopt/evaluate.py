@@ -16,6 +16,7 @@ from partopt import costmodel, intra
 from partopt.cluster import Cluster
 from partopt.errors import InfeasibleError, InstanceError
 from partopt.graph import Graph, Op
+from partopt.ops import NORM_KINDS
 from partopt.assemble import assemble
 from partopt.options import Options, microbatch_counts
 from partopt.pricing import Job, LayerCost, Pricer, Stats
@@ -84,19 +85,31 @@ def _pinned(op_entries: dict[str, OpStrategy], param_entries: dict[str, ParamPla
     return intra.Restriction(op_ok, param_ok, f"the plan ({where}; a split must divide its dim on the mesh)")
 
 
-def _megatron(graph: Graph, tp: int, dp: int, zero: bool) -> intra.Restriction:
-    """Axis 0 (size dp) splits the batch and holds parameter copies; axis 1 (size tp) never splits the batch."""
+def sequence_dims(graph: Graph, op: Op) -> set[str]:
+    """A norm's dims besides the batch and its features (those its scale and shift carry, else its
+    last dim): the sequence, which Megatron's sequence parallelism splits over the tensor-parallel axis."""
+    dims = graph.tensors[op.output].dims
+    params = [t for t in op.inputs[1:] if graph.tensors[t].role == "param"]
+    features = {d for t in params for d in graph.tensors[t].dims} if params else {dims[-1]}
+    return set(dims) - features - {graph.batch_dim}
+
+
+def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: bool = False) -> intra.Restriction:
+    """Axis 0 (size dp) splits the batch and holds parameter copies; axis 1 (size tp) never splits the
+    batch, and with `sequence_parallel` splits every norm along its sequence (Korthikanti et al. 2022)."""
     batch_dim = graph.batch_dim
 
     def op_ok(op: Op, s: Strategy) -> bool:
         batch_on_0 = s.axes[0] == (batch_dim if batch_dim in graph.behaviours(op) else None)
-        return (dp == 1 or batch_on_0) and (tp == 1 or s.axes[1] != batch_dim)
+        sequence = not (sequence_parallel and tp > 1 and op.kind in NORM_KINDS) or s.axes[1] in sequence_dims(graph, op)
+        return (dp == 1 or batch_on_0) and (tp == 1 or s.axes[1] != batch_dim) and sequence
 
     def param_ok(tensor: str, s: ParamStrategy) -> bool:
         copies = dp == 1 or isinstance(s.placement[0], Replicate)
         return copies and (0 in s.zero_axes) == (zero and dp > 1) and 1 not in s.zero_axes
 
-    return intra.Restriction(op_ok, param_ok, f"Megatron's layout (data parallel {dp} × tensor parallel {tp})")
+    return intra.Restriction(op_ok, param_ok, f"Megatron's layout (data parallel {dp} × tensor parallel {tp}"
+                                              f"{', sequence parallel' if sequence_parallel else ''})")
 
 
 LOOSER = (1.0, 1.5, 2.0, 3.0)  # caps tried for a layer, in units of its even share of the budget
@@ -193,11 +206,12 @@ def evaluate(graph: Graph, cluster: Cluster, plan: Plan, where: str = "plan", **
 
 
 def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatches: int | None = None,
-            zero: bool = False, **kwargs) -> Plan:
+            zero: bool = False, sequence_parallel: bool = False, **kwargs) -> Plan:
     """Megatron's plan: `pp` stages of equally many layers, each on a (dp, tp) mesh of its devices.
 
     Axis 0 splits the batch (and ZeRO-shards optimizer state with `zero`); the ILP chooses the
-    tensor-parallel sharding over axis 1, which stays inside a node when tp ≤ devices per node.
+    tensor-parallel sharding over axis 1, which stays inside a node when tp ≤ devices per node;
+    `sequence_parallel` makes every norm split its sequence there (else the ILP may or may not).
     `microbatches` is searched when not given, as users tune it: every power-of-two count of at
     least pp whose microbatch splits over dp; the fastest plan that fits wins. Every stage
     recomputes alike: the `recompute` keyword's mode, or (auto, the default) the fastest that fits.
@@ -235,7 +249,7 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     start = time.perf_counter()
     plans, error, cache = [], None, {}
     for count in counts:
-        restriction = _megatron(intra.with_batch(graph, batch // count), tp, dp, zero)
+        restriction = _megatron(intra.with_batch(graph, batch // count), tp, dp, zero, sequence_parallel)
         for mode in options.recompute_modes:
             specs = [StageSpec(i * size, (i + 1) * size - 1, submesh, (dp, tp), min(pp - i, count), mode)
                      for i in range(pp)]
@@ -247,7 +261,7 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     if not plans:
         raise error
     best = min(plans, key=lambda plan: plan.iteration_time_s)
-    best.options["megatron"] = {"tp": tp, "pp": pp, "dp": dp, "zero": zero}  # how `partopt check` re-derives it
+    best.options["megatron"] = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "sequence_parallel": sequence_parallel}  # how `partopt check` re-derives it
     best.solver.update(ilps=sum(p.solver["ilps"] for p in plans), ilp_time_s=sum(p.solver["ilp_time_s"] for p in plans),
                        time_s=time.perf_counter() - start, microbatch_counts=counts,
                        status="optimal" if all(p.solver["status"] == "optimal" for p in plans) else "timeout",

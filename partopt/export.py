@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from partopt.errors import InstanceError, PartoptError
+from partopt.ops import NORM_KINDS
 from partopt.plan import OpStrategy, Plan, StagePlan
 from partopt.sharding import Partial, Placement, Replicate, Shard, fmt
 
 AXIS_NAMES = ("x", "y")
 TARGETS = ("jax", "dtensor", "megatron")
-NORM_KINDS = ("layernorm", "rmsnorm")
 UNSUPPORTED_BY_MEGATRON = ("conv2d", "pool")  # Megatron-LM trains transformers
 SCHEDULE = "1f1b"  # the schedule a plan's in-flight microbatches and iteration time assume (min(S - i, B) kept)
 

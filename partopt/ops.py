@@ -30,6 +30,8 @@ KINDS = (
     "embedding", "cross_entropy", "conv2d", "pool", "reshape", "opaque",
 )
 
+NORM_KINDS = ("layernorm", "rmsnorm")  # what Megatron's sequence parallelism splits along the sequence
+
 # Forward FLOPs per output (or input) element of the cheap kinds; documented in COSTMODEL.md.
 FLOPS_PER_ELEMENT = {"softmax": 5, "layernorm": 8, "rmsnorm": 4, "cross_entropy": 5}
 

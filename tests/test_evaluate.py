@@ -116,6 +116,23 @@ def test_uniform_tensor_parallel_keeps_the_batch_off_the_tensor_axis(small_gpt):
     assert [s.inflight_microbatches for s in plan.stages] == [2, 1]
 
 
+def test_sequence_parallel_splits_every_norm_along_the_sequence_on_the_tensor_axis(small_gpt):
+    """Megatron-LM's --sequence-parallel: the layernorms of (b, s, h) split s over the tensor-parallel
+    axis; the plan says so to `check` and to the Megatron export, and forcing it cannot be faster."""
+    from partopt import check
+    from partopt.export import to_megatron
+
+    cluster = preset("p3.16xlarge", 1)
+    sp = uniform(small_gpt, cluster, tp=4, pp=2, dp=1, microbatches=8, sequence_parallel=True, recompute="none")
+    norms = [entry for s in sp.stages for entry in s.ops.values() if entry.kind == "layernorm"]
+    assert norms and all(entry.axes[1] == "s" for entry in norms)
+    assert sp.options["megatron"]["sequence_parallel"] is True
+    assert "--sequence-parallel" in to_megatron(sp)
+    assert check.differences(sp, small_gpt, cluster) == []
+    free = uniform(small_gpt, cluster, tp=4, pp=2, dp=1, microbatches=8, recompute="none")
+    assert free.iteration_time_s <= sp.iteration_time_s * (1 + 1e-12)
+
+
 def test_full_search_is_at_least_as_fast_as_every_uniform_plan(small_gpt):
     cluster = preset("p3.16xlarge", 1)
     best = optimize(small_gpt, cluster, microbatches=8)
