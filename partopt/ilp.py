@@ -184,12 +184,15 @@ PEAK_BITS = 24  # a pool's transient peak is a sum of 0-1 bits: a whole number o
 
 @dataclass
 class _Terms:
-    """One (pool, owner) group of transients in the model: its 0-1 terms, constant and upper bound."""
+    """One (pool, owner) group of transients in the model: bytes per 0-1 variable (one entry per
+    variable: solvers refuse a row naming a variable twice), constant and upper bound."""
 
-    index: list[int] = field(default_factory=list)
-    coef: list[float] = field(default_factory=list)
+    coef: dict[int, float] = field(default_factory=dict)
     const: float = 0.0
     upper: float = 0.0
+
+    def add(self, variable: int, value: float) -> None:
+        self.coef[variable] = self.coef.get(variable, 0.0) + value
 
 
 def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None) -> tuple[solvers.Model, list[np.ndarray]]:
@@ -221,8 +224,7 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
             return
         for k, value in zip(keep[n], values):
             if value:
-                terms.index.append(int(var[n][k]))
-                terms.coef.append(float(value))
+                terms.add(int(var[n][k]), float(value))
 
     if budget is not None:
         for n, tables in graph.node_transients.items():
@@ -273,8 +275,7 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
             terms.upper += float(t.max())
             for (a, b), value in np.ndenumerate(t):
                 if value:
-                    terms.index.append(int(pair[a, b]))
-                    terms.coef.append(float(value))
+                    terms.add(int(pair[a, b]), float(value))
 
     for n, idx in enumerate(keep):
         if len(idx) > 1:
@@ -294,14 +295,14 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
                         coef.append(float(graph.memory[n][k]) - low)
         for pool in dict.fromkeys(p for p, _ in groups):
             members = [t for (p, _), t in groups.items() if p == pool]
-            if not any(t.index for t in members):  # a constant peak
+            if not any(t.coef for t in members):  # a constant peak
                 base += max(t.const for t in members)
                 continue
             step = math.ceil(max(t.upper for t in members) / (2 ** PEAK_BITS - 1))
             bits = [model.add_var(0.0, f"peak {pool} bit {j}") for j in range(PEAK_BITS)]
             weights = [float(step * 2 ** j) for j in range(PEAK_BITS)]
             for t in members:  # this owner's transients <= the pool's peak
-                model.add_row(t.index + bits, t.coef + [-w for w in weights], float("-inf"), -t.const)
+                model.add_row(list(t.coef) + bits, list(t.coef.values()) + [-w for w in weights], float("-inf"), -t.const)
             index += bits
             coef += weights
         if index:

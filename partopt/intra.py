@@ -396,7 +396,9 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     `restriction` filters strategies further. `recompute` (a mode of `recomputed_ops`) picks ops
     that keep for backward only the outputs read by ops not recomputed, and rerun their forward
     (compute and forward collectives) once during their backward, holding all their outputs
-    once while they do.
+    once while they do. Memory (docs/COSTMODEL.md §5): op nodes hold their kept output and their
+    weights' gradient buffers, parameter nodes weights and optimizer state, and each use's copies
+    (gathered weights, all-gather/all-to-all and layout-hub copies) are transients of its consumer.
     """
     restriction = restriction or Restriction()
     force_dim = graph.batch_dim if data_parallel else None

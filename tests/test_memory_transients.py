@@ -139,3 +139,19 @@ def test_a_pair_transient_binds_only_its_pair_and_pools_add_up(reduce_first):
     assert ilp.min_memory(g) == 107  # every table at its least: a lower bound, reached here
     with pytest.raises(InfeasibleError):
         ilp.solve(g, 106, reduce_first=reduce_first)
+
+
+@pytest.mark.parametrize("backend", ["highs", "cpsat", "cbc"])
+@pytest.mark.parametrize("budget,choice", [(40, [0, 0]), (39, [0, 1])])
+def test_an_owners_transients_on_one_variable_make_one_coefficient(backend, budget, choice):
+    """v's own copy (30 bytes) and the copy on its edge from the one-strategy node u (10 bytes)
+    fall on the same 0-1 variable of v; a row naming a variable twice is refused by HiGHS (it then
+    solved the model without any row)."""
+    g = ilp.CostGraph()
+    u = g.add_node("u", [0.0])
+    v = g.add_node("v", [0.0, 1.0])
+    g.add_edge(u, v, [[0.0, 0.0]])
+    g.add_transient("buffers", v, v, [30.0, 0.0])
+    g.add_transient("buffers", v, u, [[10.0, 0.0]], v)
+    assert g.peak_memory([0, 0]) == 40
+    assert ilp.solve(g, budget, backend, reduce_first=False).choice == choice
