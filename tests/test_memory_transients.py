@@ -155,3 +155,25 @@ def test_an_owners_transients_on_one_variable_make_one_coefficient(backend, budg
     g.add_transient("buffers", v, u, [[10.0, 0.0]], v)
     assert g.peak_memory([0, 0]) == 40
     assert ilp.solve(g, budget, backend, reduce_first=False).choice == choice
+
+
+def test_check_re_derives_a_plans_transients_and_catches_a_plan_that_leaves_them_out(tiny):
+    """`partopt check` prices the plan again: the transient peak held in `working_bytes` comes back
+    exactly, and a plan whose stage drops it (consistent on its own) is reported."""
+    import dataclasses
+
+    from partopt import check
+
+    plan = tiny.plan
+    assert not any(s.recompute != "none" for s in plan.stages)  # no recomputation: working_bytes is transients only
+    peaked = [i for i, s in enumerate(plan.stages) if s.breakdown["working_bytes"] > 0]
+    assert peaked  # the tiny GPT's plan gathers or copies something somewhere
+    assert check.differences(plan, tiny.graph, tiny.cluster) == []
+    i = peaked[0]
+    stage = plan.stages[i]
+    lean = dataclasses.replace(stage, memory_bytes=stage.memory_bytes - stage.breakdown["working_bytes"],
+                               breakdown={**stage.breakdown, "working_bytes": 0.0})
+    stages = [lean if k == i else s for k, s in enumerate(plan.stages)]
+    edited = dataclasses.replace(plan, stages=stages, memory_peak_bytes=max(s.memory_bytes for s in stages))
+    found = check.differences(edited, tiny.graph, tiny.cluster)
+    assert any(d.place == f"$.stages[{i}].memory_bytes" for d in found)
