@@ -152,6 +152,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
                        "recompute_s": sum(row[b].sharding.breakdown.recompute_s for b in range(first, last + 1)),
                        "param_bytes": sums.param_bytes, "activation_bytes": sums.activation_bytes,
                        "working_bytes": sums.working_bytes,
+                       "transient_bytes": max(row[b].sharding.breakdown.transient_bytes for b in range(first, last + 1)),
                        "state_bytes": state,
                        "overlapped_s": max(0.0, sum(sync.values()) + optimizer_s - sums.sync_s) if options.overlap else 0.0},
             ops=ops, params=param_info))

@@ -165,7 +165,7 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
                 f"stage {i} needs {fmt_bytes(stage.memory_bytes)} per device (parameter state "
                 f"{fmt_bytes(stage.breakdown['param_bytes'])} + {stage.inflight_microbatches} × "
                 f"{fmt_bytes(stage.breakdown['activation_bytes'])} activations + {fmt_bytes(stage.breakdown['working_bytes'])} "
-                f"recomputation working set), over the budget {fmt_bytes(budget)} "
+                f"working set and transient buffers), over the budget {fmt_bytes(budget)} "
                 f"by {fmt_bytes(stage.memory_bytes - budget)}", f"{where}.stages[{i}]",
                 "use more devices per stage, more stages, ZeRO (--zero), or more microbatches")
     return plan

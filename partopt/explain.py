@@ -54,6 +54,6 @@ def explain(plan: Plan) -> list[StageExplanation]:
         memory[f"activations × {stage.inflight_microbatches} in flight"] = (
             stage.inflight_microbatches * bd["activation_bytes"])
         if bd.get("working_bytes"):
-            memory["recomputation working set"] = bd["working_bytes"]
+            memory["recomputation working set and transient buffers"] = bd["working_bytes"]
         result.append(StageExplanation(i, time_s, memory, [op.explanation for op in stage.ops.values()]))
     return result

@@ -1,14 +1,17 @@
 """The strategy-selection ILP on an abstract cost graph (DESIGN §5).
 
 A `CostGraph` has nodes (one strategy each to choose, a cost and a memory per strategy) and
-edges (a cost per pair of endpoint strategies). `solve` picks one strategy per node so that the
-total cost is least and the summed memory fits a budget. Before solving it removes dominated
+edges (a cost per pair of endpoint strategies), and transient buffers (bytes per strategy of one
+node or per pair of two, each owned by a node and counted in a pool). `solve` picks one strategy
+per node so that the total cost is least and the memory fits a budget: the summed node memory
+plus, per pool, the largest sum of transients of one owner (`transient_peak`). Before solving it removes dominated
 strategies and fixes nodes left with one choice — both exact: the optimum never changes.
 Edge pairs are linearised over classes of equal rows/columns (Alpa's `e` variables, fewer).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,14 +20,20 @@ from partopt import solvers
 from partopt.errors import InfeasibleError, SolverError
 
 
+Group = tuple[str, int]  # (pool, owner node) of a transient buffer
+
+
 @dataclass
 class CostGraph:
-    """Nodes with per-strategy cost and memory; edges with a cost matrix over strategy pairs."""
+    """Nodes with per-strategy cost and memory; edges with a cost matrix over strategy pairs;
+    transient bytes per (pool, owner) on one node (a vector) or on a pair of nodes (a matrix)."""
 
     names: list[str] = field(default_factory=list)
     costs: list[np.ndarray] = field(default_factory=list)
     memory: list[np.ndarray] = field(default_factory=list)
     edges: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    node_transients: dict[int, dict[Group, np.ndarray]] = field(default_factory=dict)
+    edge_transients: dict[tuple[int, int], dict[Group, np.ndarray]] = field(default_factory=dict)
 
     def add_node(self, name: str, cost, memory=None) -> int:
         cost = np.asarray(cost, dtype=float)
@@ -43,6 +52,40 @@ class CostGraph:
         else:
             self.edges[(u, v)] = cost
 
+    def add_transient(self, pool: str, owner: int, u: int, table, v: int | None = None) -> None:
+        """Add (or accumulate onto) transient bytes of `owner` in `pool`: per strategy of node u, or,
+        with `v`, per pair of strategies of u and v (rows u). Buffers of one owner coexist (they add up)."""
+        table = np.asarray(table, dtype=float)
+        if v is None:
+            store = self.node_transients.setdefault(u, {})
+        else:
+            if u > v:
+                u, v, table = v, u, table.T
+            store = self.edge_transients.setdefault((u, v), {})
+            if (u, v) not in self.edges:  # the pair's strategies meet in the ILP through its edge
+                self.edges[(u, v)] = np.zeros(table.shape)
+        key = (pool, owner)
+        store[key] = store[key] + table if key in store else table
+
+    def transient_peak(self, choice: list[int]) -> float:
+        """Bytes of transient buffers at their peak: per pool the largest owner's sum, summed over pools."""
+        groups: dict[Group, float] = {}
+        for n, tables in self.node_transients.items():
+            for key, t in tables.items():
+                groups[key] = groups.get(key, 0.0) + float(t[choice[n]])
+        for (u, v), tables in self.edge_transients.items():
+            for key, t in tables.items():
+                groups[key] = groups.get(key, 0.0) + float(t[choice[u], choice[v]])
+        return _pool_peak(groups)
+
+    def least_transient_peak(self) -> float:
+        """A lower bound of `transient_peak` over all assignments: each table at its least."""
+        groups: dict[Group, float] = {}
+        for tables in [*self.node_transients.values(), *self.edge_transients.values()]:
+            for key, t in tables.items():
+                groups[key] = groups.get(key, 0.0) + float(t.min())
+        return _pool_peak(groups)
+
     def __len__(self) -> int:
         return len(self.names)
 
@@ -52,7 +95,16 @@ class CostGraph:
         return value + sum(float(m[choice[u], choice[v]]) for (u, v), m in self.edges.items())
 
     def peak_memory(self, choice: list[int]) -> float:
-        return sum(float(m[k]) for m, k in zip(self.memory, choice))
+        """Memory of an assignment: node memory summed, plus the transient peak."""
+        return sum(float(m[k]) for m, k in zip(self.memory, choice)) + self.transient_peak(choice)
+
+
+def _pool_peak(groups: dict[Group, float]) -> float:
+    """Sum over pools of the largest owner's bytes (transients of different owners do not coexist)."""
+    peaks: dict[str, float] = {}
+    for (pool, _), size in groups.items():
+        peaks[pool] = max(peaks.get(pool, 0.0), size)
+    return sum(peaks.values())
 
 
 @dataclass(frozen=True)
@@ -67,6 +119,7 @@ class Solution:
 
 
 # ---------------------------------------------------------------- exact reduction
+
 
 def _incident(graph: CostGraph) -> list[list[tuple[tuple[int, int], bool]]]:
     incident: list[list[tuple[tuple[int, int], bool]]] = [[] for _ in graph.names]
@@ -86,12 +139,13 @@ def _prune(graph: CostGraph, alive: list[np.ndarray]) -> bool:
         if len(idx) <= 1:
             continue
         columns = [graph.costs[n][idx, None], graph.memory[n][idx, None]]
+        columns += [t[idx, None] for t in graph.node_transients.get(n, {}).values()]
         for (u, v), is_row in incident[n]:
-            m = graph.edges[(u, v)]
-            if is_row:
-                columns.append(m[np.ix_(idx, np.flatnonzero(alive[v]))])
-            else:
-                columns.append(m[np.ix_(np.flatnonzero(alive[u]), idx)].T)
+            for m in [graph.edges[(u, v)], *graph.edge_transients.get((u, v), {}).values()]:
+                if is_row:
+                    columns.append(m[np.ix_(idx, np.flatnonzero(alive[v]))])
+                else:
+                    columns.append(m[np.ix_(np.flatnonzero(alive[u]), idx)].T)
         f = np.hstack(columns)
         leq = np.all(f[:, None, :] <= f[None, :, :] + 1e-15, axis=2)  # leq[a, b]: a no worse than b
         lt = np.any(f[:, None, :] < f[None, :, :] - 1e-15, axis=2)
@@ -116,20 +170,39 @@ def reduce(graph: CostGraph) -> list[np.ndarray]:
 
 # ---------------------------------------------------------------- the 0-1 program
 
-def _classes(matrix: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """Group equal rows (axis 0) or columns (axis 1): (class id per index, one representative each)."""
-    lines = matrix if axis == 0 else matrix.T
+def _classes(stack: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Group equal rows (axis 0) or columns (axis 1) of a stack of matrices (tables × rows × columns),
+    equal in every table: (class id per index, one representative each)."""
+    lines = stack.transpose((1, 0, 2) if axis == 0 else (2, 0, 1)).reshape(stack.shape[1 + axis], -1)
     _, first, inverse = np.unique(lines, axis=0, return_index=True, return_inverse=True)
     return inverse.reshape(-1), first
 
 
 COST_RESOLUTION = 1e4  # the largest objective coefficient, after scaling
+PEAK_BITS = 24  # a pool's transient peak is a sum of 0-1 bits: a whole number of bytes, 1/(2^24 - 1) of its largest value
+
+
+@dataclass
+class _Terms:
+    """One (pool, owner) group of transients in the model: bytes per 0-1 variable (one entry per
+    variable: solvers refuse a row naming a variable twice), constant and upper bound."""
+
+    coef: dict[int, float] = field(default_factory=dict)
+    const: float = 0.0
+    upper: float = 0.0
+
+    def add(self, variable: int, value: float) -> None:
+        self.coef[variable] = self.coef.get(variable, 0.0) + value
 
 
 def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None) -> tuple[solvers.Model, list[np.ndarray]]:
     """The ILP over surviving strategies; returns it and, per node, its variable per strategy (-1 if fixed).
 
     Nodes left with one strategy get no variables; their costs are constants the objective omits.
+    With a budget, the memory row holds the node memory and, per pool of transients, a peak made
+    of PEAK_BITS 0-1 variables weighted 1, 2, 4, … × a whole number of bytes; a row per owner keeps
+    the peak at or above that owner's transients (peak ≥ transient_i: the max is linear). The peak's
+    resolution rounds it up by less than 1/(2^24 - 1) of the pool's largest value (never down; exact below 16 MiB).
     """
     model = solvers.Model()
     keep = [np.flatnonzero(a) for a in alive]
@@ -140,35 +213,69 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
                 var[n][k] = model.add_var(graph.costs[n][k], f"{graph.names[n]}#{k}")
             model.add_row(list(var[n][idx]), [1.0] * len(idx), 1, 1)
 
+    groups: dict[Group, _Terms] = {}
+
+    def node_term(key: Group, n: int, values: np.ndarray) -> None:
+        """Transient bytes per kept strategy of node n (values follow keep[n])."""
+        terms = groups.setdefault(key, _Terms())
+        terms.upper += float(values.max())
+        if len(keep[n]) == 1:
+            terms.const += float(values[0])
+            return
+        for k, value in zip(keep[n], values):
+            if value:
+                terms.add(int(var[n][k]), float(value))
+
+    if budget is not None:
+        for n, tables in graph.node_transients.items():
+            for key, t in tables.items():
+                node_term(key, n, t[keep[n]])
+
     extra_node_cost = [np.zeros(len(c)) for c in graph.costs]
     for (u, v), m in graph.edges.items():
-        sub = m[np.ix_(keep[u], keep[v])]
-        if len(keep[u]) == 1 or len(keep[v]) == 1 or not sub.any():
+        tables = graph.edge_transients.get((u, v), {}) if budget is not None else {}
+        keys = list(tables)
+        stack = np.stack([m[np.ix_(keep[u], keep[v])]] + [t[np.ix_(keep[u], keep[v])] for t in tables.values()])
+        if len(keep[u]) == 1 or len(keep[v]) == 1 or not stack.any():
             # the cost depends on one endpoint only: fold it into that node's costs
             if len(keep[u]) == 1:
-                extra_node_cost[v][keep[v]] += sub[0]
+                extra_node_cost[v][keep[v]] += stack[0][0]
+                for key, t in zip(keys, stack[1:]):
+                    node_term(key, v, t[0])
             elif len(keep[v]) == 1:
-                extra_node_cost[u][keep[u]] += sub[:, 0]
+                extra_node_cost[u][keep[u]] += stack[0][:, 0]
+                for key, t in zip(keys, stack[1:]):
+                    node_term(key, u, t[:, 0])
             continue
-        row_class, row_rep = _classes(sub, 0)
-        col_class, col_rep = _classes(sub, 1)
-        reduced = sub[np.ix_(row_rep, col_rep)]
-        if np.all(reduced == reduced[:, :1]):  # depends on u only
-            extra_node_cost[u][keep[u]] += sub[:, 0]
+        row_class, row_rep = _classes(stack, 0)
+        col_class, col_rep = _classes(stack, 1)
+        reduced = stack[:, row_rep][:, :, col_rep]
+        if np.all(reduced == reduced[:, :, :1]):  # depends on u only
+            extra_node_cost[u][keep[u]] += stack[0][:, 0]
+            for key, t in zip(keys, stack[1:]):
+                node_term(key, u, t[:, 0])
             continue
-        if np.all(reduced == reduced[:1, :]):  # depends on v only
-            extra_node_cost[v][keep[v]] += sub[0]
+        if np.all(reduced == reduced[:, :1, :]):  # depends on v only
+            extra_node_cost[v][keep[v]] += stack[0][0]
+            for key, t in zip(keys, stack[1:]):
+                node_term(key, v, t[0])
             continue
-        pair = np.empty(reduced.shape, dtype=int)
-        for a in range(reduced.shape[0]):
-            for b in range(reduced.shape[1]):
-                pair[a, b] = model.add_var(reduced[a, b], f"e{u}-{v}#{a},{b}")
-        for a in range(reduced.shape[0]):
+        pair = np.empty(reduced.shape[1:], dtype=int)
+        for a in range(reduced.shape[1]):
+            for b in range(reduced.shape[2]):
+                pair[a, b] = model.add_var(reduced[0, a, b], f"e{u}-{v}#{a},{b}")
+        for a in range(reduced.shape[1]):
             members = var[u][keep[u][row_class == a]]
-            model.add_row(list(pair[a]) + list(members), [1.0] * reduced.shape[1] + [-1.0] * len(members), 0, 0)
-        for b in range(reduced.shape[1]):
+            model.add_row(list(pair[a]) + list(members), [1.0] * reduced.shape[2] + [-1.0] * len(members), 0, 0)
+        for b in range(reduced.shape[2]):
             members = var[v][keep[v][col_class == b]]
-            model.add_row(list(pair[:, b]) + list(members), [1.0] * reduced.shape[0] + [-1.0] * len(members), 0, 0)
+            model.add_row(list(pair[:, b]) + list(members), [1.0] * reduced.shape[1] + [-1.0] * len(members), 0, 0)
+        for key, t in zip(keys, reduced[1:]):
+            terms = groups.setdefault(key, _Terms())
+            terms.upper += float(t.max())
+            for (a, b), value in np.ndenumerate(t):
+                if value:
+                    terms.add(int(pair[a, b]), float(value))
 
     for n, idx in enumerate(keep):
         if len(idx) > 1:
@@ -186,6 +293,18 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
                     if graph.memory[n][k] > low:
                         index.append(int(var[n][k]))
                         coef.append(float(graph.memory[n][k]) - low)
+        for pool in dict.fromkeys(p for p, _ in groups):
+            members = [t for (p, _), t in groups.items() if p == pool]
+            if not any(t.coef for t in members):  # a constant peak
+                base += max(t.const for t in members)
+                continue
+            step = math.ceil(max(t.upper for t in members) / (2 ** PEAK_BITS - 1))
+            bits = [model.add_var(0.0, f"peak {pool} bit {j}") for j in range(PEAK_BITS)]
+            weights = [float(step * 2 ** j) for j in range(PEAK_BITS)]
+            for t in members:  # this owner's transients <= the pool's peak
+                model.add_row(list(t.coef) + bits, list(t.coef.values()) + [-w for w in weights], float("-inf"), -t.const)
+            index += bits
+            coef += weights
         if index:
             model.add_row(index, coef, float("-inf"), budget - base)
     # seconds are tiny (1e-6 … 1e-2): solvers' absolute tolerances would blur them, so the
@@ -197,8 +316,9 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
 
 
 def min_memory(graph: CostGraph) -> float:
-    """The least memory any assignment needs (the memory row is a single knapsack)."""
-    return sum(float(m.min()) for m in graph.memory)
+    """A lower bound of the memory any assignment needs: each node's least memory plus the transient
+    peak of every table at its least (exact without transients: the node memory is a single knapsack)."""
+    return sum(float(m.min()) for m in graph.memory) + graph.least_transient_peak()
 
 
 # ---------------------------------------------------------------- exact elimination (no memory row)

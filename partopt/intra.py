@@ -24,8 +24,8 @@ from partopt.ops import is_matmul
 from partopt.units import fmt_bytes, fmt_seconds
 from partopt.sharding import (
     ParamStrategy, Placement, Strategy, as_gradient_target, collectives_time, fmt, forward_share,
-    gradient_placement, op_strategies, param_strategies, param_sync_collectives,
-    R, Shard, reshard_collectives, shards, tensor_placements,
+    gradient_placement, local_bytes, op_strategies, param_strategies, param_sync_collectives,
+    R, Shard, reshard_collectives, reshard_copy_bytes, shards, tensor_placements,
 )
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -174,6 +174,58 @@ def _use_collectives(model_graph: Graph, use: Use, src_strategy, dst_strategy: S
     return UseCollectives(reshard_collectives(out, required, nbytes, mesh), backward, [])
 
 
+BUFFERS, PREFETCH = "buffers", "prefetch"  # pools of transients (docs/COSTMODEL.md §5)
+
+
+def _use_transients(model_graph: Graph, use: Use, src_strategy, dst_strategy: Strategy,
+                    mesh: LogicalMesh) -> tuple[float, float]:
+    """(copy, gathered weight) bytes per device one use materialises while its consumer runs.
+
+    A parameter gathered for the op (stored sharded where the op needs more of it: FSDP/ZeRO-3)
+    is a copy of the needed layout, forward and again backward; it also counts as the weight a
+    prefetch gathers one op ahead. An activation resharded by an all-gather or all-to-all is a copy
+    beside the source, forward; its gradient likewise, backward (the larger of the two, which
+    never coexist). In-place collectives and local slices copy nothing (`reshard_copy_bytes`).
+    """
+    nbytes = model_graph.nbytes(use.tensor)
+    required = dst_strategy.inputs[use.slot]
+    if use.param:
+        gathered = reshard_copy_bytes(src_strategy.placement, required, nbytes, mesh)
+        return gathered, gathered
+    out: Placement = src_strategy.output
+    forward = reshard_copy_bytes(out, required, nbytes, mesh)
+    backward = 0.0
+    if _is_float(model_graph, use.tensor) and use.gradient:
+        grad = gradient_placement(required, dst_strategy.axes)
+        backward = reshard_copy_bytes(grad, as_gradient_target(out), nbytes, mesh)
+    return max(forward, backward), 0.0
+
+
+def _add_transients(model_graph: Graph, costs: ilp.CostGraph, use: Use, src_list: list,
+                    dst_list: list[Strategy], mesh: LogicalMesh) -> None:
+    """Put one use's transients on its edge, owned by the consumer node (where they coexist)."""
+    cache: dict[tuple, tuple[float, float]] = {}
+    tables = np.zeros((2, len(src_list), len(dst_list)))
+    for a, s in enumerate(src_list):
+        skey = (s.placement, s.zero_axes) if use.param else s.output
+        for b, d in enumerate(dst_list):
+            key = (skey, d.inputs[use.slot], d.axes)
+            if key not in cache:
+                cache[key] = _use_transients(model_graph, use, s, d, mesh)
+            tables[:, a, b] = cache[key]
+    for pool, table in zip((BUFFERS, PREFETCH), tables):
+        if table.any():
+            costs.add_transient(pool, use.dst, use.src, table, use.dst)
+
+
+def accumulator_bytes(graph: Graph, tensor: str, strategy: Strategy, slot: int, mesh: LogicalMesh) -> float:
+    """Bytes per device of the buffer a consumer accumulates a parameter's gradient in over the
+    microbatches: the gradient in the consumer's layout (Partial holds it whole), which is reduced
+    into the parameter's own placement only once per iteration (`param_sync_collectives`)."""
+    grads = costmodel.param_memory(graph.numel(tensor), graph.dtype_of(tensor), graph.optimizer).grads
+    return local_bytes(grads, gradient_placement(strategy.inputs[slot], strategy.axes), mesh)
+
+
 def _sizes(graph: Graph, tensor: str) -> tuple[int, ...]:
     return tuple(graph.dims[d] for d in graph.tensors[tensor].dims)
 
@@ -225,6 +277,15 @@ def _leaving(graph: Graph, op: Op, strategy: Strategy, mesh: LogicalMesh) -> tup
     forward = reshard_collectives(out, target, nbytes, mesh)
     backward = reshard_collectives(target, as_gradient_target(out), nbytes, mesh) if _is_float(graph, op.output) else []
     return forward, backward
+
+
+def _leaving_copy(graph: Graph, op: Op, strategy: Strategy, mesh: LogicalMesh) -> float:
+    """Bytes of the copy an output leaving unpaired is resharded into (forward) or its gradient
+    back from the canonical layout (backward), the larger: a transient of its op."""
+    out, target, nbytes = strategy.output, canonical(graph, op.output, mesh), graph.nbytes(op.output)
+    forward = reshard_copy_bytes(out, target, nbytes, mesh)
+    backward = reshard_copy_bytes(target, as_gradient_target(out), nbytes, mesh) if _is_float(graph, op.output) else 0.0
+    return max(forward, backward)
 
 
 def _edge_cost(model_graph: Graph, use: Use, src_list: list, dst_list: list[Strategy],
@@ -336,7 +397,9 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     `restriction` filters strategies further. `recompute` (a mode of `recomputed_ops`) picks ops
     that keep for backward only the outputs read by ops not recomputed, and rerun their forward
     (compute and forward collectives) once during their backward, holding all their outputs
-    once while they do.
+    once while they do. Memory (docs/COSTMODEL.md §5): op nodes hold their kept output and their
+    weights' gradient buffers, parameter nodes weights and optimizer state, and each use's copies
+    (gathered weights, all-gather/all-to-all and layout-hub copies) are transients of its consumer.
     """
     restriction = restriction or Restriction()
     force_dim = graph.batch_dim if data_parallel else None
@@ -356,7 +419,8 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
             leaving.add(op.name)
         if op.name in rerun and (not readers or any(c.name not in rerun for c in readers)):
             kept.add(op.name)
-        cost, memory = [], []
+        weights = [slot for slot, t in enumerate(op.inputs) if graph.tensors[t].role == "param"]
+        cost, memory, copies = [], [], []
         for s in options:
             forward, backward = _leaving(graph, op, s, mesh) if op.name in leaving else ([], [])
             done = collectives_time(forward, mesh)  # recomputation reruns the forward part
@@ -366,7 +430,12 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
                 memory.append(s.memory_bytes * ((inflight if op.name in kept else 0) + 1))
             else:
                 memory.append(s.memory_bytes * inflight)
+            # the gradients of its weights accumulate in this op's layout (per iteration, once)
+            memory[-1] += sum(accumulator_bytes(graph, op.inputs[slot], s, slot, mesh) for slot in weights)
+            copies.append(_leaving_copy(graph, op, s, mesh) if op.name in leaving else 0.0)
         node_of_op[op.output] = costs.add_node(op.name, cost, memory)
+        if any(copies):
+            costs.add_transient(BUFFERS, node_of_op[op.output], node_of_op[op.output], copies)
         strategies.append(options)
 
     params: list[str] = []
@@ -383,9 +452,9 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
                 if tensor not in node_of_param:
                     options = _kept(param_strategies(graph, graph.tensors[tensor], mesh, allow_zero, data_parallel),
                                     lambda s: restriction.param(tensor, s), tensor, restriction)
-                    node_of_param[tensor] = costs.add_node(
+                    node_of_param[tensor] = costs.add_node(  # weights and optimizer state; gradients at the readers
                         tensor, [optimizer_step_time(graph, tensor, s, mesh) / microbatches for s in options],
-                        [s.memory_bytes for s in options])
+                        [s.state_bytes[0] + s.state_bytes[2] for s in options])
                     strategies.append(options)
                     params.append(tensor)
                 uses.append(Use(tensor, node_of_param[tensor], node_of_op[op.output], slot, True))
@@ -426,6 +495,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     for use in uses:
         costs.add_edge(use.src, use.dst, _edge_cost(graph, use, strategies[use.src], strategies[use.dst],
                                                      mesh, microbatches, _reruns(use, ops, rerun)))
+        _add_transients(graph, costs, use, strategies[use.src], strategies[use.dst], mesh)
     for flow in sums.flows:
         costs.add_edge(flow.src, flow.dst, np.array([[
             collectives_time(gradients.collectives(graph, flow, a, b, mesh), mesh) for b in strategies[flow.dst]]
@@ -452,7 +522,10 @@ class Breakdown:
     state_bytes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATE_PARTS, 0.0))  # param_bytes by part
     activation_bytes: float = 0.0  # kept for backward, one microbatch, per device
     recompute_s: float = 0.0  # per microbatch: the forward compute and collectives recomputation reruns
-    working_bytes: float = 0.0  # per device: one microbatch's full activations while recomputing (else 0)
+    # per device, held once: one microbatch's full activations while recomputing (0 without) plus
+    # the transient buffers at their peak (`transient_bytes`, docs/COSTMODEL.md §5)
+    working_bytes: float = 0.0
+    transient_bytes: float = 0.0  # the part of working_bytes that is transient buffers (ilp.CostGraph.transient_peak)
     # per iteration, by parameter: its gradient synchronisation by collective kind, and its "optimizer" step
     param_sync_s: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -493,7 +566,7 @@ class StageSharding:
     inflight: int
     objective: float  # per-microbatch cost + per-iteration cost / microbatches
     solution: ilp.Solution
-    least_memory_bytes: float  # the leanest any assignment of this stage can be (ILP memory row)
+    least_memory_bytes: float  # a lower bound of any assignment's memory (`ilp.min_memory`; exact without transients)
 
     @property
     def memory_bytes(self) -> float:
@@ -569,10 +642,18 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
         else:
             breakdown.activation_bytes += s.memory_bytes
         op_choices.append(OpChoice(op.name, s, describe(g, op, s, outgoing[n], mesh), tuple(outgoing[n])))
+    breakdown.transient_bytes = model.costs.transient_peak(choice)
+    breakdown.working_bytes += breakdown.transient_bytes
+    accumulated: dict[str, float] = defaultdict(float)  # gradient buffers, in their readers' layouts
+    for use in model.uses:
+        if use.param:
+            accumulated[use.tensor] += accumulator_bytes(g, use.tensor, chosen[use.dst], use.slot, mesh)
     param_choices = []
     for i, tensor in enumerate(model.params):
         n = len(model.ops) + i
         p: ParamStrategy = chosen[n]
+        # as held: the gradient part is what its readers accumulate, not the gradient at p's placement
+        p = dataclasses.replace(p, state_bytes=(p.state_bytes[0], accumulated[tensor], p.state_bytes[2]))
         breakdown.param_bytes += p.memory_bytes
         for part, size in zip(STATE_PARTS, p.state_bytes):
             breakdown.state_bytes[part] += size
@@ -589,9 +670,14 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
 
 def _memory_error(model: StageModel, budget: float) -> InfeasibleError:
     """Name the liveness point, the tensors that dominate it, the bytes needed and the budget."""
-    labels = [f"{op.output} (activation)" for op in model.ops] + [f"{p} (parameter state)" for p in model.params]
+    def reads_weights(op: Op) -> bool:
+        return any(model.graph.tensors[t].role == "param" for t in op.inputs)
+
+    labels = [f"{op.output} (activation{' and weight gradients' if reads_weights(op) else ''})"
+              for op in model.ops] + [f"{p} (weights and optimizer state)" for p in model.params]
     least = [(float(m.min()), label) for label, m in zip(labels, model.costs.memory)]
-    need = sum(b for b, _ in least)
+    least.append((model.costs.least_transient_peak(), "transient buffers"))
+    need = ilp.min_memory(model.costs)
     top = ", ".join(f"{label} {fmt_bytes(b)}" for b, label in sorted(least, reverse=True)[:3])
     point = (f"end of the forward pass ({model.inflight} microbatch{'es' if model.inflight > 1 else ''} "
              f"in flight, parameter state included)")

@@ -123,6 +123,20 @@ def reshard_collectives(src: Placement, dst: Placement, nbytes: float,
     return steps
 
 
+COPYING = ("all_gather", "all_to_all")  # collectives that write their result into a new buffer
+
+
+def reshard_copy_bytes(src: Placement, dst: Placement, nbytes: float, mesh: LogicalMesh) -> float:
+    """Bytes of the copy that resharding src -> dst writes beside its source, per device (transient).
+
+    An all-gather or all-to-all writes the tensor in the destination layout into a new buffer while
+    the source is alive; an all-reduce or reduce-scatter runs in place (NCCL supports both, the
+    reduce-scatters going first) and a local slice is a view: 0 when no copying collective is needed.
+    """
+    steps = reshard_collectives(src, dst, nbytes, mesh)
+    return local_bytes(nbytes, dst, mesh) if any(kind in COPYING for kind, _, _ in steps) else 0.0
+
+
 def collectives_time(steps: Sequence[tuple[str, int, float]], mesh: LogicalMesh, bucketed: bool = False) -> float:
     model = costmodel.active()
     return sum(model.collective_time(kind, size, mesh.axes[axis], bucketed) for kind, axis, size in steps)

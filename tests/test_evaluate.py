@@ -40,7 +40,8 @@ def test_evaluating_a_solved_plan_reproduces_its_iteration_time(small_gpt, tmp_p
         b = s.breakdown
         assert s.memory_bytes == pytest.approx(b["param_bytes"] + s.inflight_microbatches * b["activation_bytes"]
                                                + b["working_bytes"], rel=1e-12)
-        assert (b["working_bytes"] > 0) == bool(search.get("recompute"))
+        # held once: recomputation's working set (with recompute) and the largest transient buffer
+        assert b["working_bytes"] > 0 if search.get("recompute") else b["working_bytes"] >= 0
 
 
 def _mlp_data_parallel_by_hand(graph, n: int, state_per_param: int = 16, overlap: bool = False) -> float:

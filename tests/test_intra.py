@@ -143,7 +143,10 @@ def test_budget_below_the_smallest_footprint_names_the_point_tensors_bytes_and_b
     # the least footprint: each weight's Adam state split 4 ways, each output split 4 ways
     need = 2 * 16 * 128 * 128 / 4 + 2 * 1024 * 128 * 4 / 4
     assert f"at least {need / 1024:.3g} KiB" in line
-    assert "largest: y1 (activation) 128 KiB, y0 (activation) 128 KiB, w1 (parameter state) 64 KiB" in line
+    # an op's least: its output split 4 ways (128 KiB) and its weight's fp32 gradient accumulated in
+    # its layout, split 4 ways (16 KiB); a weight's: fp32 weights and Adam's m, v split 4 ways (48 KiB)
+    assert ("largest: y1 (activation and weight gradients) 144 KiB, y0 (activation and weight gradients) 144 KiB, "
+            "w1 (weights and optimizer state) 48 KiB") in line
 
 
 def test_merging_never_changes_the_optimum_on_instances():
@@ -303,10 +306,13 @@ def test_recompute_adds_the_forward_compute_and_forward_collectives_and_keeps_on
     quarter = b * h * 4 / 4
     # without recompute every output is kept: y0 and g column-split, y1 a full pending sum
     assert plain.breakdown.activation_bytes == pytest.approx(2 * quarter + 4 * quarter)
-    assert plain.breakdown.working_bytes == 0.0
-    # with it only y1, which leaves the ops, in its layout; all three once while recomputing
+    # held once: the transient copy of y1's gradient all-gathered back from the batch split into
+    # the full layout of its pending sum (b·h fp32 = 4 quarters; the reduce-scatter runs in place)
+    assert plain.breakdown.transient_bytes == pytest.approx(4 * quarter)
+    assert plain.breakdown.working_bytes == pytest.approx(4 * quarter)
+    # with it only y1, which leaves the ops, in its layout; all three once while recomputing, plus the copy
     assert again.breakdown.activation_bytes == pytest.approx(4 * quarter)
-    assert again.breakdown.working_bytes == pytest.approx(2 * quarter + 4 * quarter)
+    assert again.breakdown.working_bytes == pytest.approx(2 * quarter + 4 * quarter + 4 * quarter)
 
 
 def test_recompute_makes_a_budget_feasible_that_is_not_without_it():

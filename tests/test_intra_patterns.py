@@ -185,7 +185,10 @@ def test_gpt_layer_under_a_memory_budget_is_sequence_parallel_with_reduce_scatte
     params = 16 * ((12 * h * h + 7 * h) / n + 6 * h)  # q,k,v,proj,fc1,fc2 weights and q,k,v,fc1 biases split
     assert tp.memory_bytes == pytest.approx(activations + params, rel=1e-12)
 
-    budget = activations + params - len(replicated) * (1 - 1 / n) * a  # those six at A/n instead of A
+    # those six at A/n instead of A; plus, once, the largest transient: an A-byte copy — ln1's or ln2's
+    # output all-gathered for its readers, or proj's or fc2's output gradient all-gathered back from
+    # the sequence split (one at a time; the reduce-scatters run in place)
+    budget = activations + params - len(replicated) * (1 - 1 / n) * a + a
     sp = intra.shard_stage(graph, row_mesh(n, BW), ops, backend="highs", microbatches=mb, memory_budget=budget,
                            allow_zero=False)
     q = by_op(sp)
@@ -196,6 +199,7 @@ def test_gpt_layer_under_a_memory_budget_is_sequence_parallel_with_reduce_scatte
     assert q["l1.x_t"].axes == (None, None)
     assert q["l1.fc1"].axes == (None, "f") and q["l1.fc2"].axes == (None, "f")
     assert sp.memory_bytes == pytest.approx(budget, rel=1e-12)
+    assert sp.breakdown.transient_bytes == pytest.approx(a, rel=1e-12) and tp.breakdown.transient_bytes == 0
     assert sp.breakdown.comm_s == {"all_gather": pytest.approx(4 * all_gather(a, n), rel=1e-12),
                                    "reduce_scatter": pytest.approx(4 * reduce_scatter(a, n), rel=1e-12)}
     ln1 = next(c for c in sp.ops if c.op == "l1.ln1")
