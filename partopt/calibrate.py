@@ -424,10 +424,10 @@ def fit(points: Points | Sequence[Point], name: str, parameters: Sequence[str] |
     z = _levenberg_marquardt(problem, z0) if parameters else z0
     errors = np.exp(problem.residuals(z)) - 1
     loo: list[float | None] = [None] * len(points)
-    if leave_one_out:
+    if leave_one_out:  # each from the full fit's optimum: the same minimum, reached in a few steps
         for i in range(len(points)):
             rest = [k for k in range(len(points)) if k != i]
-            z_i = _levenberg_marquardt(problem, z0, rest) if parameters else z0
+            z_i = _levenberg_marquardt(problem, z, rest) if parameters else z0
             loo[i] = float(math.exp(problem.residuals(z_i, [i])[0]) - 1)
     values = values_of(problem.cluster(z), problem.nominal)
     return Calibration(name, values, parameters, dict(zip(parameters, np.exp(z0).tolist())),
