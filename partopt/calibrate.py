@@ -29,9 +29,10 @@ from partopt.graph import Graph
 POINTS_FORMAT = "partopt.points"
 
 # Levenberg-Marquardt on z = log(parameter): stop when a step moves no parameter by more than
-# STEP_TOL (relative), or the damping needed for progress exceeds MAX_DAMPING.
+# STEP_TOL (relative: the Jacobian's own step, finer than any point resolves), or the damping
+# needed for progress exceeds MAX_DAMPING.
 MAX_ITERATIONS = 60
-STEP_TOL = 1e-9
+STEP_TOL = 1e-6
 COST_TOL = 1e-6  # ... or a step lowers the cost by less than this fraction
 MAX_DAMPING = 1e10
 JACOBIAN_STEP = 1e-6  # forward-difference step in log(parameter)
@@ -322,6 +323,8 @@ def _levenberg_marquardt(problem: _Problem, z: np.ndarray, rows: Sequence[int] |
         while damping <= MAX_DAMPING:
             step = np.linalg.solve(normal + damping * np.diag(scale), -gradient)
             trial = problem.project(z + step)
+            if float(np.max(np.abs(trial - z))) < STEP_TOL:
+                return z  # steps this small resolve nothing more: converged (and no predictions spent on them)
             r_trial = problem.residuals(trial, rows)
             cost_trial = float(r_trial @ r_trial)
             if cost_trial < cost:

@@ -2,8 +2,11 @@
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
 SC'21, Table 1 (weak scaling 1.7B–1T) and Table 2 (ZeRO-3 vs PTD-P), plus the A100 points kept out of
 the fit because the model cannot represent their plan (partopt/bench/points/dgx-a100-unfitted.json).
-Nothing here changes a parameter: it prices each published run as run and prints predicted vs
-published per-GPU TFLOP/s. Usage:
+Nothing here changes a parameter: it prices each published run as run (`evaluate.uniform`, microbatch
+size 1, full recomputation, gradient reduction after the backward as Megatron-LM then ran; priced with
+the 1F1B schedule, the only one partopt has, though some of these runs may have used the interleaved
+one) and prints predicted vs published per-GPU TFLOP/s in Megatron's 96 closed form. The published
+rows are transcribed from the paper's tables. Usage:
 
     python scripts/heldout_a100.py [--cluster FILE] [--table 1|2|unfitted ...]
 
@@ -48,7 +51,7 @@ class Run:
     batch: int
     microbatch: int
     published: float
-    zero: bool = False
+    zero3: bool = False  # ZeRO-3: weights sharded over data parallelism
 
 
 # Table 1: parameters (B), heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU (microbatch 1).
@@ -60,13 +63,18 @@ TABLE_1 = tuple(Run(f"{params}B, {gpus} GPUs, tp {tp} × pp {pp}", heads, hidden
                     ("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 148), ("310.1", 128, 16384, 96, 8, 16, 1920, 2160, 155),
                     ("529.6", 128, 20480, 105, 8, 35, 2520, 2520, 163), ("1008.0", 160, 25600, 128, 8, 64, 3072, 3072, 163)))
 
-# Table 2: PTD-P (tp 8, microbatch 1) and ZeRO-3 without model parallelism (microbatch 4).
+# Table 2: PTD-P (tp 8, microbatch 1) and ZeRO-3 without model parallelism (one microbatch of batch / GPUs:
+# 4, 2, 1 samples).
 GPT_175B, GPT_530B = (96, 12288, 96), (128, 20480, 105)
 TABLE_2 = tuple(
     [Run(f"175B PTD-P, {g} GPUs", *GPT_175B, 8, 12, g, 1536, 1, t) for g, t in ((384, 153), (768, 149), (1536, 141))] +
     [Run(f"530B PTD-P, {g} GPUs", *GPT_530B, 8, 35, g, 2240, 1, t) for g, t in ((560, 171), (1120, 167), (2240, 159))] +
-    [Run(f"175B ZeRO-3, {g} GPUs", *GPT_175B, 1, 1, g, 1536, 4, t, zero=True) for g, t in ((384, 144), (768, 88), (1536, 44))] +
-    [Run(f"530B ZeRO-3, {g} GPUs", *GPT_530B, 1, 1, g, 2560, 4, t, zero=True) for g, t in ((640, 138), (1280, 98), (2560, 49))])
+    [Run(f"175B ZeRO-3, {g} GPUs", *GPT_175B, 1, 1, g, 1536, 1536 // g, t, zero3=True)
+     for g, t in ((384, 144), (768, 88), (1536, 44))] +
+    [Run(f"530B ZeRO-3, {g} GPUs", *GPT_530B, 1, 1, g, 2560, 2560 // g, t, zero3=True)
+     for g, t in ((640, 138), (1280, 98), (2560, 49))])
+ZERO_3 = ("not priced: ZeRO-3 shards the weights over data parallelism, which evaluate.uniform cannot express "
+          "(its zero shards optimizer state only)")
 
 
 def predict(run: Run, cluster: Cluster) -> float:
@@ -75,7 +83,7 @@ def predict(run: Run, cluster: Cluster) -> float:
                             batch=run.batch)
     dp = run.gpus // (run.tp * run.pp)
     plan = uniform(graph, cluster.resized(run.gpus // cluster.devices_per_node), run.tp, run.pp, dp,
-                   run.batch // (dp * run.microbatch), zero=run.zero, recompute="full", overlap=False)
+                   run.batch // (dp * run.microbatch), recompute="full", overlap=False)
     return gpt_flops(run.batch, SEQ, run.layers, run.hidden, VOCAB) / plan.iteration_time_s / run.gpus / 1e12
 
 
@@ -101,6 +109,9 @@ def _table(title: str, rows: list[tuple[str, float, float | None, str]], console
 def _runs(runs: tuple[Run, ...], cluster: Cluster) -> list[tuple[str, float, float | None, str]]:
     rows = []
     for run in runs:
+        if run.zero3:
+            rows.append((run.label, run.published, None, ZERO_3))
+            continue
         try:
             rows.append((run.label, run.published, predict(run, cluster), ""))
         except PartoptError as err:
