@@ -402,8 +402,8 @@ def fit(points: Points | Sequence[Point], name: str, parameters: Sequence[str] |
 
     `parameters` (else the points file's "fit", else `identifiable`) are fitted from the preset's
     values (or `start`); the others keep the preset's. Each point gets its error with the fitted
-    values and, with `leave_one_out`, its error when fitted without it (InstanceError when the
-    points do not identify a parameter asked for)."""
+    values and, with `leave_one_out`, its error when fitted without it (starting from the fitted
+    optimum). InstanceError when the points do not identify a parameter asked for."""
     where = "fit"
     if isinstance(points, Points):
         where = f"{points.name}: $.fit"
