@@ -29,9 +29,10 @@ from partopt.graph import Graph
 POINTS_FORMAT = "partopt.points"
 
 # Levenberg-Marquardt on z = log(parameter): stop when a step moves no parameter by more than
-# STEP_TOL (relative), or the damping needed for progress exceeds MAX_DAMPING.
+# STEP_TOL (relative: the Jacobian's own step, finer than any point resolves), or the damping
+# needed for progress exceeds MAX_DAMPING.
 MAX_ITERATIONS = 60
-STEP_TOL = 1e-9
+STEP_TOL = 1e-6
 COST_TOL = 1e-6  # ... or a step lowers the cost by less than this fraction
 MAX_DAMPING = 1e10
 JACOBIAN_STEP = 1e-6  # forward-difference step in log(parameter)
@@ -322,6 +323,8 @@ def _levenberg_marquardt(problem: _Problem, z: np.ndarray, rows: Sequence[int] |
         while damping <= MAX_DAMPING:
             step = np.linalg.solve(normal + damping * np.diag(scale), -gradient)
             trial = problem.project(z + step)
+            if float(np.max(np.abs(trial - z))) < STEP_TOL:
+                return z  # steps this small resolve nothing more: converged (and no predictions spent on them)
             r_trial = problem.residuals(trial, rows)
             cost_trial = float(r_trial @ r_trial)
             if cost_trial < cost:
@@ -399,8 +402,8 @@ def fit(points: Points | Sequence[Point], name: str, parameters: Sequence[str] |
 
     `parameters` (else the points file's "fit", else `identifiable`) are fitted from the preset's
     values (or `start`); the others keep the preset's. Each point gets its error with the fitted
-    values and, with `leave_one_out`, its error when fitted without it (InstanceError when the
-    points do not identify a parameter asked for)."""
+    values and, with `leave_one_out`, its error when fitted without it (starting from the fitted
+    optimum). InstanceError when the points do not identify a parameter asked for."""
     where = "fit"
     if isinstance(points, Points):
         where = f"{points.name}: $.fit"
@@ -424,10 +427,10 @@ def fit(points: Points | Sequence[Point], name: str, parameters: Sequence[str] |
     z = _levenberg_marquardt(problem, z0) if parameters else z0
     errors = np.exp(problem.residuals(z)) - 1
     loo: list[float | None] = [None] * len(points)
-    if leave_one_out:
+    if leave_one_out:  # each from the full fit's optimum: the same minimum, reached in a few steps
         for i in range(len(points)):
             rest = [k for k in range(len(points)) if k != i]
-            z_i = _levenberg_marquardt(problem, z0, rest) if parameters else z0
+            z_i = _levenberg_marquardt(problem, z, rest) if parameters else z0
             loo[i] = float(math.exp(problem.residuals(z_i, [i])[0]) - 1)
     values = values_of(problem.cluster(z), problem.nominal)
     return Calibration(name, values, parameters, dict(zip(parameters, np.exp(z0).tolist())),

@@ -1,0 +1,155 @@
+"""Out-of-sample check of the A100 model against the two tables kept aside from every fit (issue 14):
+Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+SC'21, Table 1 (weak scaling 1.7B–1T) and Table 2 (ZeRO-3 vs PTD-P), plus the A100 points kept out of
+the fit because the model cannot represent their plan (partopt/bench/points/dgx-a100-unfitted.json).
+Nothing here changes a parameter: it prices each published run as run (`evaluate.uniform`, microbatch
+size 1, full recomputation, gradient reduction after the backward as Megatron-LM then ran; priced with
+the 1F1B schedule, the only one partopt has, though some of these runs may have used the interleaved
+one) and prints predicted vs published per-GPU TFLOP/s in Megatron's 96 closed form. The published
+rows are transcribed from the paper's tables. Usage:
+
+    python scripts/heldout_a100.py [--cluster FILE] [--table 1|2|unfitted ...]
+
+The cluster is the dgx-a100 preset (its data file when the package ships one), or FILE.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from partopt import calibrate, io, models
+from partopt.bench.alpa import gpt_flops
+from partopt.cluster import Cluster, preset
+from partopt.errors import PartoptError
+from partopt.evaluate import uniform
+
+ROOT = Path(__file__).resolve().parent.parent
+UNFITTED = ROOT / "partopt" / "bench" / "points" / "dgx-a100-unfitted.json"
+SEQ, VOCAB = 2048, 51200  # every model of both tables (SC'21 §5.1)
+SOURCE = "Narayanan et al., SC'21 (arXiv 2104.04473)"
+
+
+@dataclass(frozen=True)
+class Run:
+    """A published run: the GPT shape, the plan as run and the published per-GPU TFLOP/s (96 form)."""
+
+    label: str
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    microbatch: int
+    published: float
+    zero3: bool = False  # ZeRO-3: weights sharded over data parallelism
+
+
+# Table 1: parameters (B), heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU (microbatch 1).
+TABLE_1 = tuple(Run(f"{params}B, {gpus} GPUs, tp {tp} × pp {pp}", heads, hidden, layers, tp, pp, gpus, batch, 1, tflops)
+                for params, heads, hidden, layers, tp, pp, gpus, batch, tflops in (
+                    ("1.7", 24, 2304, 24, 1, 1, 32, 512, 137), ("3.6", 32, 3072, 30, 2, 1, 64, 512, 138),
+                    ("7.5", 32, 4096, 36, 4, 1, 128, 512, 142), ("18.4", 48, 6144, 40, 8, 1, 256, 1024, 135),
+                    ("39.1", 64, 8192, 48, 8, 2, 512, 1536, 138), ("76.1", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+                    ("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 148), ("310.1", 128, 16384, 96, 8, 16, 1920, 2160, 155),
+                    ("529.6", 128, 20480, 105, 8, 35, 2520, 2520, 163), ("1008.0", 160, 25600, 128, 8, 64, 3072, 3072, 163)))
+
+# Table 2: PTD-P (tp 8, microbatch 1) and ZeRO-3 without model parallelism (one microbatch of batch / GPUs:
+# 4, 2, 1 samples).
+GPT_175B, GPT_530B = (96, 12288, 96), (128, 20480, 105)
+TABLE_2 = tuple(
+    [Run(f"175B PTD-P, {g} GPUs", *GPT_175B, 8, 12, g, 1536, 1, t) for g, t in ((384, 153), (768, 149), (1536, 141))] +
+    [Run(f"530B PTD-P, {g} GPUs", *GPT_530B, 8, 35, g, 2240, 1, t) for g, t in ((560, 171), (1120, 167), (2240, 159))] +
+    [Run(f"175B ZeRO-3, {g} GPUs", *GPT_175B, 1, 1, g, 1536, 1536 // g, t, zero3=True)
+     for g, t in ((384, 144), (768, 88), (1536, 44))] +
+    [Run(f"530B ZeRO-3, {g} GPUs", *GPT_530B, 1, 1, g, 2560, 2560 // g, t, zero3=True)
+     for g, t in ((640, 138), (1280, 98), (2560, 49))])
+ZERO_3 = ("not priced: ZeRO-3 shards the weights over data parallelism, which evaluate.uniform cannot express "
+          "(its zero shards optimizer state only)")
+
+
+def predict(run: Run, cluster: Cluster) -> float:
+    """Predicted per-GPU TFLOP/s of `run` priced as run (1F1B, full recomputation, no overlap), 96 form."""
+    graph = models.generate("gpt", hidden=run.hidden, layers=run.layers, heads=run.heads, seq=SEQ, vocab=VOCAB,
+                            batch=run.batch)
+    dp = run.gpus // (run.tp * run.pp)
+    plan = uniform(graph, cluster.resized(run.gpus // cluster.devices_per_node), run.tp, run.pp, dp,
+                   run.batch // (dp * run.microbatch), recompute="full", overlap=False)
+    return gpt_flops(run.batch, SEQ, run.layers, run.hidden, VOCAB) / plan.iteration_time_s / run.gpus / 1e12
+
+
+def _table(title: str, rows: list[tuple[str, float, float | None, str]], console: Console) -> list[float]:
+    """Print predicted vs published rows; the |errors| of the priced ones."""
+    table = Table(title=title, title_justify="left")
+    for column in ("run", "published TFLOP/s", "predicted", "error"):
+        table.add_column(column)
+    errors = []
+    for label, published, predicted, note in rows:
+        if predicted is None:
+            table.add_row(label, f"{published:.0f}", "—", note)
+            continue
+        errors.append(abs(predicted / published - 1))
+        table.add_row(label, f"{published:.0f}", f"{predicted:.1f}", f"{predicted / published - 1:+.1%}")
+    console.print(table)
+    if errors:
+        console.print(f"median |error| {statistics.median(errors):.1%}, max {max(errors):.1%} "
+                      f"over {len(errors)} of {len(rows)} rows priced")
+    return errors
+
+
+def _runs(runs: tuple[Run, ...], cluster: Cluster) -> list[tuple[str, float, float | None, str]]:
+    rows = []
+    for run in runs:
+        if run.zero3:
+            rows.append((run.label, run.published, None, ZERO_3))
+            continue
+        try:
+            rows.append((run.label, run.published, predict(run, cluster), ""))
+        except PartoptError as err:
+            rows.append((run.label, run.published, None, f"not priced: {err.cause}"))
+    return rows
+
+
+def _unfitted(cluster: Cluster) -> list[tuple[str, float, float | None, str]]:
+    points = calibrate.read_points(UNFITTED)
+    rows = []
+    for point in points.points:
+        ratio = calibrate.ratio(point, calibrate.point_cluster(point, cluster))
+        assert point.tflops_per_gpu is not None
+        rows.append((point.label, point.tflops_per_gpu, point.tflops_per_gpu * ratio, ""))
+    return rows
+
+
+@click.command()
+@click.option("--cluster", "cluster_file", type=click.Path(exists=True, dir_okay=False),
+              help="A cluster file to price with (e.g. an unshipped fit); default the dgx-a100 preset.")
+@click.option("--table", "tables", multiple=True, type=click.Choice(["1", "2", "unfitted"]),
+              default=("1", "2", "unfitted"), help="Which tables to price (default all).")
+def main(cluster_file: str | None, tables: tuple[str, ...]) -> None:
+    """Price SC'21 Tables 1 and 2 and the unfitted A100 points; print predicted vs published."""
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    cluster = io.read_cluster(cluster_file) if cluster_file else preset("dgx-a100")
+    console.print(f"cluster: {cluster_file or 'dgx-a100 preset'} (matmul_efficiency {cluster.device.matmul_efficiency:.4g}, "
+                  f"memory_efficiency {cluster.device.memory_efficiency:.4g}, "
+                  f"matmul_half_gflop {cluster.device.matmul_half_flops / 1e9:.4g})")
+    start = time.perf_counter()
+    if "1" in tables:
+        _table(f"Held out: {SOURCE}, Table 1 (weak scaling), never fitted", _runs(TABLE_1, cluster), console)
+    if "2" in tables:
+        _table(f"Held out: {SOURCE}, Table 2 (ZeRO-3 vs PTD-P), never fitted", _runs(TABLE_2, cluster), console)
+    if "unfitted" in tables:
+        _table("Kept out of the fit (tensor parallelism across nodes): " + UNFITTED.name, _unfitted(cluster), console)
+    console.print(f"{time.perf_counter() - start:.0f} s (a shared 2-core machine)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The shipped A100 and H100 calibration points (partopt/bench/points): they parse, carry the
+published figures of REFERENCE.md §5, never include the held-out SC'21 Tables 1 and 2, and the
+procedure recovers a known efficiency from one of their plans priced by the model itself."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from partopt import calibrate
+from partopt.bench.alpa import gpt_flops, gpt_shape
+from partopt.cluster import nominal_preset, preset
+from partopt.evaluate import uniform
+
+ROOT = Path(__file__).resolve().parent.parent
+POINTS = ROOT / "partopt" / "bench" / "points"
+FILES = {"dgx-a100.json": "dgx-a100", "dgx-a100-unfitted.json": "dgx-a100", "dgx-h100.json": "dgx-h100",
+         "p3.16xlarge.json": "p3.16xlarge"}
+
+
+def _heldout():
+    spec = importlib.util.spec_from_file_location("heldout_a100", ROOT / "scripts" / "heldout_a100.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_points_file_parses_and_names_its_preset(name):
+    points = calibrate.read_points(POINTS / name)
+    assert {p.preset for p in points.points} == {FILES[name]}
+    for p in points.points:
+        assert p.source and p.gpus == p.nodes * (p.devices_per_node or preset(p.preset).devices_per_node), p.label
+    assert sorted(p.name for p in POINTS.glob("*.json")) == sorted(FILES)  # every shipped file is checked here
+
+
+def test_a100_points_carry_the_published_figures():
+    fitted = calibrate.read_points(POINTS / "dgx-a100.json")
+    assert fitted.fit == ("matmul_efficiency",)
+    mtnlg = [p for p in fitted.points if p.label.startswith("MT-NLG")]
+    assert [(p.gpus, p.iteration_s) for p in mtnlg] == [(2240, 60.1), (2800, 50.2), (3360, 44.4)]  # REFERENCE §5
+    assert all(p.graph.dims["b"] == 1920 and p.microbatches * p.dp == 1920 for p in mtnlg)  # microbatch size 1
+    for p in fitted.points:
+        assert not p.overlap and p.recompute == "full", p.label  # Megatron-LM 2021 / DeepSpeed: reduce after backward
+        assert p.tp <= 8, p.label  # cross-node tensor parallelism is kept out (dgx-a100-unfitted.json)
+        if p.tflops_per_gpu is not None:
+            assert p.flops == gpt_flops(*gpt_shape(p.graph))  # Megatron's 96 closed form, REFERENCE §2
+    figure_13 = {(p.pp, p.tp): p.tflops_per_gpu for p in fitted.points if p.label.startswith("162B")}
+    assert figure_13 == {(8, 8): 166, (32, 2): 147}
+
+
+def test_no_held_out_run_is_a_calibration_point():
+    """SC'21 Tables 1 and 2 judge the model: none of their runs (shape and plan) may be fitted."""
+    heldout = _heldout()
+    runs = {(r.hidden, r.tp, r.pp, r.gpus, r.batch) for r in heldout.TABLE_1 + heldout.TABLE_2}
+    assert len(heldout.TABLE_1) == 10 and len(heldout.TABLE_2) == 12
+    for name in FILES:
+        for p in calibrate.read_points(POINTS / name).points:
+            assert (p.graph.dims.get("h"), p.tp, p.pp, p.gpus, p.graph.dims["b"]) not in runs, (name, p.label)
+
+
+def test_heldout_flops_reproduce_the_published_aggregate():
+    """Table 1's 1T row: 163 TFLOP/s per GPU on 3072 GPUs is the paper's 502 PFLOP/s (within its rounding)."""
+    heldout = _heldout()
+    top = heldout.TABLE_1[-1]
+    assert top.published * top.gpus / 1e3 == pytest.approx(502, rel=0.01)
+    assert gpt_flops(top.batch, heldout.SEQ, top.layers, top.hidden, heldout.VOCAB) > 0
+
+
+def test_fit_recovers_an_efficiency_from_an_a100_plan():
+    """A multi-node A100 plan of the points file (5.9B, pp 2 × dp 32 on 8 nodes, no overlap), 'measured'
+    as the model's own time at matmul_efficiency 0.55 and at two batches: the fit gives back 0.55."""
+    source = json.loads((POINTS / "dgx-a100.json").read_text())
+    entry = next(p for p in source["points"] if p["label"].startswith("5.9B") and p["plan"]["pp"] == 2)
+    truth = {"matmul_efficiency": 0.55}
+    base = calibrate.with_values(preset("dgx-a100"), nominal_preset("dgx-a100"), truth)
+    entries = []
+    for batch in (128, 512):
+        e = json.loads(json.dumps(entry))
+        e["label"], e["model"]["args"]["batch"], e["plan"]["microbatches"] = f"b{batch}", batch, batch // 32
+        p = calibrate.points_from_dict({"format": "partopt.points", "version": 1, "points": [
+            {**e, "measured": {"iteration_s": 1.0}}]}).points[0]
+        seconds = uniform(p.graph, calibrate.point_cluster(p, base), p.tp, p.pp, p.dp, p.microbatches,
+                          recompute=p.recompute, overlap=p.overlap).iteration_time_s
+        entries.append({**e, "measured": {"iteration_s": seconds}})
+    points = calibrate.points_from_dict({"format": "partopt.points", "version": 1, "points": entries})
+    result = calibrate.fit(points, "dgx-a100", ["matmul_efficiency"], start={"matmul_efficiency": 0.8})
+    assert result.values["matmul_efficiency"] == pytest.approx(0.55, rel=1e-4)
+    assert all(abs(r.error) < 1e-5 and abs(r.loo_error) < 1e-5 for r in result.results)
