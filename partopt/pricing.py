@@ -54,8 +54,8 @@ class LayerCost:
 
 @dataclass(frozen=True)
 class Dropped:
-    """A leaner option whose ILP found no solution within its time limit: not priced, and counted
-    in the plan (`solver.dropped_options`) so that the search says what it could not look at."""
+    """A leaner option whose ILP found no solution within its work or time limit: not priced, and
+    counted in the plan (`solver.dropped_options`) so that the search says what it could not look at."""
 
     time_limit_s: float
 
@@ -126,12 +126,11 @@ def price(g_mb: Graph, job: Job, options) -> Priced:
     (a cap below the device's budget) whose ILP finds no solution is `Dropped`: it is optional.
     """
     lean = job.cap is not None and job.cap < costmodel.memory_budget(job.mesh.device, options.memory_reserve)
-    limit = options.time_limit_s
     try:
         with costmodel.using(options.cost_model):
             sharding = intra.shard_stage(g_mb, job.mesh, [g_mb.op_index[n] for n in job.ops], microbatches=job.count,
                                          inflight=job.inflight, memory_budget=job.cap, backend=options.backend,
-                                         time_limit_s=limit, seed=options.seed,
+                                         time_limit_s=options.time_limit_s, seed=options.seed,
                                          data_parallel=options.data_parallel_only or options.stage_data_parallel,
                                          allow_zero=not options.stage_data_parallel, recompute=job.recompute,
                                          restriction=job.restriction)
@@ -141,7 +140,7 @@ def price(g_mb: Graph, job: Job, options) -> Priced:
         return None
     except SolverError:
         if lean:
-            return Dropped(limit)  # no leaner option found in time
+            return Dropped(options.time_limit_s)  # no leaner option found within the limits
         raise
     return LayerCost.of(sharding)
 
