@@ -114,12 +114,26 @@ def buffer_bytes(kind: str, nbytes: float, src: Placement, mesh: LogicalMesh, ax
 
 def reshard_collectives(src: Placement, dst: Placement, nbytes: float,
                         mesh: LogicalMesh) -> list[tuple[str, int, float]]:
-    """(collective, mesh axis, buffer bytes) needed to move a tensor from src to dst (see `buffer_bytes`)."""
-    steps = []
-    for axis, (s, d) in enumerate(zip(src, dst)):
-        kind = axis_collective(s, d)
-        if kind is not None and mesh.shape[axis] > 1:
-            steps.append((kind, axis, buffer_bytes(kind, nbytes, src, mesh, axis)))
+    """(collective, mesh axis, buffer bytes) needed to move a tensor from src to dst (see `buffer_bytes`).
+
+    One collective per axis that changes, one after the other: each step's buffer is the layout the
+    previous steps left (a tensor split on both axes and gathered whole moves the 1/b-gathered buffer
+    on axis 0, then the whole tensor on axis 1). Of the two orders the cheaper is taken."""
+    changing = [axis for axis, (s, d) in enumerate(zip(src, dst))
+                if axis_collective(s, d) is not None and mesh.shape[axis] > 1]
+    orders = [changing] if len(changing) < 2 else [changing, changing[::-1]]
+    plans = [_in_order(src, dst, nbytes, mesh, order) for order in orders]
+    return min(plans, key=lambda steps: collectives_time(steps, mesh))
+
+
+def _in_order(src: Placement, dst: Placement, nbytes: float, mesh: LogicalMesh,
+              order: Sequence[int]) -> list[tuple[str, int, float]]:
+    """The steps of `reshard_collectives` taken axis by axis in `order`, each from the layout so far."""
+    now, steps = list(src), []
+    for axis in order:
+        kind = axis_collective(now[axis], dst[axis])
+        steps.append((kind, axis, buffer_bytes(kind, nbytes, tuple(now), mesh, axis)))
+        now[axis] = R if kind in ("all_gather", "all_reduce") else dst[axis]
     return steps
 
 
