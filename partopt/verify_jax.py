@@ -30,6 +30,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from partopt.cluster import MeshAxis
 from partopt.errors import PartoptError
 from partopt.export import AXIS_NAMES, TensorPlacement, stage_tensors
 from partopt.frontends.jax import CALLS, Traced, _sub_jaxpr, trace
@@ -80,9 +81,15 @@ class StageCheck:
 
 @dataclass(frozen=True)
 class _MeshShape:
-    """What `partopt.sharding`'s collective rules read of a LogicalMesh: its shape (links play no part here)."""
+    """What `partopt.sharding`'s collective rules read of a LogicalMesh: its shape, and axes of one
+    nominal link each (links play no part in the bytes compared here: a reshard on both axes then
+    takes the axes in order)."""
 
     shape: tuple[int, int]
+
+    @property
+    def axes(self) -> tuple[MeshAxis, MeshAxis]:
+        return tuple(MeshAxis(size, 1.0, 0.0, False) for size in self.shape)
 
 
 def microbatch_args(args: Sequence[Any], params_argnum: int, microbatch: int) -> tuple[Any, ...]:
