@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -11,19 +10,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: configs a
 import pytest
 import torch
 from click.testing import CliRunner
+from test_verify_torch import LLAMA, llama_on_two_devices
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
 
 from partopt.cli import main
-from partopt.cluster import preset
 from partopt.export import to_dtensor
 from partopt.sharding import R, Shard, parse_placement
-from partopt.frontends.torch import from_hf_config, param_shapes, read_hf_config
+from partopt.frontends.torch import from_hf_config, param_shapes
 from partopt.frontends.torch_axes import torch_axes, torch_placements
-from partopt.inter import optimize
 from partopt.plan import ParamPlacement, write_plan
 
-LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 8}
 Q = "model.layers.0.self_attn.q_proj.weight"
 
 
@@ -88,11 +84,7 @@ def test_chunks_of_fused_expert_weights_map_to_the_fused_parameter():
 @pytest.fixture(scope="module")
 def llama_plan(tmp_path_factory):
     """A Llama plan on a 1 x 2 mesh whose q_proj is split by its kv groups and o_proj by the hidden dim."""
-    config = tmp_path_factory.mktemp("axes") / "config.json"
-    config.write_text(json.dumps(LLAMA))
-    graph = from_hf_config(read_hf_config(config), batch=4, seq=8)
-    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
-    plan = optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(1, 2)])
+    config, plan = llama_on_two_devices(tmp_path_factory.mktemp("axes"))
     params = plan.stages[0].params
     q = plan.tensors[Q]["dims"]
     params[Q] = ParamPlacement((R, Shard(q[3])))  # the hidden dim: torch axis 1, IR dim 3

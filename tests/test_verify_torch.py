@@ -26,6 +26,15 @@ LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 8}
 
 
+def llama_on_two_devices(directory):
+    """The tiny Llama's config file, written in `directory`, and its plan on a 1 x 2 mesh of a p3 node."""
+    config = directory / "config.json"
+    config.write_text(json.dumps(LLAMA))
+    graph = from_hf_config(read_hf_config(config), batch=4, seq=8)
+    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    return config, optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(1, 2)])
+
+
 def test_differences_name_the_module():
     lines = differences({"lm_head": {"all_gather": 1}}, {"lm_head": {"all_gather": 2}, "(top level)": {"all_reduce": 1}})
     assert lines == ["(top level): the plan prices none; DTensor ran all_reduce x1"]
@@ -34,11 +43,7 @@ def test_differences_name_the_module():
 @pytest.fixture(scope="module")
 def split_plan(tmp_path_factory):
     """A Llama plan on a 1 x 2 mesh whose MLP is split column then row, and attention by kv groups."""
-    config = tmp_path_factory.mktemp("verify") / "config.json"
-    config.write_text(json.dumps(LLAMA))
-    graph = from_hf_config(read_hf_config(config), batch=4, seq=8)
-    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
-    plan = optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(1, 2)])
+    config, plan = llama_on_two_devices(tmp_path_factory.mktemp("verify"))
     params = plan.stages[0].params
     dims = {name: plan.tensors[name]["dims"] for name in params}
     heads = dims["model.layers.0.self_attn.o_proj.weight"][1]  # the kv groups: major part of o_proj's input axis
