@@ -400,6 +400,7 @@ def _render_plan(plan: Plan) -> list[Table]:
                    + (f", planning {fmt_seconds(plan.solver['time_s'])}" if "time_s" in plan.solver else "")
                    + (f"; {plan.solver['dropped_options']} leaner options dropped (no solution within their time "
                       "limit)" if plan.solver.get("dropped_options") else "")),
+        *([("search space", "\n".join(plan.solver["search"]))] if plan.solver.get("search") else []),
         *([("stopped early", f"{'at the deadline' if plan.solver['stopped'] == 'deadline' else 'by Ctrl-C'}: the best "
                              f"plan found, at most {plan.solver['bound_gap']:.1%} slower than the best possible "
                              f"(lower bound {fmt_seconds(plan.solver['lower_bound_s'])} per iteration)")]

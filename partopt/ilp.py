@@ -11,7 +11,6 @@ Edge pairs are linearised over classes of equal rows/columns (Alpa's `e` variabl
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -179,7 +178,6 @@ def _classes(stack: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 COST_RESOLUTION = 1e4  # the largest objective coefficient, after scaling
-PEAK_BITS = 24  # a pool's transient peak is a sum of 0-1 bits: a whole number of bytes, 1/(2^24 - 1) of its largest value
 
 
 @dataclass
@@ -199,10 +197,10 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
     """The ILP over surviving strategies; returns it and, per node, its variable per strategy (-1 if fixed).
 
     Nodes left with one strategy get no variables; their costs are constants the objective omits.
-    With a budget, the memory row holds the node memory and, per pool of transients, a peak made
-    of PEAK_BITS 0-1 variables weighted 1, 2, 4, … × a whole number of bytes; a row per owner keeps
-    the peak at or above that owner's transients (peak ≥ transient_i: the max is linear). The peak's
-    resolution rounds it up by less than 1/(2^24 - 1) of the pool's largest value (never down; exact below 16 MiB).
+    With a budget, the memory row holds the node memory and, per pool of transients, a continuous
+    peak variable; a row per owner keeps the peak at or above that owner's transients (peak ≥
+    transient_i: the max is linear, and exact, since the memory row pushes the peak down). A continuous
+    peak leaves nothing to branch on; encoding it in binaries made HiGHS branch on them (docs/benchmarks.md).
     """
     model = solvers.Model()
     keep = [np.flatnonzero(a) for a in alive]
@@ -298,13 +296,11 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
             if not any(t.coef for t in members):  # a constant peak
                 base += max(t.const for t in members)
                 continue
-            step = math.ceil(max(t.upper for t in members) / (2 ** PEAK_BITS - 1))
-            bits = [model.add_var(0.0, f"peak {pool} bit {j}") for j in range(PEAK_BITS)]
-            weights = [float(step * 2 ** j) for j in range(PEAK_BITS)]
+            peak = model.add_continuous(max(t.upper for t in members), name=f"peak {pool}")
             for t in members:  # this owner's transients <= the pool's peak
-                model.add_row(list(t.coef) + bits, list(t.coef.values()) + [-w for w in weights], float("-inf"), -t.const)
-            index += bits
-            coef += weights
+                model.add_row(list(t.coef) + [peak], list(t.coef.values()) + [-1.0], float("-inf"), -t.const)
+            index.append(peak)
+            coef.append(1.0)
         if index:
             model.add_row(index, coef, float("-inf"), budget - base)
     # seconds are tiny (1e-6 … 1e-2): solvers' absolute tolerances would blur them, so the

@@ -21,12 +21,12 @@ from partopt.assemble import assemble, pipeline_of
 from partopt.cluster import Cluster
 from partopt.errors import InfeasibleError, InstanceError, PartoptError
 from partopt.graph import Graph, Op
-from partopt.layering import build_layers
+from partopt.layering import build_layers, tagged_layers
 from partopt.ops import is_matmul
-from partopt.options import DEFAULT_MAX_LAYERS, Options, microbatch_counts
+from partopt.options import DEFAULT_MAX_LAYERS, Options, microbatch_counts, restrictions
 from partopt.plan import Plan
 from partopt.pricing import Expired, Job, Pricer, Stats, tighten
-from partopt.stages import StageSpec, stage_table
+from partopt.stages import Pipeline, StageSpec, stage_table
 from partopt.units import fmt_bytes
 
 __all__ = ["DEFAULT_MAX_LAYERS", "Options", "microbatch_counts", "optimize"]
@@ -135,18 +135,18 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     rows_of = {(*key, mode): [[priced[(hashes[b], (*key, mode))] for b in range(len(base_ops))]]
                                for key in meshes}
                     costs.update(rows_of)
-                    tighten(rows_of, priced, jobs, hashes, budget, len(base_ops), count,
-                            best[0] if best else math.inf, pricer, stats)
-                    t, extra, options_of = stage_table(pipe, costs, submeshes, count, budget)
-                    result = stagedp.solve(t, extra, sizes, cluster.num_devices, count)
-                    if result is not None:
-                        stats.dp_rounds += result.rounds
-                    if m == len(modes) - 1:
-                        break
-                    if free is None:  # the first mode's plan with memory ignored: what recomputation could recover
+                    if free is None:  # the first mode's plan with memory ignored: what leaner options could recover
                         free = stagedp.solve(*stage_table(pipe, costs, submeshes, count, math.inf)[:2],
                                              sizes, cluster.num_devices, count)
-                    if result is not None and result.total <= free.total * (1 + 1e-12):
+                    if best is not None and free is not None and free.total >= best[0]:
+                        result = None  # even with memory ignored this count loses: no leaner option can win
+                        break
+                    result, options_of = _stage_dp(pipe, costs, submeshes, count, budget, cluster, stats)
+                    if _binds(result, free):  # memory binds: offer memory-lean options too
+                        tighten(rows_of, priced, jobs, hashes, budget, len(base_ops), count,
+                                best[0] if best else math.inf, pricer, stats)
+                        result, options_of = _stage_dp(pipe, costs, submeshes, count, budget, cluster, stats)
+                    if m == len(modes) - 1 or not _binds(result, free):
                         break  # memory does not bind: recomputing more only adds time
                 stats.counts.append(count)
                 stats.recompute_modes[count] = modes[:m + 1]
@@ -171,10 +171,31 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
         raise _no_plan(graph, cluster, budget)
     total, count, specs, rows = best
     plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start)
+    plan.solver["search"] = restrictions(options, batch, len(tagged_layers(graph)), len(layering.groups))
     if stopped:  # the counts not finished could still win, down to their lower bounds
         bound = min([total, *(bounds[c] for c in unfinished)])
         plan.solver.update(stopped=stopped, lower_bound_s=bound, bound_gap=(total - bound) / total)
     return plan
+
+
+def _stage_dp(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], count: int, budget: float,
+              cluster: Cluster, stats: Stats) -> tuple[stagedp.DPResult | None, dict]:
+    """The stage DP over the options priced so far: its result (None: nothing fits) and the options per submesh."""
+    t, extra, options_of = stage_table(pipe, costs, submeshes, count, budget)
+    result = stagedp.solve(t, extra, [n * m for n, m in submeshes], cluster.num_devices, count)
+    if result is not None:
+        stats.dp_rounds += result.rounds
+    return result, options_of
+
+
+def _binds(result: stagedp.DPResult | None, free: stagedp.DPResult | None) -> bool:
+    """Whether memory costs time: nothing fits, or the best plan that fits is slower than the plan of
+    the fastest options with memory ignored (`free`; None: some layer fits no mesh uncapped).
+
+    Leaner options (memory caps, recomputation) cost a layer at least as much B · t + sync as its
+    unconstrained optimum, so when the fastest options' memory-free plan fits they are not priced
+    (docs/COSTMODEL.md: the one trade this leaves out)."""
+    return free is None or result is None or result.total > free.total * (1 + 1e-12)
 
 
 def _distinct_modes(graph: Graph, base_ops: list[list[Op]], modes: Sequence[str]) -> list[str]:

@@ -66,3 +66,27 @@ def microbatch_counts(batch: int, requested: int | str | Sequence[int]) -> list[
     if not counts:
         raise InstanceError("no microbatch count to search", "--microbatches", "give one or more counts, or auto")
     return sorted(set(counts))
+
+
+def restrictions(options: Options, batch: int, layers: int, dp_layers: int) -> list[str]:
+    """Where the search's space is narrower than every plan of the model: the plan records these
+    (`solver.search`) and `partopt solve` prints them; all other pruning is exact (a lower bound)."""
+    found = []
+    if dp_layers < layers:
+        found.append(f"stages cut between {dp_layers} groups of the {layers} layers (--layers {options.layers})")
+    if options.microbatches == "auto":
+        counts, divisors = microbatch_counts(batch, "auto"), [d for d in range(1, batch + 1) if batch % d == 0]
+        if len(counts) < len(divisors):
+            found.append(f"microbatch counts: the {len(counts)} powers of two dividing the batch of {batch} "
+                         f"(of its {len(divisors)} divisors)")
+    if not (options.intra_only or options.inter_only or options.data_parallel_only):
+        found.append("submeshes: " + ("whole nodes and powers of two within a node" if options.submesh_family == "alpa"
+                                      else "powers of two of nodes and of devices within a node"))
+    if options.logical_shapes == "node_local":
+        found.append("logical meshes: the second axis within a node")
+    elif not isinstance(options.logical_shapes, str):
+        found.append("logical meshes: the given shapes only")
+    found.append("memory-lean layer options: caps of the budget / 2, / 4, … / 64, priced where memory binds")
+    if len(options.recompute_modes) > 1:
+        found.append("recomputation: one mode per stage")
+    return found

@@ -117,3 +117,25 @@ def test_an_infeasible_model_is_infeasible_not_stopped(backend):
 def test_negative_work_limit_is_a_one_line_error():
     with pytest.raises(PartoptError, match="work limit must be non-negative.*branch-and-bound nodes"):
         solvers.solve(knapsack(), "highs", work_limit=-1)
+
+
+@pytest.mark.parametrize("backend", solvers.BACKENDS)
+def test_a_continuous_peak_is_the_largest_of_its_rows(backend):
+    """Two items a, b (memory 2 each) with transients 3 and 5 bytes; peak p >= 3a, p >= 5b, 2a + 2b + p <= cap.
+    By hand: at cap 9 both fit (2 + 2 + 5), p = 5; at cap 8 only one does, b (worth more: 2 + 5 <= 8)."""
+    def model(cap: float) -> solvers.Model:
+        m = solvers.Model()
+        a, b = m.add_var(-1.0, "a"), m.add_var(-1.5, "b")
+        p = m.add_continuous(5.0, name="peak")
+        m.add_row([a, p], [3.0, -1.0], -math.inf, 0.0)
+        m.add_row([b, p], [5.0, -1.0], -math.inf, 0.0)
+        m.add_row([a, b, p], [2.0, 2.0, 1.0], -math.inf, cap)
+        return m
+
+    both = solvers.solve(model(9.0), backend)
+    assert both.status == "optimal" and both.values[:2] == [1, 1] and both.values[2] == pytest.approx(5.0)
+    assert both.objective == pytest.approx(-2.5)
+    one = solvers.solve(model(8.0), backend)
+    assert one.status == "optimal" and one.values[:2] == [0, 1] and one.objective == pytest.approx(-1.5)
+    with pytest.raises(PartoptError):
+        solvers.Model().add_continuous(math.inf)

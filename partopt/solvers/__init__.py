@@ -1,6 +1,7 @@
-"""0-1 linear programs and the backends that solve them, behind one interface.
+"""Mixed 0-1 linear programs and the backends that solve them, behind one interface.
 
-`Model` holds binary variables with objective costs and sparse rows `lo <= a·x <= hi`;
+`Model` holds binary variables (and bounded continuous ones) with objective costs and sparse rows
+`lo <= a·x <= hi`;
 `solve(model, backend=...)` hands it to HiGHS (default: the fastest, docs/benchmarks.md), OR-Tools CP-SAT or CBC (via PuLP)
 and returns a `Result` with status, objective, best bound, gap and time. Every backend is
 seeded and single-threaded, and stops at a deterministic work limit (`WORK_UNITS`: the solver's
@@ -30,11 +31,13 @@ DEFAULT_WORK_LIMITS = {"highs": 1000, "cpsat": 20.0, "cbc": 1000}
 
 @dataclass
 class Model:
-    """Minimise `objective · x` over binary x subject to `lo <= row · x <= hi` for every row."""
+    """Minimise `objective · x` subject to `lo <= row · x <= hi` for every row, x binary except the
+    continuous variables, which range over [0, upper]."""
 
     objective: list[float] = field(default_factory=list)
     rows: list[tuple[list[int], list[float], float, float]] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
+    continuous: dict[int, float] = field(default_factory=dict)  # variable -> its upper bound
     scale: float = 1.0  # objective units per second (see ilp.build_model)
 
     @property
@@ -42,22 +45,34 @@ class Model:
         return len(self.objective)
 
     def add_var(self, cost: float, name: str = "") -> int:
+        """A new binary variable; returns its index."""
         self.objective.append(float(cost))
         self.names.append(name)
         return len(self.objective) - 1
 
+    def add_continuous(self, upper: float, cost: float = 0.0, name: str = "") -> int:
+        """A new continuous variable in [0, upper]; returns its index."""
+        if not 0 <= upper < math.inf:
+            raise PartoptError(f"a continuous variable needs a finite upper bound >= 0, got {upper}", name or "model")
+        index = self.add_var(cost, name)
+        self.continuous[index] = float(upper)
+        return index
+
+    def upper(self, variable: int) -> float:
+        return self.continuous.get(variable, 1.0)
+
     def add_row(self, index: list[int], coef: list[float], lo: float, hi: float) -> None:
         self.rows.append((list(index), [float(c) for c in coef], float(lo), float(hi)))
 
-    def value(self, x: list[int]) -> float:
+    def value(self, x: list[float]) -> float:
         """Objective of an assignment, in the model's own (unscaled) units."""
-        return math.fsum(c for c, v in zip(self.objective, x) if v)
+        return math.fsum(c * v for c, v in zip(self.objective, x) if v)
 
 
 @dataclass(frozen=True)
 class Result:
     status: str  # one of STATUSES
-    values: list[int] | None  # 0/1 per variable, None when no solution was found
+    values: list[float] | None  # per variable (0/1 for binaries), None when no solution was found
     objective: float | None
     bound: float | None  # best proven lower bound on the objective
     time_s: float

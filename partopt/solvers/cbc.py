@@ -20,7 +20,8 @@ def solve(model: Model, options: Options) -> Result:
 def _solve(model: Model, options: Options) -> Result:
     start = time.perf_counter()
     prob = pulp.LpProblem("partopt", pulp.LpMinimize)
-    x = [pulp.LpVariable(f"x{i}", cat="Binary") for i in range(model.num_vars)]
+    x = [pulp.LpVariable(f"x{i}", 0, model.continuous[i], cat="Continuous") if i in model.continuous
+         else pulp.LpVariable(f"x{i}", cat="Binary") for i in range(model.num_vars)]
     prob += pulp.lpSum(c * v for c, v in zip(model.objective, x) if c)
     for k, (index, coef, lo, hi) in enumerate(model.rows):
         expr = pulp.lpSum(c * x[i] for i, c in zip(index, coef))
@@ -42,7 +43,7 @@ def _solve(model: Model, options: Options) -> Result:
     if pulp.LpStatus[prob.status] == "Infeasible":
         # CBC can write "Integer infeasible" when its clock ran out before any integer solution: no proof then
         return Result("timeout" if clock_ran_out else "infeasible", None, None, None, elapsed, "cbc")
-    values = [int(round(v.value() or 0)) for v in x]
+    values = [(v.value() or 0.0) if i in model.continuous else int(round(v.value() or 0)) for i, v in enumerate(x)]
     solution_ok = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
     if not solution_ok:
         return Result(stopped, None, None, None, elapsed, "cbc")

@@ -1,7 +1,10 @@
-"""OR-Tools CP-SAT backend: costs are scaled to integers (1e-9 of the largest term)."""
+"""OR-Tools CP-SAT backend: costs are scaled to integers (1e-9 of the largest term); row coefficients are
+rounded to integers and continuous variables become integers in [0, upper] (exact for partopt's rows, which
+count whole bytes)."""
 
 from __future__ import annotations
 
+import math
 import time
 
 from ortools.sat.python import cp_model
@@ -16,7 +19,8 @@ def solve(model: Model, options: Options) -> Result:
     largest = max((abs(c) for c in model.objective), default=0.0)
     scale = RESOLUTION / largest if largest > 0 else 1.0
     cp = cp_model.CpModel()
-    x = [cp.new_bool_var(f"x{i}") for i in range(model.num_vars)]
+    x = [cp.new_int_var(0, math.floor(model.continuous[i]), f"x{i}") if i in model.continuous
+         else cp.new_bool_var(f"x{i}") for i in range(model.num_vars)]
     for index, coef, lo, hi in model.rows:
         expr = sum(int(round(c)) * x[i] for i, c in zip(index, coef))
         if lo == hi:
@@ -38,7 +42,7 @@ def solve(model: Model, options: Options) -> Result:
     # CP-SAT reports which limit stopped it only in its log: the clock did if the work limit was not reached
     stopped = "limit" if work >= options.work_limit else "timeout"
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        values = [int(solver.boolean_value(v)) for v in x]
+        values = [int(solver.value(v)) for v in x]
         status = "optimal" if code == cp_model.OPTIMAL else stopped
         bound = solver.best_objective_bound / scale
         objective = model.value(values)

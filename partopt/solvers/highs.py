@@ -1,4 +1,4 @@
-"""HiGHS backend (highspy): the model as a sparse MIP with binary columns."""
+"""HiGHS backend (highspy): the model as a sparse MIP with binary and bounded continuous columns."""
 
 from __future__ import annotations
 
@@ -42,10 +42,13 @@ def solve(model: Model, options: Options) -> Result:
     h.setOptionValue("presolve", "off")
     n = model.num_vars
     inf = highspy.kHighsInf
-    h.addVars(n, np.zeros(n), np.ones(n))
+    upper = np.ones(n)
+    kinds = np.full(n, highspy.HighsVarType.kInteger)
+    for j, bound in model.continuous.items():
+        upper[j], kinds[j] = bound, highspy.HighsVarType.kContinuous
+    h.addVars(n, np.zeros(n), upper)
     h.changeColsCost(n, np.arange(n, dtype=np.int32), np.asarray(model.objective, dtype=float))
-    h.changeColsIntegrality(n, np.arange(n, dtype=np.int32),
-                            np.full(n, highspy.HighsVarType.kInteger))
+    h.changeColsIntegrality(n, np.arange(n, dtype=np.int32), kinds)
     if model.rows:
         starts, index, value, lower, upper = [], [], [], [], []
         for idx, coef, lo, hi in model.rows:
@@ -70,7 +73,7 @@ def solve(model: Model, options: Options) -> Result:
     stopped = "timeout" if status == highspy.HighsModelStatus.kTimeLimit else "limit"
     if not has_solution:
         return Result(stopped, None, None, None, elapsed, "highs", nodes)
-    values = [int(round(v)) for v in h.getSolution().col_value]
+    values = [v if j in model.continuous else int(round(v)) for j, v in enumerate(h.getSolution().col_value)]
     objective = model.value(values)
     bound = objective if optimal else min(objective, info.mip_dual_bound)
     return Result("optimal" if optimal else stopped, values, objective, bound, elapsed, "highs", nodes)
