@@ -120,8 +120,9 @@ def _price_layers(pricer: Pricer, cluster: Cluster, layering: Layering, count: i
     """The stage's base layers priced on its mesh under `restriction` (others None: not in this stage).
 
     With a `budget`, each of the stage's n layers is first solved within budget / n with the
-    stage's in-flight microbatches (so that together they fit), then within looser caps (a small
-    embedding leaves room to the blocks), and without a cap only if all fail.
+    stage's in-flight microbatches and 1/n of its transient peak (so that together they fit: the
+    stage holds one peak), then within looser caps (a small embedding leaves room to the blocks),
+    and without a cap only if all fail.
     """
     mb = pricer.graph.dims[pricer.graph.batch_dim] // count
     mesh = cluster.logical_mesh(spec.submesh, spec.shape)
@@ -132,7 +133,7 @@ def _price_layers(pricer: Pricer, cluster: Cluster, layering: Layering, count: i
         share = None if budget is None else budget / (last - first + 1)
         for factor in (LOOSER if share else ()):  # the even share first, then looser caps
             cost = pricer.one(Job(mb, count, names, mesh, spec.recompute, min(budget, factor * share),
-                                  spec.inflight, restriction), stats)
+                                  spec.inflight, restriction, last - first + 1), stats)
             if isinstance(cost, LayerCost):
                 break
         else:  # the stage will not fit: the check in `price` says by how much

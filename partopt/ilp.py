@@ -25,7 +25,11 @@ Group = tuple[str, int]  # (pool, owner node) of a transient buffer
 @dataclass
 class CostGraph:
     """Nodes with per-strategy cost and memory; edges with a cost matrix over strategy pairs;
-    transient bytes per (pool, owner) on one node (a vector) or on a pair of nodes (a matrix)."""
+    transient bytes per (pool, owner) on one node (a vector) or on a pair of nodes (a matrix).
+
+    `peak_shared_by` is n when the graph is one of n layers of a stage that holds one transient
+    peak for all of them: a memory budget (the layer's share of the stage's) is charged 1/n of the
+    peak. 1 for a layer alone."""
 
     names: list[str] = field(default_factory=list)
     costs: list[np.ndarray] = field(default_factory=list)
@@ -33,6 +37,7 @@ class CostGraph:
     edges: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     node_transients: dict[int, dict[Group, np.ndarray]] = field(default_factory=dict)
     edge_transients: dict[tuple[int, int], dict[Group, np.ndarray]] = field(default_factory=dict)
+    peak_shared_by: int = 1
 
     def add_node(self, name: str, cost, memory=None) -> int:
         cost = np.asarray(cost, dtype=float)
@@ -94,8 +99,8 @@ class CostGraph:
         return value + sum(float(m[choice[u], choice[v]]) for (u, v), m in self.edges.items())
 
     def peak_memory(self, choice: list[int]) -> float:
-        """Memory of an assignment: node memory summed, plus the transient peak."""
-        return sum(float(m[k]) for m, k in zip(self.memory, choice)) + self.transient_peak(choice)
+        """Memory of an assignment against a budget: node memory summed, plus its share of the transient peak."""
+        return sum(float(m[k]) for m, k in zip(self.memory, choice)) + self.transient_peak(choice) / self.peak_shared_by
 
 
 def _pool_peak(groups: dict[Group, float]) -> float:
@@ -198,7 +203,7 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
 
     Nodes left with one strategy get no variables; their costs are constants the objective omits.
     With a budget, the memory row holds the node memory and, per pool of transients, a continuous
-    peak variable; a row per owner keeps the peak at or above that owner's transients (peak ≥
+    peak variable (charged 1/`peak_shared_by`); a row per owner keeps the peak at or above that owner's transients (peak ≥
     transient_i: the max is linear, and exact, since the memory row pushes the peak down). A continuous
     peak leaves nothing to branch on; encoding it in binaries made HiGHS branch on them (docs/benchmarks.md).
     """
@@ -294,15 +299,16 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
         for pool in dict.fromkeys(p for p, _ in groups):
             members = [t for (p, _), t in groups.items() if p == pool]
             if not any(t.coef for t in members):  # a constant peak
-                base += max(t.const for t in members)
+                base += max(t.const for t in members) / graph.peak_shared_by
                 continue
             peak = model.add_continuous(max(t.upper for t in members), name=f"peak {pool}")
             for t in members:  # this owner's transients <= the pool's peak
                 model.add_row(list(t.coef) + [peak], list(t.coef.values()) + [-1.0], float("-inf"), -t.const)
             index.append(peak)
-            coef.append(1.0)
-        if index:
-            model.add_row(index, coef, float("-inf"), budget - base)
+            coef.append(1.0 / graph.peak_shared_by)
+        if index:  # times peak_shared_by: whole-byte coefficients (CP-SAT takes integers only)
+            n = graph.peak_shared_by
+            model.add_row(index, [c * n for c in coef], float("-inf"), (budget - base) * n)
     # seconds are tiny (1e-6 … 1e-2): solvers' absolute tolerances would blur them, so the
     # objective is stated in units of COST_RESOLUTION of its largest coefficient
     largest = max((abs(c) for c in model.objective), default=0.0)
@@ -312,9 +318,9 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
 
 
 def min_memory(graph: CostGraph) -> float:
-    """A lower bound of the memory any assignment needs: each node's least memory plus the transient
-    peak of every table at its least (exact without transients: the node memory is a single knapsack)."""
-    return sum(float(m.min()) for m in graph.memory) + graph.least_transient_peak()
+    """A lower bound of the memory any assignment is charged: each node's least memory plus the share of
+    the transient peak of every table at its least (exact without transients: a single knapsack)."""
+    return sum(float(m.min()) for m in graph.memory) + graph.least_transient_peak() / graph.peak_shared_by
 
 
 # ---------------------------------------------------------------- exact elimination (no memory row)

@@ -566,7 +566,8 @@ class StageSharding:
     inflight: int
     objective: float  # per-microbatch cost + per-iteration cost / microbatches
     solution: ilp.Solution
-    least_memory_bytes: float  # a lower bound of any assignment's memory (`ilp.min_memory`; exact without transients)
+    least_memory_bytes: float  # a lower bound of any assignment's memory as charged (`ilp.min_memory`; exact without transients)
+    least_transient_bytes: float = 0.0  # the transient peak with every buffer at its least (the whole peak, not a share)
 
     @property
     def memory_bytes(self) -> float:
@@ -665,7 +666,7 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
     breakdown.sync_s = dict(breakdown.sync_s)
     breakdown.param_sync_s = {t: dict(kinds) for t, kinds in breakdown.param_sync_s.items()}
     return StageSharding(mesh, op_choices, param_choices, breakdown, model.inflight, solution.objective, solution,
-                         ilp.min_memory(model.costs))
+                         ilp.min_memory(model.costs), model.costs.least_transient_peak())
 
 
 def _memory_error(model: StageModel, budget: float) -> InfeasibleError:
@@ -697,13 +698,15 @@ def shard_stage(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None
                 memory_budget: float | None = None, backend: str = "highs", time_limit_s: float = 60.0,
                 seed: int = 0, allow_zero: bool = True, data_parallel: bool = False,
                 restriction: Restriction | None = None, reduce_first: bool = True,
-                recompute: str = "none") -> StageSharding:
+                recompute: str = "none", peak_shared_by: int = 1) -> StageSharding:
     """The optimal sharding of `ops` (default: the whole graph) on `mesh` for one microbatch;
-    `recompute` (none | selective | full, see `recomputed_ops`) reruns those ops' forward in backward."""
+    `recompute` (none | selective | full, see `recomputed_ops`) reruns those ops' forward in backward;
+    `memory_budget` is charged 1/`peak_shared_by` of the transient peak (`ilp.CostGraph`)."""
     g = with_batch(graph, microbatch) if microbatch is not None else graph
     if ops is not None and g is not graph:
         ops = [g.op_index[op.name] for op in ops]
     model = build(g, mesh, ops, microbatches, inflight, allow_zero, data_parallel, restriction, recompute=recompute)
+    model.costs.peak_shared_by = peak_shared_by
     if memory_budget is not None and ilp.min_memory(model.costs) > memory_budget:
         raise _memory_error(model, memory_budget)
     solution = ilp.solve(model.costs, memory_budget, backend, time_limit_s, seed, reduce_first)

@@ -67,7 +67,9 @@ Priced = LayerCost | Dropped | None  # None: the layer cannot fit the job's memo
 class Job:
     """One layer ILP: base layer `ops` (names) of the microbatch view of size `mb`, on `mesh`,
     within `cap` bytes per device (None: no cap) with `inflight` microbatches kept, under an
-    optional restriction of its strategies (`evaluate`'s pinned plans; such jobs run in this process)."""
+    optional restriction of its strategies (`evaluate`'s pinned plans; such jobs run in this process).
+    A cap that is a layer's share of a stage of `share` layers carries 1/share of the layer's
+    transient peak: the stage holds one peak (its largest layer's), not one per layer."""
 
     mb: int
     count: int
@@ -77,6 +79,7 @@ class Job:
     cap: float | None
     inflight: int = 1
     restriction: intra.Restriction | None = field(default=None, compare=False)
+    share: int = 1  # layers of a stage that hold one transient peak together: the cap carries 1/share of it
 
 
 @dataclass
@@ -133,7 +136,7 @@ def price(g_mb: Graph, job: Job, options) -> Priced:
                                          time_limit_s=options.time_limit_s, seed=options.seed,
                                          data_parallel=options.data_parallel_only or options.stage_data_parallel,
                                          allow_zero=not options.stage_data_parallel, recompute=job.recompute,
-                                         restriction=job.restriction)
+                                         restriction=job.restriction, peak_shared_by=job.share)
     except InfeasibleError:
         if job.cap is None:
             raise  # not a memory cap: a restriction that leaves some op no strategy (its message names it)
@@ -209,7 +212,7 @@ class Pricer:
         if (job.mb, job.ops) not in self.hashes:
             self.hashes[(job.mb, job.ops)] = g_mb.structural_hash([g_mb.op_index[n] for n in job.ops])
         return (self.prefix, job.mb, job.count, self.hashes[(job.mb, job.ops)], job.mesh, job.recompute, job.cap,
-                job.inflight, _restriction_key(g_mb, job))
+                job.inflight, job.share, _restriction_key(g_mb, job))
 
     def __enter__(self) -> Pricer:
         return self
@@ -267,7 +270,7 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
 
     Each layer's ILP alone sees only its own memory; a stage of r such layers needs each to fit
     about budget / r, with the in-flight microbatches of a stage that leads about layers / r
-    stages (the most it could have). A layer whose optimum already fits the tighter cap keeps it
+    stages (the most it could have), and 1/r of its transient peak (the stage holds one). A layer whose optimum already fits the tighter cap keeps it
     (the same ILP with a tighter, non-binding constraint has the same optimum), so small models
     cost nothing. The cap of rung r serves stages of more than r / 2 layers (smaller ones fit the
     rung before); a mesh on which every such stage costs more than `bound` (the iteration time of
@@ -285,12 +288,14 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
             break
         cap = budget / r
         for key in jobs:  # no ILP where the cap is below the leanest assignment, or serves no stage that can win
-            if key not in stuck and (last[key].sharding.least_memory_bytes > cap or longest[key[1]] <= r // 2):
+            if key not in stuck and (_charged(last[key].sharding.least_memory_bytes, last[key].sharding.least_transient_bytes,
+                                              r) > cap or longest[key[1]] <= r // 2):
                 stuck.add(key)
         inflight = min(count, math.ceil(layers / r))  # stages of r layers are the first of about layers / r
-        tight = {key: _with_cap(job, cap, inflight) for key, job in jobs.items()
-                 if key not in stuck and last[key].param_bytes + inflight * last[key].activation_bytes
-                 + last[key].working_bytes > cap}
+        tight = {key: _with_cap(job, cap, inflight, r) for key, job in jobs.items()
+                 if key not in stuck and _charged(last[key].param_bytes + inflight * last[key].activation_bytes
+                                                  + last[key].working_bytes, last[key].sharding.breakdown.transient_bytes,
+                                                  r) > cap}
         if not tight:
             break
         for key, cost in pricer.run(tight, stats).items():
@@ -304,8 +309,13 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
                 rows.append(row)
 
 
-def _with_cap(job: Job, cap: float, inflight: int) -> Job:
-    return Job(job.mb, job.count, job.ops, job.mesh, job.recompute, cap, inflight, job.restriction)
+def _with_cap(job: Job, cap: float, inflight: int, share: int) -> Job:
+    return Job(job.mb, job.count, job.ops, job.mesh, job.recompute, cap, inflight, job.restriction, share)
+
+
+def _charged(memory: float, transient: float, share: int) -> float:
+    """Memory of a layer priced alone (its whole transient peak counted) as charged to 1/share of a stage's budget."""
+    return memory - transient * (1 - 1 / share)
 
 
 def longest_stage(row: list[LayerCost | None], count: int, limit: float) -> int:

@@ -121,6 +121,23 @@ def test_the_memory_row_charges_the_largest_transient_not_the_sum(budget, choice
     assert g.peak_memory(choice) == max([0] + [t for t, k in zip((10, 20, 30), choice) if k == 0])
 
 
+@pytest.mark.parametrize("backend", ["highs", "cpsat", "cbc"])
+@pytest.mark.parametrize("reduce_first", [True, False])
+def test_a_layers_share_of_a_stage_budget_carries_its_share_of_the_transient(backend, reduce_first):
+    """One of 4 alike layers of a stage: each node holds 100 bytes; strategy 0 (free) has a 40-byte
+    transient, strategy 1 costs 1 and has none. The stage holds 4 × 100 + 40 = 440 bytes at the free
+    optimum, so a layer's share of a 440-byte budget (110) must admit it: 100 + 40 / 4 = 110; one byte
+    less, and only strategy 1 fits (100 + 0)."""
+    g = ilp.CostGraph()
+    n = g.add_node("n", [0.0, 1.0], memory=[100.0, 100.0])
+    g.add_transient("buffers", n, n, [40.0, 0.0])
+    g.peak_shared_by = 4
+    assert g.peak_memory([0]) == 110 and g.transient_peak([0]) == 40  # the peak itself stays whole
+    assert ilp.min_memory(g) == 100
+    assert ilp.solve(g, 110, backend, reduce_first=reduce_first).choice == [0]
+    assert ilp.solve(g, 109, backend, reduce_first=reduce_first).choice == [1]
+
+
 @pytest.mark.parametrize("reduce_first", [True, False])
 def test_a_pair_transient_binds_only_its_pair_and_pools_add_up(reduce_first):
     g = ilp.CostGraph()

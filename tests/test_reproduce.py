@@ -289,13 +289,6 @@ def test_equal_operators_cut_the_order_evenly_into_pieces_of_one_layer_each():
     assert len(whole) >= 3 and {graph.structural_hash(piece) for piece in whole} == {graph.structural_hash(block)}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "evaluate._price_layers caps each of a stage's n layers at budget / n (× LOOSER), but each layer's "
-    "ILP now charges its own transient peak, which the stage holds once (a max over layers): the even "
-    "share counts it n times. Here the fitting plan stores the weights split 8 ways (ZeRO-3): 352 MiB "
-    "of state + 256 MiB of activation + 512 MiB gathered (own + prefetched) per layer = 1120 MiB > "
-    "1.5 × 737 MiB, while the stage of 20 needs 20 × 608 MiB + 512 MiB = 12.4 GiB < 14.4 GiB. The fix "
-    "belongs in evaluate.py (a layer's cap should leave out the transient it shares with the stage)"))
 def test_an_even_split_whose_fastest_shardings_overflow_is_priced_to_fit_memory(monkeypatch):
     from test_intra import mlp
 
