@@ -436,6 +436,9 @@ def _render_plan(plan: Plan) -> list[Table]:
               "attention core) or full (each layer keeps only its input); --recompute alone means full.")
 @click.option("--no-overlap", is_flag=True, help="Price gradient reduction after the backward instead of overlapped "
               "with it (docs/COSTMODEL.md §5b): every cost adds up, the model before overlap.")
+@click.option("--schedule", type=click.Choice(["auto", *SCHEDULES]), default="auto", show_default=True,
+              help="Pipeline schedule: auto (the best the search plans: 1f1b with free cuts, interleaved with "
+              "Megatron's uniform chunks) or one of them (docs/COSTMODEL.md §5b; --search megatron runs 1f1b).")
 @click.option("--profile", "profile_file", type=click.Path(),
               help="Measured op times and collective bandwidths (a partopt.profile file); the analytical model prices the rest.")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
@@ -448,7 +451,7 @@ def _render_plan(plan: Plan) -> list[Table]:
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the plan file to stdout.")
 def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches: str, layers: int, solver: str,
           time_limit: float, memory_reserve: float, search: str, logical_shapes: str, submeshes: str,
-          workers: int | None, recompute: str, no_overlap: bool, profile_file: str | None, executor: str,
+          workers: int | None, recompute: str, no_overlap: bool, schedule: str, profile_file: str | None, executor: str,
           ray_address: str | None, deadline: float | None, output: str | None, as_json: bool) -> None:
     """Plan GRAPH on a cluster: pipeline stages, submeshes, logical meshes and per-op shardings.
     The plan is re-derived (as `partopt check` does) before it is written or printed."""
@@ -473,7 +476,7 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
                         layers=layers, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
                         logical_shapes=logical_shapes, submesh_family=submeshes, workers=workers,
                         recompute=recompute, cost_model=cost_model, deadline_s=deadline, overlap=not no_overlap,
-                        executor=executor, ray_address=ray_address, **restrict)
+                        executor=executor, ray_address=ray_address, schedule=schedule, **restrict)
     found = check.differences(plan, graph, cluster, "the solved plan", cost_model)
     if found:
         for difference in found:
@@ -529,6 +532,11 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
 @click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), is_flag=False, flag_value="full",
               help="Recomputation of a Megatron-style plan: auto (default: the fastest that fits), none, selective "
               "or full; --recompute alone means full. A plan file keeps its own.")
+@click.option("--schedule", type=click.Choice(SCHEDULES),
+              help="Pipeline schedule of a Megatron-style plan (default 1f1b; interleaved with --virtual-stages).")
+@click.option("--virtual-stages", type=click.IntRange(min=1),
+              help="Megatron-LM's interleaved schedule with V model chunks per stage (its "
+              "--num-layers-per-virtual-pipeline-stage is layers / (pp × V)).")
 @click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
@@ -541,7 +549,7 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
 def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, plan_file: str | None,
                      tp: int | None, pp: int | None, dp: int | None, microbatches: int | None,
                      microbatch_size: int | None, zero: bool, sequence_parallel: bool, recompute: str | None,
-                     solver: str, memory_reserve: float, no_overlap: bool, profile_file: str | None,
+                     schedule: str | None, virtual_stages: int | None, solver: str, memory_reserve: float, no_overlap: bool, profile_file: str | None,
                      output: str | None, as_json: bool) -> None:
     """Price a plan of GRAPH under the cost model: a plan file (--plan) or a Megatron-style uniform
     plan (--tp T --pp P --dp D): P equal stages, each on a (D, T) mesh, batch over D."""
@@ -553,9 +561,9 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
         raise InstanceError("give either --plan FILE or all of --tp, --pp and --dp", "partopt evaluate",
                             "for example --plan plan.json, or --tp 8 --pp 2 --dp 4")
     if plan_file is not None and (microbatches is not None or microbatch_size is not None or zero or recompute
-                                  or no_overlap or sequence_parallel):
-        raise InstanceError("--microbatches, --microbatch-size, --zero, --sequence-parallel, --recompute and "
-                            "--no-overlap describe a Megatron-style plan, "
+                                  or no_overlap or sequence_parallel or schedule or virtual_stages):
+        raise InstanceError("--microbatches, --microbatch-size, --zero, --sequence-parallel, --recompute, --schedule, "
+                            "--virtual-stages and --no-overlap describe a Megatron-style plan, "
                             "not a plan file", "partopt evaluate", "edit the plan file instead")
     if microbatches is not None and microbatch_size is not None:
         raise InstanceError("give --microbatches or --microbatch-size, not both", "partopt evaluate",
@@ -572,7 +580,8 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
         plan = evaluate_plan(graph, cluster, validate.read_checked(plan_file, graph, cluster), where=plan_file,
                                  **options)
     else:
-        plan = uniform(graph, cluster, tp, pp, dp, microbatches, zero, sequence_parallel,
+        schedule = schedule or ("interleaved" if (virtual_stages or 1) > 1 else "1f1b")
+        plan = uniform(graph, cluster, tp, pp, dp, microbatches, zero, sequence_parallel, schedule, virtual_stages or 1,
                        recompute=recompute or "auto", overlap=not no_overlap, **options)
     _emit(plan, output, as_json)
 
@@ -786,10 +795,10 @@ def _render_verification(out: Console, stage: dict[str, Any]) -> None:
 @main.command("draw")
 @click.argument("plan_file", metavar="PLAN")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Image file: .svg or .png.")
-@click.option("--schedule", type=click.Choice(SCHEDULES), default="1f1b", show_default=True, help="Pipeline schedule.")
-@click.option("--virtual-stages", type=int, default=1, show_default=True,
-              help="Model chunks per stage (v) of the interleaved schedule: 2 or more.")
-def draw_command(plan_file: str, output: str, schedule: str, virtual_stages: int) -> None:
+@click.option("--schedule", type=click.Choice(SCHEDULES), help="Pipeline schedule (default: the plan's).")
+@click.option("--virtual-stages", type=int,
+              help="Model chunks per stage (v) of the interleaved schedule: 2 or more (default: the plan's).")
+def draw_command(plan_file: str, output: str, schedule: str | None, virtual_stages: int | None) -> None:
     """Draw PLAN's pipeline schedule of one iteration and its memory per stage."""
     io.check_output(output)
     draw(validate.read_checked(plan_file), output, schedule, virtual_stages=virtual_stages)

@@ -9,6 +9,8 @@ stages there are, and the output is byte-for-byte deterministic for a given matp
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import matplotlib
@@ -68,11 +70,35 @@ def stage_times(plan: Plan) -> list[StageTimes]:
         compute = stage.stage_time_s - stage.send_time_s
         share = stage.forward_s / stage.stage_time_s if stage.stage_time_s > 0 else 0.0
         forward = compute * share
-        result.append(StageTimes(forward_s=forward, backward_s=compute - forward, send_s=stage.send_time_s / 2,
-                                 weight_s=(compute - forward) * WEIGHT_SHARE,
+        weight = (compute - forward) * (WEIGHT_SHARE if stage.weight_s is None
+                                        else stage.weight_s / max(stage.stage_time_s - stage.forward_s, 1e-300))
+        result.append(StageTimes(forward_s=forward, backward_s=compute - forward,
+                                 send_s=stage.send_time_s / (2 * plan.virtual_stages) if i < len(plan.stages) - 1 else 0.0,
+                                 weight_s=min(weight, compute - forward),
                                  activation_bytes=float(stage.breakdown["activation_bytes"]),
                                  static_bytes=float(stage.breakdown["param_bytes"] + stage.breakdown.get("working_bytes", 0.0))))
     return result
+
+
+def by_device(plan: Plan) -> Plan:
+    """An interleaved plan seen per device group: stage i sums its chunks i, i + S, … (times, sends, sync,
+    parameter and activation bytes; the working set is the largest); other plans as they are."""
+    v = plan.virtual_stages
+    if v == 1:
+        return plan
+    S = len(plan.stages) // v
+    merged = []
+    for i in range(S):
+        parts = plan.stages[i::S]
+        total = {name: sum(getattr(p, name) for p in parts)
+                 for name in ("stage_time_s", "forward_s", "send_time_s", "sync_time_s")}
+        weights = [p.weight_s for p in parts]
+        bd = {**parts[0].breakdown, "param_bytes": sum(p.breakdown["param_bytes"] for p in parts),
+              "activation_bytes": sum(p.breakdown["activation_bytes"] for p in parts),
+              "working_bytes": max(p.breakdown.get("working_bytes", 0.0) for p in parts)}
+        merged.append(dataclasses.replace(parts[0], **total, breakdown=bd, layers=[parts[0].layers[0], parts[-1].layers[1]],
+                                          weight_s=None if None in weights else sum(weights)))
+    return dataclasses.replace(plan, stages=merged)
 
 
 def plan_budget(plan: Plan) -> float | None:
@@ -82,12 +108,13 @@ def plan_budget(plan: Plan) -> float | None:
     return memory_budget(preset(plan.cluster).device, plan.options.get("memory_reserve", DEFAULT_MEMORY_RESERVE))
 
 
-def draw(plan: Plan, path: str | Path, schedule: str = "1f1b", memory_budget_bytes: float | None = None,
-         virtual_stages: int = 1) -> None:
+def draw(plan: Plan, path: str | Path, schedule: str | None = None, memory_budget_bytes: float | None = None,
+         virtual_stages: int | None = None) -> None:
     """Write the plan's pipeline timeline and per-stage memory as SVG or PNG (format from the suffix).
 
     `memory_budget_bytes` draws the budget line; by default it is derived for preset clusters.
-    `virtual_stages` is the interleaved schedule's v (model chunks per stage; later chunks drawn lighter).
+    `schedule` and `virtual_stages` (the interleaved schedule's v; later chunks drawn lighter) default to the
+    plan's; an interleaved plan is drawn per device group (`by_device`), its layers from first to last chunk.
     The plan is validated first (`partopt.validate.check_plan`): no drawing of figures that disagree.
     """
     path = Path(path)
@@ -99,10 +126,14 @@ def draw(plan: Plan, path: str | Path, schedule: str = "1f1b", memory_budget_byt
     if plan.num_microbatches > MAX_MICROBATCHES:
         raise InstanceError(f"{plan.num_microbatches} microbatches are too many to draw (at most {MAX_MICROBATCHES})",
                             "$.num_microbatches", "draw a plan with fewer microbatches")
-    stages = stage_times(plan)
-    simulation = simulate(stages, plan.num_microbatches, schedule, virtual_stages)
+    if schedule is None:
+        schedule = plan.schedule
+        virtual_stages = virtual_stages or plan.virtual_stages
+    view = by_device(plan)
+    stages = stage_times(view)
+    simulation = simulate(stages, plan.num_microbatches, schedule, virtual_stages or 1)
     budget = plan_budget(plan) if memory_budget_bytes is None else memory_budget_bytes
-    figure = _figure(plan, stages, simulation, budget)
+    figure = _figure(view, stages, simulation, budget)
     with matplotlib.rc_context({"svg.hashsalt": "partopt", "svg.fonttype": "path"}):
         metadata = {"Date": None} if suffix == ".svg" else {"Software": None}
         io.write_atomic(path, lambda temporary: figure.savefig(temporary, format=suffix[1:], dpi=_DPI, metadata=metadata))

@@ -51,12 +51,13 @@ class StagePlan:
     forward_s: float  # the forward's share of stage_time_s (split by FLOPs), for schedules and drawings
     send_time_s: float  # point-to-point of boundary activations and their gradients, per microbatch
     sync_time_s: float  # per iteration: gradient synchronisation + optimizer step
-    memory_bytes: float  # per device, with its in-flight microbatches
-    inflight_microbatches: int
+    memory_bytes: float  # per device, with its in-flight microbatches (interleaved: all chunks on its devices)
+    inflight_microbatches: float  # of the schedule (`schedules.inflight`); interleaved: chunk-microbatches / v
     breakdown: dict[str, Any]  # compute_s, comm_s by kind, sync_s by kind, optimizer_s, param/activation bytes
     ops: dict[str, OpStrategy]  # op name -> its sharding, in the stage's op order
     params: dict[str, ParamPlacement]  # parameter -> its placement
     recompute: str = "none"  # activation recomputation of its layers: none | selective | full
+    weight_s: float | None = None  # the weight-gradient share of stage_time_s (split by FLOPs): zero-bubble's W pass
 
 
 @dataclass
@@ -72,6 +73,8 @@ class Plan:
     memory_peak_bytes: float
     throughput: dict[str, float]  # samples_per_s, tflops_per_device
     solver: dict[str, Any]  # backend, status, gap, time_s, ilps, planning_time_s
+    schedule: str = "1f1b"  # the pipeline schedule (`schedules.SCHEDULES`); files written before it: 1f1b
+    virtual_stages: int = 1  # v: interleaved plans list S·v virtual stages, chunk j on the devices of stage j mod S
     format: str = FORMAT
     version: int = VERSION
     options: dict[str, Any] = field(default_factory=dict)
@@ -107,6 +110,8 @@ def _param_from_dict(data: dict[str, Any], where: str) -> ParamPlacement:
 
 def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
     data = asdict(replace(stage, ops={}, params={}))  # keeps the fields' order; placements are written as text
+    if stage.weight_s is None:  # a plan that does not split the backward (read from an older file)
+        del data["weight_s"]
     data["ops"] = {name: _op_to_dict(op) for name, op in stage.ops.items()}
     data["params"] = {name: _param_to_dict(p) for name, p in stage.params.items()}
     return data
