@@ -386,9 +386,12 @@ def _render_plan(plan: Plan) -> list[Table]:
         devices = f"{s.devices[0]}–{s.devices[-1]}" if len(s.devices) > 1 else str(s.devices[0])
         stages.add_row(str(i), f"{s.layers[0]}–{s.layers[1]}", f"({s.submesh[0]}, {s.submesh[1]})",
                        f"({s.logical_mesh[0]}, {s.logical_mesh[1]})", devices, s.recompute, fmt_seconds(s.stage_time_s),
-                       fmt_seconds(s.sync_time_s), fmt_bytes(s.memory_bytes), str(s.inflight_microbatches))
+                       fmt_seconds(s.sync_time_s), fmt_bytes(s.memory_bytes), f"{s.inflight_microbatches:g}")
     totals = _facts_table("Totals", [
         ("iteration time", fmt_seconds(plan.iteration_time_s)),
+        ("schedule", plan.schedule + (f", {plan.virtual_stages} virtual stages per stage (stage j runs on stage "
+                                      f"j mod {len(plan.stages) // plan.virtual_stages}'s devices)"
+                                      if plan.virtual_stages > 1 else "")),
         ("microbatches", f"{plan.num_microbatches} × {plan.microbatch_size} samples"),
         ("throughput", f"{plan.throughput['samples_per_s']:.4g} samples/s, "
                        f"{plan.throughput['tflops_per_device']:.3g} TFLOP/s per device"),

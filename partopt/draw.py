@@ -9,8 +9,6 @@ stages there are, and the output is byte-for-byte deterministic for a given matp
 
 from __future__ import annotations
 
-import dataclasses
-
 from pathlib import Path
 
 import matplotlib
@@ -25,7 +23,7 @@ from partopt import io
 from partopt.cluster import PRESETS, preset
 from partopt.costmodel import DEFAULT_MEMORY_RESERVE, memory_budget
 from partopt.errors import InstanceError
-from partopt.plan import Plan
+from partopt.plan import Plan, by_device
 from partopt.simulate import Simulation, StageTimes, simulate
 from partopt.units import fmt_bytes, fmt_seconds
 from partopt.validate import check_plan
@@ -78,27 +76,6 @@ def stage_times(plan: Plan) -> list[StageTimes]:
                                  activation_bytes=float(stage.breakdown["activation_bytes"]),
                                  static_bytes=float(stage.breakdown["param_bytes"] + stage.breakdown.get("working_bytes", 0.0))))
     return result
-
-
-def by_device(plan: Plan) -> Plan:
-    """An interleaved plan seen per device group: stage i sums its chunks i, i + S, … (times, sends, sync,
-    parameter and activation bytes; the working set is the largest); other plans as they are."""
-    v = plan.virtual_stages
-    if v == 1:
-        return plan
-    S = len(plan.stages) // v
-    merged = []
-    for i in range(S):
-        parts = plan.stages[i::S]
-        total = {name: sum(getattr(p, name) for p in parts)
-                 for name in ("stage_time_s", "forward_s", "send_time_s", "sync_time_s")}
-        weights = [p.weight_s for p in parts]
-        bd = {**parts[0].breakdown, "param_bytes": sum(p.breakdown["param_bytes"] for p in parts),
-              "activation_bytes": sum(p.breakdown["activation_bytes"] for p in parts),
-              "working_bytes": max(p.breakdown.get("working_bytes", 0.0) for p in parts)}
-        merged.append(dataclasses.replace(parts[0], **total, breakdown=bd, layers=[parts[0].layers[0], parts[-1].layers[1]],
-                                          weight_s=None if None in weights else sum(weights)))
-    return dataclasses.replace(plan, stages=merged)
 
 
 def plan_budget(plan: Plan) -> float | None:

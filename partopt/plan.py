@@ -82,6 +82,42 @@ class Plan:
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"dims", "shape" (one microbatch), "role"}
 
 
+def _merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Breakdowns of chunks on one device group added up: seconds and bytes sum (by kind where they are
+    split by kind), the working set and the largest transient are the largest (chunks run one at a time)."""
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(k for bd in parts for k in bd):
+        values = [bd[key] for bd in parts if key in bd]
+        if isinstance(values[0], dict):
+            out[key] = {k: sum(v.get(k, 0.0) for v in values) for k in dict.fromkeys(k for v in values for k in v)}
+        else:
+            out[key] = max(values) if key in ("working_bytes", "transient_bytes") else sum(values)
+    return out
+
+
+def by_device(plan: Plan) -> Plan:
+    """An interleaved plan seen per device group: stage i gathers its chunks i, i + S, … (times, sends, sync
+    and breakdowns added, `_merged`; ops and parameters together; layers from its first chunk's first to its
+    last chunk's last); any other plan as it is. What `explain` and `draw` show per device."""
+    v = plan.virtual_stages
+    if v == 1:
+        return plan
+    S = len(plan.stages) // v
+    merged = []
+    for i in range(S):
+        parts = plan.stages[i::S]
+        weights = [p.weight_s for p in parts]
+        merged.append(replace(parts[0], **{name: sum(getattr(p, name) for p in parts)
+                                           for name in ("stage_time_s", "forward_s", "send_time_s", "sync_time_s")},
+                              layers=[parts[0].layers[0], parts[-1].layers[1]],
+                              graph_layers=[parts[0].graph_layers[0], parts[-1].graph_layers[1]],
+                              breakdown=_merged([p.breakdown for p in parts]),
+                              ops={k: op for p in parts for k, op in p.ops.items()},
+                              params={k: x for p in parts for k, x in p.params.items()},
+                              weight_s=None if None in weights else sum(weights)))
+    return replace(plan, stages=merged)
+
+
 def tensor_table(g_mb: Graph) -> dict[str, dict[str, Any]]:
     """A plan's `tensors` record of a graph at microbatch size (`intra.with_batch`): each tensor's
     dims, one microbatch's shape and role — what exporters and checks read instead of the graph."""

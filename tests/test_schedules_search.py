@@ -279,3 +279,20 @@ def test_cli_evaluate_virtual_stages_and_bad_schedules(tmp_path, megatron_interl
     refused = CliRunner().invoke(main, ["solve", str(graph_file), "--cluster", "p3.16xlarge", "--nodes", "1",
                                         "--schedule", "zero-bubble"])
     assert refused.exit_code == 2 and "does not plan the zero-bubble schedule" in refused.output
+
+
+def test_explain_and_draw_show_an_interleaved_plan_per_device_group(megatron_interleaved, tmp_path):
+    """Two accounts for pp 2 · v 2 (not four): each holds both chunks' ops, and its memory rows add up to
+    its devices' memory (both chunks' state, in-flight × both chunks' activations)."""
+    from partopt.draw import draw
+    from partopt.explain import explain
+
+    _, plan = megatron_interleaved
+    accounts = explain(plan)
+    assert len(accounts) == 2
+    for account in accounts:
+        mine = plan.stages[account.index::2]
+        assert len(account.ops) == sum(len(s.ops) for s in mine)
+        assert sum(account.memory_bytes.values()) == pytest.approx(mine[0].memory_bytes, rel=1e-12)
+    draw(plan, tmp_path / "interleaved.svg")  # simulated as interleaved with v = 2 on the two device groups
+    assert (tmp_path / "interleaved.svg").stat().st_size > 0
