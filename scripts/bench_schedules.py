@@ -4,7 +4,7 @@ iteration time, the schedule and stage count chosen, and the planning time of ea
 the layer ILPs solved once beforehand and shared, so the times are the stage DPs' and assembly's).
 
     python scripts/bench_schedules.py                 # the GPT cases from 2 up to 8 GPUs
-    python scripts/bench_schedules.py --max-gpus 4 --repeat 3
+    python scripts/bench_schedules.py --min-gpus 16 --max-gpus 16 --repeat 1
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def timed(graph, cluster, repeat: int, **options):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--min-gpus", type=int, default=2, help="one device has no second stage to interleave")
     parser.add_argument("--max-gpus", type=int, default=alpa.QUICK_MAX_GPUS)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
@@ -47,8 +48,8 @@ def main() -> None:
                    "auto: plan", "auto: planning", "auto / 1f1b"):
         table.add_column(column, justify="left" if column in ("case",) or column.endswith("plan") else "right")
     for case in alpa.cases(["gpt"], args.max_gpus):
-        if case.gpus < 2:
-            continue  # one device: no second stage, nothing to interleave
+        if case.gpus < max(args.min_gpus, 2):
+            continue
         graph, cluster = alpa.load(case.instance), alpa.cluster_for(case.gpus)
         cache: dict = {}
         options = dict(microbatches=case.microbatches(graph.dims[graph.batch_dim]), recompute="full", layers=None,
