@@ -466,6 +466,10 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
     if microbatches != "auto" and not all(c.strip().isdigit() for c in counts):
         raise InstanceError(f"--microbatches must be auto or positive counts separated by commas, got {microbatches!r}",
                             "--microbatches", "e.g. --microbatches 128 or --microbatches 64,128,256")
+    if search == "megatron" and schedule not in ("auto", "1f1b"):
+        raise InstanceError(f"--search megatron plans 1f1b, not {schedule}", "--schedule",
+                            "price a Megatron layout with another schedule by `partopt evaluate --tp --pp --dp "
+                            "--schedule` (interleaved: --virtual-stages V)")
     restrict = {"intra-only": {"intra_only": True}, "inter-only": {"inter_only": True},
                 "data-parallel-only": {"data_parallel_only": True},
                 "pp-dp": {"stage_data_parallel": True}}.get(search, {})
