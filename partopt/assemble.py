@@ -19,7 +19,8 @@ from partopt.plan import OpStrategy, ParamPlacement, Plan, StagePlan, tensor_tab
 from partopt.pricing import LayerCost, Stats
 from partopt.sharding import Shard
 from partopt.shared import shared_params
-from partopt.stages import Pipeline, StageSpec, boundary_bytes, totals
+from partopt.schedules import plan_iteration
+from partopt.stages import Pipeline, StageSpec, boundary_bytes, combined, totals
 
 
 def place(cluster: Cluster, submeshes: list[tuple[int, int]]) -> list[list[int]]:
@@ -88,20 +89,33 @@ def pipeline_of(graph: Graph, cluster: Cluster, layering: Layering, count: int, 
                     shared_params(graph, layering.base), cluster.devices_per_node, overlap)
 
 
+def _weight_flops(graph: Graph, ops: Sequence[Op]) -> float:
+    """Weight-gradient FLOPs of `ops`: a matmul reading a parameter computes dW, a GEMM of its forward's FLOPs
+    (the other ops' parameter gradients are left in the input-gradient pass)."""
+    return sum(graph.flops(op) for op in ops
+               if is_matmul(op) and any(graph.tensors[t].role == "param" for t in op.inputs))
+
+
 def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count: int,
-             specs: list[StageSpec], rows: list[list[LayerCost]], stats: Stats, elapsed: float) -> Plan:
-    """The plan of fixed stages, each with its base layers' costs (`rows[i]`, on the stage's mesh).
+             specs: list[StageSpec], rows: list[list[LayerCost]], stats: Stats, elapsed: float,
+             schedule: str = "1f1b", virtual_stages: int = 1) -> Plan:
+    """The plan of fixed stages, each with its base layers' costs (`rows[i]`, on the stage's mesh),
+    run under `schedule` (interleaved: `specs` are the S·v virtual stages in model order, chunk j on
+    the devices of stage j mod S, each spec's `inflight` its devices').
 
     Stage latency and memory come from the stage accountant, as in the stage DP's table, so a plan
     evaluated again prices to the same number.
     """
     pipe = pipeline_of(graph, cluster, layering, count, options.overlap)
     batch, mb = pipe.batch, pipe.mb
-    placed = place(cluster, [spec.submesh for spec in specs])
-    stages = []
+    num_stages = len(specs) // virtual_stages
+    placed = place(cluster, [spec.submesh for spec in specs[:num_stages]])
+    stages, parts = [], []
     recomputed_flops = 0.0
-    for spec, row, devices in zip(specs, rows, placed):
+    for j, (spec, row) in enumerate(zip(specs, rows)):
+        devices = placed[j % num_stages]
         sums = totals(row, pipe, spec.first, spec.last, len(devices))
+        parts.append(sums)
         first, last = layering.groups[spec.first][0], layering.groups[spec.last][1]
         comm: dict[str, float] = {}
         sync: dict[str, float] = {}
@@ -139,6 +153,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
         executed = _training_flops(graph, stage_ops) + rerun
         recomputed_flops += rerun
         forward = forward_flops / max(executed, 1e-300)
+        weight = _weight_flops(graph, stage_ops) / max(executed, 1e-300)
         latency = sums.latency_s
         tags = [stage_ops[0].layer, stage_ops[-1].layer]
         stages.append(StagePlan(
@@ -146,6 +161,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
             logical_mesh=list(spec.shape), devices=devices, stage_time_s=latency, forward_s=latency * forward,
             send_time_s=sums.send_s, sync_time_s=sums.sync_s, memory_bytes=sums.memory_bytes(spec.inflight),
             inflight_microbatches=spec.inflight, recompute=spec.recompute,
+            weight_s=min(latency * weight, latency - latency * forward),
             breakdown={"compute_s": sum(row[b].sharding.breakdown.compute_s for b in range(first, last + 1)),
                        "comm_s": comm, "sync_s": sync,
                        "optimizer_s": optimizer_s,
@@ -156,8 +172,12 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
                        "state_bytes": state,
                        "overlapped_s": max(0.0, sum(sync.values()) + optimizer_s - sums.sync_s) if options.overlap else 0.0},
             ops=ops, params=param_info))
-    latencies = [s.stage_time_s for s in stages]
-    iteration = sum(latencies) + (count - 1) * max(latencies) + max(s.sync_time_s for s in stages)
+    if virtual_stages > 1:  # a chunk's devices hold every chunk on them
+        for j, stage in enumerate(stages):
+            stage.memory_bytes = combined(parts[j % num_stages::num_stages]).memory_bytes(specs[j].inflight)
+    iteration = plan_iteration([s.stage_time_s for s in stages], [s.forward_s for s in stages],
+                               [s.weight_s for s in stages], [s.sync_time_s for s in stages], count, schedule,
+                               virtual_stages)
     flops = _training_flops(graph)
     executed = flops + recomputed_flops
     tensors = tensor_table(intra.with_batch(graph, mb))
@@ -180,5 +200,5 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
                  "submesh_family": options.submesh_family, "memory_reserve": options.memory_reserve,
                  "intra_only": options.intra_only, "inter_only": options.inter_only,
                  "data_parallel_only": options.data_parallel_only, "stage_data_parallel": options.stage_data_parallel,
-                 "recompute": options.recompute, "overlap": options.overlap, "cost_model": (options.cost_model or costmodel.ANALYTICAL).key},
-        batch_dim=graph.batch_dim, tensors=tensors)
+                 "recompute": options.recompute, "schedule": options.schedule, "overlap": options.overlap, "cost_model": (options.cost_model or costmodel.ANALYTICAL).key},
+        schedule=schedule, virtual_stages=virtual_stages, batch_dim=graph.batch_dim, tensors=tensors)

@@ -81,7 +81,8 @@ def differences(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan",
         if "megatron" in plan.options:  # a uniform layout: priced again by the procedure that made it
             layout = plan.options["megatron"]
             derived = uniform(graph, cluster, layout["tp"], layout["pp"], layout["dp"], plan.num_microbatches,
-                              layout["zero"], layout.get("sequence_parallel", False), recompute=plan.stages[0].recompute,
+                              layout["zero"], layout.get("sequence_parallel", False), plan.schedule, plan.virtual_stages,
+                              recompute=plan.stages[0].recompute,
                               overlap=plan.options.get("overlap", False), **options)
         else:
             derived = evaluate(graph, cluster, plan, where=where, **options)

@@ -386,9 +386,12 @@ def _render_plan(plan: Plan) -> list[Table]:
         devices = f"{s.devices[0]}–{s.devices[-1]}" if len(s.devices) > 1 else str(s.devices[0])
         stages.add_row(str(i), f"{s.layers[0]}–{s.layers[1]}", f"({s.submesh[0]}, {s.submesh[1]})",
                        f"({s.logical_mesh[0]}, {s.logical_mesh[1]})", devices, s.recompute, fmt_seconds(s.stage_time_s),
-                       fmt_seconds(s.sync_time_s), fmt_bytes(s.memory_bytes), str(s.inflight_microbatches))
+                       fmt_seconds(s.sync_time_s), fmt_bytes(s.memory_bytes), f"{s.inflight_microbatches:g}")
     totals = _facts_table("Totals", [
         ("iteration time", fmt_seconds(plan.iteration_time_s)),
+        ("schedule", plan.schedule + (f", {plan.virtual_stages} virtual stages per stage (stage j runs on stage "
+                                      f"j mod {len(plan.stages) // plan.virtual_stages}'s devices)"
+                                      if plan.virtual_stages > 1 else "")),
         ("microbatches", f"{plan.num_microbatches} × {plan.microbatch_size} samples"),
         ("throughput", f"{plan.throughput['samples_per_s']:.4g} samples/s, "
                        f"{plan.throughput['tflops_per_device']:.3g} TFLOP/s per device"),
@@ -437,6 +440,9 @@ def _render_plan(plan: Plan) -> list[Table]:
               "attention core) or full (each layer keeps only its input); --recompute alone means full.")
 @click.option("--no-overlap", is_flag=True, help="Price gradient reduction after the backward instead of overlapped "
               "with it (docs/COSTMODEL.md §5b): every cost adds up, the model before overlap.")
+@click.option("--schedule", type=click.Choice(["auto", *SCHEDULES]), default="auto", show_default=True,
+              help="Pipeline schedule: auto (the best the search plans: 1f1b with free cuts, interleaved with "
+              "Megatron's uniform chunks) or one of them (docs/COSTMODEL.md §5b; --search megatron runs 1f1b).")
 @click.option("--profile", "profile_file", type=click.Path(),
               help="Measured op times and collective bandwidths (a partopt.profile file); the analytical model prices the rest.")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
@@ -449,7 +455,7 @@ def _render_plan(plan: Plan) -> list[Table]:
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the plan file to stdout.")
 def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches: str, layers: int, solver: str,
           time_limit: float, memory_reserve: float, search: str, logical_shapes: str, submeshes: str,
-          workers: int | None, recompute: str, no_overlap: bool, profile_file: str | None, executor: str,
+          workers: int | None, recompute: str, no_overlap: bool, schedule: str, profile_file: str | None, executor: str,
           ray_address: str | None, deadline: float | None, output: str | None, as_json: bool) -> None:
     """Plan GRAPH on a cluster: pipeline stages, submeshes, logical meshes and per-op shardings.
     The plan is re-derived (as `partopt check` does) before it is written or printed."""
@@ -461,6 +467,10 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
     if microbatches != "auto" and not all(c.strip().isdigit() for c in counts):
         raise InstanceError(f"--microbatches must be auto or positive counts separated by commas, got {microbatches!r}",
                             "--microbatches", "e.g. --microbatches 128 or --microbatches 64,128,256")
+    if search == "megatron" and schedule not in ("auto", "1f1b"):
+        raise InstanceError(f"--search megatron plans 1f1b, not {schedule}", "--schedule",
+                            "price a Megatron layout with another schedule by `partopt evaluate --tp --pp --dp "
+                            "--schedule` (interleaved: --virtual-stages V)")
     restrict = {"intra-only": {"intra_only": True}, "inter-only": {"inter_only": True},
                 "data-parallel-only": {"data_parallel_only": True},
                 "pp-dp": {"stage_data_parallel": True}}.get(search, {})
@@ -474,7 +484,7 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
                         layers=layers, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
                         logical_shapes=logical_shapes, submesh_family=submeshes, workers=workers,
                         recompute=recompute, cost_model=cost_model, deadline_s=deadline, overlap=not no_overlap,
-                        executor=executor, ray_address=ray_address, **restrict)
+                        executor=executor, ray_address=ray_address, schedule=schedule, **restrict)
     found = check.differences(plan, graph, cluster, "the solved plan", cost_model)
     if found:
         for difference in found:
@@ -530,6 +540,11 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
 @click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), is_flag=False, flag_value="full",
               help="Recomputation of a Megatron-style plan: auto (default: the fastest that fits), none, selective "
               "or full; --recompute alone means full. A plan file keeps its own.")
+@click.option("--schedule", type=click.Choice(SCHEDULES),
+              help="Pipeline schedule of a Megatron-style plan (default 1f1b; interleaved with --virtual-stages).")
+@click.option("--virtual-stages", type=click.IntRange(min=1),
+              help="Megatron-LM's interleaved schedule with V model chunks per stage (its "
+              "--num-layers-per-virtual-pipeline-stage is layers / (pp × V)).")
 @click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
@@ -542,7 +557,7 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
 def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, plan_file: str | None,
                      tp: int | None, pp: int | None, dp: int | None, microbatches: int | None,
                      microbatch_size: int | None, zero: bool, sequence_parallel: bool, recompute: str | None,
-                     solver: str, memory_reserve: float, no_overlap: bool, profile_file: str | None,
+                     schedule: str | None, virtual_stages: int | None, solver: str, memory_reserve: float, no_overlap: bool, profile_file: str | None,
                      output: str | None, as_json: bool) -> None:
     """Price a plan of GRAPH under the cost model: a plan file (--plan) or a Megatron-style uniform
     plan (--tp T --pp P --dp D): P equal stages, each on a (D, T) mesh, batch over D."""
@@ -554,9 +569,9 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
         raise InstanceError("give either --plan FILE or all of --tp, --pp and --dp", "partopt evaluate",
                             "for example --plan plan.json, or --tp 8 --pp 2 --dp 4")
     if plan_file is not None and (microbatches is not None or microbatch_size is not None or zero or recompute
-                                  or no_overlap or sequence_parallel):
-        raise InstanceError("--microbatches, --microbatch-size, --zero, --sequence-parallel, --recompute and "
-                            "--no-overlap describe a Megatron-style plan, "
+                                  or no_overlap or sequence_parallel or schedule or virtual_stages):
+        raise InstanceError("--microbatches, --microbatch-size, --zero, --sequence-parallel, --recompute, --schedule, "
+                            "--virtual-stages and --no-overlap describe a Megatron-style plan, "
                             "not a plan file", "partopt evaluate", "edit the plan file instead")
     if microbatches is not None and microbatch_size is not None:
         raise InstanceError("give --microbatches or --microbatch-size, not both", "partopt evaluate",
@@ -573,7 +588,8 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
         plan = evaluate_plan(graph, cluster, validate.read_checked(plan_file, graph, cluster), where=plan_file,
                                  **options)
     else:
-        plan = uniform(graph, cluster, tp, pp, dp, microbatches, zero, sequence_parallel,
+        schedule = schedule or ("interleaved" if (virtual_stages or 1) > 1 else "1f1b")
+        plan = uniform(graph, cluster, tp, pp, dp, microbatches, zero, sequence_parallel, schedule, virtual_stages or 1,
                        recompute=recompute or "auto", overlap=not no_overlap, **options)
     _emit(plan, output, as_json)
 
@@ -787,10 +803,10 @@ def _render_verification(out: Console, stage: dict[str, Any]) -> None:
 @main.command("draw")
 @click.argument("plan_file", metavar="PLAN")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Image file: .svg or .png.")
-@click.option("--schedule", type=click.Choice(SCHEDULES), default="1f1b", show_default=True, help="Pipeline schedule.")
-@click.option("--virtual-stages", type=int, default=1, show_default=True,
-              help="Model chunks per stage (v) of the interleaved schedule: 2 or more.")
-def draw_command(plan_file: str, output: str, schedule: str, virtual_stages: int) -> None:
+@click.option("--schedule", type=click.Choice(SCHEDULES), help="Pipeline schedule (default: the plan's).")
+@click.option("--virtual-stages", type=int,
+              help="Model chunks per stage (v) of the interleaved schedule: 2 or more (default: the plan's).")
+def draw_command(plan_file: str, output: str, schedule: str | None, virtual_stages: int | None) -> None:
     """Draw PLAN's pipeline schedule of one iteration and its memory per stage."""
     io.check_output(output)
     draw(validate.read_checked(plan_file), output, schedule, virtual_stages=virtual_stages)

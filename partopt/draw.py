@@ -23,7 +23,7 @@ from partopt import io
 from partopt.cluster import PRESETS, preset
 from partopt.costmodel import DEFAULT_MEMORY_RESERVE, memory_budget
 from partopt.errors import InstanceError
-from partopt.plan import Plan
+from partopt.plan import Plan, by_device
 from partopt.simulate import Simulation, StageTimes, simulate
 from partopt.units import fmt_bytes, fmt_seconds
 from partopt.validate import check_plan
@@ -68,8 +68,11 @@ def stage_times(plan: Plan) -> list[StageTimes]:
         compute = stage.stage_time_s - stage.send_time_s
         share = stage.forward_s / stage.stage_time_s if stage.stage_time_s > 0 else 0.0
         forward = compute * share
-        result.append(StageTimes(forward_s=forward, backward_s=compute - forward, send_s=stage.send_time_s / 2,
-                                 weight_s=(compute - forward) * WEIGHT_SHARE,
+        weight = (compute - forward) * (WEIGHT_SHARE if stage.weight_s is None
+                                        else stage.weight_s / max(stage.stage_time_s - stage.forward_s, 1e-300))
+        result.append(StageTimes(forward_s=forward, backward_s=compute - forward,
+                                 send_s=stage.send_time_s / (2 * plan.virtual_stages) if i < len(plan.stages) - 1 else 0.0,
+                                 weight_s=min(weight, compute - forward),
                                  activation_bytes=float(stage.breakdown["activation_bytes"]),
                                  static_bytes=float(stage.breakdown["param_bytes"] + stage.breakdown.get("working_bytes", 0.0))))
     return result
@@ -82,12 +85,13 @@ def plan_budget(plan: Plan) -> float | None:
     return memory_budget(preset(plan.cluster).device, plan.options.get("memory_reserve", DEFAULT_MEMORY_RESERVE))
 
 
-def draw(plan: Plan, path: str | Path, schedule: str = "1f1b", memory_budget_bytes: float | None = None,
-         virtual_stages: int = 1) -> None:
+def draw(plan: Plan, path: str | Path, schedule: str | None = None, memory_budget_bytes: float | None = None,
+         virtual_stages: int | None = None) -> None:
     """Write the plan's pipeline timeline and per-stage memory as SVG or PNG (format from the suffix).
 
     `memory_budget_bytes` draws the budget line; by default it is derived for preset clusters.
-    `virtual_stages` is the interleaved schedule's v (model chunks per stage; later chunks drawn lighter).
+    `schedule` and `virtual_stages` (the interleaved schedule's v; later chunks drawn lighter) default to the
+    plan's; an interleaved plan is drawn per device group (`by_device`), its layers from first to last chunk.
     The plan is validated first (`partopt.validate.check_plan`): no drawing of figures that disagree.
     """
     path = Path(path)
@@ -99,10 +103,14 @@ def draw(plan: Plan, path: str | Path, schedule: str = "1f1b", memory_budget_byt
     if plan.num_microbatches > MAX_MICROBATCHES:
         raise InstanceError(f"{plan.num_microbatches} microbatches are too many to draw (at most {MAX_MICROBATCHES})",
                             "$.num_microbatches", "draw a plan with fewer microbatches")
-    stages = stage_times(plan)
-    simulation = simulate(stages, plan.num_microbatches, schedule, virtual_stages)
+    if schedule is None:
+        schedule = plan.schedule
+        virtual_stages = virtual_stages or plan.virtual_stages
+    view = by_device(plan)
+    stages = stage_times(view)
+    simulation = simulate(stages, plan.num_microbatches, schedule, virtual_stages or 1)
     budget = plan_budget(plan) if memory_budget_bytes is None else memory_budget_bytes
-    figure = _figure(plan, stages, simulation, budget)
+    figure = _figure(view, stages, simulation, budget)
     with matplotlib.rc_context({"svg.hashsalt": "partopt", "svg.fonttype": "path"}):
         metadata = {"Date": None} if suffix == ".svg" else {"Software": None}
         io.write_atomic(path, lambda temporary: figure.savefig(temporary, format=suffix[1:], dpi=_DPI, metadata=metadata))

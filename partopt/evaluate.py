@@ -20,7 +20,8 @@ from partopt.ops import NORM_KINDS
 from partopt.assemble import assemble
 from partopt.options import Options, microbatch_counts
 from partopt.pricing import Job, LayerCost, Pricer, Stats
-from partopt.stages import StageSpec
+from partopt.schedules import check_schedule, inflight
+from partopt.stages import StageSpec, chunks
 from partopt.layering import Layering, build_layers
 from partopt.plan import OpStrategy, ParamPlacement, Plan, tensor_table
 from partopt.sharding import ParamStrategy, Replicate, Strategy
@@ -144,8 +145,8 @@ def _price_layers(pricer: Pricer, cluster: Cluster, layering: Layering, count: i
 
 def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs: list[StageSpec],
           restrictions: list[intra.Restriction] | None, options: Options, where: str = "plan",
-          fit_memory: bool = False, cache: dict | None = None) -> Plan:
-    """The plan of fixed stages (`specs`), each priced by the intra-op ILP under its restriction
+          fit_memory: bool = False, cache: dict | None = None, schedule: str = "1f1b", virtual_stages: int = 1) -> Plan:
+    """The plan of fixed stages (`specs`, run under `schedule`: see `assemble`), each priced by the intra-op ILP under its restriction
     (None: every strategy allowed); `fit_memory` makes each stage's layers choose strategies that
     fit the device memory together (see `_price_layers`), rather than the fastest. `cache` keeps
     the layer solutions across calls (`pricing.Pricer`'s, shared with `optimize`).
@@ -159,13 +160,15 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
     with costmodel.using(options.cost_model), Pricer(graph, options, cache) as pricer:
         rows = [_price_layers(pricer, cluster, layering, count, spec, r, stats, budget if fit_memory else None)
                 for spec, r in zip(specs, restrictions)]
-        plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start)
+        plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start,
+                        schedule, virtual_stages)
     for i, stage in enumerate(plan.stages):
         if stage.memory_bytes > budget:
             raise InfeasibleError(
                 f"stage {i} needs {fmt_bytes(stage.memory_bytes)} per device (parameter state "
-                f"{fmt_bytes(stage.breakdown['param_bytes'])} + {stage.inflight_microbatches} × "
+                f"{fmt_bytes(stage.breakdown['param_bytes'])} + {stage.inflight_microbatches:g} × "
                 f"{fmt_bytes(stage.breakdown['activation_bytes'])} activations + {fmt_bytes(stage.breakdown['working_bytes'])} "
+                f"{'(with the other chunks on its devices) ' if virtual_stages > 1 else ''}"
                 f"working set and transient buffers), over the budget {fmt_bytes(budget)} "
                 f"by {fmt_bytes(stage.memory_bytes - budget)}", f"{where}.stages[{i}]",
                 "use more devices per stage, more stages, ZeRO (--zero), or more microbatches")
@@ -197,17 +200,21 @@ def evaluate(graph: Graph, cluster: Cluster, plan: Plan, where: str = "plan", **
     count = microbatch_counts(graph.dims[graph.batch_dim], plan.num_microbatches)[0]
     layering = build_layers(graph, options.layers)
     _check_stages([s.layers for s in plan.stages], len(layering.groups), where)
-    S = len(plan.stages)
-    specs = [StageSpec(s.layers[0], s.layers[1], tuple(s.submesh), tuple(s.logical_mesh), min(S - i, count),
-                       s.recompute) for i, s in enumerate(plan.stages)]
-    _check_meshes(cluster, specs, where)
+    v = plan.virtual_stages
+    S = len(plan.stages) // v
+    check_schedule(plan.schedule, v, S, count)
+    specs = [StageSpec(s.layers[0], s.layers[1], tuple(s.submesh), tuple(s.logical_mesh),
+                       inflight(i % S, S, count, plan.schedule, v), s.recompute) for i, s in enumerate(plan.stages)]
+    _check_meshes(cluster, specs[:S], where)
     restrictions = [_pinned(s.ops, s.params, layering, s.layers[0], s.layers[1], f"{where}.stages[{i}]")
                     for i, s in enumerate(plan.stages)]
-    return price(graph, cluster, layering, count, specs, restrictions, options, where)
+    return price(graph, cluster, layering, count, specs, restrictions, options, where,
+                 schedule=plan.schedule, virtual_stages=v)
 
 
 def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatches: int | None = None,
-            zero: bool = False, sequence_parallel: bool = False, **kwargs) -> Plan:
+            zero: bool = False, sequence_parallel: bool = False, schedule: str = "1f1b", virtual_stages: int = 1,
+            **kwargs) -> Plan:
     """Megatron's plan: `pp` stages of equally many layers, each on a (dp, tp) mesh of its devices.
 
     Axis 0 splits the batch (and ZeRO-shards optimizer state with `zero`); the ILP chooses the
@@ -216,6 +223,8 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     `microbatches` is searched when not given, as users tune it: every power-of-two count of at
     least pp whose microbatch splits over dp; the fastest plan that fits wins. Every stage
     recomputes alike: the `recompute` keyword's mode, or (auto, the default) the fastest that fits.
+    `schedule` runs the pipeline (`schedules.SCHEDULES`); interleaved with v = `virtual_stages` is
+    Megatron's: pp·v chunks of equally many layers, chunk j on stage j mod pp, B a multiple of pp.
     """
     where = f"--tp {tp} --pp {pp} --dp {dp}"
     if min(tp, pp, dp) < 1:
@@ -232,8 +241,13 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
         raise InstanceError("the graph names no batch dim", "batch_dim", "set `batch_dim` to plan data parallelism")
     options = Options(layers=None, **kwargs)
     batch = graph.dims[graph.batch_dim]
+    try:
+        check_schedule(schedule, virtual_stages, pp, microbatches or pp)
+    except InstanceError as err:
+        raise InstanceError(err.cause, where, err.hint) from None
     if microbatches is None:
-        counts = [c for c in microbatch_counts(batch, "auto") if c >= pp and (batch // c) % dp == 0]
+        counts = [c for c in microbatch_counts(batch, "auto") if c >= pp and (batch // c) % dp == 0
+                  and (schedule != "interleaved" or c % pp == 0)]
         if not counts:
             raise InfeasibleError(f"no power-of-two microbatch count of at least {pp} splits a batch of {batch} "
                                   f"over {dp} data-parallel ranks", where, "give --microbatches, or change the batch")
@@ -243,20 +257,23 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
             raise InfeasibleError(f"a microbatch of {batch // counts[0]} samples does not split over {dp} "
                                   f"data-parallel ranks", where, "choose microbatches so that batch / B is divisible by dp")
     layering = build_layers(graph, None)
-    L = len(layering.groups)
-    if L % pp:
-        raise InfeasibleError(f"{L} layers do not split into {pp} equal stages", where, f"choose pp dividing {L}")
-    size = L // pp
+    L, v = len(layering.groups), virtual_stages
+    if L % (pp * v):
+        raise InfeasibleError(f"{L} layers do not split into {pp * v} equal {'chunks' if v > 1 else 'stages'}", where,
+                              f"choose pp{' × virtual stages' if v > 1 else ''} dividing {L}")
+    if schedule == "interleaved" and counts[0] % pp:
+        raise InfeasibleError(f"the interleaved schedule needs microbatches divisible by pp = {pp}, got {counts[0]}",
+                              where, "Megatron-LM requires it: pick a multiple of pp")
     start = time.perf_counter()
     plans, error, cache = [], None, {}
     for count in counts:
         restriction = _megatron(intra.with_batch(graph, batch // count), tp, dp, zero, sequence_parallel)
         for mode in options.recompute_modes:
-            specs = [StageSpec(i * size, (i + 1) * size - 1, submesh, (dp, tp), min(pp - i, count), mode)
-                     for i in range(pp)]
+            specs = [StageSpec(first, last, submesh, (dp, tp), inflight(j % pp, pp, count, schedule, v), mode)
+                     for j, (first, last) in enumerate(chunks(L, pp, v))]
             try:
-                plans.append(price(graph, cluster, layering, count, specs, [restriction] * pp, options, where,
-                                   fit_memory=True, cache=cache))
+                plans.append(price(graph, cluster, layering, count, specs, [restriction] * len(specs), options, where,
+                                   fit_memory=True, cache=cache, schedule=schedule, virtual_stages=v))
             except InfeasibleError as err:
                 error = err  # the smallest microbatch's leanest mode: its overflow is the one worth reporting
     if not plans:

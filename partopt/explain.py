@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from partopt.plan import Plan
+from partopt.plan import Plan, by_device
 from partopt.validate import check_plan
 
 
@@ -35,7 +35,7 @@ def explain(plan: Plan) -> list[StageExplanation]:
     check_plan(plan)
     B = plan.num_microbatches
     result = []
-    for i, stage in enumerate(plan.stages):
+    for i, stage in enumerate(by_device(plan).stages):  # interleaved: one account per device group
         bd = stage.breakdown
         time_s = {"compute": B * bd["compute_s"]}
         if bd.get("recompute_s"):
@@ -51,7 +51,7 @@ def explain(plan: Plan) -> list[StageExplanation]:
         time_s["pipeline bubble and waiting"] = 0.0 if abs(idle) < 1e-12 * plan.iteration_time_s else idle
         memory = {f"{part} state" if part == "optimizer" else part: size
                   for part, size in (bd.get("state_bytes") or {"parameter state": bd["param_bytes"]}).items()}
-        memory[f"activations × {stage.inflight_microbatches} in flight"] = (
+        memory[f"activations × {stage.inflight_microbatches:g} in flight"] = (
             stage.inflight_microbatches * bd["activation_bytes"])
         if bd.get("working_bytes"):
             memory["recomputation working set and transient buffers"] = bd["working_bytes"]

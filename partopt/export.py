@@ -2,7 +2,7 @@
 
 Mesh axis k of a stage's logical mesh is named AXIS_NAMES[k] ("x" = axis 0, "y" = axis 1, whose
 devices are consecutive). Every export carries what the plan's prices assume besides placements:
-the schedule (1F1B), microbatch size and count, activation recomputation, optimizer-state sharding
+the schedule (and its virtual stages), microbatch size and count, activation recomputation, optimizer-state sharding
 and sequence parallelism. docs/FORMAT.md "Exports" documents every field and the Megatron rules.
 """
 
@@ -24,7 +24,6 @@ from partopt.sharding import Partial, Placement, Replicate, Shard, fmt
 AXIS_NAMES = ("x", "y")
 TARGETS = ("jax", "dtensor", "megatron")
 UNSUPPORTED_BY_MEGATRON = ("conv2d", "pool")  # Megatron-LM trains transformers
-SCHEDULE = "1f1b"  # the schedule a plan's in-flight microbatches and iteration time assume (min(S - i, B) kept)
 
 
 class NotExpressibleError(PartoptError):
@@ -162,7 +161,7 @@ def _sequence_split(plan: Plan, i: int, stage: StagePlan) -> bool:
 
 def training(plan: Plan) -> dict[str, Any]:
     """What the runtime must do besides placing tensors, for the plan's time and memory to hold."""
-    return {"schedule": SCHEDULE, "num_microbatches": plan.num_microbatches, "microbatch_size": plan.microbatch_size,
+    return {"schedule": plan.schedule, "virtual_stages": plan.virtual_stages, "num_microbatches": plan.num_microbatches, "microbatch_size": plan.microbatch_size,
             "global_batch_size": plan.num_microbatches * plan.microbatch_size,
             "recompute": [recomputation(s) for s in plan.stages],
             "overlap_grad_reduce": bool(plan.options.get("overlap", False)),
@@ -493,7 +492,10 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
         raise InstanceError("the plan has no stages", "stages")
     if plan.batch_dim is None:
         raise _not_expressible("the plan names no batch dim", "batch_dim", "re-solve with a graph that sets batch_dim")
-    head = plan.stages[0]
+    if plan.schedule not in ("1f1b", "interleaved"):
+        raise _not_expressible(f"Megatron-LM runs 1F1B and interleaved 1F1B, not the plan's {plan.schedule} schedule",
+                               "schedule", "plan with --schedule 1f1b or interleaved, or export with --to jax or --to dtensor")
+    head, S = plan.stages[0], len(plan.stages) // plan.virtual_stages
     for i, stage in enumerate(plan.stages[1:], start=1):
         if stage.logical_mesh != head.logical_mesh:
             raise _not_expressible(f"stage {i} uses logical mesh {tuple(stage.logical_mesh)} but stage 0 uses "
@@ -516,7 +518,7 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
     tp = math.prod(mesh[k] for k in roles[0].tp_axes)
     dp = math.prod(mesh[k] for k in roles[0].dp_axes)
     size = tp * dp
-    for i, stage in enumerate(plan.stages):
+    for i, stage in enumerate(plan.stages[:S]):
         expected = list(range(i * size, (i + 1) * size))
         if list(stage.devices) != expected:
             raise _not_expressible(f"stage {i} runs on devices {_span(stage.devices)} but Megatron's pipeline rank {i} "
@@ -532,10 +534,16 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
                                "plan with --recompute none, selective or full to export to Megatron-LM, or export "
                                "with --to jax or --to dtensor")
     counts = _layer_counts(plan)
+    if plan.virtual_stages > 1 and len(set(counts)) > 1:
+        k = counts.index(next(c for c in counts if c != counts[0]))
+        raise _not_expressible(f"virtual stage {k} holds {counts[k]} transformer layers but virtual stage 0 holds "
+                               f"{counts[0]}; Megatron's interleaved schedule gives every chunk equally many",
+                               f"stage {k}", "export with --to jax or --to dtensor")
     first, last = _uneven_ends(counts)
     zero = any(k in roles[0].dp_axes for s in plan.stages for info in s.params.values()
                for k in info.zero_axes)
-    return {"tp": tp, "pp": len(plan.stages), "dp": dp,
+    return {"tp": tp, "pp": S, "dp": dp,
+            "layers_per_virtual_stage": counts[0] if plan.virtual_stages > 1 else None,
             "micro_batch_size": plan.microbatch_size // dp,
             "global_batch_size": plan.microbatch_size * plan.num_microbatches,
             "num_microbatches": plan.num_microbatches,
@@ -562,6 +570,8 @@ def to_megatron(plan: Plan) -> list[str]:
         args += ["--decoder-first-pipeline-num-layers", str(c["first_stage_layers"])]
     if c["last_stage_layers"] is not None:
         args += ["--decoder-last-pipeline-num-layers", str(c["last_stage_layers"])]
+    if c["layers_per_virtual_stage"] is not None:
+        args += ["--num-layers-per-virtual-pipeline-stage", str(c["layers_per_virtual_stage"])]
     args += ["--micro-batch-size", str(c["micro_batch_size"]), "--global-batch-size", str(c["global_batch_size"])]
     if c["sequence_parallel"]:
         args.append("--sequence-parallel")

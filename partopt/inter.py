@@ -26,7 +26,8 @@ from partopt.ops import is_matmul
 from partopt.options import DEFAULT_MAX_LAYERS, Options, microbatch_counts, restrictions
 from partopt.plan import Plan
 from partopt.pricing import Expired, Job, Pricer, Stats, tighten
-from partopt.stages import Pipeline, StageSpec, stage_table
+from partopt.schedules import SEARCHED, inflight, interleaved_shapes
+from partopt.stages import Pipeline, StageSpec, chunks, interleaved_table, stage_table
 from partopt.units import fmt_bytes
 
 __all__ = ["DEFAULT_MAX_LAYERS", "Options", "microbatch_counts", "optimize"]
@@ -90,6 +91,10 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     start = time.perf_counter()
     if graph.batch_dim is None:
         raise InstanceError("the graph names no batch dim", "batch_dim", "set `batch_dim` to plan data parallelism and microbatches")
+    if options.schedule not in ("auto", *SEARCHED):
+        raise InstanceError(f"the search does not plan the {options.schedule} schedule", "--schedule",
+                            f"use auto or one of {', '.join(SEARCHED)}; `partopt evaluate --schedule` prices any "
+                            "(docs/COSTMODEL.md §5b says why)")
     batch = graph.dims[graph.batch_dim]
     counts = microbatch_counts(batch, options.microbatches)
     layering = build_layers(graph, options.layers)
@@ -125,7 +130,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                 modes = _distinct_modes(g_mb, base_ops, options.recompute_modes)
                 # one option per (submesh, logical shape, recomputation mode): a list of rows of layer costs
                 costs: dict = {}
-                result = free = None
+                found = free = None
                 for m, mode in enumerate(modes):
                     jobs = {(hashes[b], (*key, mode)): Job(mb, count, names[b], meshes[key], mode, budget)
                             for key in meshes for b in range(len(base_ops))}
@@ -136,30 +141,41 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                                for key in meshes}
                     costs.update(rows_of)
                     if free is None:  # the first mode's plan with memory ignored: what leaner options could recover
-                        free = stagedp.solve(*stage_table(pipe, costs, submeshes, count, math.inf)[:2],
-                                             sizes, cluster.num_devices, count)
-                    if best is not None and free is not None and free.total >= best[0]:
-                        result = None  # even with memory ignored this count loses: no leaner option can win
+                        free = _best_schedule(pipe, costs, submeshes, sizes, cluster.num_devices, count, math.inf,
+                                              options.schedules, stats)
+                    if best is not None and free is not None and free[0].total >= best[0]:
+                        found = None  # even with memory ignored this count loses: no leaner option can win
                         break
-                    result, options_of = _stage_dp(pipe, costs, submeshes, count, budget, cluster, stats)
-                    if _binds(result, free):  # memory binds: offer memory-lean options too
+                    found = _best_schedule(pipe, costs, submeshes, sizes, cluster.num_devices, count, budget,
+                                           options.schedules, stats)
+                    if _binds(found, free):  # memory binds: offer memory-lean options too
                         tighten(rows_of, priced, jobs, hashes, budget, len(base_ops), count,
                                 best[0] if best else math.inf, pricer, stats)
-                        result, options_of = _stage_dp(pipe, costs, submeshes, count, budget, cluster, stats)
-                    if m == len(modes) - 1 or not _binds(result, free):
+                        found = _best_schedule(pipe, costs, submeshes, sizes, cluster.num_devices, count, budget,
+                                               options.schedules, stats)
+                    if m == len(modes) - 1 or not _binds(found, free):
                         break  # memory does not bind: recomputing more only adds time
+                result = found[0] if found else None
                 stats.counts.append(count)
                 stats.recompute_modes[count] = modes[:m + 1]
                 unfinished.remove(count)
                 if result is None:
                     continue
                 if best is None or result.total < best[0] - 1e-15:
+                    _, schedule, v, options_of = found
                     chosen = [options_of[c.submesh][c.option] for c in result.stages]
-                    specs = [StageSpec(c.first, c.last, submeshes[c.submesh], shape, min(c.inflight, count), mode)
-                             for c, (shape, mode, _) in zip(result.stages, chosen)]
-                    rows = [costs[(spec.submesh, spec.shape, spec.recompute)][r]
-                            for spec, (_, _, r) in zip(specs, chosen)]
-                    best = (result.total, count, specs, rows)
+                    if schedule == "interleaved":  # stage i runs chunks i, i + S, …: the plan lists the chunks
+                        S = len(result.stages)
+                        specs = [StageSpec(first, last, submeshes[result.stages[j % S].submesh], chosen[j % S][0],
+                                           inflight(j % S, S, count, schedule, v), chosen[j % S][1])
+                                 for j, (first, last) in enumerate(chunks(len(layering.groups), S, v))]
+                        picked = [chosen[j % S][2] for j in range(len(specs))]
+                    else:
+                        specs = [StageSpec(c.first, c.last, submeshes[c.submesh], shape, min(c.inflight, count), mode)
+                                 for c, (shape, mode, _) in zip(result.stages, chosen)]
+                        picked = [r for _, _, r in chosen]
+                    rows = [costs[(spec.submesh, spec.shape, spec.recompute)][r] for spec, r in zip(specs, picked)]
+                    best = (result.total, count, specs, rows, schedule, v)
     except (Expired, KeyboardInterrupt) as err:
         stopped = "deadline" if isinstance(err, Expired) else "interrupted"
         if best is None:
@@ -169,8 +185,9 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                                "give the search more time") from None
     if best is None:
         raise _no_plan(graph, cluster, budget)
-    total, count, specs, rows = best
-    plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start)
+    total, count, specs, rows, schedule, v = best
+    plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start,
+                    schedule, v)
     plan.solver["search"] = restrictions(options, batch, len(tagged_layers(graph)), len(layering.groups))
     if stopped:  # the counts not finished could still win, down to their lower bounds
         bound = min([total, *(bounds[c] for c in unfinished)])
@@ -178,24 +195,33 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     return plan
 
 
-def _stage_dp(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], count: int, budget: float,
-              cluster: Cluster, stats: Stats) -> tuple[stagedp.DPResult | None, dict]:
-    """The stage DP over the options priced so far: its result (None: nothing fits) and the options per submesh."""
-    t, extra, options_of = stage_table(pipe, costs, submeshes, count, budget)
-    result = stagedp.solve(t, extra, [n * m for n, m in submeshes], cluster.num_devices, count)
-    if result is not None:
-        stats.dp_rounds += result.rounds
-    return result, options_of
+def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], sizes: list[int], devices: int,
+                   count: int, budget: float, schedules: Sequence[str], stats: Stats):
+    """The stage DP's best plan over `schedules` for one microbatch count: (result, schedule, v, options per
+    submesh), or None. 1F1B cuts the layers freely; interleaved takes the best (S, v) of Megatron's uniform
+    chunking (`schedules.interleaved_shapes`, `stages.interleaved_table`); ties keep 1F1B."""
+    found = []
+    if "1f1b" in schedules:
+        t, extra, options_of = stage_table(pipe, costs, submeshes, count, budget)
+        found.append((stagedp.solve(t, extra, sizes, devices, count), "1f1b", 1, options_of))
+    if "interleaved" in schedules:
+        for S, v in interleaved_shapes(len(pipe.layering.groups), count, devices):
+            t, extra, options_of = interleaved_table(pipe, costs, submeshes, count, budget, S, v)
+            found.append((stagedp.solve(t / v, extra, sizes, devices, v * count), "interleaved", v, options_of))
+    found = [f for f in found if f[0] is not None]
+    stats.dp_rounds += sum(f[0].rounds for f in found)
+    return min(found, key=lambda f: f[0].total) if found else None
 
 
-def _binds(result: stagedp.DPResult | None, free: stagedp.DPResult | None) -> bool:
-    """Whether memory costs time: nothing fits, or the best plan that fits is slower than the plan of
-    the fastest options with memory ignored (`free`; None: some layer fits no mesh uncapped).
+def _binds(found, free) -> bool:
+    """Whether memory costs time: nothing fits, or the best plan that fits (`found`, of `_best_schedule`)
+    is slower than the plan of the fastest options with memory ignored (`free`; None: some layer fits no
+    mesh uncapped).
 
     Leaner options (memory caps, recomputation) cost a layer at least as much B · t + sync as its
     unconstrained optimum, so when the fastest options' memory-free plan fits they are not priced
     (docs/COSTMODEL.md: the one trade this leaves out)."""
-    return free is None or result is None or result.total > free.total * (1 + 1e-12)
+    return free is None or found is None or found[0].total > free[0].total * (1 + 1e-12)
 
 
 def _distinct_modes(graph: Graph, base_ops: list[list[Op]], modes: Sequence[str]) -> list[str]:

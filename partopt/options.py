@@ -7,6 +7,7 @@ from typing import Sequence
 
 from partopt import costmodel, intra
 from partopt.errors import InfeasibleError, InstanceError
+from partopt.schedules import SCHEDULES, SEARCHED
 
 DEFAULT_MAX_LAYERS = 64  # every block up to 64 (GPT-39B: 48); more are grouped (docs/benchmarks.md)
 
@@ -34,6 +35,7 @@ class Options:
     cost_model: costmodel.CostModel | None = None  # None: the analytical model (`costmodel.ANALYTICAL`)
     overlap: bool = True  # gradient reductions overlap the backward (docs/COSTMODEL.md §5b); False: all costs add
     deadline_s: float | None = None  # wall seconds for the whole search: then the best plan found, marked stopped
+    schedule: str = "auto"  # pipeline schedule: auto (the best of `schedules.SEARCHED`) or one of them
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):  # the former flag: recompute meant full recomputation
@@ -43,15 +45,22 @@ class Options:
         if self.deadline_s is not None and not self.deadline_s > 0:  # NaN too
             raise InstanceError(f"deadline {self.deadline_s} is not a positive number of seconds", "deadline",
                                 "give the seconds the search may take, e.g. 60")
+        if self.schedule not in ("auto", *SCHEDULES):
+            raise InstanceError(f"unknown pipeline schedule {self.schedule!r}", "schedule",
+                                f"use auto or one of {', '.join(SCHEDULES)}")
         if self.recompute not in ("auto", *intra.RECOMPUTE_MODES):
             raise InstanceError(f"unknown recomputation mode {self.recompute!r}", "recompute",
                                 f"use auto or one of {', '.join(intra.RECOMPUTE_MODES)}")
 
     @property
+    def schedules(self) -> tuple[str, ...]:
+        """The schedules the search plans (auto: every one it can price, `schedules.SEARCHED`)."""
+        return SEARCHED if self.schedule == "auto" else (self.schedule,)
+
+    @property
     def recompute_modes(self) -> tuple[str, ...]:
         """The modes the search prices, cheapest in time first (auto: all of them)."""
         return intra.RECOMPUTE_MODES if self.recompute == "auto" else (self.recompute,)
-
 
 
 def microbatch_counts(batch: int, requested: int | str | Sequence[int]) -> list[int]:
@@ -89,4 +98,6 @@ def restrictions(options: Options, batch: int, layers: int, dp_layers: int) -> l
     found.append("memory-lean layer options: caps of the budget / 2, / 4, … / 64, priced where memory binds")
     if len(options.recompute_modes) > 1:
         found.append("recomputation: one mode per stage")
+    if "interleaved" in options.schedules:
+        found.append("interleaved schedule: Megatron's uniform chunks only; zero-bubble not searched")
     return found

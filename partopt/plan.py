@@ -51,12 +51,13 @@ class StagePlan:
     forward_s: float  # the forward's share of stage_time_s (split by FLOPs), for schedules and drawings
     send_time_s: float  # point-to-point of boundary activations and their gradients, per microbatch
     sync_time_s: float  # per iteration: gradient synchronisation + optimizer step
-    memory_bytes: float  # per device, with its in-flight microbatches
-    inflight_microbatches: int
+    memory_bytes: float  # per device, with its in-flight microbatches (interleaved: all chunks on its devices)
+    inflight_microbatches: float  # of the schedule (`schedules.inflight`); interleaved: chunk-microbatches / v
     breakdown: dict[str, Any]  # compute_s, comm_s by kind, sync_s by kind, optimizer_s, param/activation bytes
     ops: dict[str, OpStrategy]  # op name -> its sharding, in the stage's op order
     params: dict[str, ParamPlacement]  # parameter -> its placement
     recompute: str = "none"  # activation recomputation of its layers: none | selective | full
+    weight_s: float | None = None  # the weight-gradient share of stage_time_s (split by FLOPs): zero-bubble's W pass
 
 
 @dataclass
@@ -72,11 +73,49 @@ class Plan:
     memory_peak_bytes: float
     throughput: dict[str, float]  # samples_per_s, tflops_per_device
     solver: dict[str, Any]  # backend, status, gap, time_s, ilps, planning_time_s
+    schedule: str = "1f1b"  # the pipeline schedule (`schedules.SCHEDULES`); files written before it: 1f1b
+    virtual_stages: int = 1  # v: interleaved plans list S·v virtual stages, chunk j on the devices of stage j mod S
     format: str = FORMAT
     version: int = VERSION
     options: dict[str, Any] = field(default_factory=dict)
     batch_dim: str | None = None
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"dims", "shape" (one microbatch), "role"}
+
+
+def _merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Breakdowns of chunks on one device group added up: seconds and bytes sum (by kind where they are
+    split by kind), the working set and the largest transient are the largest (chunks run one at a time)."""
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(k for bd in parts for k in bd):
+        values = [bd[key] for bd in parts if key in bd]
+        if isinstance(values[0], dict):
+            out[key] = {k: sum(v.get(k, 0.0) for v in values) for k in dict.fromkeys(k for v in values for k in v)}
+        else:
+            out[key] = max(values) if key in ("working_bytes", "transient_bytes") else sum(values)
+    return out
+
+
+def by_device(plan: Plan) -> Plan:
+    """An interleaved plan seen per device group: stage i gathers its chunks i, i + S, … (times, sends, sync
+    and breakdowns added, `_merged`; ops and parameters together; layers from its first chunk's first to its
+    last chunk's last); any other plan as it is. What `explain` and `draw` show per device."""
+    v = plan.virtual_stages
+    if v == 1:
+        return plan
+    S = len(plan.stages) // v
+    merged = []
+    for i in range(S):
+        parts = plan.stages[i::S]
+        weights = [p.weight_s for p in parts]
+        merged.append(replace(parts[0], **{name: sum(getattr(p, name) for p in parts)
+                                           for name in ("stage_time_s", "forward_s", "send_time_s", "sync_time_s")},
+                              layers=[parts[0].layers[0], parts[-1].layers[1]],
+                              graph_layers=[parts[0].graph_layers[0], parts[-1].graph_layers[1]],
+                              breakdown=_merged([p.breakdown for p in parts]),
+                              ops={k: op for p in parts for k, op in p.ops.items()},
+                              params={k: x for p in parts for k, x in p.params.items()},
+                              weight_s=None if None in weights else sum(weights)))
+    return replace(plan, stages=merged)
 
 
 def tensor_table(g_mb: Graph) -> dict[str, dict[str, Any]]:
@@ -107,6 +146,8 @@ def _param_from_dict(data: dict[str, Any], where: str) -> ParamPlacement:
 
 def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
     data = asdict(replace(stage, ops={}, params={}))  # keeps the fields' order; placements are written as text
+    if stage.weight_s is None:  # a plan that does not split the backward (read from an older file)
+        del data["weight_s"]
     data["ops"] = {name: _op_to_dict(op) for name, op in stage.ops.items()}
     data["params"] = {name: _param_to_dict(p) for name, p in stage.params.items()}
     return data

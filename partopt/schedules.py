@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from partopt.errors import InstanceError
 
 SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved", "zero-bubble")
+SEARCHED: tuple[str, ...] = ("1f1b", "interleaved")  # what the stage DP plans (docs/COSTMODEL.md §5b); auto: the best
 
 
 def check_microbatches(microbatches: int) -> None:
@@ -114,3 +115,26 @@ def iteration_time(stage_times: Sequence[float], forward_times: Sequence[float],
             hidden = min(min(w, f, t - f - w) for t, f, w in zip(stage_times, forward_times, weights))
             pipeline -= (num_stages + min(num_stages, microbatches) - 2) * hidden
     return pipeline + sync_s
+
+
+def per_device(values: Sequence[float], num_stages: int) -> list[float]:
+    """Per stage i, the sum of the entries j = i, i + S, i + 2S, …: an interleaved plan lists its S·v virtual
+    stages (model chunks) in model order, chunk j on the devices of stage j mod S; else the values themselves."""
+    return [sum(values[i::num_stages]) for i in range(num_stages)]
+
+
+def plan_iteration(stage_times: Sequence[float], forward_times: Sequence[float], weight_times: Sequence[float],
+                   sync_times: Sequence[float], microbatches: int, schedule: str, v: int = 1) -> float:
+    """A plan's iteration time from its entries (one per stage, or per virtual stage when interleaved):
+    `iteration_time` of the per-device sums, the largest per-device sync added (stages sync in parallel)."""
+    num_stages = len(stage_times) // v
+    times, forwards, weights = (per_device(x, num_stages) for x in (stage_times, forward_times, weight_times))
+    sync = max(per_device(sync_times, num_stages))
+    return iteration_time(times, forwards, sync, microbatches, schedule, v, weights if schedule == "zero-bubble" else None)
+
+
+def interleaved_shapes(layers: int, microbatches: int, devices: int) -> list[tuple[int, int]]:
+    """The (S, v) of Megatron's uniform chunking of `layers` DP layers the search can plan: S >= 2 stages on
+    at most `devices` devices, v >= 2 chunks of equally many layers each (S·v divides the layers), S divides B."""
+    return [(S, layers // (S * c)) for S in range(2, min(layers, devices) + 1) if microbatches % S == 0
+            for c in range(1, layers // S + 1) if layers % (S * c) == 0 and layers // (S * c) >= 2]

@@ -9,7 +9,9 @@ step), which stages do in parallel on their own devices. The DP minimises
 
     sum_i t_i + (B - 1) * max_i t_i + max_i extra_i
 
-over cuts, submeshes and options whose devices sum to exactly `devices`. Why it is exact:
+over cuts, submeshes and options whose devices sum to exactly `devices` (1F1B). The interleaved schedule
+over Megatron's uniform chunks is the same problem on a diagonal table of stages
+(`stages.interleaved_table`), solved on t / v with v·B microbatches (docs/COSTMODEL.md §5b). Why it is exact:
 
 * Per-iteration work. For a bound b on it, an entry's best option is its fastest one with extra
   <= b. The bound starts unlimited and drops below the per-iteration work of each plan found,

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from partopt import costmodel
+from partopt import costmodel, schedules
 from partopt.cluster import Link
 from partopt.graph import Graph
 from partopt.layering import Layering
@@ -31,7 +31,7 @@ class StageSpec:
     last: int
     submesh: tuple[int, int]
     shape: tuple[int, int]
-    inflight: int
+    inflight: float  # of the stage's devices (interleaved: chunk-microbatches / v, `schedules.inflight`)
     recompute: str = "none"
 
 
@@ -74,8 +74,18 @@ class StageTotals:
     def latency_s(self) -> float:
         return self.time_s + self.send_s
 
-    def memory_bytes(self, inflight: int) -> float:
+    def memory_bytes(self, inflight: float) -> float:
         return self.param_bytes + inflight * self.activation_bytes + self.working_bytes
+
+
+def combined(parts: Sequence[StageTotals]) -> StageTotals:
+    """The sums of one device group running several model chunks (interleaved): times, sends, sync, parameter
+    state and kept activations add, the working set is the largest (chunks run one at a time). The sync is the
+    sum of the chunks' exposed parts, an over-estimate under overlap (a chunk's reduction may hide behind
+    another chunk's backward); the shared-parameter corrections stay per chunk (`fix` is None)."""
+    return StageTotals(sum(p.time_s for p in parts), sum(p.send_s for p in parts), sum(p.sync_s for p in parts),
+                       sum(p.param_bytes for p in parts), sum(p.activation_bytes for p in parts),
+                       max(p.working_bytes for p in parts), None)
 
 
 def boundary_bytes(graph: Graph, layering: Layering) -> list[float]:
@@ -158,8 +168,7 @@ def stage_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], c
     Returns the tables and, per submesh, its (shape, mode, row index) options in order.
     """
     L, S = len(pipe.layering.groups), len(submeshes)
-    options = [[(shape, mode, r) for (x, shape, mode) in costs if x == sub for r in range(len(costs[(x, shape, mode)]))]
-               for sub in submeshes]
+    options = _options(costs, submeshes)
     H = max(len(x) for x in options)
     t = np.full((H, L + 1, L, L, S), np.inf)
     extra = np.zeros((H, L + 1, L, L, S))
@@ -182,6 +191,46 @@ def stage_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], c
                 fits = params + held * acts + working <= budget  # [k, j − i]: a prefix in k, memory grows with it
                 t[h, 1:, i, i:i + n, s] = np.where(fits, time_s + sends[i:i + n], np.inf)
                 extra[h, 1:, i, i:i + n, s] = np.where(fits, sync_s, 0.0)
+    return t, extra, options
+
+
+def _options(costs: dict, submeshes: list[tuple[int, int]]) -> list[list[tuple]]:
+    """Per submesh, its (logical shape, recomputation mode, row index) options in order."""
+    return [[(shape, mode, r) for (x, shape, mode) in costs if x == sub for r in range(len(costs[(x, shape, mode)]))]
+            for sub in submeshes]
+
+
+def chunks(layers: int, num_stages: int, v: int) -> list[tuple[int, int]]:
+    """Megatron's uniform chunking: the S·v virtual stages' DP layer ranges in model order (chunk j on stage j mod S)."""
+    n = layers // (num_stages * v)
+    return [(j * n, j * n + n - 1) for j in range(num_stages * v)]
+
+
+def interleaved_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], count: int, budget: float,
+                      num_stages: int, v: int):
+    """t[h, 1, i, i, s] and extra[h, 1, i, i, s] for the stage DP over Megatron's uniform chunking into S·v
+    chunks (`chunks`): stage i, holding chunks i, i + S, …, on submesh s in option h, one shape and mode for
+    all its chunks; its latency is the sum of its chunks' (`combined`), inf when its memory does not fit its
+    interleaved in-flight count. Only diagonal entries exist, so the DP's plans have exactly S stages, and
+    `stagedp.solve(t / v, extra, sizes, devices, v·B)` minimises sum t / v + (B − 1/v) max t + max sync,
+    the interleaved closed form (`schedules.iteration_time`). Returns the tables and the options per submesh."""
+    ranges = chunks(len(pipe.layering.groups), num_stages, v)
+    options = _options(costs, submeshes)
+    shape = (max(len(x) for x in options), 2, num_stages, num_stages, len(submeshes))
+    t, extra = np.full(shape, np.inf), np.zeros(shape)
+    held = [schedules.inflight(i, num_stages, count, "interleaved", v) for i in range(num_stages)]
+    for s, sub in enumerate(submeshes):
+        devices = min(sub[0] * sub[1], pipe.per_node)
+        for h, (mesh, mode, r) in enumerate(options[s]):
+            row = costs[(sub, mesh, mode)][r]
+            runnable = ~np.isnan(_columns(row, pipe.layering)[:, 0])
+            for i in range(num_stages):
+                mine = ranges[i::num_stages]
+                if not all(runnable[first:last + 1].all() for first, last in mine):
+                    continue
+                sums = combined([totals(row, pipe, first, last, devices) for first, last in mine])
+                if sums.memory_bytes(held[i]) <= budget:
+                    t[h, 1, i, i, s], extra[h, 1, i, i, s] = sums.latency_s, sums.sync_s
     return t, extra, options
 
 

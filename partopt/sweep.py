@@ -31,7 +31,7 @@ from partopt.cluster import Cluster, preset
 from partopt.errors import InfeasibleError, InstanceError, SolverError
 from partopt.graph import Graph
 from partopt.inter import optimize
-from partopt.plan import Plan
+from partopt.plan import Plan, by_device
 
 FORMAT = "partopt.sweep"
 VERSION = 1
@@ -223,7 +223,8 @@ def _counted(items: list[str]) -> list[tuple[str, int]]:
 
 def plan_summary(plan: Plan) -> str:
     """The stages as "2 × (1, 4) mesh (4, 1) + 1 × (2, 8) mesh (2, 8)": count × submesh and logical mesh."""
-    shapes = [f"({s.submesh[0]}, {s.submesh[1]}) mesh ({s.logical_mesh[0]}, {s.logical_mesh[1]})" for s in plan.stages]
+    shapes = [f"({s.submesh[0]}, {s.submesh[1]}) mesh ({s.logical_mesh[0]}, {s.logical_mesh[1]})"
+              for s in by_device(plan).stages]  # interleaved: its device groups, not its chunks
     return " + ".join(f"{n} × {shape}" for shape, n in _counted(shapes))
 
 

@@ -23,6 +23,7 @@ from partopt.graph import Graph
 from partopt.io import at
 from partopt.layering import build_layers
 from partopt.plan import ParamPlacement, Plan, StagePlan, read_plan, tensor_table
+from partopt.schedules import check_schedule, inflight, plan_iteration
 from partopt.sharding import Placement, Shard, fmt, op_strategies, param_strategies
 
 TOLERANCE = 1e-6  # relative: stored figures are sums of the same floats in the same order
@@ -54,7 +55,14 @@ def _check_devices(plan: Plan, where: str) -> None:
     block (k devices of one node, or n whole nodes), and the stages tile the cluster exactly."""
     n_nodes, m = plan.nodes, plan.devices_per_node
     owner: dict[int, int] = {}
-    for i, stage in enumerate(plan.stages):
+    S = _physical_stages(plan, where)
+    for j, chunk in enumerate(plan.stages[S:], start=S):  # interleaved: chunk j runs on stage j mod S's devices
+        first = plan.stages[j % S]
+        for name in ("submesh", "logical_mesh", "devices"):
+            if getattr(chunk, name) != getattr(first, name):
+                raise InstanceError(f"virtual stage {j} runs on stage {j % S}'s devices, but its {name} differs",
+                                    at(where, f"$.stages[{j}].{name}"), f"give it stage {j % S}'s {name}")
+    for i, stage in enumerate(plan.stages[:S]):
         place = f"$.stages[{i}]"
         n, k = stage.submesh
         if n > n_nodes or k > m or (n > 1 and k != m):
@@ -82,6 +90,20 @@ def _check_devices(plan: Plan, where: str) -> None:
     if len(owner) != n_nodes * m:
         raise InstanceError(f"the stages use {len(owner)} of the cluster's {n_nodes * m} devices", at(where, "$.stages"),
                             "a plan's submeshes tile the whole cluster")
+
+
+def _physical_stages(plan: Plan, where: str) -> int:
+    """S, the plan's device groups: its stages, or its S·v virtual stages / v; InstanceError unless the
+    schedule, v, the stage count and B fit together (`schedules.check_schedule`)."""
+    v = plan.virtual_stages
+    if not isinstance(v, int) or v < 1 or len(plan.stages) % v:
+        raise InstanceError(f"{len(plan.stages)} stage entries are not v = {v!r} virtual stages per stage",
+                            at(where, "$.virtual_stages"), "list S·v virtual stages in model order")
+    try:
+        check_schedule(plan.schedule, v, len(plan.stages) // v, plan.num_microbatches)
+    except InstanceError as err:
+        raise InstanceError(err.cause, at(where, f"$.{err.where}"), err.hint) from None
+    return len(plan.stages) // v
 
 
 def _check_placement(placement: Placement, tensor: dict[str, Any] | None, place: str) -> None:
@@ -117,23 +139,33 @@ def _check_strategies(plan: Plan, stage: StagePlan, place: str) -> None:
 def mismatches(plan: Plan) -> list[tuple[str, float, float]]:
     """The stored figures that disagree with the others (JSON path, stored, derived from its parts):
     what `explain` and `draw` would show without re-pricing."""
-    S, B = len(plan.stages), plan.num_microbatches
+    v, B = plan.virtual_stages, plan.num_microbatches
+    S = len(plan.stages) // v
     found = []
     for i, stage in enumerate(plan.stages):
         bd = stage.breakdown
-        if stage.inflight_microbatches != min(S - i, B):
-            found.append((f"$.stages[{i}].inflight_microbatches", stage.inflight_microbatches, min(S - i, B)))
+        held = inflight(i % S, S, B, plan.schedule, v)
+        if not close(stage.inflight_microbatches, held):
+            found.append((f"$.stages[{i}].inflight_microbatches", stage.inflight_microbatches, held))
         for name in ("forward_s", "send_time_s"):
             if getattr(stage, name) > stage.stage_time_s * (1 + TOLERANCE):
                 found.append((f"$.stages[{i}].{name}", getattr(stage, name), f"at most stage_time_s {stage.stage_time_s!r}"))
-        memory = bd["param_bytes"] + stage.inflight_microbatches * bd["activation_bytes"] + bd.get("working_bytes", 0.0)
+        if stage.forward_s + (stage.weight_s or 0.0) > stage.stage_time_s * (1 + TOLERANCE):
+            found.append((f"$.stages[{i}].weight_s", stage.weight_s, "at most stage_time_s - forward_s"))
+        chunks = plan.stages[i % S::S]  # the stages on its devices: itself unless interleaved
+        memory = (sum(c.breakdown["param_bytes"] for c in chunks)
+                  + stage.inflight_microbatches * sum(c.breakdown["activation_bytes"] for c in chunks)
+                  + max(c.breakdown.get("working_bytes", 0.0) for c in chunks))
         if not close(stage.memory_bytes, memory):
             found.append((f"$.stages[{i}].memory_bytes", stage.memory_bytes, memory))
     peak = max(s.memory_bytes for s in plan.stages)
     if not close(plan.memory_peak_bytes, peak):
         found.append(("$.memory_peak_bytes", plan.memory_peak_bytes, peak))
-    times = [s.stage_time_s for s in plan.stages]
-    iteration = sum(times) + (B - 1) * max(times) + max(s.sync_time_s for s in plan.stages)
+    if plan.schedule == "zero-bubble" and any(s.weight_s is None for s in plan.stages):
+        return [*found, ("$.stages[0].weight_s", None, "a zero-bubble plan gives each stage's weight_s")]
+    iteration = plan_iteration([s.stage_time_s for s in plan.stages], [s.forward_s for s in plan.stages],
+                               [s.weight_s or 0.0 for s in plan.stages], [s.sync_time_s for s in plan.stages], B,
+                               plan.schedule, v)
     if not close(plan.iteration_time_s, iteration):
         found.append(("$.iteration_time_s", plan.iteration_time_s, iteration))
     return found
