@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from typing import Any
 from partopt.errors import PartoptError
 from partopt.export import to_dtensor
 from partopt.plan import Plan, plan_from_dict, plan_to_dict
-from partopt.verify_torch import ATOL, MAX_PROCESSES, RTOL, Check, _build, _free_port, _step
+from partopt.verify_torch import ATOL, MAX_PROCESSES, RTOL, Check, _build, _step, rendezvous
 
 
 @dataclass
@@ -57,14 +56,13 @@ def _output(out: Any) -> Any:
     return out if isinstance(out, torch.Tensor) else out[0]
 
 
-def _worker(rank: int, world: int, source: str, plan_data: dict, cuts: list[str], port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, source: str, plan_data: dict, cuts: list[str], out_dir: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 
     warnings.filterwarnings("ignore")  # the library never prints; the pipeline tracer warns
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous(out_dir), rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
         plan = plan_from_dict(plan_data)
@@ -125,7 +123,7 @@ def verify_pipeline(plan: Plan, source: str) -> PipelineReport:
         return report
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mp.spawn(_worker, args=(world, source, plan_to_dict(plan), report.boundaries, _free_port(), tmp),
+            mp.spawn(_worker, args=(world, source, plan_to_dict(plan), report.boundaries, tmp),
                      nprocs=world, join=True)
         except Exception as err:  # a worker's failure arrives as ProcessRaisedException with its traceback
             report.note = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
