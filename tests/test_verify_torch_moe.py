@@ -38,22 +38,27 @@ def place_experts(plan, placement):
     return dataclasses.replace(plan, stages=[dataclasses.replace(plan.stages[0], params=params)])
 
 
-def dispatch_by_batch(plan):
-    """`plan` with its experts' dispatch split by the batch on mesh axis y, where its experts are split."""
-    ops = dict(plan.stages[0].ops)
-    name = f"{EXPERTS}.dispatch"
-    ops[name] = dataclasses.replace(ops[name], axes=(None, plan.batch_dim))
-    return dataclasses.replace(plan, stages=[dataclasses.replace(plan.stages[0], ops=ops)])
+def solved(directory, config, batch, seq):
+    """The config file, written in `directory`, and its plan on a 1 x 2 mesh of a p3 node."""
+    path = directory / "config.json"
+    path.write_text(json.dumps(config))
+    graph = from_hf_config(read_hf_config(path), batch=batch, seq=seq)
+    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    return path, optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(1, 2)])
 
 
 @pytest.fixture(scope="module")
 def mixtral_plan(tmp_path_factory):
-    """The small Mixtral's config file and its plan on a 1 x 2 mesh of a p3 node (batch 8, seq 32)."""
-    config = tmp_path_factory.mktemp("moe") / "config.json"
-    config.write_text(json.dumps(MIXTRAL))
-    graph = from_hf_config(read_hf_config(config), batch=8, seq=32)
-    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
-    return config, optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(1, 2)])
+    """The small Mixtral (batch 8, seq 32): the solver replicates the tokens and splits the experts on y."""
+    return solved(tmp_path_factory.mktemp("moe"), MIXTRAL, 8, 32)
+
+
+@pytest.fixture(scope="module")
+def all_to_all_plan(tmp_path_factory):
+    """A wider Mixtral on a larger batch (hidden 256, batch 32, seq 64): the solver splits the tokens by
+    the batch and the experts on y, and reshards the dispatched tokens between them (an all-to-all)."""
+    return solved(tmp_path_factory.mktemp("moe-a2a"), {**MIXTRAL, "hidden_size": 256, "max_position_embeddings": 64},
+                  32, 64)
 
 
 def test_the_experts_module_and_its_split_are_read_from_the_plan(mixtral_plan):
@@ -64,34 +69,38 @@ def test_the_experts_module_and_its_split_are_read_from_the_plan(mixtral_plan):
     assert split(plan) == ExpertSplit((1,), ())  # the solved plan: experts on y, tokens replicated
     assert split(place_experts(plan, (Shard(e), Shard(e)))) == ExpertSplit((0, 1), ())
     assert split(place_experts(plan, (R, R))) == ExpertSplit((), ())
-    assert split(dispatch_by_batch(plan)) == ExpertSplit((1,), (1,))
 
 
-def test_the_solved_plan_splits_the_experts_over_e(mixtral_plan):
-    """What the next test runs is the solver's own choice: GShard's expert parallelism on mesh axis y."""
-    _, plan = mixtral_plan
-    e = plan.tensors[WEIGHTS[2]]["dims"][0]
-    assert all(plan.stages[0].params[name].placement == (R, Shard(e)) for name in WEIGHTS)
-    assert plan.stages[0].ops[f"{EXPERTS}.gate"].axes == (None, e)
+
+def test_the_solved_plans_split_the_experts_over_e(mixtral_plan, all_to_all_plan):
+    """What the verify tests run is the solver's own choice: GShard's expert parallelism on mesh axis y,
+    fed by replicated tokens in one plan and by batch-split tokens through an all-to-all in the other."""
+    for (_, plan), tokens in [(mixtral_plan, ()), (all_to_all_plan, (1,))]:
+        e = plan.tensors[WEIGHTS[2]]["dims"][0]
+        assert all(plan.stages[0].params[name].placement == (R, Shard(e)) for name in WEIGHTS)
+        assert plan.stages[0].ops[f"{EXPERTS}.gate"].axes == (None, e)
+        assert expert_splits(plan, plan.stages[0], set())[EXPERTS] == ExpertSplit((1,), tokens)
+    assert "→ all-to-all" in all_to_all_plan[1].stages[0].ops[f"{EXPERTS}.dispatch"].explanation
 
 
 def test_experts_split_over_e_reproduce_the_unsharded_step(mixtral_plan):
-    """The solved plan on two gloo processes, four experts each: loss and every gradient (router and
-    experts too) equal transformers' unsharded step, and the experts module ran all-to-alls."""
+    """The solved plan on two gloo processes, four experts each, every process routing all tokens: loss
+    and every gradient (router and experts too) equal transformers' unsharded step."""
     config, plan = mixtral_plan
     report = verify_plan(plan, str(config))
     stage = report.stages[0]
     assert report.ok, report.lines()
     assert stage.placements[f"{EXPERTS}.gate_up_proj"] == "[Replicate(), Shard(0)]"
     assert stage.placements[f"{EXPERTS}.down_proj"] == "[Replicate(), Shard(0)]"
-    assert stage.placements[f"{EXPERTS}.gate_up_proj"] == "[Replicate(), Shard(0)]"
+    ran = {kind for module, kinds in stage.observed.items() if module.startswith(EXPERTS) for kind in kinds}
+    assert "all_to_all" not in ran
 
 
-def test_experts_fed_by_a_batch_split_dispatch_exchange_tokens_by_all_to_all(mixtral_plan):
-    """The dispatch split by the batch over the experts' axis: tokens go to their experts' process and
-    back in all-to-alls over gloo; loss and every gradient still equal the unsharded step."""
-    config, plan = mixtral_plan
-    report = verify_plan(dispatch_by_batch(plan), str(config))
+def test_experts_fed_by_a_batch_split_dispatch_exchange_tokens_by_all_to_all(all_to_all_plan):
+    """The solved plan whose dispatch splits the batch over the experts' axis: tokens go to their experts'
+    process and back in all-to-alls over gloo; loss and every gradient equal the unsharded step."""
+    config, plan = all_to_all_plan
+    report = verify_plan(plan, str(config))
     stage = report.stages[0]
     assert report.ok, report.lines()
     ran = {kind for module, kinds in stage.observed.items() if module.startswith(EXPERTS) for kind in kinds}
