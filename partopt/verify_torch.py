@@ -329,7 +329,8 @@ def _predicted(stage: Any) -> dict[str, dict[str, int]]:
             kind = (words[1] if words[0] == "statistics" else words[0]).replace("-", "_")
             result.setdefault(module, {})[kind] = result.get(module, {}).get(kind, 0) + 1
     for kind, seconds in stage.breakdown.get("sync_s", {}).items():
-        if seconds > 0:  # one call per parameter, as the step runs it
+        # one call per parameter, as the step runs it; a tied copy's all-reduce between stages is the pipeline's
+        if seconds > 0 and kind in KINDS:
             result.setdefault(TOP_LEVEL, {})[kind] = result.get(TOP_LEVEL, {}).get(kind, 0) + len(stage.params)
     return result
 
