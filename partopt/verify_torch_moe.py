@@ -8,8 +8,9 @@ shard of e. Where the plan splits the tokens over the expert axes too (data para
 all-to-all sends every (token, chosen expert) pair to the process holding the expert and a second one
 brings the results back; where the tokens are replicated, each process takes its experts' pairs from
 all tokens and the results are summed over the expert axes. Dropless, every routed token as
-transformers computes it (the plan prices capacity c = top_k·s/e, a balanced routing). A plan that splits the experts' weights over anything but e, or the three weights
-differently, is refused before any process starts. torch is imported lazily.
+transformers computes it (the plan prices capacity c = top_k·s/e, a balanced routing). A plan that
+splits the experts' weights over anything but e, or the three weights differently, is refused before
+any process starts. torch is imported lazily.
 """
 
 from __future__ import annotations
