@@ -137,10 +137,10 @@ def _init_experts(model: Any, std: float) -> None:
     """Seeded normal weights for the 3-D expert parameters, which from_config leaves uninitialised."""
     import torch
 
-    from partopt.frontends.torch_moe import _is_experts
+    from partopt.frontends.torch_moe import is_experts
 
     for module in model.modules():
-        if _is_experts(module):
+        if is_experts(module):
             for p in module.parameters(recurse=False):
                 torch.nn.init.normal_(p, std=std)
 
@@ -168,7 +168,7 @@ def _step(model: Any, inputs: list[Any], loss_fn: Any) -> tuple[Any, dict[str, A
 
 # ---------------------------------------------------------------- one process
 
-def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: int, rendezvous: str, out: str) -> None:
+def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: int, init_method: str, out: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor, init_device_mesh
@@ -177,7 +177,7 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: in
     from torch.distributed.tensor.experimental import implicit_replication
 
     warnings.filterwarnings("ignore")  # the library never prints; torch warns about DTensor's module hooks
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     # DTensor has sharding rules for attention's math kernel, not for the CPU flash kernel
     math_attention = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)
     math_attention.__enter__()
@@ -347,9 +347,9 @@ def differences(predicted: dict[str, dict[str, int]], observed: dict[str, dict[s
 
 
 def rendezvous(directory: str) -> str:
-    """The init_method of one run's process group: a file in the run's own directory. A TCP port
-    chosen free and released before the processes bind it can be taken meanwhile by another run's
-    store or gloo connection (several test runs share the machine), and a worker then meets strangers."""
+    """The init_method of one run's process group: a file in the run's own directory. A TCP port chosen
+    free and released before the processes bind it can be chosen meanwhile by another run on the machine,
+    and two runs given one port cross: a worker joins the other run's group (docs/FRONTENDS.md)."""
     return "file://" + os.path.join(directory, "rendezvous")
 
 

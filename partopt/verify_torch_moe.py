@@ -71,7 +71,8 @@ def expert_splits(plan: Any, stage: Any, batch_axes: set[int]) -> dict[str, Expe
         if experts and 0 < len(set(experts) & set(tokens)) < len(experts):
             raise PartoptError(f"{module}.dispatch: the plan splits the experts over mesh axes {list(experts)} and "
                                f"the tokens over {list(tokens)}; the run exchanges tokens over all expert axes or "
-                               "over none", WHERE, "verify a plan whose experts and tokens share all or none of their axes")
+                               "over none", WHERE,
+                               "verify a plan whose experts and tokens share all or none of their axes")
         result[module] = ExpertSplit(experts, tokens)
     return result
 
@@ -131,7 +132,8 @@ def expert_parallel(module: Any, mesh: Any, split: ExpertSplit) -> None:
             got, expert = x[order // k], pairs[order] % local
         by_expert = torch.argsort(expert, stable=True)
         counts = torch.bincount(expert, minlength=local).tolist()
-        gates, ups = zip(*[(rows @ gate_up[j].T).chunk(2, dim=-1) for j, rows in enumerate(got[by_expert].split(counts))])
+        per_expert = got[by_expert].split(counts)
+        gates, ups = zip(*[(rows @ gate_up[j].T).chunk(2, dim=-1) for j, rows in enumerate(per_expert)])
         # the activation module is called once: CommDebugMode's module tracker adds a hook at every call
         inner = module.act_fn(torch.cat(gates)) * torch.cat(ups)
         done = torch.cat([rows @ down[j].T for j, rows in enumerate(inner.split(counts))])[torch.argsort(by_expert)]
