@@ -308,7 +308,19 @@ def to_dtensor(plan: Plan, torch_shapes: dict[str, tuple[int, ...]] | None = Non
                        "parallelize_plan": parallelize_plan(plan, i),
                        "begins_at": entry.group(1) if entry else first_op})
     return {"format": "partopt.export.dtensor", "version": 1, "graph": plan.graph, "training": training(plan),
-            "stages": stages}
+            "shared_params": shared_copies(plan), "stages": stages}
+
+
+def shared_copies(plan: Plan) -> dict[str, dict[str, Any]]:
+    """Parameters of which several stages hold a copy (a tied embedding read by the first stage's lookup
+    and the last stage's LM head): the stages, and how their gradients meet (the plan prices an
+    all-reduce of the copies' gradients between those stages every iteration, as Megatron does)."""
+    held: dict[str, list[int]] = {}
+    for i, stage in enumerate(plan.stages):
+        for name in stage.params:
+            held.setdefault(name, []).append(i)
+    return {name: {"stages": stages, "gradients": "all_reduce between the stages' copies, once per iteration"}
+            for name, stages in held.items() if len(stages) > 1}
 
 
 def module_of(name: str) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import tempfile
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -27,7 +26,7 @@ from partopt.errors import PartoptError
 from partopt.frontends.torch_axes import torch_placements
 from partopt.export import AXIS_NAMES, TensorPlacement, optimizer_placement
 from partopt.plan import Plan, plan_from_dict, plan_to_dict
-from partopt.sharding import R
+from partopt.verify_torch_moe import expert_parallel, expert_splits
 
 MAX_PROCESSES = 8  # one CPU process per device of a stage
 RTOL, ATOL = 1e-4, 1e-5  # fp32 on CPU: a sharded sum differs from the unsharded one by rounding only
@@ -112,6 +111,7 @@ def _build(source: str, plan: Plan | None, microbatches: int = 1) -> tuple[Any, 
         config = read_hf_config(source)
         config.use_cache = False
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        _init_experts(model, config.initializer_range)
         if plan is None or "input_ids" not in plan.tensors:
             raise PartoptError("a Hugging Face model is verified against a plan with input_ids", "verify")
         shape = plan.tensors["input_ids"]["shape"]
@@ -131,6 +131,18 @@ def _build(source: str, plan: Plan | None, microbatches: int = 1) -> tuple[Any, 
     def square_loss(out: Any, inputs: list[Any]) -> Any:
         return (out if isinstance(out, torch.Tensor) else out[0]).square().mean()
     return model, inputs, square_loss
+
+
+def _init_experts(model: Any, std: float) -> None:
+    """Seeded normal weights for the 3-D expert parameters, which from_config leaves uninitialised."""
+    import torch
+
+    from partopt.frontends.torch_moe import is_experts
+
+    for module in model.modules():
+        if is_experts(module):
+            for p in module.parameters(recurse=False):
+                torch.nn.init.normal_(p, std=std)
 
 
 def _call_source(source: str, load: Any) -> tuple[Any, list[Any]]:
@@ -156,7 +168,7 @@ def _step(model: Any, inputs: list[Any], loss_fn: Any) -> tuple[Any, dict[str, A
 
 # ---------------------------------------------------------------- one process
 
-def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: int, init_method: str, out: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor, init_device_mesh
@@ -165,8 +177,7 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: in
     from torch.distributed.tensor.experimental import implicit_replication
 
     warnings.filterwarnings("ignore")  # the library never prints; torch warns about DTensor's module hooks
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     # DTensor has sharding rules for attention's math kernel, not for the CPU flash kernel
     math_attention = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)
     math_attention.__enter__()
@@ -196,6 +207,8 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: in
             if fqn in stage.params or any(k.startswith(fqn + "[") for k in stage.params):
                 grad_targets[fqn] = (torch_placements(sync), torch_placements(spec))
         batch_axes = _batch_axes(stage, plan.batch_dim)
+        for path, split in expert_splits(plan, stage, batch_axes).items():
+            expert_parallel(model.get_submodule(path), mesh, split)
         placements = [TShard(0) if k in batch_axes else Replicate() for k in range(len(AXIS_NAMES))]
         dinputs = [distribute_tensor(x, mesh, placements) for x in inputs]
         with implicit_replication():
@@ -231,7 +244,9 @@ def _kind_counts(counts: dict[Any, int]) -> dict[str, int]:
     """Collective calls by kind (all_reduce, all_gather, reduce_scatter, all_to_all)."""
     result: dict[str, int] = {}
     for op, n in counts.items():
-        kind = next((k for k in KINDS if k in str(op)), str(op))
+        name = str(op).replace("alltoall", "all_to_all").replace("allgather", "all_gather").replace(
+            "allreduce", "all_reduce")  # c10d's spellings (c10d.alltoall_base_), as funcol's
+        kind = next((k for k in KINDS if k in name), name)
         result[kind] = result.get(kind, 0) + n
     return result
 
@@ -275,18 +290,22 @@ def _param_specs(plan: Plan, stage: Any, fqn: str, shape: tuple[int, ...], sizes
                  notes: list[str]) -> tuple[list, list]:
     """(the parameter's placement, its gradient's synchronised placement) in DTensor terms."""
     replicated = [("replicate", None)] * len(AXIS_NAMES)
-    info = stage.params.get(fqn)
+    name, info = fqn, stage.params.get(fqn)
     if info is None:
         chunks = [k for k in stage.params if k.startswith(fqn + "[")]
-        if chunks and any(p != R for k in chunks for p in stage.params[k].placement):
-            notes.append(f"{fqn}: the plan shards its chunks {', '.join(chunks)} separately; one DTensor cannot: replicated")
-        return replicated, replicated
-    dims = tuple(plan.tensors[fqn]["dims"])
-    spec, why = torch_placements(fqn, info.placement, shape, dims, sizes)
+        if not chunks:
+            return replicated, replicated
+        if len({stage.params[k] for k in chunks}) > 1:  # alike chunks are one placement of the whole tensor
+            notes.append(f"{fqn}: the plan shards its chunks {', '.join(chunks)} differently; one DTensor cannot: "
+                         "replicated")
+            return replicated, replicated
+        name, info = chunks[0], stage.params[chunks[0]]
+    dims = tuple(plan.tensors[name]["dims"])
+    spec, why = torch_placements(name, info.placement, shape, dims, sizes)
     notes.extend(why)
-    t = TensorPlacement(fqn, "param", dims, tuple(plan.tensors[fqn]["shape"]), info.placement, info.zero_axes)
+    t = TensorPlacement(name, "param", dims, tuple(plan.tensors[name]["shape"]), info.placement, info.zero_axes)
     state, _flat = optimizer_placement(t, tuple(stage.logical_mesh))
-    sync, _ = torch_placements(fqn, state, shape, dims, sizes)
+    sync, _ = torch_placements(name, state, shape, dims, sizes)
     return spec, sync
 
 
@@ -310,7 +329,8 @@ def _predicted(stage: Any) -> dict[str, dict[str, int]]:
             kind = (words[1] if words[0] == "statistics" else words[0]).replace("-", "_")
             result.setdefault(module, {})[kind] = result.get(module, {}).get(kind, 0) + 1
     for kind, seconds in stage.breakdown.get("sync_s", {}).items():
-        if seconds > 0:  # one call per parameter, as the step runs it
+        # one call per parameter, as the step runs it; a tied copy's all-reduce between stages is the pipeline's
+        if seconds > 0 and kind in KINDS:
             result.setdefault(TOP_LEVEL, {})[kind] = result.get(TOP_LEVEL, {}).get(kind, 0) + len(stage.params)
     return result
 
@@ -326,10 +346,11 @@ def differences(predicted: dict[str, dict[str, int]], observed: dict[str, dict[s
     return lines
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous(directory: str) -> str:
+    """The init_method of one run's process group: a file in the run's own directory. A TCP port chosen
+    free and released before the processes bind it can be chosen meanwhile by another run on the machine,
+    and two runs given one port cross: a worker joins the other run's group (docs/FRONTENDS.md)."""
+    return "file://" + os.path.join(directory, "rendezvous")
 
 
 # ---------------------------------------------------------------- entry point
@@ -345,6 +366,8 @@ def verify_plan(plan: Plan, source: str) -> VerifyReport:
         if "input_ids" not in plan.tensors:
             raise PartoptError("the plan has no tensor input_ids: it is not a plan of a graph imported from a "
                                "Hugging Face config", "verify", "solve the graph of `partopt import hf` for this config")
+    for stage in plan.stages:  # refuse an expert split the run cannot express before any process starts
+        expert_splits(plan, stage, set())
     stages = []
     for i, stage in enumerate(plan.stages):
         world = math.prod(stage.logical_mesh)
@@ -354,7 +377,8 @@ def verify_plan(plan: Plan, source: str) -> VerifyReport:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result.json")
             try:
-                mp.spawn(_worker, args=(world, source, plan_to_dict(plan), i, _free_port(), out), nprocs=world, join=True)
+                mp.spawn(_worker, args=(world, source, plan_to_dict(plan), i, rendezvous(tmp), out), nprocs=world,
+                         join=True)
             except Exception as err:  # a worker's failure arrives as ProcessRaisedException with its traceback
                 last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
                 raise PartoptError(f"stage {i}: the DTensor run failed: {last}", "verify",

@@ -121,3 +121,29 @@ def test_a_two_stage_plan_runs_pipelined_with_the_unsharded_loss_and_gradients(t
     assert report.boundaries == ["model.layers.1"] and report.note is None
     assert [c.name for c in report.checks] == ["loss", "gradients"] and all(c.ok for c in report.checks)
     assert report.checks[1].detail == "21 of 21 parameters match"  # every parameter, each on its stage
+
+
+GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "n_positions": 8,
+        "bos_token_id": 0, "eos_token_id": 0}
+
+
+def test_a_tied_embedding_split_across_stages_is_summed_between_its_copies(tmp_path):
+    """GPT-2's token table is the LM head's weight: split at transformer.h.1 the first stage holds it for the
+    lookup and the last for the head. The export says both stages hold a copy; the pipelined run sums the
+    copies' gradients by an all-reduce between them (Megatron's embedding all-reduce) and every gradient
+    equals the unsharded step's: the 28 parameters, and the tied one once more on the last stage."""
+    from partopt.verify_torch_pipeline import verify_pipeline
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(GPT2))
+    graph = from_hf_config(read_hf_config(config), batch=4, seq=8)
+    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    plan = optimize(graph, cluster, workers=1, microbatches=[2], inter_only=True)
+    assert to_dtensor(plan)["shared_params"] == {"transformer.wte.weight": {
+        "stages": [0, 1], "gradients": "all_reduce between the stages' copies, once per iteration"}}
+    report = verify_pipeline(plan, str(config))
+    assert report.boundaries == ["transformer.h.1"] and report.note is None
+    assert report.tied["transformer.wte.weight"][-1] == "1:lm_head.weight"
+    assert {h.partition(":")[0] for h in report.tied["transformer.wte.weight"]} == {"0", "1"}
+    assert all(c.ok for c in report.checks), report.lines()
+    assert report.checks[1].detail == "29 of 29 parameters match"

@@ -38,7 +38,7 @@ def _experts_shape(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, 
     return torch.empty_like(x)
 
 
-def _is_experts(module: Any) -> bool:
+def is_experts(module: Any) -> bool:
     w = getattr(module, "gate_up_proj", None)
     return isinstance(w, torch.nn.Parameter) and w.dim() == 3 and hasattr(module, "down_proj")
 
@@ -62,7 +62,7 @@ def experts_as_one_op(model: Any) -> Iterator[int]:
     """While inside, every experts module of `model` calls partopt::experts; yields how many."""
     patched = []
     for path, module in model.named_modules():
-        if _is_experts(module):
+        if is_experts(module):
             act = _activation(path, module)
             module.forward = (lambda h, index, weights, m=module, a=act:
                               experts(h, index, weights, m.gate_up_proj, m.down_proj, a))
