@@ -256,31 +256,56 @@ def _leaving_copy(graph: Graph, op: Op, strategy: Strategy, mesh: LogicalMesh) -
     return max(forward, backward)
 
 
-_USE_TABLES: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # see `_use_tables`
-_USE_TABLES_KEPT = 4096
+_TABLES: dict[tuple, tuple[np.ndarray, ...]] = {}  # see `_use_tables` and `_flow_table`
+_TABLES_KEPT = 4096
+
+
+def _kept_tables(key: tuple, compute: Callable[[], tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+    """The tables kept under `key`, computed (and made read-only) the first time."""
+    tables = _TABLES.get(key)
+    if tables is None:
+        if len(_TABLES) >= _TABLES_KEPT:
+            _TABLES.clear()
+        tables = _TABLES[key] = compute()
+        for table in tables:
+            table.flags.writeable = False
+    return tables
 
 
 def _use_tables(model_graph: Graph, use: Use, src_list: list, dst_list: list[Strategy], prices: PairPrices,
                 microbatches: int, rerun: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(seconds, copy bytes, gathered weight bytes) of one use for every pair of its ends' strategies
     (`_use_cost`, `_use_copies`), read-only. Repeated layers and the pricing jobs of one layer (other
-    caps, microbatch counts) ask for the same tables: they are kept by what they depend on."""
+    caps, microbatch counts) ask for the same tables: they are kept under all they depend on."""
     sources, required, grads = _ends(use, src_list, dst_list)
     nbytes = model_graph.nbytes(use.tensor)
     differentiable = _is_float(model_graph, use.tensor)
     zero = tuple(p.zero_axes for p in src_list) if use.param else ()
     key = (use.param, differentiable, use.gradient, rerun, microbatches, nbytes, tuple(sources), tuple(required),
            tuple(grads), zero, prices.mesh, prices.model)
-    tables = _USE_TABLES.get(key)
-    if tables is None:
-        if len(_USE_TABLES) >= _USE_TABLES_KEPT:
-            _USE_TABLES.clear()
+
+    def compute() -> tuple[np.ndarray, ...]:
         cost = _use_cost(use, src_list, sources, required, grads, nbytes, differentiable, prices, microbatches, rerun)
-        tables = (cost, *_use_copies(use, sources, required, grads, nbytes, differentiable, prices))
-        for table in tables:
-            table.flags.writeable = False
-        _USE_TABLES[key] = tables
-    return tables
+        return (cost, *_use_copies(use, sources, required, grads, nbytes, differentiable, prices))
+
+    return _kept_tables(key, compute)
+
+
+def _flow_table(graph: Graph, flow: gradients.Flow, src_list: list, dst_list: list, prices: PairPrices) -> np.ndarray:
+    """Seconds of one gradient flow for every pair of its ends' choices (`gradients.collectives`).
+    A contribution or a sink is a plain resharding of the tensor: its table is kept like a use's."""
+    src_key, dst_key = gradients.keys(flow)
+
+    def compute() -> tuple[np.ndarray, ...]:
+        return (pair_table(lambda a, b: prices.seconds(gradients.collectives(graph, flow, a, b, prices.mesh, prices)),
+                           src_list, dst_list, src_key, dst_key),)
+
+    if flow.kind == "relay":  # renames dims: not worth keeping (reshapes are few)
+        return compute()[0]
+    sources = tuple(src_list if src_key is None else map(src_key, src_list))
+    targets = tuple(dst_list if dst_key is None else map(dst_key, dst_list))
+    key = ("flow", flow.kind, graph.nbytes(flow.tensor), sources, targets, prices.mesh, prices.model)
+    return _kept_tables(key, compute)[0]
 
 
 def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list[Placement], grads: list[Placement],
@@ -522,9 +547,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
             if table.any():
                 costs.add_transient(pool, use.dst, use.src, table, use.dst)
     for flow in sums.flows:
-        costs.add_edge(flow.src, flow.dst, pair_table(
-            lambda a, b: prices.seconds(gradients.collectives(graph, flow, a, b, mesh, prices)),
-            strategies[flow.src], strategies[flow.dst], *gradients.keys(flow)))
+        costs.add_edge(flow.src, flow.dst, _flow_table(graph, flow, strategies[flow.src], strategies[flow.dst], prices))
     return StageModel(graph, mesh, ops, params, strategies, uses, costs, microbatches, inflight, sums.flows,
                       hubs, leaving, kept, rerun)
 

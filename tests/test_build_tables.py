@@ -29,7 +29,7 @@ def unmemoised(monkeypatch):
     """Resharding priced afresh on every call, and no use tables kept from earlier builds."""
     monkeypatch.setattr(sharding, "_reshard_steps", sharding._reshard_steps.__wrapped__)
     monkeypatch.setattr(sharding, "_PAIR_PRICES", {})
-    monkeypatch.setattr(intra, "_USE_TABLES", {})
+    monkeypatch.setattr(intra, "_TABLES", {})
 
 
 def _oriented(u: int, v: int, table: np.ndarray) -> tuple[tuple[int, int], np.ndarray]:
@@ -106,7 +106,7 @@ def test_build_equals_pair_by_pair_pricing(case, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(sharding, "_reshard_steps", sharding._reshard_steps.__wrapped__)
         patch.setattr(sharding, "_PAIR_PRICES", {})
-        patch.setattr(intra, "_USE_TABLES", {})
+        patch.setattr(intra, "_TABLES", {})
         fresh = intra.build(graph, mesh, ops, **options)
         edges, transients = reference(model)
     assert model.uses
