@@ -22,15 +22,13 @@ from partopt.sharding import (
     Placement,
     R,
     Shard,
+    Step,
     Strategy,
     as_gradient_target,
     gradient_placement,
     reshard_collectives,
     tensor_placements,
 )
-
-Step = tuple[str, int, float]  # (collective, mesh axis, buffer bytes)
-
 
 class EdgeUse(Protocol):
     tensor: str
