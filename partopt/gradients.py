@@ -10,7 +10,7 @@ its output's gradient sum passes on to its input's sum, renamed, Partial or not.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,18 +18,17 @@ from partopt.cluster import LogicalMesh
 from partopt.graph import Graph, Op
 from partopt.ops import reshape_outer
 from partopt.sharding import (
+    PairPrices,
     Placement,
     R,
     Shard,
+    Step,
     Strategy,
     as_gradient_target,
     gradient_placement,
     reshard_collectives,
     tensor_placements,
 )
-
-Step = tuple[str, int, float]  # (collective, mesh axis, buffer bytes)
-
 
 class EdgeUse(Protocol):
     tensor: str
@@ -147,13 +146,26 @@ def _source_of(graph: Graph, flow: Flow) -> str:
     return graph.producers[flow.tensor].inputs[0]
 
 
-def collectives(graph: Graph, flow: Flow, src, dst, mesh: LogicalMesh) -> list[Step]:
-    """Collectives of one flow, per microbatch, for the source and destination choices."""
+def keys(flow: Flow) -> tuple[Callable | None, Callable | None]:
+    """What `collectives` reads of a flow's source and destination choices (None: all of it), for `sharding.pair_table`."""
+    if flow.kind == "contribute":
+        return lambda s: gradient_placement(s.inputs[flow.slot], s.axes), None
+    if flow.kind == "relay":
+        return None, None
+    return None, lambda d: d.output
+
+
+def collectives(graph: Graph, flow: Flow, src, dst, mesh: LogicalMesh, prices: PairPrices | None = None) -> list[Step]:
+    """Collectives of one flow, per microbatch, for the source and destination choices (`prices`:
+    memoised resharding on `mesh`, as a stage's cost graph asks for it many times)."""
+    def reshard(a: Placement, b: Placement, nbytes: float) -> list[Step]:
+        return list(prices.reshard(a, b, nbytes)) if prices is not None else reshard_collectives(a, b, nbytes, mesh)
+
     if flow.kind == "contribute":
         s: Strategy = src
         grad = gradient_placement(s.inputs[flow.slot], s.axes)
-        return reshard_collectives(grad, dst, graph.nbytes(flow.tensor), mesh)
+        return reshard(grad, dst, graph.nbytes(flow.tensor))
     if flow.kind == "relay":
         steps, relabelled = _relabel(graph, flow, src, mesh)
-        return steps + reshard_collectives(relabelled, dst, graph.nbytes(_source_of(graph, flow)), mesh)
-    return reshard_collectives(src, as_gradient_target(dst.output), graph.nbytes(flow.tensor), mesh)
+        return steps + reshard(relabelled, dst, graph.nbytes(_source_of(graph, flow)))
+    return reshard(src, as_gradient_target(dst.output), graph.nbytes(flow.tensor))

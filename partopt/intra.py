@@ -10,6 +10,7 @@ and a readable explanation per op.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -23,9 +24,9 @@ from partopt.graph import Graph, Op
 from partopt.ops import is_matmul
 from partopt.units import fmt_bytes, fmt_seconds
 from partopt.sharding import (
-    ParamStrategy, Placement, Strategy, as_gradient_target, collectives_time, fmt, forward_share,
+    PairPrices, ParamStrategy, Placement, Strategy, as_gradient_target, collectives_time, fmt, forward_share,
     gradient_placement, local_bytes, op_strategies, param_strategies, param_sync_collectives,
-    R, Shard, reshard_collectives, reshard_copy_bytes, shards, tensor_placements,
+    R, Shard, pair_table, reshard_collectives, reshard_copy_bytes, shards, tensor_placements,
 )
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -177,45 +178,12 @@ def _use_collectives(model_graph: Graph, use: Use, src_strategy, dst_strategy: S
 BUFFERS, PREFETCH = "buffers", "prefetch"  # pools of transients (docs/COSTMODEL.md §5)
 
 
-def _use_transients(model_graph: Graph, use: Use, src_strategy, dst_strategy: Strategy,
-                    mesh: LogicalMesh) -> tuple[float, float]:
-    """(copy, gathered weight) bytes per device one use materialises while its consumer runs.
-
-    A parameter gathered for the op (stored sharded where the op needs more of it: FSDP/ZeRO-3)
-    is a copy of the needed layout, forward and again backward; it also counts as the weight a
-    prefetch gathers one op ahead. An activation resharded by an all-gather or all-to-all is a copy
-    beside the source, forward; its gradient likewise, backward (the larger of the two, which
-    never coexist). In-place collectives and local slices copy nothing (`reshard_copy_bytes`).
-    """
-    nbytes = model_graph.nbytes(use.tensor)
-    required = dst_strategy.inputs[use.slot]
-    if use.param:
-        gathered = reshard_copy_bytes(src_strategy.placement, required, nbytes, mesh)
-        return gathered, gathered
-    out: Placement = src_strategy.output
-    forward = reshard_copy_bytes(out, required, nbytes, mesh)
-    backward = 0.0
-    if _is_float(model_graph, use.tensor) and use.gradient:
-        grad = gradient_placement(required, dst_strategy.axes)
-        backward = reshard_copy_bytes(grad, as_gradient_target(out), nbytes, mesh)
-    return max(forward, backward), 0.0
-
-
-def _add_transients(model_graph: Graph, costs: ilp.CostGraph, use: Use, src_list: list,
-                    dst_list: list[Strategy], mesh: LogicalMesh) -> None:
-    """Put one use's transients on its edge, owned by the consumer node (where they coexist)."""
-    cache: dict[tuple, tuple[float, float]] = {}
-    tables = np.zeros((2, len(src_list), len(dst_list)))
-    for a, s in enumerate(src_list):
-        skey = (s.placement, s.zero_axes) if use.param else s.output
-        for b, d in enumerate(dst_list):
-            key = (skey, d.inputs[use.slot], d.axes)
-            if key not in cache:
-                cache[key] = _use_transients(model_graph, use, s, d, mesh)
-            tables[:, a, b] = cache[key]
-    for pool, table in zip((BUFFERS, PREFETCH), tables):
-        if table.any():
-            costs.add_transient(pool, use.dst, use.src, table, use.dst)
+def _ends(use: Use, src_list: list, dst_list: list[Strategy]) -> tuple[list[Placement], list[Placement], list[Placement]]:
+    """Per strategy of a use's ends: the source's layout (a parameter's placement, an op's output), and
+    the layout the consumer requires and the placement of the gradient it sends back."""
+    sources = [s.placement for s in src_list] if use.param else [s.output for s in src_list]
+    required = [d.inputs[use.slot] for d in dst_list]
+    return sources, required, [gradient_placement(q, d.axes) for q, d in zip(required, dst_list)]
 
 
 def accumulator_bytes(graph: Graph, tensor: str, strategy: Strategy, slot: int, mesh: LogicalMesh) -> float:
@@ -288,21 +256,102 @@ def _leaving_copy(graph: Graph, op: Op, strategy: Strategy, mesh: LogicalMesh) -
     return max(forward, backward)
 
 
-def _edge_cost(model_graph: Graph, use: Use, src_list: list, dst_list: list[Strategy],
-               mesh: LogicalMesh, microbatches: int, rerun: bool) -> np.ndarray:
-    cache: dict[tuple, float] = {}
-    matrix = np.zeros((len(src_list), len(dst_list)))
-    for a, s in enumerate(src_list):
-        skey = (s.placement, s.zero_axes) if use.param else s.output
-        for b, d in enumerate(dst_list):
-            key = (skey, d.inputs[use.slot], d.axes)
-            if key not in cache:
-                c = _use_collectives(model_graph, use, s, d, mesh)
-                again = c.recomputed(use.param) if rerun else []
-                cache[key] = (collectives_time(c.per_microbatch + again, mesh)
-                              + collectives_time(c.per_iteration, mesh, bucketed=True) / microbatches)
-            matrix[a, b] = cache[key]
-    return matrix
+_TABLES: dict[tuple, tuple[np.ndarray, ...]] = {}  # see `_use_tables` and `_flow_table`
+_TABLES_KEPT = 2048
+
+
+def _kept_tables(key: tuple, compute: Callable[[], tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+    """The tables kept under `key`, computed (and made read-only) the first time."""
+    tables = _TABLES.get(key)
+    if tables is None:
+        if len(_TABLES) >= _TABLES_KEPT:
+            _TABLES.clear()
+        tables = _TABLES[key] = compute()
+        for table in tables:
+            table.flags.writeable = False
+    return tables
+
+
+def _use_tables(model_graph: Graph, use: Use, src_list: list, dst_list: list[Strategy], prices: PairPrices,
+                microbatches: int, rerun: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(seconds, copy bytes, gathered weight bytes) of one use for every pair of its ends' strategies:
+    per microbatch plus the per-iteration part over the microbatches (`_use_seconds`), and the
+    transients (`_use_copies`, read-only). Repeated layers and the pricing jobs of one layer (other
+    caps, microbatch counts) ask for the same tables: they are kept under all they depend on."""
+    sources, required, grads = _ends(use, src_list, dst_list)
+    nbytes = model_graph.nbytes(use.tensor)
+    differentiable = _is_float(model_graph, use.tensor)
+    zero = tuple(p.zero_axes for p in src_list) if use.param else ()
+    key = (use.param, differentiable, use.gradient, rerun, nbytes, tuple(sources), tuple(required),
+           tuple(grads), zero, prices.mesh, prices.model)
+
+    def compute() -> tuple[np.ndarray, ...]:
+        return (*_use_seconds(use, src_list, sources, required, grads, nbytes, differentiable, prices, rerun),
+                *_use_copies(use, sources, required, grads, nbytes, differentiable, prices))
+
+    per_microbatch, per_iteration, copies, prefetch = _kept_tables(key, compute)
+    return per_microbatch + per_iteration / microbatches, copies, prefetch
+
+
+def _flow_table(graph: Graph, flow: gradients.Flow, src_list: list, dst_list: list, prices: PairPrices) -> np.ndarray:
+    """Seconds of one gradient flow for every pair of its ends' choices (`gradients.collectives`).
+    A contribution or a sink is a plain resharding of the tensor: its table is kept like a use's."""
+    src_key, dst_key = gradients.keys(flow)
+
+    def compute() -> tuple[np.ndarray, ...]:
+        return (pair_table(lambda a, b: prices.seconds(gradients.collectives(graph, flow, a, b, prices.mesh, prices)),
+                           src_list, dst_list, src_key, dst_key),)
+
+    if flow.kind == "relay":  # renames dims: not worth keeping (reshapes are few)
+        return compute()[0]
+    sources = tuple(src_list if src_key is None else map(src_key, src_list))
+    targets = tuple(dst_list if dst_key is None else map(dst_key, dst_list))
+    key = ("flow", flow.kind, graph.nbytes(flow.tensor), sources, targets, prices.mesh, prices.model)
+    return _kept_tables(key, compute)[0]
+
+
+def _use_seconds(use: Use, src_list: list, sources: list[Placement], required: list[Placement],
+                 grads: list[Placement], nbytes: float, differentiable: bool, prices: PairPrices,
+                 rerun: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds of one use's collectives per microbatch (the recomputed ones included) and per
+    iteration, for every pair of its ends' strategies, as `_use_collectives` prices a pair: each
+    sum taken collective by collective in the same order (the same floats)."""
+    gather = list(prices.reshard_seconds(sources, required, nbytes))
+    per_iteration: list[np.ndarray] = []
+    if use.param:
+        per_microbatch = gather + gather  # gathered for the forward and again for the backward
+        if differentiable:
+            per_iteration = list(prices.step_table(
+                lambda p, g: param_sync_collectives(g, p, nbytes, prices.mesh), src_list, grads,
+                2 * len(prices.mesh.shape), bucketed=True))
+    else:
+        backward: list[np.ndarray] = []
+        if differentiable and use.gradient:
+            targets = [as_gradient_target(o) for o in sources]
+            backward = list(prices.reshard_seconds(grads, targets, nbytes).transpose(0, 2, 1))
+        per_microbatch = gather + backward + (gather if rerun else [])
+    start = np.zeros((len(sources), len(required)))
+    return functools.reduce(np.add, per_microbatch, start), functools.reduce(np.add, per_iteration, start)
+
+
+def _use_copies(use: Use, sources: list[Placement], required: list[Placement], grads: list[Placement],
+                nbytes: float, differentiable: bool, prices: PairPrices) -> tuple[np.ndarray, np.ndarray]:
+    """(copy, gathered weight) bytes per device one use materialises while its consumer runs, per
+    strategy pair: transients of the consumer (docs/COSTMODEL.md §5).
+
+    A parameter gathered for the op (stored sharded where the op needs more of it: FSDP/ZeRO-3)
+    is a copy of the needed layout, forward and again backward; it also counts as the weight a
+    prefetch gathers one op ahead. An activation resharded by an all-gather or all-to-all is a copy
+    beside the source, forward; its gradient likewise, backward (the larger of the two, which
+    never coexist). In-place collectives and local slices copy nothing (`reshard_copy_bytes`).
+    """
+    copies = pair_table(lambda p, q: prices.copy_bytes(p, q, nbytes), sources, required)
+    if use.param:
+        return copies, copies
+    if differentiable and use.gradient:
+        targets = [as_gradient_target(o) for o in sources]
+        copies = np.maximum(copies, pair_table(lambda g, t: prices.copy_bytes(g, t, nbytes), grads, targets).T)
+    return copies, np.zeros_like(copies)
 
 
 def optimizer_step_time(graph: Graph, tensor: str, strategy: ParamStrategy, mesh: LogicalMesh) -> float:
@@ -405,6 +454,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     force_dim = graph.batch_dim if data_parallel else None
     ops = list(graph.order if ops is None else ops)
     costs = ilp.CostGraph()
+    prices = PairPrices.on(mesh)
     strategies: list[list] = []
     node_of_op: dict[str, int] = {}
     inside = {op.name for op in ops}
@@ -493,13 +543,14 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
         strategies.append(options)
     hubs = _add_layout_hubs(graph, mesh, costs, strategies, uses)
     for use in uses:
-        costs.add_edge(use.src, use.dst, _edge_cost(graph, use, strategies[use.src], strategies[use.dst],
-                                                     mesh, microbatches, _reruns(use, ops, rerun)))
-        _add_transients(graph, costs, use, strategies[use.src], strategies[use.dst], mesh)
+        cost, *transients = _use_tables(graph, use, strategies[use.src], strategies[use.dst], prices,
+                                        microbatches, _reruns(use, ops, rerun))
+        costs.add_edge(use.src, use.dst, cost)
+        for pool, table in zip((BUFFERS, PREFETCH), transients):  # the consumer's, where they coexist
+            if table.any():
+                costs.add_transient(pool, use.dst, use.src, table, use.dst)
     for flow in sums.flows:
-        costs.add_edge(flow.src, flow.dst, np.array([[
-            collectives_time(gradients.collectives(graph, flow, a, b, mesh), mesh) for b in strategies[flow.dst]]
-            for a in strategies[flow.src]]))
+        costs.add_edge(flow.src, flow.dst, _flow_table(graph, flow, strategies[flow.src], strategies[flow.dst], prices))
     return StageModel(graph, mesh, ops, params, strategies, uses, costs, microbatches, inflight, sums.flows,
                       hubs, leaving, kept, rerun)
 

@@ -8,11 +8,14 @@ so one rule covers every op kind.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
 
 from partopt import costmodel
 from partopt import ops as opkinds
@@ -119,11 +122,19 @@ def reshard_collectives(src: Placement, dst: Placement, nbytes: float,
     One collective per axis that changes, one after the other: each step's buffer is the layout the
     previous steps left (a tensor split on both axes and gathered whole moves the 1/b-gathered buffer
     on axis 0, then the whole tensor on axis 1). Of the two orders the cheaper is taken."""
+    return list(_reshard_steps(src, dst, nbytes, mesh, costmodel.active()))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _reshard_steps(src: Placement, dst: Placement, nbytes: float, mesh: LogicalMesh,
+                   model: costmodel.CostModel) -> tuple[tuple[str, int, float], ...]:
+    """`reshard_collectives`, memoised: a stage's cost graph asks for the same few (layouts, size)
+    tens of thousands of times. The active cost model picks the cheaper order, so it is in the key."""
     changing = [axis for axis, (s, d) in enumerate(zip(src, dst))
                 if axis_collective(s, d) is not None and mesh.shape[axis] > 1]
     orders = [changing] if len(changing) < 2 else [changing, changing[::-1]]
     plans = [_in_order(src, dst, nbytes, mesh, order) for order in orders]
-    return min(plans, key=lambda steps: collectives_time(steps, mesh))
+    return tuple(min(plans, key=lambda steps: collectives_time(steps, mesh)))
 
 
 def _in_order(src: Placement, dst: Placement, nbytes: float, mesh: LogicalMesh,
@@ -159,6 +170,96 @@ def collectives_time(steps: Sequence[tuple[str, int, float]], mesh: LogicalMesh,
 def reshard_time(src: Placement, dst: Placement, nbytes: float, mesh: LogicalMesh) -> float:
     """Seconds to move a tensor of `nbytes` from placement src to dst on `mesh`."""
     return collectives_time(reshard_collectives(src, dst, nbytes, mesh), mesh)
+
+
+Step = tuple[str, int, float]  # (collective, mesh axis, buffer bytes)
+
+
+class PairPrices:
+    """Collective seconds on one mesh under the active cost model, memoised, over pairs of choices.
+
+    A stage's cost graph prices the same few (source, target, bytes) reshardings tens of thousands
+    of times, once per strategy pair of an edge. Here each distinct triple is priced once, and a
+    table over two lists of choices is computed per distinct pair and spread by indexing.
+    """
+
+    def __init__(self, mesh: LogicalMesh) -> None:
+        self.mesh = mesh
+        self.model = costmodel.active()
+        self._steps: dict[tuple, tuple[Step, ...]] = {}
+        self._seconds: dict[tuple, float] = {}
+
+    @classmethod
+    def on(cls, mesh: LogicalMesh) -> PairPrices:
+        """The prices of `mesh` under the active cost model, shared by every stage priced in this process."""
+        key = (mesh, costmodel.active())
+        if key not in _PAIR_PRICES:
+            if len(_PAIR_PRICES) >= 64:
+                _PAIR_PRICES.clear()
+            _PAIR_PRICES[key] = cls(mesh)
+        return _PAIR_PRICES[key]
+
+    def reshard(self, src: Placement, dst: Placement, nbytes: float) -> tuple[Step, ...]:
+        """`reshard_collectives(src, dst, nbytes, mesh)`, memoised."""
+        key = (src, dst, nbytes)
+        steps = self._steps.get(key)
+        if steps is None:
+            steps = self._steps[key] = _reshard_steps(src, dst, nbytes, self.mesh, self.model)
+        return steps
+
+    def step_seconds(self, steps: Sequence[Step], bucketed: bool = False) -> tuple[float, ...]:
+        """Seconds of each collective of `steps`; their sum in order is `collectives_time(steps)`."""
+        times = []
+        for kind, axis, size in steps:
+            key = (kind, axis, size, bucketed)
+            t = self._seconds.get(key)
+            if t is None:
+                t = self._seconds[key] = self.model.collective_time(kind, size, self.mesh.axes[axis], bucketed)
+            times.append(t)
+        return tuple(times)
+
+    def seconds(self, steps: Sequence[Step], bucketed: bool = False) -> float:
+        """`collectives_time(steps, mesh, bucketed)`, from memoised step times (same order, same sum)."""
+        return sum(self.step_seconds(steps, bucketed))
+
+    def copy_bytes(self, src: Placement, dst: Placement, nbytes: float) -> float:
+        """`reshard_copy_bytes(src, dst, nbytes, mesh)`, from the memoised steps."""
+        copying = any(kind in COPYING for kind, _, _ in self.reshard(src, dst, nbytes))
+        return local_bytes(nbytes, dst, self.mesh) if copying else 0.0
+
+    def reshard_seconds(self, srcs: Sequence[Placement], dsts: Sequence[Placement], nbytes: float) -> np.ndarray:
+        """Seconds of the i-th resharding collective from srcs[a] to dsts[b], as [i, a, b]
+        (one row per mesh axis, 0 past the last collective)."""
+        return self.step_table(lambda s, d: self.reshard(s, d, nbytes), srcs, dsts, len(self.mesh.shape))
+
+    def step_table(self, steps: Callable[[Any, Any], Sequence[Step]], srcs: Sequence, dsts: Sequence,
+                   depth: int, bucketed: bool = False) -> np.ndarray:
+        """Seconds of the i-th collective of `steps(s, d)` for every pair, as [i, a, b] (0 past its
+        last): summed over i in order, each entry is `collectives_time(steps(s, d))` to the bit."""
+        def padded(s, d) -> tuple[float, ...]:
+            times = self.step_seconds(steps(s, d), bucketed)
+            return times + (0.0,) * (depth - len(times))
+
+        return np.moveaxis(pair_table(padded, srcs, dsts), 2, 0)
+
+
+_PAIR_PRICES: dict[tuple, PairPrices] = {}
+
+
+def pair_table(price: Callable[[Any, Any], Any], srcs: Sequence, dsts: Sequence,
+               src_key: Callable[[Any], Any] | None = None, dst_key: Callable[[Any], Any] | None = None) -> np.ndarray:
+    """`price(s, d)` for every pair of choices, as [a, b, ...]: computed once per distinct pair of
+    keys (default: the choices themselves; a key holds all that `price` reads of a choice) on the
+    first choices having them, and spread by indexing (strategies share layouts: tables repeat)."""
+    def classes(values: Sequence, key: Callable | None) -> tuple[list, np.ndarray]:
+        first: dict = {}
+        index = [first.setdefault(v if key is None else key(v), (len(first), v))[0] for v in values]
+        return [v for _, v in first.values()], np.array(index, dtype=int)
+
+    src_values, src_index = classes(srcs, src_key)
+    dst_values, dst_index = classes(dsts, dst_key)
+    table = np.array([[price(s, d) for d in dst_values] for s in src_values], dtype=float)
+    return table[np.ix_(src_index, dst_index)]
 
 
 def gradient_placement(required: Placement, assigned: Sequence[str | None]) -> Placement:
@@ -346,26 +447,21 @@ def param_strategies(graph: Graph, tensor: Tensor, mesh: LogicalMesh, allow_zero
     return result
 
 
+ZERO = Shard("*")  # a ZeRO axis' share of a parameter's flattened buffer: only its byte count matters
+
+
 def param_sync_collectives(grad: Placement, param: ParamStrategy, nbytes: float,
                            mesh: LogicalMesh) -> list[tuple[str, int, float]]:
     """Per-iteration gradient synchronisation of one parameter (DESIGN §4 "Parameters").
 
     Gradients accumulate over microbatches in the consumer's layout `grad`; once per iteration
-    they are reduced into the parameter's placement. On a ZeRO axis the all-reduce becomes a
-    reduce-scatter plus an all-gather of the updated weights (and a complete gradient needs
-    only that all-gather).
+    they are reduced into the layout the optimizer updates — the parameter's placement, and on a
+    ZeRO axis a share of the tensor (a Partial gradient is reduce-scattered into it, a complete
+    one sliced or kept as sharded) — and the updated weights are all-gathered back over the ZeRO
+    axes. Each move goes axis by axis in the cheaper order, each step's buffer the layout the
+    previous left (`reshard_collectives`): over two ZeRO axes the reduce-scatters shrink the buffer
+    and the all-gathers grow it back, the bytes of one flat ring over all the devices.
     """
-    steps = []
-    for axis, (g, p) in enumerate(zip(grad, param.placement)):
-        if mesh.shape[axis] == 1:
-            continue
-        if axis in param.zero_axes:
-            size = nbytes / shards(grad, mesh, skip_axis=axis)
-            if isinstance(g, Partial):
-                steps.append(("reduce_scatter", axis, size))
-            steps.append(("all_gather", axis, size))
-            continue
-        kind = axis_collective(g, p)
-        if kind is not None:
-            steps.append((kind, axis, buffer_bytes(kind, nbytes, grad, mesh, axis)))
-    return steps
+    update = tuple((g if isinstance(g, Shard) else ZERO) if axis in param.zero_axes else p
+                   for axis, (g, p) in enumerate(zip(grad, param.placement)))
+    return reshard_collectives(grad, update, nbytes, mesh) + reshard_collectives(update, param.placement, nbytes, mesh)
