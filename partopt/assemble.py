@@ -19,7 +19,7 @@ from partopt.plan import OpStrategy, ParamPlacement, Plan, StagePlan, tensor_tab
 from partopt.pricing import LayerCost, Stats
 from partopt.sharding import Shard
 from partopt.shared import shared_params
-from partopt.stages import Pipeline, StageSpec, boundary_bytes, totals
+from partopt.stages import End, Pipeline, StageSpec, boundary_bytes, totals
 
 
 def place(cluster: Cluster, submeshes: list[tuple[int, int]]) -> list[list[int]]:
@@ -85,7 +85,7 @@ def pipeline_of(graph: Graph, cluster: Cluster, layering: Layering, count: int, 
     batch = graph.dims[graph.batch_dim]
     return Pipeline(layering, boundary_bytes(graph, layering), batch // count, batch,
                     cluster.intra_node if cluster.nodes == 1 else cluster.inter_node,
-                    shared_params(graph, layering.base), cluster.devices_per_node, overlap)
+                    shared_params(graph, layering.base), cluster.devices_per_node, cluster, overlap)
 
 
 def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count: int,
@@ -98,10 +98,12 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
     pipe = pipeline_of(graph, cluster, layering, count, options.overlap)
     batch, mb = pipe.batch, pipe.mb
     placed = place(cluster, [spec.submesh for spec in specs])
+    ends = [End(spec.submesh, spec.shape, frozenset(d // cluster.devices_per_node for d in devices))
+            for spec, devices in zip(specs, placed)]
     stages = []
     recomputed_flops = 0.0
-    for spec, row, devices in zip(specs, rows, placed):
-        sums = totals(row, pipe, spec.first, spec.last, len(devices))
+    for k, (spec, row, devices) in enumerate(zip(specs, rows, placed)):
+        sums = totals(row, pipe, spec.first, spec.last, ends[k], ends[k + 1] if k + 1 < len(ends) else None)
         first, last = layering.groups[spec.first][0], layering.groups[spec.last][1]
         comm: dict[str, float] = {}
         sync: dict[str, float] = {}
