@@ -222,13 +222,16 @@ def stage_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], c
     held = np.minimum(np.arange(1, L + 1), count)[:, None]  # microbatches held with k in flight, k = 1 … L
     for s, sub in enumerate(submeshes):
         devices = min(sub[0] * sub[1], pipe.per_node)
+        ends: dict[tuple[int, int], tuple[np.ndarray, list[float]]] = {}
         for h, (shape, mode, r) in enumerate(options[s]):
             row = costs[(sub, shape, mode)][r]
             columns = _columns(row, pipe.layering)
-            end = End(sub, shape)
-            outs = np.array([pipe.out_s(j, end) for j in range(L)])
+            if shape not in ends:  # a stage's sends depend on its mesh, not on its option's mode or row
+                end = End(sub, shape)
+                ends[shape] = (np.array([pipe.out_s(j, end) for j in range(L)]), [pipe.in_s(i, end) for i in range(L)])
+            outs, ins = ends[shape]
             for i in range(L):
-                sends = outs[i:] + pipe.in_s(i, end)  # the floats `send_s` adds
+                sends = outs[i:] + ins[i]  # the floats `send_s` adds
                 run = _running(columns, i, pipe.overlap)
                 n = int(np.argmax(np.isnan(run[:, 0]))) if np.isnan(run[:, 0]).any() else len(run)  # runnable ends
                 if n == 0:
