@@ -20,7 +20,7 @@ from partopt.pricing import LayerCost, Stats
 from partopt.sharding import Shard
 from partopt.shared import shared_params
 from partopt.schedules import plan_iteration
-from partopt.stages import Pipeline, StageSpec, boundary_bytes, combined, totals
+from partopt.stages import End, Pipeline, StageSpec, boundary_bytes, combined, totals
 
 
 def place(cluster: Cluster, submeshes: list[tuple[int, int]]) -> list[list[int]]:
@@ -86,7 +86,7 @@ def pipeline_of(graph: Graph, cluster: Cluster, layering: Layering, count: int, 
     batch = graph.dims[graph.batch_dim]
     return Pipeline(layering, boundary_bytes(graph, layering), batch // count, batch,
                     cluster.intra_node if cluster.nodes == 1 else cluster.inter_node,
-                    shared_params(graph, layering.base), cluster.devices_per_node, overlap)
+                    shared_params(graph, layering.base), cluster.devices_per_node, cluster, overlap)
 
 
 def _weight_flops(graph: Graph, ops: Sequence[Op]) -> float:
@@ -110,11 +110,14 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
     batch, mb = pipe.batch, pipe.mb
     num_stages = len(specs) // virtual_stages
     placed = place(cluster, [spec.submesh for spec in specs[:num_stages]])
+    ends = [End(spec.submesh, spec.shape, frozenset(d // cluster.devices_per_node for d in devices))
+            for spec, devices in zip(specs, placed)]
     stages, parts = [], []
     recomputed_flops = 0.0
-    for j, (spec, row) in enumerate(zip(specs, rows)):
+    for j, (spec, row) in enumerate(zip(specs, rows)):  # chunk j runs on stage j mod S's devices, sends to j + 1's
         devices = placed[j % num_stages]
-        sums = totals(row, pipe, spec.first, spec.last, len(devices))
+        receiver = ends[(j + 1) % num_stages] if j + 1 < len(specs) else None
+        sums = totals(row, pipe, spec.first, spec.last, ends[j % num_stages], receiver)
         parts.append(sums)
         first, last = layering.groups[spec.first][0], layering.groups[spec.last][1]
         comm: dict[str, float] = {}

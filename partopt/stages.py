@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from partopt import costmodel, schedules
-from partopt.cluster import Link
+from partopt.cluster import Cluster, Link
 from partopt.graph import Graph
 from partopt.layering import Layering
 from partopt.pricing import REDUCTIONS, LayerCost
@@ -36,24 +36,76 @@ class StageSpec:
 
 
 @dataclass(frozen=True)
+class End:
+    """One end of a pipeline send: the stage's submesh, its logical shape (data-parallel ×
+    tensor-parallel) and the nodes its devices sit on (None in the stage DP: not placed yet)."""
+
+    submesh: tuple[int, int]
+    shape: tuple[int, int]
+    nodes: frozenset[int] | None = None
+
+
+@dataclass(frozen=True)
 class Pipeline:
     """What every stage of one plan shares: DP layers, boundary bytes, microbatch and batch size,
-    the link between stages, the shared parameters and the devices per node."""
+    the link between stages, the shared parameters, the devices per node and the cluster."""
 
     layering: Layering
     boundary: list[float]  # bytes leaving each DP layer at the full batch
     mb: int
     batch: int
-    link: Link
+    link: Link  # intra-node on one node, else inter-node (shared-parameter corrections)
     shared: dict[str, tuple[int, ...]]
     per_node: int
+    cluster: Cluster
     overlap: bool = False  # gradient reductions overlap the last microbatch's backward (`exposed_reduction`)
 
-    def send_s(self, last: int) -> float:
-        """Point-to-point time of a stage's boundary activations out and their gradients back, per microbatch."""
+    def send_s(self, first: int, last: int, end: End, receiver: End | None = None) -> float:
+        """Seconds per microbatch of a stage's pipeline sends (docs/COSTMODEL.md §5b "Pipeline sends"):
+        what it sends out and gathers back (`out_s`) plus what it gathers in (`in_s`)."""
+        return self.out_s(last, end, receiver) + self.in_s(first, end)
+
+    def out_s(self, last: int, end: End, receiver: End | None = None) -> float:
+        """The boundary activations of DP layer `last` out and their gradients back, each split over
+        min(paths of the two ends) parallel paths, plus this end's all-gather of the gradient slices.
+        `receiver` is the next stage placed; None (the stage DP) prices it as wide as this end and,
+        on several nodes, across nodes (`Pipeline.link`)."""
         if last >= len(self.boundary) - 1:
             return 0.0
-        return 2 * costmodel.active().p2p_time(self.boundary[last] * self.mb / self.batch, self.link)
+        nbytes = self._microbatch_bytes(last)
+        if receiver is None:
+            crosses = self.cluster.nodes > 1
+            paths = self._paths(end, crosses)
+        else:  # two stages share a node only when both sit on that one node
+            crosses = not (end.nodes == receiver.nodes and len(end.nodes) == 1)
+            paths = min(self._paths(end, crosses), self._paths(receiver, crosses))
+        link = self.cluster.inter_node if crosses else self.cluster.intra_node
+        return 2 * costmodel.active().p2p_time(nbytes / paths, link) + self._gather_s(nbytes, end)
+
+    def in_s(self, first: int, end: End) -> float:
+        """This end's all-gather of the activation slices that arrive from the stage before (0 on the first)."""
+        return self._gather_s(self._microbatch_bytes(first - 1), end) if first > 0 else 0.0
+
+    def _microbatch_bytes(self, layer: int) -> float:
+        """Bytes leaving DP layer `layer` for one microbatch."""
+        return self.boundary[layer] * self.mb / self.batch
+
+    def _paths(self, end: End, crosses: bool) -> int:
+        """Parallel paths an end offers: one per device (each sends or receives its own slice),
+        across nodes capped at one per node when the node's devices share a NIC (p3.16xlarge)."""
+        devices = end.shape[0] * end.shape[1]
+        if crosses and self.cluster.inter_node.shared_by_node:
+            return min(devices, end.submesh[0])
+        return devices
+
+    def _gather_s(self, nbytes: float, end: End) -> float:
+        """All-gather by an end's t tensor-parallel ranks of the 1/t slices of their data-parallel
+        share (nbytes / d) that each received (Megatron's scatter/gather; 0 when t = 1)."""
+        d, t = end.shape
+        if t == 1 or nbytes == 0:
+            return 0.0
+        axis = self.cluster.logical_mesh(end.submesh, end.shape).axes[1]
+        return costmodel.active().collective_time("all_gather", nbytes / d, axis)
 
 
 @dataclass(frozen=True)
@@ -149,14 +201,18 @@ def exposed_reduction(reduce_s: np.ndarray, backward_s: np.ndarray) -> np.ndarra
     return np.maximum.accumulate(np.add.accumulate(reduce_s) - before)
 
 
-def totals(row: Sequence[LayerCost | None], pipe: Pipeline, first: int, last: int, devices: int) -> StageTotals:
-    """The sums of a stage of DP layers [first, last] on `devices` devices with its layers' costs `row`."""
+def totals(row: Sequence[LayerCost | None], pipe: Pipeline, first: int, last: int, end: End,
+           receiver: End | None = None) -> StageTotals:
+    """The sums of a stage of DP layers [first, last] on mesh `end` with its layers' costs `row`;
+    its sends priced to `receiver`, the next stage placed (None: the stage DP's bound, `Pipeline.send_s`)."""
+    devices = end.shape[0] * end.shape[1]
     time_s, sync_s, params, acts, working = _running(_columns(row, pipe.layering), first, pipe.overlap)[last - first, :5]
     fix = correction(row, pipe.layering.groups[first][0], pipe.layering.groups[last][1], pipe.shared, pipe.link,
                      min(devices, pipe.per_node))
     if fix is not None:
         params, sync_s = params + fix.param_bytes, sync_s + _fix_sync(fix, pipe.overlap)
-    return StageTotals(float(time_s), pipe.send_s(last), float(sync_s), float(params), float(acts), float(working), fix)
+    return StageTotals(float(time_s), pipe.send_s(first, last, end, receiver), float(sync_s), float(params), float(acts),
+                       float(working), fix)
 
 
 def stage_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], count: int, budget: float):
@@ -172,14 +228,19 @@ def stage_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], c
     H = max(len(x) for x in options)
     t = np.full((H, L + 1, L, L, S), np.inf)
     extra = np.zeros((H, L + 1, L, L, S))
-    sends = np.array([pipe.send_s(j) for j in range(L)])
     held = np.minimum(np.arange(1, L + 1), count)[:, None]  # microbatches held with k in flight, k = 1 … L
     for s, sub in enumerate(submeshes):
         devices = min(sub[0] * sub[1], pipe.per_node)
+        ends: dict[tuple[int, int], tuple[np.ndarray, list[float]]] = {}
         for h, (shape, mode, r) in enumerate(options[s]):
             row = costs[(sub, shape, mode)][r]
             columns = _columns(row, pipe.layering)
+            if shape not in ends:  # a stage's sends depend on its mesh, not on its option's mode or row
+                end = End(sub, shape)
+                ends[shape] = (np.array([pipe.out_s(j, end) for j in range(L)]), [pipe.in_s(i, end) for i in range(L)])
+            outs, ins = ends[shape]
             for i in range(L):
+                sends = outs[i:] + ins[i]  # the floats `send_s` adds
                 run = _running(columns, i, pipe.overlap)
                 n = int(np.argmax(np.isnan(run[:, 0]))) if np.isnan(run[:, 0]).any() else len(run)  # runnable ends
                 if n == 0:
@@ -189,7 +250,7 @@ def stage_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], c
                     params[lo:hi] += fix.param_bytes
                     sync_s[lo:hi] += _fix_sync(fix, pipe.overlap)
                 fits = params + held * acts + working <= budget  # [k, j − i]: a prefix in k, memory grows with it
-                t[h, 1:, i, i:i + n, s] = np.where(fits, time_s + sends[i:i + n], np.inf)
+                t[h, 1:, i, i:i + n, s] = np.where(fits, time_s + sends[:n], np.inf)
                 extra[h, 1:, i, i:i + n, s] = np.where(fits, sync_s, 0.0)
     return t, extra, options
 
@@ -228,7 +289,7 @@ def interleaved_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, in
                 mine = ranges[i::num_stages]
                 if not all(runnable[first:last + 1].all() for first, last in mine):
                     continue
-                sums = combined([totals(row, pipe, first, last, devices) for first, last in mine])
+                sums = combined([totals(row, pipe, first, last, End(sub, mesh)) for first, last in mine])
                 if sums.memory_bytes(held[i]) <= budget:
                     t[h, 1, i, i, s], extra[h, 1, i, i, s] = sums.latency_s, sums.sync_s
     return t, extra, options

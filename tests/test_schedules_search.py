@@ -27,7 +27,7 @@ from partopt.options import Options
 from partopt.plan import plan_from_dict, plan_to_dict
 from partopt.pricing import Job, Pricer, Stats
 from partopt.schedules import inflight, interleaved_shapes, iteration_time
-from partopt.stages import chunks, combined, interleaved_table, totals
+from partopt.stages import End, chunks, combined, interleaved_table, totals
 from partopt.validate import check_plan
 
 export = importlib.import_module("partopt.export")
@@ -69,7 +69,7 @@ def test_the_interleaved_table_is_the_accountant_entry_by_entry(priced):
     pipe = pipeline_of(GRAPH, CLUSTER, layering, count, True)
     row = costs[((1, 1), (1, 1), "none")][0]
     assert [inflight(i, S, count, "interleaved", v) for i in range(S)] == [2.5, 1.5]
-    probe = [combined([totals(row, pipe, a, b, 1) for a, b in chunks(4, S, v)[i::S]]) for i in range(S)]
+    probe = [combined([totals(row, pipe, a, b, End((1, 1), (1, 1))) for a, b in chunks(4, S, v)[i::S]]) for i in range(S)]
     tight = (probe[0].memory_bytes(2.5) + probe[1].memory_bytes(1.5)) / 2
     assert probe[1].memory_bytes(1.5) <= tight < probe[0].memory_bytes(2.5)  # binds for stage 0 only
     for budget in (math.inf, tight):
@@ -77,7 +77,7 @@ def test_the_interleaved_table_is_the_accountant_entry_by_entry(priced):
         for s, sub in enumerate(SUBMESHES):
             for h, (shape, mode, r) in enumerate(options[s]):
                 for i in range(S):
-                    sums = combined([totals(costs[(sub, shape, mode)][r], pipe, a, b, sub[1])
+                    sums = combined([totals(costs[(sub, shape, mode)][r], pipe, a, b, End(sub, shape))
                                      for a, b in chunks(4, S, v)[i::S]])
                     fits = sums.memory_bytes(inflight(i, S, count, "interleaved", v)) <= budget
                     assert t[h, 1, i, i, s] == (sums.latency_s if fits else np.inf)
@@ -100,7 +100,7 @@ def brute_force(pipe, costs, count: int, budget: float, devices: int) -> float:
         for picked in itertools.product(choices, repeat=S):
             if sum(sub[0] * sub[1] for sub, _, _ in picked) != devices:
                 continue
-            sums = [totals(costs[key][r], pipe, a, b, sub[1]) for (a, b), (sub, key, r) in zip(ranges, picked)]
+            sums = [totals(costs[key][r], pipe, a, b, End(sub, key[1])) for (a, b), (sub, key, r) in zip(ranges, picked)]
             if any(x.memory_bytes(min(S - i, count)) > budget for i, x in enumerate(sums)):
                 continue
             times = [x.latency_s for x in sums]
@@ -109,7 +109,7 @@ def brute_force(pipe, costs, count: int, budget: float, devices: int) -> float:
         for picked in itertools.product(choices, repeat=S):
             if sum(sub[0] * sub[1] for sub, _, _ in picked) != devices:
                 continue
-            sums = [combined([totals(costs[key][r], pipe, a, b, sub[1]) for a, b in chunks(L, S, v)[i::S]])
+            sums = [combined([totals(costs[key][r], pipe, a, b, End(sub, key[1])) for a, b in chunks(L, S, v)[i::S]])
                     for i, (sub, key, r) in enumerate(picked)]
             if any(x.memory_bytes(inflight(i, S, count, "interleaved", v)) > budget for i, x in enumerate(sums)):
                 continue
@@ -127,7 +127,7 @@ def test_the_search_over_schedules_equals_brute_force(priced, devices, binds):
     layering, count, costs = priced
     pipe = pipeline_of(GRAPH, CLUSTER, layering, count, True)
     sizes = [a * b for a, b in SUBMESHES]
-    whole = totals(costs[((1, 1), (1, 1), "none")][0], pipe, 0, len(layering.groups) - 1, 1)
+    whole = totals(costs[((1, 1), (1, 1), "none")][0], pipe, 0, len(layering.groups) - 1, End((1, 1), (1, 1)))
     budget = whole.memory_bytes(3.5) if binds else math.inf
     expected = brute_force(pipe, costs, count, budget, devices)
     found = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, ("1f1b", "interleaved"), Stats())

@@ -51,7 +51,7 @@ def test_the_dp_table_is_the_stage_accountant_entry_by_entry():
     from partopt.models import gpt
     from partopt.options import Options
     from partopt.pricing import Job, Pricer, Stats
-    from partopt.stages import stage_table, totals
+    from partopt.stages import End, stage_table, totals
 
     graph = gpt(hidden=64, layers=4, heads=4, seq=32, vocab=128, batch=8, name="tiny-gpt")
     cluster = preset("p3.16xlarge", 1)
@@ -68,7 +68,7 @@ def test_the_dp_table_is_the_stage_accountant_entry_by_entry():
     for overlap in (False, True):
         pipe = pipeline_of(graph, cluster, layering, count, overlap)
         rows = {sub: costs[(sub, (1, sub[1]), "none")][0] for sub in submeshes}
-        probe = totals(rows[(1, 1)], pipe, 0, len(layering.groups) - 1, 1)
+        probe = totals(rows[(1, 1)], pipe, 0, len(layering.groups) - 1, End((1, 1), (1, 1)))
         tight = probe.param_bytes + 2.5 * probe.activation_bytes + probe.working_bytes  # whole model: k ≤ 2 fit
         for cap in (budget, tight):
             t, extra, _ = stage_table(pipe, costs, submeshes, count, cap)
@@ -76,7 +76,7 @@ def test_the_dp_table_is_the_stage_accountant_entry_by_entry():
             for s, sub in enumerate(submeshes):
                 for i in range(L):
                     for j in range(i, L):
-                        sums = totals(rows[sub], pipe, i, j, sub[1])
+                        sums = totals(rows[sub], pipe, i, j, End(sub, (1, sub[1])))
                         for k in range(1, L + 1):
                             if sums.memory_bytes(min(k, count)) <= cap:
                                 assert t[0, k, i, j, s] == sums.latency_s and extra[0, k, i, j, s] == sums.sync_s
