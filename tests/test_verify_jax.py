@@ -160,3 +160,18 @@ def test_a_wrong_sync_of_the_tied_table_still_fails(tied_plan):
     assert len(compare([*found, half], planned)) == 1
     once = [c for c in planned if "read 2 of 2" not in c.where]  # the summed gradient synchronised once
     assert len(compare(found, once)) == 1
+
+
+def test_a_tied_table_with_zero_over_both_axes_is_all_reduced_whole_on_each():
+    """On a 2 x 2 mesh with ZeRO over both axes, a step (no optimizer) sums each read's gradient over x and y
+    with the whole table on each axis (as XLA's one all-reduce over the mesh counts), once per read."""
+    fn, args = jm.make_tied()
+    graph = from_function(fn, *args)
+    cluster = dataclasses.replace(preset("p3.16xlarge").resized(1), devices_per_node=4)
+    plan = optimize(graph, cluster, workers=1, microbatches=[1], intra_only=True, logical_shapes=[(2, 2)])
+    stage = plan.stages[0]
+    assert stage.logical_mesh == [2, 2] and stage.params["params/wte"].zero_axes == (0, 1)
+    assert [stage.ops[op].axes for op in ("gather", "dot_general")] == [("b", "b")] * 2  # both reads: partial on x, y
+    syncs = [c for c in planned_collectives(plan, 0, graph) if c.where.startswith("gradient sync of params/wte")]
+    assert [(c.kind, c.axis, c.bytes) for c in syncs] == [("all_reduce", "x", TABLE_BYTES),
+                                                          ("all_reduce", "y", TABLE_BYTES)] * 2
