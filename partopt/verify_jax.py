@@ -14,7 +14,8 @@ caller's pytree paths), pins every activation of the stage to its planned spec w
 A step has no optimizer, so a ZeRO reduce-scatter + all-gather pair counts as the all-reduce it
 splits; a parameter read by several ops counts XLA's all-reduce of each read's partial gradient
 (docs/FRONTENDS.md, "Conventions of the comparison"). JAX must see enough devices: set
-`XLA_FLAGS=--xla_force_host_platform_device_count=N` before importing jax (`partopt verify` runs itself in a subprocess that does).
+`XLA_FLAGS=--xla_force_host_platform_device_count=N` before importing jax (`partopt verify` runs
+itself in a subprocess that does).
 """
 
 from __future__ import annotations
