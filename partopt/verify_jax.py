@@ -12,8 +12,10 @@ caller's pytree paths), pins every activation of the stage to its planned spec w
   and backward, and the gradient synchronisation of the parameters.
 
 A step has no optimizer, so a ZeRO reduce-scatter + all-gather pair counts as the all-reduce it
-splits. JAX must see enough devices: set `XLA_FLAGS=--xla_force_host_platform_device_count=N`
-before importing jax (`partopt verify` runs itself in a subprocess that does).
+splits; a parameter read by several ops counts XLA's all-reduce of each read's partial gradient
+(docs/FRONTENDS.md, "Conventions of the comparison"). JAX must see enough devices: set
+`XLA_FLAGS=--xla_force_host_platform_device_count=N` before importing jax (`partopt verify` runs
+itself in a subprocess that does).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from partopt.export import AXIS_NAMES, TensorPlacement, stage_tensors
 from partopt.frontends.jax import CALLS, Traced, _sub_jaxpr, trace
 from partopt.graph import Graph
 from partopt.plan import Plan, StagePlan
-from partopt.sharding import ParamStrategy, Partial, Placement, R, Shard, gradient_placement, \
-    as_gradient_target, param_sync_collectives, reshard_collectives
+from partopt.sharding import Partial, Placement, R, Shard, as_gradient_target, gradient_placement, \
+    reshard_collectives
 
 COLLECTIVES = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
                "all-to-all": "all_to_all", "collective-permute": "permute"}
@@ -331,7 +333,9 @@ def hlo_collectives(text: str, shape: tuple[int, int]) -> list[Collective]:
     """The collectives of compiled HLO text, with the buffer partopt prices (reduce-scatter: its input).
 
     An all-reduce over the whole mesh counts once per mesh axis with the same buffer, as partopt prices
-    a sum over both axes (hierarchically); the op names are XLA's metadata (which user ops it serves)."""
+    a sum over both axes (hierarchically); an all-gather over the whole mesh as partopt's two steps (x
+    gathers the buffer split on y, then y the whole buffer: the same bytes on the wire as one ring over
+    all devices); the op names are XLA's metadata (which user ops it serves)."""
     found = []
     for line in text.splitlines():
         line = re.sub(r"/\*.*?\*/", "", line)  # XLA's /*index=5*/ comments inside tuple types
@@ -354,6 +358,9 @@ def hlo_collectives(text: str, shape: tuple[int, int]) -> list[Collective]:
         name = name if len(name) <= 60 else name[:57] + "..."  # XLA joins every op a fused collective serves
         if kind == "all_reduce" and axis == "x,y":  # partopt prices it per axis: the same buffer on x, then y
             found += [Collective(kind, a, float(size), f"{name} (over the whole mesh)") for a in AXIS_NAMES]
+        elif kind == "all_gather" and axis == "x,y":  # partopt's steps: x gathers 1/(y's size) of it, then y all
+            found += [Collective(kind, "x", size / shape[1], f"{name} (over the whole mesh)"),
+                      Collective(kind, "y", float(size), f"{name} (over the whole mesh)")]
         else:
             found.append(Collective(kind, axis, float(size), name))
     return found
@@ -364,14 +371,17 @@ def planned_collectives(plan: Plan, index: int, graph: Graph) -> list[Collective
 
     Every input edge of the stage's ops reshards forward (producer's placement -> required) and its
     gradient backward; a tensor made outside the stage arrives replicated and one read outside leaves
-    replicated (as `verify` runs other stages' ops: replicated on this stage's mesh). Each
-    parameter's gradient is synchronised once (ZeRO's reduce-scatter + all-gather counted as an all-reduce).
+    replicated (as `verify` runs other stages' ops: replicated on this stage's mesh). A step has no
+    optimizer, so each parameter's gradient goes from the layout its reader leaves straight to the
+    parameter's (ZeRO's reduce-scatter + all-gather is the all-reduce it splits). A parameter read by
+    k > 1 ops (a tied embedding) has its gradient synchronised once by the plan; XLA all-reduces each
+    read's partial gradient before adding them, so reads 2..k add the all-reduces of their partial axes.
     """
     stage = plan.stages[index]
     mesh = _MeshShape((stage.logical_mesh[0], stage.logical_mesh[1]))
     produced = {info.tensor: info.output for info in stage.ops.values()}
     params = {name: (info.placement, info.zero_axes) for name, info in stage.params.items()}
-    grads: dict[str, Placement] = {}
+    grads: dict[str, list[Placement]] = defaultdict(list)  # per parameter, each reader's gradient layout
     result: list[Collective] = []
 
     def add(steps: list[tuple[str, int, float]], where: str) -> None:
@@ -386,7 +396,7 @@ def planned_collectives(plan: Plan, index: int, graph: Graph) -> list[Collective
             if t in params:
                 add(reshard_collectives(params[t][0], required, nbytes, mesh), f"{op_name} gathers {t}")
                 if floating:
-                    grads.setdefault(t, gradient_placement(required, axes))
+                    grads[t].append(gradient_placement(required, axes))
                 continue
             source = produced.get(t, (R,) * len(required))
             add(reshard_collectives(source, required, nbytes, mesh), f"{op_name} reads {t}")
@@ -397,16 +407,22 @@ def planned_collectives(plan: Plan, index: int, graph: Graph) -> list[Collective
     for t, placement in produced.items():  # read by another stage's op, which runs replicated here
         if any(c.name not in inside for c in graph.consumers[t]):
             add(reshard_collectives(placement, (R,) * len(placement), graph.nbytes(t), mesh), f"{t} leaves the stage")
-    for t, grad in grads.items():
-        placement, zero = params[t]
-        steps = param_sync_collectives(grad, ParamStrategy(placement, zero, (0.0, 0.0, 0.0)), graph.nbytes(t), mesh)
-        merged = []
-        for kind, axis, size in steps:  # no optimizer in a step: reduce-scatter + all-gather is one all-reduce
-            if axis in zero and kind == "all_gather" and any(k == "reduce_scatter" and a == axis for k, a, _ in steps):
-                continue
-            merged.append(("all_reduce" if axis in zero and kind == "reduce_scatter" else kind, axis, size))
-        add(merged, f"gradient sync of {t}")
+    for t, (grad, *others) in grads.items():
+        add(reshard_collectives(grad, params[t][0], graph.nbytes(t), mesh), f"gradient sync of {t}")
+        for k, other in enumerate(others, start=2):
+            add(tied_read_sync(other, grad, params[t][0], graph.nbytes(t), mesh),
+                f"gradient sync of {t}, read {k} of {len(others) + 1} (XLA reduces each read's partial gradient)")
     return result
+
+
+def tied_read_sync(read: Placement, first: Placement, placement: Placement, nbytes: float,
+                   mesh: _MeshShape) -> list[tuple[str, int, float]]:
+    """The all-reduces XLA adds for a further read of a parameter: its partial gradient summed on the
+    axes where it is partial and the parameter's synchronisation sums too (each buffer the gradient's
+    layout there: the parameter's bytes over its split axes), before it is added to the others."""
+    summed = {axis for axis, (g, p) in enumerate(zip(first, placement)) if isinstance(g, Partial) and p == R}
+    target = tuple(R if isinstance(g, Partial) and axis in summed else g for axis, g in enumerate(read))
+    return reshard_collectives(read, target, nbytes, mesh)
 
 
 def as_run_on_cpu(planned: Sequence[Collective], found: Sequence[Collective]) -> list[Collective]:

@@ -100,3 +100,18 @@ def make_mlp() -> tuple[Any, tuple[Any, ...]]:
     s = jax.ShapeDtypeStruct
     params = {"w1": s((64, 256), jnp.float32), "w2": s((256, 64), jnp.float32)}
     return mlp_loss, (params, {"x": s((16, 64), jnp.float32), "y": s((16, 64), jnp.float32)})
+
+
+def tied_loss(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
+    """Cross-entropy of a tied-embedding bigram model: the table is read by the lookup and the LM head."""
+    h = jnp.tanh(params["wte"][batch["tokens"]]) * params["scale"]
+    logp = jax.nn.log_softmax(h @ params["wte"].T)
+    return -(logp * jax.nn.one_hot(batch["labels"], logp.shape[-1])).sum(-1).mean()
+
+
+def make_tied() -> tuple[Any, tuple[Any, ...]]:
+    """The tied model, batch 8, sequence 16, vocabulary 128, width 32 (`partopt verify` tests)."""
+    s = jax.ShapeDtypeStruct
+    params = {"wte": s((128, 32), jnp.float32), "scale": s((32,), jnp.float32)}
+    ids = s((8, 16), jnp.int32)
+    return tied_loss, (params, {"tokens": ids, "labels": ids})

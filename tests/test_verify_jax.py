@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import jax_models as jm  # noqa: E402
 
 MLP = f"{Path(__file__).parent / 'jax_models.py'}:make_mlp"
+TIED = f"{Path(__file__).parent / 'jax_models.py'}:make_tied"
 WEIGHT_BYTES = 64 * 256 * 4  # each of the MLP's two fp32 weights
+TABLE_BYTES = 128 * 32 * 4  # the tied model's fp32 embedding table
 
 HLO = """
   %all-reduce = f32[] all-reduce(%r), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_1'}, to_apply=%add, metadata={op_name="jit(f)/reduce_sum"}
@@ -37,7 +41,8 @@ def test_hlo_collectives_in_every_replica_group_spelling():
     assert [(c.kind, c.axis, c.bytes) for c in found] == [
         ("all_reduce", "y", 4.0),  # named mesh axes
         ("all_reduce", "x", 4.0 + 32 * 64 * 4),  # explicit groups {0,2},{1,3}: the first axis; a combined tuple
-        ("all_gather", "x,y", 8 * 64 * 4.0),  # iota over all four devices (a gather stays one collective)
+        ("all_gather", "x", 8 * 64 * 4.0 / 2),  # iota over all four devices: as partopt's steps, x gathers
+        ("all_gather", "y", 8 * 64 * 4.0),  # the buffer still split on y (2 devices), then y the whole of it
         ("reduce_scatter", "x", 2 * 4 * 64 * 4.0),  # transposed iota {0,2},{1,3}; buffer = result x group size
     ]  # groups of one device move nothing and are left out
     assert found[0].where == "jit(f)/reduce_sum"
@@ -107,3 +112,66 @@ def test_an_all_reduce_over_the_whole_mesh_counts_on_each_axis():
     line = "  %ar = f32[16]{0} all-reduce(%g), replica_groups=[1,4]<=[4], to_apply=%add"
     assert [(c.kind, c.axis, c.bytes) for c in hlo_collectives(line, (2, 2))] == [
         ("all_reduce", "x", 64.0), ("all_reduce", "y", 64.0)]
+
+
+@pytest.fixture(scope="module")
+def tied_plan(tmp_path_factory):
+    """The tied model data parallel over 4 devices, written to a plan file."""
+    fn, args = jm.make_tied()
+    graph = from_function(fn, *args)
+    cluster = dataclasses.replace(preset("p3.16xlarge").resized(1), devices_per_node=4)
+    path = tmp_path_factory.mktemp("tied") / "tied.json"
+    write_plan(optimize(graph, cluster, workers=1, microbatches=[1], data_parallel_only=True), path)
+    return graph, read_plan(path), path
+
+
+def test_a_table_read_by_two_ops_is_synchronised_per_read(tied_plan):
+    """XLA all-reduces the lookup's and the LM head's partial gradients of the table apart: 2 x its bytes."""
+    graph, plan, _ = tied_plan
+    assert [op.name for op in graph.consumers["params/wte"]] == ["gather", "dot_general"]
+    syncs = [c for c in planned_collectives(plan, 0, graph) if c.where.startswith("gradient sync of params/wte")]
+    assert [(c.kind, c.axis, c.bytes) for c in syncs] == [("all_reduce", "x", TABLE_BYTES)] * 2
+    assert "read 2 of 2" in syncs[1].where
+    scale = [c for c in planned_collectives(plan, 0, graph) if c.where.startswith("gradient sync of params/scale")]
+    assert [(c.kind, c.axis, c.bytes) for c in scale] == [("all_reduce", "x", 32 * 4)]  # read once: once
+
+
+def test_verify_runs_the_tied_embedding_as_planned(tied_plan):
+    _, _, path = tied_plan
+    result = CliRunner().invoke(main, ["verify", str(path), "--against", "jax", "--model", TIED])
+    assert result.exit_code == 0, result.output
+    assert "verified: the plan runs as planned" in result.output
+
+
+def test_a_wrong_sync_of_the_tied_table_still_fails(tied_plan):
+    """The per-read count is exact, not a tolerance: a third reduction of the table, half a table more, or
+    the plan's single sync (what partopt priced before) against XLA's compiled step are all mismatches."""
+    graph, plan, path = tied_plan
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    done = subprocess.run([sys.executable, "-m", "partopt.verify_jax", str(path), TIED], env=env,
+                          capture_output=True, text=True, check=True)
+    stage = json.loads(done.stdout.strip().splitlines()[-1])["stages"][0]
+    found = [Collective(**c) for c in stage["compiled"]]
+    planned = planned_collectives(plan, 0, graph)
+    assert compare(found, planned) == []
+    table = Collective("all_reduce", "x", TABLE_BYTES, "gradient of params/wte")
+    assert compare([*found, table], planned)[0].startswith("all_reduce on x: compiled")  # reduced 3 times
+    half = Collective("all_reduce", "x", TABLE_BYTES / 2, "half the table")
+    assert len(compare([*found, half], planned)) == 1
+    once = [c for c in planned if "read 2 of 2" not in c.where]  # the summed gradient synchronised once
+    assert len(compare(found, once)) == 1
+
+
+def test_a_tied_table_with_zero_over_both_axes_is_all_reduced_whole_on_each():
+    """On a 2 x 2 mesh with ZeRO over both axes, a step (no optimizer) sums each read's gradient over x and y
+    with the whole table on each axis (as XLA's one all-reduce over the mesh counts), once per read."""
+    fn, args = jm.make_tied()
+    graph = from_function(fn, *args)
+    cluster = dataclasses.replace(preset("p3.16xlarge").resized(1), devices_per_node=4)
+    plan = optimize(graph, cluster, workers=1, microbatches=[1], intra_only=True, logical_shapes=[(2, 2)])
+    stage = plan.stages[0]
+    assert stage.logical_mesh == [2, 2] and stage.params["params/wte"].zero_axes == (0, 1)
+    assert [stage.ops[op].axes for op in ("gather", "dot_general")] == [("b", "b")] * 2  # both reads: partial on x, y
+    syncs = [c for c in planned_collectives(plan, 0, graph) if c.where.startswith("gradient sync of params/wte")]
+    assert [(c.kind, c.axis, c.bytes) for c in syncs] == [("all_reduce", "x", TABLE_BYTES),
+                                                          ("all_reduce", "y", TABLE_BYTES)] * 2
