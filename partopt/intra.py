@@ -257,7 +257,7 @@ def _leaving_copy(graph: Graph, op: Op, strategy: Strategy, mesh: LogicalMesh) -
 
 
 _TABLES: dict[tuple, tuple[np.ndarray, ...]] = {}  # see `_use_tables` and `_flow_table`
-_TABLES_KEPT = 2048
+_TABLES_KEPT = 4096
 
 
 def _kept_tables(key: tuple, compute: Callable[[], tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
@@ -274,23 +274,21 @@ def _kept_tables(key: tuple, compute: Callable[[], tuple[np.ndarray, ...]]) -> t
 
 def _use_tables(model_graph: Graph, use: Use, src_list: list, dst_list: list[Strategy], prices: PairPrices,
                 microbatches: int, rerun: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(seconds, copy bytes, gathered weight bytes) of one use for every pair of its ends' strategies:
-    per microbatch plus the per-iteration part over the microbatches (`_use_seconds`), and the
-    transients (`_use_copies`, read-only). Repeated layers and the pricing jobs of one layer (other
+    """(seconds, copy bytes, gathered weight bytes) of one use for every pair of its ends' strategies
+    (`_use_cost`, `_use_copies`), read-only. Repeated layers and the pricing jobs of one layer (other
     caps, microbatch counts) ask for the same tables: they are kept under all they depend on."""
     sources, required, grads = _ends(use, src_list, dst_list)
     nbytes = model_graph.nbytes(use.tensor)
     differentiable = _is_float(model_graph, use.tensor)
     zero = tuple(p.zero_axes for p in src_list) if use.param else ()
-    key = (use.param, differentiable, use.gradient, rerun, nbytes, tuple(sources), tuple(required),
+    key = (use.param, differentiable, use.gradient, rerun, microbatches, nbytes, tuple(sources), tuple(required),
            tuple(grads), zero, prices.mesh, prices.model)
 
     def compute() -> tuple[np.ndarray, ...]:
-        return (*_use_seconds(use, src_list, sources, required, grads, nbytes, differentiable, prices, rerun),
-                *_use_copies(use, sources, required, grads, nbytes, differentiable, prices))
+        cost = _use_cost(use, src_list, sources, required, grads, nbytes, differentiable, prices, microbatches, rerun)
+        return (cost, *_use_copies(use, sources, required, grads, nbytes, differentiable, prices))
 
-    per_microbatch, per_iteration, copies, prefetch = _kept_tables(key, compute)
-    return per_microbatch + per_iteration / microbatches, copies, prefetch
+    return _kept_tables(key, compute)
 
 
 def _flow_table(graph: Graph, flow: gradients.Flow, src_list: list, dst_list: list, prices: PairPrices) -> np.ndarray:
@@ -310,12 +308,11 @@ def _flow_table(graph: Graph, flow: gradients.Flow, src_list: list, dst_list: li
     return _kept_tables(key, compute)[0]
 
 
-def _use_seconds(use: Use, src_list: list, sources: list[Placement], required: list[Placement],
-                 grads: list[Placement], nbytes: float, differentiable: bool, prices: PairPrices,
-                 rerun: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Seconds of one use's collectives per microbatch (the recomputed ones included) and per
-    iteration, for every pair of its ends' strategies, as `_use_collectives` prices a pair: each
-    sum taken collective by collective in the same order (the same floats)."""
+def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list[Placement], grads: list[Placement],
+              nbytes: float, differentiable: bool, prices: PairPrices, microbatches: int, rerun: bool) -> np.ndarray:
+    """Seconds of one use for every pair of its ends' strategies, as `_use_collectives` prices a pair:
+    its collectives per microbatch (and the recomputed ones) plus its per-iteration ones over the
+    microbatches, each sum taken collective by collective in the same order (the same floats)."""
     gather = list(prices.reshard_seconds(sources, required, nbytes))
     per_iteration: list[np.ndarray] = []
     if use.param:
@@ -331,7 +328,7 @@ def _use_seconds(use: Use, src_list: list, sources: list[Placement], required: l
             backward = list(prices.reshard_seconds(grads, targets, nbytes).transpose(0, 2, 1))
         per_microbatch = gather + backward + (gather if rerun else [])
     start = np.zeros((len(sources), len(required)))
-    return functools.reduce(np.add, per_microbatch, start), functools.reduce(np.add, per_iteration, start)
+    return functools.reduce(np.add, per_microbatch, start) + functools.reduce(np.add, per_iteration, start) / microbatches
 
 
 def _use_copies(use: Use, sources: list[Placement], required: list[Placement], grads: list[Placement],

@@ -447,21 +447,26 @@ def param_strategies(graph: Graph, tensor: Tensor, mesh: LogicalMesh, allow_zero
     return result
 
 
-ZERO = Shard("*")  # a ZeRO axis' share of a parameter's flattened buffer: only its byte count matters
-
-
 def param_sync_collectives(grad: Placement, param: ParamStrategy, nbytes: float,
                            mesh: LogicalMesh) -> list[tuple[str, int, float]]:
     """Per-iteration gradient synchronisation of one parameter (DESIGN §4 "Parameters").
 
     Gradients accumulate over microbatches in the consumer's layout `grad`; once per iteration
-    they are reduced into the layout the optimizer updates — the parameter's placement, and on a
-    ZeRO axis a share of the tensor (a Partial gradient is reduce-scattered into it, a complete
-    one sliced or kept as sharded) — and the updated weights are all-gathered back over the ZeRO
-    axes. Each move goes axis by axis in the cheaper order, each step's buffer the layout the
-    previous left (`reshard_collectives`): over two ZeRO axes the reduce-scatters shrink the buffer
-    and the all-gathers grow it back, the bytes of one flat ring over all the devices.
+    they are reduced into the parameter's placement. On a ZeRO axis the all-reduce becomes a
+    reduce-scatter plus an all-gather of the updated weights (and a complete gradient needs
+    only that all-gather).
     """
-    update = tuple((g if isinstance(g, Shard) else ZERO) if axis in param.zero_axes else p
-                   for axis, (g, p) in enumerate(zip(grad, param.placement)))
-    return reshard_collectives(grad, update, nbytes, mesh) + reshard_collectives(update, param.placement, nbytes, mesh)
+    steps = []
+    for axis, (g, p) in enumerate(zip(grad, param.placement)):
+        if mesh.shape[axis] == 1:
+            continue
+        if axis in param.zero_axes:
+            size = nbytes / shards(grad, mesh, skip_axis=axis)
+            if isinstance(g, Partial):
+                steps.append(("reduce_scatter", axis, size))
+            steps.append(("all_gather", axis, size))
+            continue
+        kind = axis_collective(g, p)
+        if kind is not None:
+            steps.append((kind, axis, buffer_bytes(kind, nbytes, grad, mesh, axis)))
+    return steps

@@ -88,8 +88,6 @@ CASES = {  # (instance, microbatch, layers), submesh, logical shape, build optio
     "gpt block on one node": (("gpt-350m.json", 8, (3,)), (1, 8), (2, 4), {}),
     "gpt block, 2 nodes, selective recompute, 4 microbatches": (
         ("gpt-350m.json", 4, (3,)), (2, 8), (2, 8), dict(recompute="selective", microbatches=4, inflight=2)),
-    "same gpt block and recompute, 16 microbatches (kept tables, another count)": (
-        ("gpt-350m.json", 4, (3,)), (2, 8), (2, 8), dict(recompute="selective", microbatches=16, inflight=2)),
     "same gpt block, full recompute, no ZeRO": (
         ("gpt-350m.json", 4, (3,)), (2, 8), (2, 8), dict(recompute="full", microbatches=4, allow_zero=False)),
     "two gpt blocks, data parallel": (("gpt-350m.json", 8, (3, 4)), (1, 8), (4, 2), dict(data_parallel=True)),

@@ -4,7 +4,7 @@ import pytest
 from test_intra import FAST
 
 from partopt.cluster import Cluster, Link
-from partopt.sharding import P, ParamStrategy, R, Shard, param_sync_collectives, reshard_collectives
+from partopt.sharding import P, R, Shard, reshard_collectives
 
 KIB = 1024.0
 
@@ -40,40 +40,3 @@ def test_one_axis_and_in_place_reductions_are_unchanged():
     # an all-reduce keeps its buffer's size: both axes reduce the whole tensor
     assert reshard_collectives((P, P), (R, R), 128 * KIB, grid) == [("all_reduce", 0, 128 * KIB),
                                                                      ("all_reduce", 1, 128 * KIB)]
-
-
-def zero_sync(grad, placement, zero_axes, grid):
-    return param_sync_collectives(grad, ParamStrategy(placement, zero_axes, (0.0, 0.0, 0.0)), 128 * KIB, grid)
-
-
-def test_zero_over_both_axes_reduce_scatters_the_fast_axis_first_and_gathers_it_last():
-    """A Partial gradient of 128 KiB, ZeRO over a slow axis 0 (4 nodes) and a fast axis 1 (2 per node).
-    Reduce-scatter on the fast axis first (128 KiB; 1/2 · 128 on the fast link), then the slow one on
-    the 64 KiB left (3/4 · 64 on the slow link, against 3/4 · 128 the other way round); gathering
-    the updated weights mirrors it: the slow axis on the 64 KiB buffer (its other axis still split),
-    then the fast axis on the whole. The ring bytes add up to one flat ring over the 8 devices,
-    2 · 7/8 · 128 KiB, where priced axis by axis from the gradient's layout they were
-    2 · (3/4 + 1/2) · 128 KiB."""
-    steps = zero_sync((P, P), (R, R), (0, 1), mesh(4, 2, 1e9, 1e6))
-    assert steps == [("reduce_scatter", 1, 128 * KIB), ("reduce_scatter", 0, 64 * KIB),
-                     ("all_gather", 0, 64 * KIB), ("all_gather", 1, 128 * KIB)]
-    ring = {0: 3 / 4, 1: 1 / 2}
-    assert sum(ring[axis] * size for _, axis, size in steps) == pytest.approx(2 * 7 / 8 * 128 * KIB)
-
-
-def test_zero_on_one_axis_beside_an_all_reduce_on_the_other_shrinks_the_all_reduce():
-    """ZeRO on the fast axis 1 only, a plain copy on the slow axis 0: reduce-scatter the fast axis
-    (128 KiB), all-reduce the slow one on the 64 KiB share (2 · 3/4 · 64 on the slow link, against
-    2 · 3/4 · 128 first), and all-gather the updated weights on the fast axis (128 KiB)."""
-    steps = zero_sync((P, P), (R, R), (1,), mesh(4, 2, 1e9, 1e6))
-    assert steps == [("reduce_scatter", 1, 128 * KIB), ("all_reduce", 0, 64 * KIB), ("all_gather", 1, 128 * KIB)]
-
-
-def test_zero_on_one_axis_alone_and_complete_gradients_are_unchanged():
-    grid = mesh(4, 2, 1e9, 1e6)
-    # a reduce-scatter and an all-gather of the whole gradient: an all-reduce's bytes
-    assert zero_sync((R, P), (R, R), (1,), grid) == [("reduce_scatter", 1, 128 * KIB), ("all_gather", 1, 128 * KIB)]
-    # a complete gradient is sliced for free; only the updated weights are gathered
-    assert zero_sync((R, R), (R, R), (0,), grid) == [("all_gather", 0, 128 * KIB)]
-    # a gradient already split on the ZeRO axis keeps that split; the weights are gathered from it
-    assert zero_sync((Shard("a"), P), (R, R), (0,), grid) == [("all_reduce", 1, 32 * KIB), ("all_gather", 0, 128 * KIB)]
