@@ -85,8 +85,7 @@ def pipeline_of(graph: Graph, cluster: Cluster, layering: Layering, count: int, 
     """What the stages of a plan with `count` microbatches share (see `stages.Pipeline`)."""
     batch = graph.dims[graph.batch_dim]
     return Pipeline(layering, boundary_bytes(graph, layering), batch // count, batch,
-                    cluster.intra_node if cluster.nodes == 1 else cluster.inter_node,
-                    shared_params(graph, layering.base), cluster.devices_per_node, cluster, overlap)
+                    shared_params(graph, layering.base), cluster, overlap)
 
 
 def _weight_flops(graph: Graph, ops: Sequence[Op]) -> float:
@@ -111,7 +110,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
     num_stages = len(specs) // virtual_stages
     placed = place(cluster, [spec.submesh for spec in specs[:num_stages]])
     ends = [End(spec.submesh, spec.shape, frozenset(d // cluster.devices_per_node for d in devices))
-            for spec, devices in zip(specs, placed)]
+            for spec, devices in zip(specs[:num_stages], placed)]
     stages, parts = [], []
     recomputed_flops = 0.0
     for j, (spec, row) in enumerate(zip(specs, rows)):  # chunk j runs on stage j mod S's devices, sends to j + 1's

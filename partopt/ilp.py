@@ -286,7 +286,11 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
                 model.objective[var[n][k]] += float(extra_node_cost[n][k])
 
     if budget is not None:
+        # the memory row is stated times `shared`, so that a peak (charged 1/shared) keeps coefficient 1
+        # and every coefficient stays a whole number of bytes (CP-SAT takes integers only)
+        shared = graph.peak_shared_by
         base = sum(float(graph.memory[n][idx[0]]) for n, idx in enumerate(keep) if len(idx) == 1)
+        constant_peaks = 0.0
         index, coef = [], []
         for n, idx in enumerate(keep):
             if len(idx) > 1:
@@ -295,20 +299,19 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
                 for k in idx:
                     if graph.memory[n][k] > low:
                         index.append(int(var[n][k]))
-                        coef.append(float(graph.memory[n][k]) - low)
+                        coef.append((float(graph.memory[n][k]) - low) * shared)
         for pool in dict.fromkeys(p for p, _ in groups):
             members = [t for (p, _), t in groups.items() if p == pool]
-            if not any(t.coef for t in members):  # a constant peak
-                base += max(t.const for t in members) / graph.peak_shared_by
+            if not any(t.coef for t in members):
+                constant_peaks += max(t.const for t in members)
                 continue
             peak = model.add_continuous(max(t.upper for t in members), name=f"peak {pool}")
             for t in members:  # this owner's transients <= the pool's peak
                 model.add_row(list(t.coef) + [peak], list(t.coef.values()) + [-1.0], float("-inf"), -t.const)
             index.append(peak)
-            coef.append(1.0 / graph.peak_shared_by)
-        if index:  # times peak_shared_by: whole-byte coefficients (CP-SAT takes integers only)
-            n = graph.peak_shared_by
-            model.add_row(index, [c * n for c in coef], float("-inf"), (budget - base) * n)
+            coef.append(1.0)
+        if index:
+            model.add_row(index, coef, float("-inf"), (budget - base) * shared - constant_peaks)
     # seconds are tiny (1e-6 … 1e-2): solvers' absolute tolerances would blur them, so the
     # objective is stated in units of COST_RESOLUTION of its largest coefficient
     largest = max((abs(c) for c in model.objective), default=0.0)

@@ -276,7 +276,7 @@ def _use_tables(model_graph: Graph, use: Use, src_list: list, dst_list: list[Str
                 microbatches: int, rerun: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(seconds, copy bytes, gathered weight bytes) of one use for every pair of its ends' strategies
     (`_use_cost`, `_use_copies`), read-only. Repeated layers and the pricing jobs of one layer (other
-    caps, microbatch counts) ask for the same tables: they are kept under all they depend on."""
+    caps, in-flight counts) ask for the same tables: they are kept under all they depend on."""
     sources, required, grads = _ends(use, src_list, dst_list)
     nbytes = model_graph.nbytes(use.tensor)
     differentiable = _is_float(model_graph, use.tensor)

@@ -48,17 +48,24 @@ class End:
 @dataclass(frozen=True)
 class Pipeline:
     """What every stage of one plan shares: DP layers, boundary bytes, microbatch and batch size,
-    the link between stages, the shared parameters, the devices per node and the cluster."""
+    the shared parameters and the cluster (its links and devices per node)."""
 
     layering: Layering
     boundary: list[float]  # bytes leaving each DP layer at the full batch
     mb: int
     batch: int
-    link: Link  # intra-node on one node, else inter-node (shared-parameter corrections)
     shared: dict[str, tuple[int, ...]]
-    per_node: int
     cluster: Cluster
     overlap: bool = False  # gradient reductions overlap the last microbatch's backward (`exposed_reduction`)
+
+    @property
+    def link(self) -> Link:
+        """The link between stages for shared-parameter corrections: intra-node on one node, else inter-node."""
+        return self.cluster.intra_node if self.cluster.nodes == 1 else self.cluster.inter_node
+
+    @property
+    def per_node(self) -> int:
+        return self.cluster.devices_per_node
 
     def send_s(self, first: int, last: int, end: End, receiver: End | None = None) -> float:
         """Seconds per microbatch of a stage's pipeline sends (docs/COSTMODEL.md §5b "Pipeline sends"):
@@ -281,7 +288,6 @@ def interleaved_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, in
     t, extra = np.full(shape, np.inf), np.zeros(shape)
     held = [schedules.inflight(i, num_stages, count, "interleaved", v) for i in range(num_stages)]
     for s, sub in enumerate(submeshes):
-        devices = min(sub[0] * sub[1], pipe.per_node)
         for h, (mesh, mode, r) in enumerate(options[s]):
             row = costs[(sub, mesh, mode)][r]
             runnable = ~np.isnan(_columns(row, pipe.layering)[:, 0])

@@ -58,9 +58,6 @@ class Model:
         self.continuous[index] = float(upper)
         return index
 
-    def upper(self, variable: int) -> float:
-        return self.continuous.get(variable, 1.0)
-
     def add_row(self, index: list[int], coef: list[float], lo: float, hi: float) -> None:
         self.rows.append((list(index), [float(c) for c in coef], float(lo), float(hi)))
 

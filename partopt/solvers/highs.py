@@ -42,11 +42,11 @@ def solve(model: Model, options: Options) -> Result:
     h.setOptionValue("presolve", "off")
     n = model.num_vars
     inf = highspy.kHighsInf
-    upper = np.ones(n)
+    col_upper = np.ones(n)
     kinds = np.full(n, highspy.HighsVarType.kInteger)
     for j, bound in model.continuous.items():
-        upper[j], kinds[j] = bound, highspy.HighsVarType.kContinuous
-    h.addVars(n, np.zeros(n), upper)
+        col_upper[j], kinds[j] = bound, highspy.HighsVarType.kContinuous
+    h.addVars(n, np.zeros(n), col_upper)
     h.changeColsCost(n, np.arange(n, dtype=np.int32), np.asarray(model.objective, dtype=float))
     h.changeColsIntegrality(n, np.arange(n, dtype=np.int32), kinds)
     if model.rows:
