@@ -11,7 +11,7 @@ Edge pairs are linearised over classes of equal rows/columns (Alpa's `e` variabl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -120,6 +120,12 @@ class Solution:
     kept: int  # strategies left after reduction
     total: int  # strategies before reduction
     variables: int  # ILP variables
+    free_bound: float | None = None  # a proven lower bound on the optimum with no memory row (None: not solved)
+
+    @property
+    def lower_bound(self) -> float | None:
+        """A proven lower bound on the objective: the solver's bound, or the objective when proven optimal."""
+        return self.bound if self.bound is not None else (self.objective if self.result.status == "optimal" else None)
 
 
 # ---------------------------------------------------------------- exact reduction
@@ -446,14 +452,16 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
         result = (_run(model, backend, time_limit_s, seed, None) if model.num_vars
                   else solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend))
         choice = _recover(graph, alive, remaining, _picks(every, var, result.values), steps)
+        relaxed = _solution(graph, choice, result, model, kept, total)
         if budget is None or graph.peak_memory(choice) <= budget:
-            return _solution(graph, choice, result, model, kept, total)
+            return replace(relaxed, free_bound=relaxed.lower_bound)
     model, var = build_model(graph, alive, budget)
     result = (_run(model, backend, time_limit_s, seed, budget) if model.num_vars
               else solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend))
     picks = _picks(alive, var, result.values)
     choice = [int(np.flatnonzero(a)[k]) for a, k in zip(alive, picks)]
-    return _solution(graph, choice, result, model, kept, total)
+    return replace(_solution(graph, choice, result, model, kept, total),
+                   free_bound=relaxed.lower_bound if reduce_first else None)
 
 
 def _solution(graph: CostGraph, choice: list[int], result: solvers.Result, model: solvers.Model,

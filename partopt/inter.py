@@ -16,12 +16,12 @@ import math
 import time
 from typing import Callable, Sequence
 
-from partopt import costmodel, intra, stagedp
+from partopt import costmodel, intra, pricing, stagedp
 from partopt.assemble import assemble, pipeline_of
 from partopt.cluster import Cluster
 from partopt.errors import InfeasibleError, InstanceError, PartoptError
 from partopt.graph import Graph, Op
-from partopt.layering import build_layers, tagged_layers
+from partopt.layering import Layering, build_layers, tagged_layers
 from partopt.ops import is_matmul
 from partopt.options import DEFAULT_MAX_LAYERS, Options, microbatch_counts, restrictions
 from partopt.plan import Plan
@@ -104,11 +104,14 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     sizes = [n * m for n, m in submeshes]
     stats = Stats()
     best: tuple[float, int, list[StageSpec], list] | None = None
-    # cheapest first by a lower bound, so that later counts can be skipped without pricing them
+    # the most microbatches first: the smallest microbatches need least memory, so they are the cheapest to
+    # price (memory seldom binds) and give the incumbent that lets bounds skip options of the others
     views = _microbatch_views(graph, counts)
-    bounds = {count: _lower_bound(view, count, cluster) for count, view in views.items()}
-    candidates = [c for c in sorted(views, key=lambda c: (bounds[c], c))
-                  if _fits_at_all(graph, views[c], cluster, budget, options.recompute != "none")]
+    work = {count: roofline_work(view, [[view.op_index[op.name] for op in ops] for ops in layering.base], cluster)
+            for count, view in views.items()}
+    bounds = {count: _lower_bound(work[count], count, cluster) for count in views}
+    candidates = [c for c in sorted(views, reverse=True)
+                  if _fits_at_all(graph, views[c], layering, cluster, budget, options.recompute_modes)]
     if not candidates:
         raise _no_plan(graph, cluster, budget)
     done, unfinished, stopped = 0, list(candidates), None
@@ -116,7 +119,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     try:
         with Pricer(graph, options, cache, deadline) as pricer:
             for n, count in enumerate(candidates):
-                if best is not None and bounds[count] >= best[0]:
+                if best is not None and (bounds[count], count) > best[:2]:
                     unfinished.remove(count)
                     continue  # its lower bound already loses: no ILP needed
                 if time.perf_counter() > deadline:
@@ -131,26 +134,31 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                 # one option per (submesh, logical shape, recomputation mode): a list of rows of layer costs
                 costs: dict = {}
                 found = free = None
+                keys = list(meshes)
                 for m, mode in enumerate(modes):
+                    limit = min(best[0] if best else math.inf, found[0].total if found else math.inf)
+                    keys = [key for key in keys if m == 0 or _may_win(costs[(*key, modes[m - 1])][0], key, count,
+                                                                      limit, work[count], cluster)]
                     jobs = {(hashes[b], (*key, mode)): Job(mb, count, names[b], meshes[key], mode, budget)
-                            for key in meshes for b in range(len(base_ops))}
+                            for key in keys for b in range(len(base_ops))}
                     total = done + len(jobs) * (len(candidates) - n)  # an estimate: later counts may be skipped
                     priced = pricer.run(jobs, stats, lambda k: progress(done + k, total) if progress else None)
                     done += len(jobs)
                     rows_of = {(*key, mode): [[priced[(hashes[b], (*key, mode))] for b in range(len(base_ops))]]
-                               for key in meshes}
+                               for key in keys}
                     costs.update(rows_of)
                     if free is None:  # the first mode's plan with memory ignored: what leaner options could recover
                         free = _best_schedule(pipe, costs, submeshes, sizes, cluster.num_devices, count, math.inf,
                                               options.schedules, stats)
-                    if best is not None and free is not None and free[0].total >= best[0]:
+                    if best is not None and free is not None and (free[0].total, count) > best[:2]:
                         found = None  # even with memory ignored this count loses: no leaner option can win
                         break
                     found = _best_schedule(pipe, costs, submeshes, sizes, cluster.num_devices, count, budget,
                                            options.schedules, stats)
                     if _binds(found, free):  # memory binds: offer memory-lean options too
-                        tighten(rows_of, priced, jobs, hashes, budget, len(base_ops), count,
-                                best[0] if best else math.inf, pricer, stats)
+                        limit = min(best[0] if best else math.inf, found[0].total if found else math.inf)
+                        tighten(rows_of, priced, jobs, hashes, budget, len(base_ops), count, limit, pricer, stats,
+                                work[count], cluster.num_devices)
                         found = _best_schedule(pipe, costs, submeshes, sizes, cluster.num_devices, count, budget,
                                                options.schedules, stats)
                     if m == len(modes) - 1 or not _binds(found, free):
@@ -161,7 +169,8 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                 unfinished.remove(count)
                 if result is None:
                     continue
-                if best is None or result.total < best[0] - 1e-15:
+                if best is None or result.total < best[0] - 1e-15 or (
+                        abs(result.total - best[0]) <= 1e-15 and count < best[1]):  # ties: the fewest microbatches
                     _, schedule, v, options_of = found
                     chosen = [options_of[c.submesh][c.option] for c in result.stages]
                     if schedule == "interleaved":  # stage i runs chunks i, i + S, …: the plan lists the chunks
@@ -213,6 +222,23 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     return min(found, key=lambda f: f[0].total) if found else None
 
 
+def _may_win(leaner_than: list, key: tuple, count: int, limit: float, work: list[float] | None,
+             cluster: Cluster) -> bool:
+    """Whether a stage on mesh `key` = (submesh, shape) under a mode that recomputes more than the one
+    priced in `leaner_than` (its layers' costs there) could belong to a plan under `limit`.
+
+    Recomputing more never makes a strategy faster, so each layer costs at least the optimum it had
+    with memory ignored (`ilp.Solution.free_bound`; the priced cost itself may have been held back by
+    the memory budget, which recomputing relaxes); a layer that did not fit at all is bounded by its
+    roofline work alone. `pricing.longest_stage` then bounds the stages."""
+    devices = key[0][0] * key[0][1]
+    costs = []
+    for b, cost in enumerate(leaner_than):
+        free = cost.sharding.solution.free_bound if cost is not None else None
+        costs.append(count * free if free is not None else (count * work[b] / devices if work is not None else 0.0))
+    return pricing.longest_stage(costs, count, limit, work, cluster.num_devices - devices) > 0
+
+
 def _binds(found, free) -> bool:
     """Whether memory costs time: nothing fits, or the best plan that fits (`found`, of `_best_schedule`)
     is slower than the plan of the fastest options with memory ignored (`free`; None: some layer fits no
@@ -250,32 +276,78 @@ def _microbatch_views(graph: Graph, counts: list[int]) -> dict[int, Graph]:
     return views
 
 
-def _lower_bound(g_mb: Graph, count: int, cluster: Cluster) -> float:
-    """A lower bound on the iteration time with `count` microbatches (`g_mb`: the microbatch view)
-    on any plan of the cluster's devices.
-
-    The pipeline part is at least B · max_i t_i ≥ B · sum_i D_i t_i / N, and a stage's device-time
-    D_i t_i is at least its ops' single-device roofline time (no split divides FLOPs or bytes by
-    more than D_i; communication only adds). Only the analytical model has that property: under
-    another (measured times) the bound is 0 and no microbatch count is skipped unpriced.
-    """
+def roofline_work(g_mb: Graph, base: list[list[Op]], cluster: Cluster) -> list[float] | None:
+    """A lower bound on each base layer's device-seconds per microbatch on any mesh (`g_mb`: the microbatch
+    view): its ops' single-device roofline time. No split divides FLOPs or bytes by more than the
+    devices it uses, and communication only adds. Only the analytical model has that property: under
+    another (measured times) there is no bound (None)."""
     if not isinstance(costmodel.active(), costmodel.Analytical):
-        return 0.0
-    work = 0.0
-    for op in g_mb.ops:
-        if op.kind == "reshape":
-            continue
-        moved = sum(g_mb.nbytes(t) for t in op.inputs) + g_mb.nbytes(op.output)
-        flops = costmodel.training_flops(g_mb.flops(op), is_matmul(op))
-        work += costmodel.compute_time(flops, 2 * moved, cluster.device, g_mb.dtype_of(op.output), is_matmul(op))
-    return count * work / cluster.num_devices
+        return None
+    work = []
+    for ops in base:
+        total = 0.0
+        for op in ops:
+            if op.kind == "reshape":
+                continue
+            moved = sum(g_mb.nbytes(t) for t in op.inputs) + g_mb.nbytes(op.output)
+            flops = costmodel.training_flops(g_mb.flops(op), is_matmul(op))
+            total += costmodel.compute_time(flops, 2 * moved, cluster.device, g_mb.dtype_of(op.output), is_matmul(op))
+        work.append(total)
+    return work
 
 
-def _fits_at_all(graph: Graph, g_mb: Graph, cluster: Cluster, budget: float, recompute: bool) -> bool:
-    """False when even a perfect spread of the parameter state and one microbatch's activations overflows."""
+def _lower_bound(work: list[float] | None, count: int, cluster: Cluster) -> float:
+    """A lower bound on the iteration time with `count` microbatches of per-layer `work`
+    (`roofline_work`) on any plan of the cluster's devices: the pipeline part is at least
+    B · max_i t_i ≥ B · sum_i D_i t_i / N, and a stage's device-time D_i t_i is at least its layers'
+    work. Without a bound on the work (a measured cost model) it is 0: no count is skipped unpriced."""
+    return count * sum(work) / cluster.num_devices if work is not None else 0.0
+
+
+def _fits_at_all(graph: Graph, g_mb: Graph, layering: Layering, cluster: Cluster, budget: float,
+                 modes: Sequence[str]) -> bool:
+    """False when even a perfect spread of the parameter state and the least activation memory of one
+    microbatch (`least_activation_bytes` under the searched recomputation modes) overflows the cluster."""
     state = sum(costmodel.param_memory(graph.numel(t.name), graph.dtype_of(t.name), graph.optimizer).total for t in graph.params)
-    activations = 0.0 if recompute else sum(g_mb.nbytes(op.output) for op in g_mb.ops)
-    return (state + activations) / cluster.num_devices <= budget
+    base = [[g_mb.op_index[op.name] for op in ops] for ops in layering.base]
+    return (state + least_activation_bytes(g_mb, base, modes)) / cluster.num_devices <= budget
+
+
+def least_activation_bytes(g_mb: Graph, base: list[list[Op]], modes: Sequence[str]) -> float:
+    """A lower bound on the activation bytes all devices hold together in any plan of the base layers
+    `base` with one recomputation mode of `modes` per layer: the least over mode choices of the kept
+    bytes of one microbatch plus the largest working set.
+
+    Under a mode, a layer keeps each output that is not recomputed, and each recomputed output read
+    after the layer or by an op not recomputed; recomputing materialises every recomputed output once
+    (its working set), and a stage holds the largest working set of its layers (as `intra.build` and
+    `stages` count them). Every byte is held by some device, so the per-device peak is at least this
+    total over the cluster's devices: for the choice, a threshold W on the working set takes, per
+    layer, the mode that keeps least among those whose working set is at most W."""
+    options = []  # per layer: (kept, working) per mode
+    for ops in base:
+        per_mode = []
+        for mode in modes:
+            rerun = intra.recomputed_ops(g_mb, ops, mode)
+            kept = working = 0.0
+            for op in ops:
+                out = g_mb.nbytes(op.output)
+                if op.name not in rerun:
+                    kept += out
+                    continue
+                working += out
+                readers = g_mb.consumers[op.output]
+                if not readers or any(c.name not in rerun for c in readers):
+                    kept += out
+            per_mode.append((kept, working))
+        options.append(per_mode)
+    thresholds = sorted({w for per_mode in options for _, w in per_mode})
+    best = math.inf
+    for limit in thresholds:
+        allowed = [[k for k, w in per_mode if w <= limit] for per_mode in options]
+        if all(allowed):
+            best = min(best, limit + sum(min(k) for k in allowed))
+    return best
 
 
 def _no_plan(graph: Graph, cluster: Cluster, budget: float) -> InfeasibleError:

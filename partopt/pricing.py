@@ -265,7 +265,7 @@ class Pricer:
 
 
 def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: float, layers: int, count: int,
-            bound: float, pricer: Pricer, stats: Stats) -> None:
+            bound: float, pricer: Pricer, stats: Stats, work: list[float] | None = None, devices: int = 0) -> None:
     """Add memory-leaner options: re-price layers whose optimum overflows budget / r, r = 2, 4, …
 
     Each layer's ILP alone sees only its own memory; a stage of r such layers needs each to fit
@@ -275,14 +275,16 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
     cost nothing. The cap of rung r serves stages of more than r / 2 layers (smaller ones fit the
     rung before); a mesh on which every such stage costs more than `bound` (the iteration time of
     the best plan known, from another microbatch count; see `longest_stage`) is not refined at
-    that rung or beyond.
+    that rung or beyond; with `work` (per layer, see `longest_stage`) a stage must also leave the rest of
+    the model room to run under `bound` on the other of the cluster's `devices`.
     `costs[option]` is the list of rows of layer costs of one (submesh, shape, mode) option and
     `jobs[(layer key, option)]` its unconstrained job; each option gets one more row per cap at
     which any of its layers changed.
     """
     last = dict(priced)
     stuck = {key for key, cost in last.items() if cost is None}
-    longest = {option: longest_stage(rows[0], count, bound) for option, rows in costs.items()}
+    longest = {option: longest_stage(objectives(rows[0], count), count, bound, work, devices - option[0][0] * option[0][1])
+               for option, rows in costs.items()}
     for r in MEMORY_RUNGS:
         if r > layers:
             break
@@ -318,22 +320,41 @@ def _charged(memory: float, transient: float, share: int) -> float:
     return memory - transient * (1 - 1 / share)
 
 
-def longest_stage(row: list[LayerCost | None], count: int, limit: float) -> int:
+def objectives(row: list[LayerCost | None], count: int) -> list[float | None]:
+    """Each layer's count · time + sync (what its ILP minimises, times the count); None where it cannot run."""
+    return [None if c is None else count * c.time_s + c.sync_s for c in row]
+
+
+def longest_stage(costs: list[float | None], count: int, limit: float, work: list[float] | None = None,
+                  spare: int = 0) -> int:
     """The most consecutive base layers a stage on this mesh can hold and still cost under `limit`.
 
     A plan's iteration time is at least B · t + sync of each of its stages (B microbatches, t its
     latency, sync its per-iteration work), and no option of a layer on a mesh costs less than its
-    unconstrained optimum `row[b]`, count · time + sync, which is what its ILP minimises.
+    unconstrained optimum, count · time + sync, which is what its ILP minimises: `costs[b]` is that (or a
+    lower bound of it; None: the layer cannot run on the mesh).
+    With `work` (each layer's device-seconds per microbatch, a lower bound: `inter.roofline_work`),
+    the layers outside the stage must also run under `limit` on the `spare` devices it leaves:
+    their iteration is at least B · (their work) / spare, and with no device spare there must be
+    no layer outside. A longer run ending at the same layer leaves less outside, so checking the
+    longest run under `limit` at each end suffices.
     """
-    costs = [None if c is None else count * c.time_s + c.sync_s for c in row]
-    longest, start, total = 0, 0, 0.0
+    whole = sum(work) if work is not None else 0.0
+    longest, start, total, inside = 0, 0, 0.0, 0.0
     for end, cost in enumerate(costs):
         if cost is None:  # cannot run on this mesh at all: no stage spans it
-            start, total = end + 1, 0.0
+            start, total, inside = end + 1, 0.0, 0.0
             continue
         total += cost
+        inside += work[end] if work is not None else 0.0
         while total >= limit and start <= end:
             total -= costs[start]
+            inside -= work[start] if work is not None else 0.0
             start += 1
+        if work is not None and start <= end:  # what the stage leaves out must run under the limit elsewhere
+            if spare == 0 and (start > 0 or end < len(costs) - 1):
+                continue
+            if spare > 0 and count * (whole - inside) / spare >= limit:
+                continue
         longest = max(longest, end - start + 1)
     return longest

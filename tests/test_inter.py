@@ -12,7 +12,7 @@ from partopt.cli import main
 from partopt.cluster import preset
 from partopt.errors import InfeasibleError
 from partopt.inter import Options, microbatch_counts, optimize
-from partopt.pricing import Dropped, Job, LayerCost, Stats, longest_stage, price
+from partopt.pricing import Dropped, Job, LayerCost, Stats, longest_stage, objectives, price
 from partopt.plan import plan_to_dict, read_plan
 from partopt.sharding import R, Shard
 from partopt.simulate import StageTimes, closed_form
@@ -188,7 +188,8 @@ def test_longest_stage_is_the_longest_run_of_layers_costing_under_the_bound():
         return LayerCost(time_s, sync_s, 0.0, 0.0, 0.0, None)
 
     # with B = 4 the layers cost 4·time + sync = 5, 8, (cannot run), 3, 3, 3
-    row = [layer(1.0, 1.0), layer(2.0, 0.0), None, layer(0.5, 1.0), layer(0.5, 1.0), layer(0.5, 1.0)]
+    row = objectives([layer(1.0, 1.0), layer(2.0, 0.0), None, layer(0.5, 1.0), layer(0.5, 1.0), layer(0.5, 1.0)], 4)
+    assert row == [5.0, 8.0, None, 3.0, 3.0, 3.0]
     assert longest_stage(row, 4, float("inf")) == 3  # a layer that cannot run splits the runs
     assert longest_stage(row, 4, 14.0) == 3  # 5 + 8 = 13 and 3 + 3 + 3 = 9 both fit
     assert longest_stage(row, 4, 9.0) == 2  # 3 + 3 + 3 = 9 is not under 9
