@@ -135,10 +135,11 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                 costs: dict = {}
                 found = free = None
                 keys = list(meshes)
+                lean = []  # per mode priced: what `tighten` refines when memory binds
                 for m, mode in enumerate(modes):
                     limit = min(best[0] if best else math.inf, found[0].total if found else math.inf)
                     keys = [key for key in keys if m == 0 or _may_win(costs[(*key, modes[m - 1])][0], key, count,
-                                                                      limit, work[count], cluster)]
+                                                                      limit, work[count], cluster, options.overlap)]
                     jobs = {(hashes[b], (*key, mode)): Job(mb, count, names[b], meshes[key], mode, budget)
                             for key in keys for b in range(len(base_ops))}
                     total = done + len(jobs) * (len(candidates) - n)  # an estimate: later counts may be skipped
@@ -147,6 +148,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     rows_of = {(*key, mode): [[priced[(hashes[b], (*key, mode))] for b in range(len(base_ops))]]
                                for key in keys}
                     costs.update(rows_of)
+                    lean.append((rows_of, priced, jobs))
                     if free is None:  # the first mode's plan with memory ignored: what leaner options could recover
                         free = _best_schedule(pipe, costs, submeshes, sizes, cluster.num_devices, count, math.inf,
                                               options.schedules, stats)
@@ -155,14 +157,17 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                         break
                     found = _best_schedule(pipe, costs, submeshes, sizes, cluster.num_devices, count, budget,
                                            options.schedules, stats)
-                    if _binds(found, free):  # memory binds: offer memory-lean options too
+                    if not _binds(found, free):
+                        break  # memory does not bind: recomputing more only adds time
+                else:  # memory binds under every mode: offer memory-lean caps too, the most recomputing mode's first
+                    for rows_of, priced, jobs in reversed(lean):
                         limit = min(best[0] if best else math.inf, found[0].total if found else math.inf)
                         tighten(rows_of, priced, jobs, hashes, budget, len(base_ops), count, limit, pricer, stats,
-                                work[count], cluster.num_devices)
+                                work[count], cluster.num_devices, options.overlap)
                         found = _best_schedule(pipe, costs, submeshes, sizes, cluster.num_devices, count, budget,
                                                options.schedules, stats)
-                    if m == len(modes) - 1 or not _binds(found, free):
-                        break  # memory does not bind: recomputing more only adds time
+                        if not _binds(found, free):
+                            break
                 result = found[0] if found else None
                 stats.counts.append(count)
                 stats.recompute_modes[count] = modes[:m + 1]
@@ -223,7 +228,7 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
 
 
 def _may_win(leaner_than: list, key: tuple, count: int, limit: float, work: list[float] | None,
-             cluster: Cluster) -> bool:
+             cluster: Cluster, overlap: bool) -> bool:
     """Whether a stage on mesh `key` = (submesh, shape) under a mode that recomputes more than the one
     priced in `leaner_than` (its layers' costs there) could belong to a plan under `limit`.
 
@@ -236,7 +241,7 @@ def _may_win(leaner_than: list, key: tuple, count: int, limit: float, work: list
     for b, cost in enumerate(leaner_than):
         free = cost.sharding.solution.free_bound if cost is not None else None
         costs.append(count * free if free is not None else (count * work[b] / devices if work is not None else 0.0))
-    return pricing.longest_stage(costs, count, limit, work, cluster.num_devices - devices) > 0
+    return pricing.longest_stage(costs, count, limit, work, cluster.num_devices - devices, overlap) > 0
 
 
 def _binds(found, free) -> bool:

@@ -265,7 +265,8 @@ class Pricer:
 
 
 def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: float, layers: int, count: int,
-            bound: float, pricer: Pricer, stats: Stats, work: list[float] | None = None, devices: int = 0) -> None:
+            bound: float, pricer: Pricer, stats: Stats, work: list[float] | None = None, devices: int = 0,
+            overlap: bool = False) -> None:
     """Add memory-leaner options: re-price layers whose optimum overflows budget / r, r = 2, 4, …
 
     Each layer's ILP alone sees only its own memory; a stage of r such layers needs each to fit
@@ -276,15 +277,16 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
     rung before); a mesh on which every such stage costs more than `bound` (the iteration time of
     the best plan known, from another microbatch count; see `longest_stage`) is not refined at
     that rung or beyond; with `work` (per layer, see `longest_stage`) a stage must also leave the rest of
-    the model room to run under `bound` on the other of the cluster's `devices`.
+    the model room to run under `bound` on the other of the cluster's `devices`; `overlap`: gradient
+    reductions hide behind the backward (see `longest_stage`).
     `costs[option]` is the list of rows of layer costs of one (submesh, shape, mode) option and
     `jobs[(layer key, option)]` its unconstrained job; each option gets one more row per cap at
     which any of its layers changed.
     """
     last = dict(priced)
     stuck = {key for key, cost in last.items() if cost is None}
-    longest = {option: longest_stage(objectives(rows[0], count), count, bound, work, devices - option[0][0] * option[0][1])
-               for option, rows in costs.items()}
+    longest = {option: longest_stage(objectives(rows[0], count), count, bound, work, devices - option[0][0] * option[0][1],
+                                     overlap) for option, rows in costs.items()}
     for r in MEMORY_RUNGS:
         if r > layers:
             break
@@ -326,13 +328,15 @@ def objectives(row: list[LayerCost | None], count: int) -> list[float | None]:
 
 
 def longest_stage(costs: list[float | None], count: int, limit: float, work: list[float] | None = None,
-                  spare: int = 0) -> int:
+                  spare: int = 0, overlap: bool = False) -> int:
     """The most consecutive base layers a stage on this mesh can hold and still cost under `limit`.
 
     A plan's iteration time is at least B · t + sync of each of its stages (B microbatches, t its
     latency, sync its per-iteration work), and no option of a layer on a mesh costs less than its
     unconstrained optimum, count · time + sync, which is what its ILP minimises: `costs[b]` is that (or a
-    lower bound of it; None: the layer cannot run on the mesh).
+    lower bound of it; None: the layer cannot run on the mesh). With `overlap` the gradient reductions
+    hide behind the last microbatch's backward, at most t of them (docs/COSTMODEL.md §5b: exposed ≥
+    reductions − backward), so the iteration is at least B · t + sync − t ≥ (1 − 1/B)(B · t + sync).
     With `work` (each layer's device-seconds per microbatch, a lower bound: `inter.roofline_work`),
     the layers outside the stage must also run under `limit` on the `spare` devices it leaves:
     their iteration is at least B · (their work) / spare, and with no device spare there must be
@@ -340,6 +344,7 @@ def longest_stage(costs: list[float | None], count: int, limit: float, work: lis
     longest run under `limit` at each end suffices.
     """
     whole = sum(work) if work is not None else 0.0
+    paid = 1.0 - 1.0 / count if overlap else 1.0  # the share of a stage's count · time + sync surely paid
     longest, start, total, inside = 0, 0, 0.0, 0.0
     for end, cost in enumerate(costs):
         if cost is None:  # cannot run on this mesh at all: no stage spans it
@@ -347,7 +352,7 @@ def longest_stage(costs: list[float | None], count: int, limit: float, work: lis
             continue
         total += cost
         inside += work[end] if work is not None else 0.0
-        while total >= limit and start <= end:
+        while paid * total >= limit and start <= end:
             total -= costs[start]
             inside -= work[start] if work is not None else 0.0
             start += 1

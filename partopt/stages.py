@@ -209,11 +209,13 @@ def exposed_reduction(reduce_s: np.ndarray, backward_s: np.ndarray) -> np.ndarra
 
 
 def totals(row: Sequence[LayerCost | None], pipe: Pipeline, first: int, last: int, end: End,
-           receiver: End | None = None) -> StageTotals:
+           receiver: End | None = None, columns: np.ndarray | None = None) -> StageTotals:
     """The sums of a stage of DP layers [first, last] on mesh `end` with its layers' costs `row`;
-    its sends priced to `receiver`, the next stage placed (None: the stage DP's bound, `Pipeline.send_s`)."""
+    its sends priced to `receiver`, the next stage placed (None: the stage DP's bound, `Pipeline.send_s`).
+    `columns`: the row's `_columns`, when a caller sums many stages of one row."""
     devices = end.shape[0] * end.shape[1]
-    time_s, sync_s, params, acts, working = _running(_columns(row, pipe.layering), first, pipe.overlap)[last - first, :5]
+    columns = _columns(row, pipe.layering) if columns is None else columns
+    time_s, sync_s, params, acts, working = _running(columns, first, pipe.overlap)[last - first, :5]
     fix = correction(row, pipe.layering.groups[first][0], pipe.layering.groups[last][1], pipe.shared, pipe.link,
                      min(devices, pipe.per_node))
     if fix is not None:
@@ -290,12 +292,13 @@ def interleaved_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, in
     for s, sub in enumerate(submeshes):
         for h, (mesh, mode, r) in enumerate(options[s]):
             row = costs[(sub, mesh, mode)][r]
-            runnable = ~np.isnan(_columns(row, pipe.layering)[:, 0])
+            columns = _columns(row, pipe.layering)
+            runnable = ~np.isnan(columns[:, 0])
             for i in range(num_stages):
                 mine = ranges[i::num_stages]
                 if not all(runnable[first:last + 1].all() for first, last in mine):
                     continue
-                sums = combined([totals(row, pipe, first, last, End(sub, mesh)) for first, last in mine])
+                sums = combined([totals(row, pipe, first, last, End(sub, mesh), columns=columns) for first, last in mine])
                 if sums.memory_bytes(held[i]) <= budget:
                     t[h, 1, i, i, s], extra[h, 1, i, i, s] = sums.latency_s, sums.sync_s
     return t, extra, options

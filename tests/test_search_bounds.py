@@ -114,3 +114,25 @@ def test_auto_with_skipped_modes_still_equals_the_best_forced_mode_or_beats_it(m
     forced = best_forced(graph, cluster, microbatches=[4, 8, 16])
     auto = optimize(graph, cluster, microbatches=[4, 8, 16])
     assert auto.iteration_time_s <= min(forced.values()) * (1 + 1e-9)
+
+
+def test_longest_stage_under_overlap_counts_what_the_backward_cannot_hide():
+    costs = [3.0, 3.0, 3.0, 3.0]
+    assert longest_stage(costs, 4, 7.0) == 2  # 9 ≥ 7
+    # with overlap at most one microbatch's time of sync hides: (1 − 1/4) · 9 = 6.75 < 7, 0.75 · 12 = 9 ≥ 7
+    assert longest_stage(costs, 4, 7.0, overlap=True) == 3
+    assert longest_stage(costs, 1, 0.5, overlap=True) == 4  # one microbatch: its backward may hide all the sync
+
+
+@pytest.mark.parametrize("count", [1, 2, 8])
+def test_an_overlapped_plan_pays_at_least_its_stages_share_the_bound_assumes(count):
+    """The premise of the overlap bound on real plans: iteration ≥ (1 − 1/B)(B · t + sync before overlap)."""
+    graph = block_graph(layers=2, batch=16)
+    cluster = tight_cluster(graph, 16.0)
+    for data_parallel in (True, False):
+        plan = optimize(graph, cluster, microbatches=count, data_parallel_only=data_parallel)
+        for stage in plan.stages:
+            additive = count * stage.stage_time_s + stage.sync_time_s + stage.breakdown["overlapped_s"]
+            assert plan.iteration_time_s >= (1 - 1 / count) * additive * (1 - 1e-12)
+        if data_parallel:
+            assert plan.stages[0].breakdown["overlapped_s"] > 0  # the case the bound is for
