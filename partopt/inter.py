@@ -160,9 +160,13 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     if not _binds(found, free):
                         break  # memory does not bind: recomputing more only adds time
                 else:  # memory binds under every mode: offer memory-lean caps too, the most recomputing mode's first
+                    def incumbent() -> float:  # the best plan so far, this count's with the caps priced yet
+                        now = _best_schedule(pipe, costs, submeshes, sizes, cluster.num_devices, count, budget,
+                                             options.schedules, stats)
+                        return min(best[0] if best else math.inf, now[0].total if now else math.inf)
+
                     for rows_of, priced, jobs in reversed(lean):
-                        limit = min(best[0] if best else math.inf, found[0].total if found else math.inf)
-                        tighten(rows_of, priced, jobs, hashes, budget, len(base_ops), count, limit, pricer, stats,
+                        tighten(rows_of, priced, jobs, hashes, budget, len(base_ops), count, incumbent, pricer, stats,
                                 work[count], cluster.num_devices, options.overlap)
                         found = _best_schedule(pipe, costs, submeshes, sizes, cluster.num_devices, count, budget,
                                                options.schedules, stats)

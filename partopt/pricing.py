@@ -265,8 +265,8 @@ class Pricer:
 
 
 def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: float, layers: int, count: int,
-            bound: float, pricer: Pricer, stats: Stats, work: list[float] | None = None, devices: int = 0,
-            overlap: bool = False) -> None:
+            bound: Callable[[], float], pricer: Pricer, stats: Stats, work: list[float] | None = None,
+            devices: int = 0, overlap: bool = False) -> None:
     """Add memory-leaner options: re-price layers whose optimum overflows budget / r, r = 2, 4, …
 
     Each layer's ILP alone sees only its own memory; a stage of r such layers needs each to fit
@@ -274,9 +274,9 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
     stages (the most it could have), and 1/r of its transient peak (the stage holds one). A layer whose optimum already fits the tighter cap keeps it
     (the same ILP with a tighter, non-binding constraint has the same optimum), so small models
     cost nothing. The cap of rung r serves stages of more than r / 2 layers (smaller ones fit the
-    rung before); a mesh on which every such stage costs more than `bound` (the iteration time of
-    the best plan known, from another microbatch count; see `longest_stage`) is not refined at
-    that rung or beyond; with `work` (per layer, see `longest_stage`) a stage must also leave the rest of
+    rung before); a mesh on which every such stage costs more than `bound()` (the iteration time of
+    the best plan known — another count's, or this count's with the rows added so far: asked again
+    at each rung; see `longest_stage`) is not refined at that rung or beyond; with `work` (per layer, see `longest_stage`) a stage must also leave the rest of
     the model room to run under `bound` on the other of the cluster's `devices`; `overlap`: gradient
     reductions hide behind the backward (see `longest_stage`).
     `costs[option]` is the list of rows of layer costs of one (submesh, shape, mode) option and
@@ -285,11 +285,12 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
     """
     last = dict(priced)
     stuck = {key for key, cost in last.items() if cost is None}
-    longest = {option: longest_stage(objectives(rows[0], count), count, bound, work, devices - option[0][0] * option[0][1],
-                                     overlap) for option, rows in costs.items()}
     for r in MEMORY_RUNGS:
         if r > layers:
             break
+        limit = bound()
+        longest = {option: longest_stage(objectives(rows[0], count), count, limit, work,
+                                         devices - option[0][0] * option[0][1], overlap) for option, rows in costs.items()}
         cap = budget / r
         for key in jobs:  # no ILP where the cap is below the leanest assignment, or serves no stage that can win
             if key not in stuck and (_charged(last[key].sharding.least_memory_bytes, last[key].sharding.least_transient_bytes,
