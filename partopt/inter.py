@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from partopt import costmodel, intra, pricing, stagedp
 from partopt.assemble import assemble, pipeline_of
-from partopt.cluster import Cluster
+from partopt.cluster import Cluster, LogicalMesh
 from partopt.errors import InfeasibleError, InstanceError, PartoptError
 from partopt.graph import Graph, Op
 from partopt.layering import Layering, build_layers, tagged_layers
@@ -86,6 +87,38 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
         return _search(graph, cluster, options, progress, cache)
 
 
+@dataclass(frozen=True)
+class _Space:
+    """What every microbatch count is searched over: the meshes, the memory budget, the options."""
+
+    graph: Graph
+    cluster: Cluster
+    options: Options
+    layering: Layering
+    budget: float
+    submeshes: list[tuple[int, int]]
+    meshes: dict[tuple, LogicalMesh]  # (submesh, logical shape) -> its mesh
+
+    def best(self, pipe: Pipeline, costs: dict, count: int, budget: float, stats: Stats):
+        """The stage DP's best plan over the searched schedules (`_best_schedule`), or None."""
+        return _best_schedule(pipe, costs, self.submeshes, [n * m for n, m in self.submeshes],
+                              self.cluster.num_devices, count, budget, self.options.schedules, stats)
+
+
+@dataclass
+class _Tally:
+    """Layer ILPs priced so far, told to the caller's progress callback."""
+
+    progress: Progress | None
+    done: int = 0
+
+    def running(self, jobs: int, counts_left: int) -> Callable[[int], None]:
+        """The callback for `jobs` more, with an estimated total (later counts may be skipped)."""
+        first, total = self.done, self.done + jobs * counts_left
+        self.done += jobs
+        return lambda k: self.progress(first + k, total) if self.progress else None
+
+
 def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress | None, cache: dict | None) -> Plan:
     """`optimize` under its cost model."""
     start = time.perf_counter()
@@ -96,25 +129,24 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                             f"use auto or one of {', '.join(SEARCHED)}; `partopt evaluate --schedule` prices any "
                             "(docs/COSTMODEL.md §5b says why)")
     batch = graph.dims[graph.batch_dim]
-    counts = microbatch_counts(batch, options.microbatches)
     layering = build_layers(graph, options.layers)
     budget = costmodel.memory_budget(cluster.device, options.memory_reserve)
     submeshes = _submeshes(cluster, options)
     meshes = {(s, shape): cluster.logical_mesh(s, shape) for s in submeshes for shape in _shapes(cluster, s, options)}
-    sizes = [n * m for n, m in submeshes]
-    stats = Stats()
-    best: tuple[float, int, list[StageSpec], list] | None = None
-    # the most microbatches first: the smallest microbatches need least memory, so they are the cheapest to
-    # price (memory seldom binds) and give the incumbent that lets bounds skip options of the others
-    views = _microbatch_views(graph, counts)
+    space = _Space(graph, cluster, options, layering, budget, submeshes, meshes)
+    stats, tally = Stats(), _Tally(progress)
+    best: tuple | None = None  # (iteration time, count, stage specs, their rows of layer costs, schedule, v)
+    views = _microbatch_views(graph, microbatch_counts(batch, options.microbatches))
     work = {count: roofline_work(view, [[view.op_index[op.name] for op in ops] for ops in layering.base], cluster)
             for count, view in views.items()}
     bounds = {count: _lower_bound(work[count], count, cluster) for count in views}
+    # the most microbatches first: the smallest microbatches need least memory, so they are the cheapest to
+    # price (memory seldom binds) and give the incumbent that lets bounds skip options of the others
     candidates = [c for c in sorted(views, reverse=True)
                   if _fits_at_all(graph, views[c], layering, cluster, budget, options.recompute_modes)]
     if not candidates:
         raise _no_plan(graph, cluster, budget)
-    done, unfinished, stopped = 0, list(candidates), None
+    unfinished, stopped = list(candidates), None
     deadline = start + options.deadline_s if options.deadline_s is not None else math.inf
     try:
         with Pricer(graph, options, cache, deadline) as pricer:
@@ -124,76 +156,14 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     continue  # its lower bound already loses: no ILP needed
                 if time.perf_counter() > deadline:
                     raise Expired
-                mb, g_mb = batch // count, views[count]
-                pricer.views[mb] = g_mb
-                pipe = pipeline_of(graph, cluster, layering, count, options.overlap)
-                base_ops = [[g_mb.op_index[op.name] for op in ops] for ops in layering.base]
-                hashes = [g_mb.structural_hash(ops) for ops in base_ops]
-                names = [tuple(op.name for op in ops) for ops in base_ops]
-                modes = _distinct_modes(g_mb, base_ops, options.recompute_modes)
-                # one option per (submesh, logical shape, recomputation mode): a list of rows of layer costs
-                costs: dict = {}
-                found = free = None
-                keys = list(meshes)
-                lean = []  # per mode priced: what `tighten` refines when memory binds
-                for m, mode in enumerate(modes):
-                    limit = min(best[0] if best else math.inf, found[0].total if found else math.inf)
-                    keys = [key for key in keys if m == 0 or _may_win(costs[(*key, modes[m - 1])][0], key, count,
-                                                                      limit, work[count], cluster, options.overlap)]
-                    jobs = {(hashes[b], (*key, mode)): Job(mb, count, names[b], meshes[key], mode, budget)
-                            for key in keys for b in range(len(base_ops))}
-                    total = done + len(jobs) * (len(candidates) - n)  # an estimate: later counts may be skipped
-                    priced = pricer.run(jobs, stats, lambda k: progress(done + k, total) if progress else None)
-                    done += len(jobs)
-                    rows_of = {(*key, mode): [[priced[(hashes[b], (*key, mode))] for b in range(len(base_ops))]]
-                               for key in keys}
-                    costs.update(rows_of)
-                    lean.append((rows_of, priced, jobs))
-                    if free is None:  # the first mode's plan with memory ignored: what leaner options could recover
-                        free = _best_schedule(pipe, costs, submeshes, sizes, cluster.num_devices, count, math.inf,
-                                              options.schedules, stats)
-                    if best is not None and free is not None and (free[0].total, count) > best[:2]:
-                        found = None  # even with memory ignored this count loses: no leaner option can win
-                        break
-                    found = _best_schedule(pipe, costs, submeshes, sizes, cluster.num_devices, count, budget,
-                                           options.schedules, stats)
-                    if not _binds(found, free):
-                        break  # memory does not bind: recomputing more only adds time
-                else:  # memory binds under every mode: offer memory-lean caps too, the most recomputing mode's first
-                    def incumbent() -> float:  # the best plan so far, this count's with the caps priced yet
-                        now = _best_schedule(pipe, costs, submeshes, sizes, cluster.num_devices, count, budget,
-                                             options.schedules, stats)
-                        return min(best[0] if best else math.inf, now[0].total if now else math.inf)
-
-                    for rows_of, priced, jobs in reversed(lean):
-                        tighten(rows_of, priced, jobs, hashes, budget, len(base_ops), count, incumbent, pricer, stats,
-                                work[count], cluster.num_devices, options.overlap)
-                        found = _best_schedule(pipe, costs, submeshes, sizes, cluster.num_devices, count, budget,
-                                               options.schedules, stats)
-                        if not _binds(found, free):
-                            break
-                result = found[0] if found else None
+                found, costs, modes = _price_count(space, pricer, count, views[count], work[count], best, stats,
+                                                   lambda jobs: tally.running(jobs, len(candidates) - n))
                 stats.counts.append(count)
-                stats.recompute_modes[count] = modes[:m + 1]
+                stats.recompute_modes[count] = modes
                 unfinished.remove(count)
-                if result is None:
-                    continue
-                if best is None or result.total < best[0] - 1e-15 or (
-                        abs(result.total - best[0]) <= 1e-15 and count < best[1]):  # ties: the fewest microbatches
-                    _, schedule, v, options_of = found
-                    chosen = [options_of[c.submesh][c.option] for c in result.stages]
-                    if schedule == "interleaved":  # stage i runs chunks i, i + S, …: the plan lists the chunks
-                        S = len(result.stages)
-                        specs = [StageSpec(first, last, submeshes[result.stages[j % S].submesh], chosen[j % S][0],
-                                           inflight(j % S, S, count, schedule, v), chosen[j % S][1])
-                                 for j, (first, last) in enumerate(chunks(len(layering.groups), S, v))]
-                        picked = [chosen[j % S][2] for j in range(len(specs))]
-                    else:
-                        specs = [StageSpec(c.first, c.last, submeshes[c.submesh], shape, min(c.inflight, count), mode)
-                                 for c, (shape, mode, _) in zip(result.stages, chosen)]
-                        picked = [r for _, _, r in chosen]
-                    rows = [costs[(spec.submesh, spec.shape, spec.recompute)][r] for spec, r in zip(specs, picked)]
-                    best = (result.total, count, specs, rows, schedule, v)
+                if found is not None and (best is None or found[0].total < best[0] - 1e-15 or (
+                        abs(found[0].total - best[0]) <= 1e-15 and count < best[1])):  # ties: the fewest microbatches
+                    best = (found[0].total, count, *_stages_of(found, costs, count, space))
     except (Expired, KeyboardInterrupt) as err:
         stopped = "deadline" if isinstance(err, Expired) else "interrupted"
         if best is None:
@@ -211,6 +181,79 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
         bound = min([total, *(bounds[c] for c in unfinished)])
         plan.solver.update(stopped=stopped, lower_bound_s=bound, bound_gap=(total - bound) / total)
     return plan
+
+
+def _price_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, work: list[float] | None, best: tuple | None,
+                 stats: Stats, running: Callable[[int], Callable[[int], None]]):
+    """The best plan with `count` microbatches (`g_mb`: the microbatch view; `work`: each base layer's
+    roofline work), or None when none fits or it cannot beat `best`; with the layer costs priced
+    (one option per (submesh, logical shape, recomputation mode): a list of rows of layer costs) and
+    the recomputation modes tried.
+
+    Each mode's uncapped layer optima first, the next mode only while memory binds and only on
+    meshes where it may win (`_may_win`); when memory binds under every mode, memory-lean caps
+    (`pricing.tighten`), the most recomputing mode's first."""
+    options, budget = space.options, space.budget
+    mb = space.graph.dims[space.graph.batch_dim] // count
+    pricer.views[mb] = g_mb
+    pipe = pipeline_of(space.graph, space.cluster, space.layering, count, options.overlap)
+    base_ops = [[g_mb.op_index[op.name] for op in ops] for ops in space.layering.base]
+    hashes = [g_mb.structural_hash(ops) for ops in base_ops]
+    names = [tuple(op.name for op in ops) for ops in base_ops]
+    modes = _distinct_modes(g_mb, base_ops, options.recompute_modes)
+    incumbent = best[0] if best else math.inf
+    costs: dict = {}
+    found = free = None
+    keys = list(space.meshes)
+    lean = []  # per mode priced: what `tighten` refines when memory binds
+    for m, mode in enumerate(modes):
+        limit = min(incumbent, found[0].total if found else math.inf)
+        keys = [key for key in keys if m == 0 or _may_win(costs[(*key, modes[m - 1])][0], key, count, limit, work,
+                                                          space.cluster, options.overlap)]
+        jobs = {(hashes[b], (*key, mode)): Job(mb, count, names[b], space.meshes[key], mode, budget)
+                for key in keys for b in range(len(base_ops))}
+        priced = pricer.run(jobs, stats, running(len(jobs)))
+        rows_of = {(*key, mode): [[priced[(hashes[b], (*key, mode))] for b in range(len(base_ops))]] for key in keys}
+        costs.update(rows_of)
+        lean.append((rows_of, priced, jobs))
+        if free is None:  # the first mode's plan with memory ignored: what leaner options could recover
+            free = space.best(pipe, costs, count, math.inf, stats)
+        if best is not None and free is not None and (free[0].total, count) > best[:2]:
+            return None, costs, list(modes[:m + 1])  # even with memory ignored this count loses
+        found = space.best(pipe, costs, count, budget, stats)
+        if not _binds(found, free):
+            return found, costs, list(modes[:m + 1])  # memory does not bind: recomputing more only adds time
+
+    def bound() -> float:  # the best plan so far, this count's with the caps priced yet
+        now = space.best(pipe, costs, count, budget, stats)
+        return min(incumbent, now[0].total if now else math.inf)
+
+    for rows_of, priced, jobs in reversed(lean):  # memory binds under every mode
+        tighten(rows_of, priced, jobs, hashes, budget, len(base_ops), count, bound, pricer, stats, work,
+                space.cluster.num_devices, options.overlap)
+        found = space.best(pipe, costs, count, budget, stats)
+        if not _binds(found, free):
+            break
+    return found, costs, list(modes)
+
+
+def _stages_of(found, costs: dict, count: int, space: _Space) -> tuple[list[StageSpec], list, str, int]:
+    """The stage specs of the DP's plan `found` (of `_best_schedule`), their rows of layer costs, its schedule and v."""
+    result, schedule, v, options_of = found
+    submeshes = space.submeshes
+    chosen = [options_of[c.submesh][c.option] for c in result.stages]
+    if schedule == "interleaved":  # stage i runs chunks i, i + S, …: the plan lists the chunks
+        S = len(result.stages)
+        specs = [StageSpec(first, last, submeshes[result.stages[j % S].submesh], chosen[j % S][0],
+                           inflight(j % S, S, count, schedule, v), chosen[j % S][1])
+                 for j, (first, last) in enumerate(chunks(len(space.layering.groups), S, v))]
+        picked = [chosen[j % S][2] for j in range(len(specs))]
+    else:
+        specs = [StageSpec(c.first, c.last, submeshes[c.submesh], shape, min(c.inflight, count), mode)
+                 for c, (shape, mode, _) in zip(result.stages, chosen)]
+        picked = [r for _, _, r in chosen]
+    rows = [costs[(spec.submesh, spec.shape, spec.recompute)][r] for spec, r in zip(specs, picked)]
+    return specs, rows, schedule, v
 
 
 def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], sizes: list[int], devices: int,
