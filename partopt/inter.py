@@ -17,13 +17,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from partopt import costmodel, intra, pricing, stagedp
+from partopt import bounds, costmodel, intra, pricing, stagedp
 from partopt.assemble import assemble, pipeline_of
 from partopt.cluster import Cluster, LogicalMesh
 from partopt.errors import InfeasibleError, InstanceError, PartoptError
 from partopt.graph import Graph, Op
 from partopt.layering import Layering, build_layers, tagged_layers
-from partopt.ops import is_matmul
 from partopt.options import DEFAULT_MAX_LAYERS, Options, microbatch_counts, restrictions
 from partopt.plan import Plan
 from partopt.pricing import Expired, Job, Pricer, Stats, tighten
@@ -137,13 +136,17 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     stats, tally = Stats(), _Tally(progress)
     best: tuple | None = None  # (iteration time, count, stage specs, their rows of layer costs, schedule, v)
     views = _microbatch_views(graph, microbatch_counts(batch, options.microbatches))
-    work = {count: roofline_work(view, [[view.op_index[op.name] for op in ops] for ops in layering.base], cluster)
-            for count, view in views.items()}
-    bounds = {count: _lower_bound(work[count], count, cluster) for count in views}
-    # the most microbatches first: the smallest microbatches need least memory, so they are the cheapest to
-    # price (memory seldom binds) and give the incumbent that lets bounds skip options of the others
-    candidates = [c for c in sorted(views, reverse=True)
-                  if _fits_at_all(graph, views[c], layering, cluster, budget, options.recompute_modes)]
+    work, lower = {}, {}  # per count: each base layer's roofline work; the iteration time's lower bound
+    for count, view in views.items():
+        base = [[view.op_index[op.name] for op in ops] for ops in layering.base]
+        work[count] = bounds.roofline_work(view, base, cluster.device)
+        rerun = bounds.least_rerun_s(bounds.footprints(view, base, options.recompute_modes, cluster.device),
+                                     cluster.num_devices * budget - _state_bytes(graph))
+        lower[count] = count * (sum(work[count]) + rerun) / cluster.num_devices if work[count] is not None else (
+            0.0 if rerun < math.inf else math.inf)
+    # counts that cannot fit skipped; the most microbatches first: the smallest microbatches need least memory,
+    # so they are the cheapest to price (memory seldom binds) and give the incumbent that lets bounds skip the rest
+    candidates = [c for c in sorted(views, reverse=True) if lower[c] < math.inf]
     if not candidates:
         raise _no_plan(graph, cluster, budget)
     unfinished, stopped = list(candidates), None
@@ -151,7 +154,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     try:
         with Pricer(graph, options, cache, deadline) as pricer:
             for n, count in enumerate(candidates):
-                if best is not None and (bounds[count], count) > best[:2]:
+                if best is not None and (lower[count], count) > best[:2]:
                     unfinished.remove(count)
                     continue  # its lower bound already loses: no ILP needed
                 if time.perf_counter() > deadline:
@@ -178,7 +181,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     schedule, v)
     plan.solver["search"] = restrictions(options, batch, len(tagged_layers(graph)), len(layering.groups))
     if stopped:  # the counts not finished could still win, down to their lower bounds
-        bound = min([total, *(bounds[c] for c in unfinished)])
+        bound = min([total, *(lower[c] for c in unfinished)])
         plan.solver.update(stopped=stopped, lower_bound_s=bound, bound_gap=(total - bound) / total)
     return plan
 
@@ -328,78 +331,10 @@ def _microbatch_views(graph: Graph, counts: list[int]) -> dict[int, Graph]:
     return views
 
 
-def roofline_work(g_mb: Graph, base: list[list[Op]], cluster: Cluster) -> list[float] | None:
-    """A lower bound on each base layer's device-seconds per microbatch on any mesh (`g_mb`: the microbatch
-    view): its ops' single-device roofline time. No split divides FLOPs or bytes by more than the
-    devices it uses, and communication only adds. Only the analytical model has that property: under
-    another (measured times) there is no bound (None)."""
-    if not isinstance(costmodel.active(), costmodel.Analytical):
-        return None
-    work = []
-    for ops in base:
-        total = 0.0
-        for op in ops:
-            if op.kind == "reshape":
-                continue
-            moved = sum(g_mb.nbytes(t) for t in op.inputs) + g_mb.nbytes(op.output)
-            flops = costmodel.training_flops(g_mb.flops(op), is_matmul(op))
-            total += costmodel.compute_time(flops, 2 * moved, cluster.device, g_mb.dtype_of(op.output), is_matmul(op))
-        work.append(total)
-    return work
-
-
-def _lower_bound(work: list[float] | None, count: int, cluster: Cluster) -> float:
-    """A lower bound on the iteration time with `count` microbatches of per-layer `work`
-    (`roofline_work`) on any plan of the cluster's devices: the pipeline part is at least
-    B · max_i t_i ≥ B · sum_i D_i t_i / N, and a stage's device-time D_i t_i is at least its layers'
-    work. Without a bound on the work (a measured cost model) it is 0: no count is skipped unpriced."""
-    return count * sum(work) / cluster.num_devices if work is not None else 0.0
-
-
-def _fits_at_all(graph: Graph, g_mb: Graph, layering: Layering, cluster: Cluster, budget: float,
-                 modes: Sequence[str]) -> bool:
-    """False when even a perfect spread of the parameter state and the least activation memory of one
-    microbatch (`least_activation_bytes` under the searched recomputation modes) overflows the cluster."""
-    state = sum(costmodel.param_memory(graph.numel(t.name), graph.dtype_of(t.name), graph.optimizer).total for t in graph.params)
-    base = [[g_mb.op_index[op.name] for op in ops] for ops in layering.base]
-    return (state + least_activation_bytes(g_mb, base, modes)) / cluster.num_devices <= budget
-
-
-def least_activation_bytes(g_mb: Graph, base: list[list[Op]], modes: Sequence[str]) -> float:
-    """A lower bound on the activation bytes all devices hold together in any plan of the base layers
-    `base` with one recomputation mode of `modes` per layer: the least over mode choices of the kept
-    bytes of one microbatch plus the largest working set.
-
-    Under a mode, a layer keeps each output that is not recomputed, and each recomputed output read
-    after the layer or by an op not recomputed; recomputing materialises every recomputed output once
-    (its working set), and a stage holds the largest working set of its layers (as `intra.build` and
-    `stages` count them). Every byte is held by some device, so the per-device peak is at least this
-    total over the cluster's devices: for the choice, a threshold W on the working set takes, per
-    layer, the mode that keeps least among those whose working set is at most W."""
-    options = []  # per layer: (kept, working) per mode
-    for ops in base:
-        per_mode = []
-        for mode in modes:
-            rerun = intra.recomputed_ops(g_mb, ops, mode)
-            kept = working = 0.0
-            for op in ops:
-                out = g_mb.nbytes(op.output)
-                if op.name not in rerun:
-                    kept += out
-                    continue
-                working += out
-                readers = g_mb.consumers[op.output]
-                if not readers or any(c.name not in rerun for c in readers):
-                    kept += out
-            per_mode.append((kept, working))
-        options.append(per_mode)
-    thresholds = sorted({w for per_mode in options for _, w in per_mode})
-    best = math.inf
-    for limit in thresholds:
-        allowed = [[k for k, w in per_mode if w <= limit] for per_mode in options]
-        if all(allowed):
-            best = min(best, limit + sum(min(k) for k in allowed))
-    return best
+def _state_bytes(graph: Graph) -> float:
+    """Parameter state of the whole model: weights, gradients, optimizer (`costmodel.param_memory`)."""
+    return sum(costmodel.param_memory(graph.numel(t.name), graph.dtype_of(t.name), graph.optimizer).total
+               for t in graph.params)
 
 
 def _no_plan(graph: Graph, cluster: Cluster, budget: float) -> InfeasibleError:

@@ -3,6 +3,7 @@ that cannot fit beside the rest of the model, and the memory-free optimum a reco
 
 Each bound is checked by hand on a small case and against what the search or the ILP then does."""
 
+import math
 import random
 
 import pytest
@@ -10,9 +11,11 @@ import pytest
 from partopt import costmodel, ilp, intra
 from partopt.cluster import preset
 from partopt.graph import Graph, Op, Tensor
-from partopt.inter import _fits_at_all, least_activation_bytes, optimize
+from partopt.bounds import footprints, least_activation_bytes, least_rerun_s, op_work, roofline_work
+from partopt.inter import optimize
 from partopt.layering import build_layers
 from partopt.pricing import longest_stage
+from partopt.sharding import forward_share
 from test_ilp import brute_force, random_graph
 from test_recompute import best_forced, block_graph, tight_cluster
 
@@ -31,16 +34,49 @@ def two_layers() -> Graph:
     return Graph("two-layers", dims, tensors, ops, "b", "fp32")
 
 
+def prints(graph, modes, device=None):
+    device = device or preset("p3.16xlarge", 1).device
+    return footprints(graph, build_layers(graph, 64).base, modes, device)
+
+
 def test_least_activation_bytes_by_hand():
     graph = two_layers()
-    base = build_layers(graph, 64).base
     # none: layer 0 keeps y0 and g, layer 1 keeps y1; nothing is recomputed: 3A, no working set.
-    assert least_activation_bytes(graph, base, ("none",)) == 3 * A
+    assert least_activation_bytes(prints(graph, ("none",))) == 3 * A
     # full: layer 0 keeps only g (read by layer 1) and reruns y0 and g (working set 2A); layer 1 keeps
     # y1 (read by nobody) and reruns it (A): kept A + A, largest working set 2A.
-    assert least_activation_bytes(graph, base, ("full",)) == 4 * A
+    assert least_activation_bytes(prints(graph, ("full",))) == 4 * A
     # both: layer 0 under none (2A, 0) and layer 1 under none (A, 0) is the least: 3A
-    assert least_activation_bytes(graph, base, ("none", "full")) == 3 * A
+    assert least_activation_bytes(prints(graph, ("none", "full"))) == 3 * A
+
+
+def chain(layers: int) -> Graph:
+    """`layers` alike layers, each y_i = x_i · w_i then x_{i+1} = gelu(y_i) (fp32)."""
+    dims = {"b": B, **{f"h{i}": H for i in range(layers + 1)}}
+    tensors = {"x0": Tensor("x0", ("b", "h0"), "input")}
+    ops = []
+    for i in range(layers):
+        tensors[f"w{i}"] = Tensor(f"w{i}", (f"h{i}", f"h{i + 1}"), "param")
+        tensors[f"y{i}"] = Tensor(f"y{i}", ("b", f"h{i + 1}"))
+        tensors[f"x{i + 1}"] = Tensor(f"x{i + 1}", ("b", f"h{i + 1}"))
+        ops += [Op(f"fc{i}", "einsum", (f"x{i}", f"w{i}"), f"y{i}", i),
+                Op(f"gelu{i}", "elementwise", (f"y{i}",), f"x{i + 1}", i, {"fn": "gelu"})]
+    return Graph(f"chain{layers}", dims, tensors, ops, "b", "fp32")
+
+
+def test_the_least_recomputation_that_memory_forces():
+    """Three alike layers: none keeps 2A each (6A); full keeps A each and recomputes 2A at a time (5A)."""
+    graph = chain(3)
+    device = preset("p3.16xlarge", 1).device
+    layers = prints(graph, ("none", "full"), device)
+    e = sum(op_work(graph, op, device) * forward_share(op.kind == "einsum") for op in graph.ops if op.layer == 0)
+    assert layers[0][1].rerun_s == pytest.approx(e) and layers[0][0].rerun_s == 0
+    assert least_rerun_s(layers, 6 * A) == 0  # no recomputation needed
+    assert least_rerun_s(layers, 4.9 * A) == math.inf  # not even all full fits
+    # room 5.5A: within the working set 2A the kept bytes may be 3.5A, so at least 2.5 layers recompute:
+    # the Lagrangian bound at λ = e / A is 3 · 2e − 3.5e = 2.5e (all three recompute: 3e)
+    assert least_rerun_s(layers, 5.5 * A) == pytest.approx(2.5 * e)
+    assert least_activation_bytes(layers) == 5 * A
 
 
 def test_no_plan_holds_less_than_the_least_activation_bytes():
@@ -49,29 +85,31 @@ def test_no_plan_holds_less_than_the_least_activation_bytes():
     for memory_gib in (16.0, 0.007):
         cluster = tight_cluster(graph, memory_gib)
         plan = optimize(graph, cluster, microbatches=4)
-        count = plan.num_microbatches
-        view = intra.with_batch(graph, graph.dims[graph.batch_dim] // count)
-        layering = build_layers(graph, 64)
-        base = [[view.op_index[op.name] for op in ops] for ops in layering.base]
-        least = least_activation_bytes(view, base, ("none", "selective", "full"))
+        view = intra.with_batch(graph, graph.dims[graph.batch_dim] // plan.num_microbatches)
+        base = [[view.op_index[op.name] for op in ops] for ops in build_layers(graph, 64).base]
+        least = least_activation_bytes(footprints(view, base, ("none", "selective", "full"), cluster.device))
         held = sum(s.memory_bytes * len(s.devices) for s in plan.stages)
         state = sum(costmodel.param_memory(graph.numel(t.name), graph.dtype_of(t.name), graph.optimizer).total
                     for t in graph.params)
         assert held >= state + least
+
+
+def test_the_iteration_bound_holds_on_real_plans_with_forced_recomputation():
+    """B · (work + least rerun) / N never exceeds a plan's iteration time, memory binding or not."""
+    graph = block_graph(layers=2, batch=16)
+    for memory_gib in (16.0, 0.007):
+        cluster = tight_cluster(graph, memory_gib)
         budget = costmodel.memory_budget(cluster.device)
-        assert _fits_at_all(graph, view, layering, cluster, budget, ("none", "selective", "full"))
-
-
-def test_a_count_whose_least_memory_overflows_is_not_priced():
-    graph = two_layers()
-    layering = build_layers(graph, 64)
-    cluster = preset("p3.16xlarge", 1)
-    state = sum(costmodel.param_memory(graph.numel(t.name), "fp32", graph.optimizer).total for t in graph.params)
-    n = cluster.num_devices
-    # a budget between (state + 3A) / n and (state + 4A) / n: none fits, full alone does not
-    budget = (state + 3.5 * A) / n
-    assert _fits_at_all(graph, graph, layering, cluster, budget, ("none", "full"))
-    assert not _fits_at_all(graph, graph, layering, cluster, budget, ("full",))
+        state = sum(costmodel.param_memory(graph.numel(t.name), graph.dtype_of(t.name), graph.optimizer).total
+                    for t in graph.params)
+        for count in (4, 8):
+            plan = optimize(graph, cluster, microbatches=count)
+            view = intra.with_batch(graph, graph.dims[graph.batch_dim] // count)
+            base = [[view.op_index[op.name] for op in ops] for ops in build_layers(graph, 64).base]
+            rerun = least_rerun_s(footprints(view, base, ("none", "selective", "full"), cluster.device),
+                                  cluster.num_devices * budget - state)
+            work = sum(roofline_work(view, base, cluster.device))
+            assert count * (work + rerun) / cluster.num_devices <= plan.iteration_time_s * (1 + 1e-12)
 
 
 def test_longest_stage_leaves_the_rest_of_the_model_room():

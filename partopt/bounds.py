@@ -1,0 +1,109 @@
+"""Lower bounds that let the search skip work it can prove useless (docs/COSTMODEL.md §5b, "How the
+search skips work"): each layer's roofline work, the least memory a microbatch count needs, and the
+least recomputation that memory forces.
+
+All of them hold under the analytical model only (no split divides FLOPs or bytes by more than the
+devices it uses); under another model (measured times) there is no work bound and nothing is skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from partopt import costmodel, intra
+from partopt.cluster import Device
+from partopt.graph import Graph, Op
+from partopt.ops import is_matmul
+from partopt.sharding import forward_share
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """One base layer under one recomputation mode, for one microbatch on all devices together."""
+
+    kept_bytes: float  # outputs kept for the backward
+    working_bytes: float  # recomputed outputs, materialised once while the layer recomputes
+    rerun_s: float  # device-seconds of the recomputed forward, at least
+
+
+def op_work(g_mb: Graph, op: Op, device: Device) -> float:
+    """An op's single-device roofline time for forward and backward: a lower bound on its device-seconds."""
+    if op.kind == "reshape":
+        return 0.0
+    moved = sum(g_mb.nbytes(t) for t in op.inputs) + g_mb.nbytes(op.output)
+    flops = costmodel.training_flops(g_mb.flops(op), is_matmul(op))
+    return costmodel.compute_time(flops, 2 * moved, device, g_mb.dtype_of(op.output), is_matmul(op))
+
+
+def roofline_work(g_mb: Graph, base: list[list[Op]], device: Device) -> list[float] | None:
+    """Each base layer's device-seconds per microbatch on any mesh, at least (`g_mb`: the microbatch view):
+    its ops' `op_work`; communication only adds. None under a measured cost model."""
+    if not isinstance(costmodel.active(), costmodel.Analytical):
+        return None
+    return [sum(op_work(g_mb, op, device) for op in ops) for ops in base]
+
+
+def footprints(g_mb: Graph, base: list[list[Op]], modes: Sequence[str], device: Device) -> list[list[Footprint]]:
+    """Per base layer, per mode of `modes`: what one microbatch keeps, recomputes and reruns.
+
+    Under a mode a layer keeps each output it does not recompute, and each recomputed output read
+    after the layer or by an op not recomputed; recomputing materialises every recomputed output
+    once (as `intra.build` and `stages` count them); the rerun forward is each recomputed op's
+    forward share of its roofline work."""
+    out = []
+    for ops in base:
+        per_mode = []
+        for mode in modes:
+            rerun = intra.recomputed_ops(g_mb, ops, mode)
+            kept = working = rerun_s = 0.0
+            for op in ops:
+                size = g_mb.nbytes(op.output)
+                if op.name not in rerun:
+                    kept += size
+                    continue
+                working += size
+                rerun_s += op_work(g_mb, op, device) * forward_share(is_matmul(op))
+                readers = g_mb.consumers[op.output]
+                if not readers or any(c.name not in rerun for c in readers):
+                    kept += size
+            per_mode.append(Footprint(kept, working, rerun_s))
+        out.append(per_mode)
+    return out
+
+
+def least_activation_bytes(layers: list[list[Footprint]]) -> float:
+    """The least activation bytes all devices hold together in any plan with one mode per layer: kept
+    bytes plus the largest working set (a stage holds its largest), the least over mode choices — a
+    threshold W on the working set takes, per layer, the mode that keeps least among those within W."""
+    best = math.inf
+    for limit in sorted({f.working_bytes for per_mode in layers for f in per_mode}):
+        allowed = [[f.kept_bytes for f in per_mode if f.working_bytes <= limit] for per_mode in layers]
+        if all(allowed):
+            best = min(best, limit + sum(min(k) for k in allowed))
+    return best
+
+
+def least_rerun_s(layers: list[list[Footprint]], room: float) -> float:
+    """A lower bound on the recomputed forward's device-seconds of any mode choice whose activations fit
+    `room` bytes (kept plus the largest working set), inf when none does.
+
+    For each threshold W on the working set, the choice within W is a multiple-choice knapsack
+    (least rerun with kept bytes ≤ room − W); its Lagrangian relaxation, Σ_l min_m (rerun + λ · kept)
+    − λ · (room − W), bounds it from below for every λ ≥ 0 and is concave in λ, so its best is at a
+    breakpoint, where some layer's two modes tie."""
+    best = math.inf
+    for limit in sorted({f.working_bytes for per_mode in layers for f in per_mode}):
+        allowed = [[f for f in per_mode if f.working_bytes <= limit] for per_mode in layers]
+        if not all(allowed):
+            continue
+        capacity = room - limit
+        if sum(min(f.kept_bytes for f in fs) for fs in allowed) > capacity:
+            continue  # not even the leanest choice within W fits
+        ties = {0.0} | {(a.rerun_s - b.rerun_s) / (b.kept_bytes - a.kept_bytes) for fs in allowed
+                        for a in fs for b in fs if b.kept_bytes > a.kept_bytes and a.rerun_s > b.rerun_s}
+        dual = max(sum(min(f.rerun_s + lam * f.kept_bytes for f in fs) for fs in allowed) - lam * capacity
+                   for lam in ties)
+        best = min(best, max(dual, 0.0))
+    return best
