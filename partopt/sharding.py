@@ -483,8 +483,11 @@ def param_sync_collectives(grad: Placement, param: ParamStrategy, nbytes: float,
     Gradients accumulate over microbatches in the consumer's layout `grad`; once per iteration
     they are reduced into the parameter's placement. On a ZeRO axis the all-reduce becomes a
     reduce-scatter plus an all-gather of the updated weights (and a complete gradient needs
-    only that all-gather).
+    only that all-gather). A gradient that changes its split on both axes is one all-to-all over the
+    mesh, priced as any resharding (`is_mesh_all_to_all`).
     """
+    if is_mesh_all_to_all(grad, param.placement, mesh):
+        return reshard_collectives(grad, param.placement, nbytes, mesh)
     steps = []
     for axis, (g, p) in enumerate(zip(grad, param.placement)):
         if mesh.shape[axis] == 1:

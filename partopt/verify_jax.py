@@ -3,7 +3,8 @@
 For every stage of the plan, `verify` builds a `jax.sharding.Mesh` of the stage's logical shape,
 places the stage's parameters and data by the `export --to jax` PartitionSpecs (keyed by the
 caller's pytree paths), pins every activation of the stage to its planned spec with
-`with_sharding_constraint` (other stages' ops run replicated), compiles one training step
+`with_sharding_constraint` (other stages' ops run replicated) and differentiates each pinned op where
+it runs (its backward recomputed from its pinned operands), compiles one training step
 (`jax.value_and_grad` of the imported function) on random inputs of one microbatch, and compares:
 
 * loss and every gradient with the unsharded run (`numpy.allclose`);
@@ -12,8 +13,9 @@ caller's pytree paths), pins every activation of the stage to its planned spec w
   and backward, and the gradient synchronisation of the parameters.
 
 A step has no optimizer, so a ZeRO reduce-scatter + all-gather pair counts as the all-reduce it
-splits; a parameter read by several ops counts XLA's all-reduce of each read's partial gradient
-(docs/FRONTENDS.md, "Conventions of the comparison"). JAX must see enough devices: set
+splits; a parameter read by several ops counts XLA's all-reduce of each read's partial gradient;
+collectives over the whole mesh count as partopt's steps on x and y (docs/FRONTENDS.md, "Conventions
+of the comparison"). JAX must see enough devices: set
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` before importing jax (`partopt verify` runs
 itself in a subprocess that does).
 """

@@ -7,7 +7,7 @@ import pytest
 from test_intra import FAST
 
 from partopt.cluster import Cluster, Link
-from partopt.sharding import P, R, Shard, reshard_collectives
+from partopt.sharding import P, R, ParamStrategy, Shard, param_sync_collectives, reshard_collectives
 
 KIB = 1024.0
 
@@ -123,3 +123,12 @@ def test_a_layout_that_reuses_a_source_dim_keeps_the_axis_steps():
     assert steps == [("all_to_all", 0, 256.0), ("all_to_all", 1, 256.0)]
     assert sent_per_link(src, dst, sizes, shape, 1024.0 / 256, slow=0) == (256.0, 0.0)
     assert sum(wire(steps, shape)) == 256.0
+
+
+def test_a_gradient_sync_that_changes_both_splits_is_the_same_exchange():
+    """A parameter stored [S(c), S(c)] whose reader leaves its gradient [S(a), S(a)]: the sync is the
+    resharding above (16 KiB on the slow axis 0, 4 KiB on axis 1), not two whole-shard all-to-alls."""
+    grid = mesh(4, 2, 1e12, 1e6)
+    stored = ParamStrategy((Shard("c"), Shard("c")), (), (0.0, 0.0, 0.0))
+    assert param_sync_collectives((Shard("a"), Shard("a")), stored, 128 * KIB, grid) == [
+        ("all_to_all", 0, 16 * KIB), ("all_to_all", 1, 4 * KIB)]
