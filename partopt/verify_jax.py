@@ -294,28 +294,26 @@ def _pinned_op(eqn: Any, ins: list[Any], sharding: NamedSharding) -> Any:
     The plan differentiates an op where it runs: its gradient arrives in its output's layout and its
     derivative factors (tanh's 1 - y², a product's other operand) live in its operands' layouts. Left to
     JAX, those factors are values of the forward pass that XLA's sharding propagation (Shardy) may place
-    in a consumer's layout and reshard back for the backward (tanh's 1 - y computed from the all-to-all
+    in a consumer's layout and reshard back for the backward (tanh's factor computed from the all-to-all
     its consumer reads, then all-to-all'ed back): a collective of XLA's layout choice, not of the plan's.
     """
-    slots = [k for k, atom in enumerate(eqn.invars) if not isinstance(atom, jcore.Literal)]  # literals stay fixed
-    fixed = list(ins)
+    slots = [k for k, atom in enumerate(eqn.invars) if not isinstance(atom, jcore.Literal)]  # literals stay
 
     def bind(*arrays: Any) -> Any:
-        for k, v in zip(slots, arrays):
-            fixed[k] = v
-        return eqn.primitive.bind(*fixed, **eqn.params)
+        given = dict(zip(slots, arrays))
+        return eqn.primitive.bind(*(given.get(k, v) for k, v in enumerate(ins)), **eqn.params)
 
-    @jax.custom_vjp
-    def op(*arrays: Any) -> Any:
+    def run(*arrays: Any) -> Any:
         return jax.lax.with_sharding_constraint(bind(*arrays), sharding)
 
     def forward(*arrays: Any) -> tuple[Any, tuple[Any, ...]]:
-        return op(*arrays), arrays
+        return run(*arrays), arrays
 
     def backward(arrays: tuple[Any, ...], grad: Any) -> tuple[Any, ...]:
         _, pull = jax.vjp(bind, *arrays)
         return pull(jax.lax.with_sharding_constraint(grad, sharding))
 
+    op = jax.custom_vjp(run)
     op.defvjp(forward, backward)
     return op(*(ins[k] for k in slots))
 

@@ -180,8 +180,9 @@ def test_a_tied_table_with_zero_over_both_axes_is_all_reduced_whole_on_each():
 def test_an_all_to_all_over_the_whole_mesh_counts_as_partopt_prices_it():
     """XLA's one exchange of a 4 KiB shard over 2 x 2 devices sends 3/4 of it; partopt's steps carry the
     shard on x (1/2 of 4 KiB sent) and the shard over x's size on y (1/2 of 2 KiB): the same 3 KiB."""
-    line = ("  %a2a = (f32[2,16,1,8]{3,2,1,0}, f32[2,16,1,8]{3,2,1,0}, f32[2,16,1,8]{3,2,1,0}, f32[2,16,1,8]{3,2,1,0}) "
-            "all-to-all(%a, %b, %c, %d), channel_id=1, replica_groups=mesh['axis_0'=1,'axis_1'=1,'axis_2'=4] {'axis_2'}")
+    chunk = "f32[2,16,1,8]{3,2,1,0}"  # XLA's tuple form: one 1 KiB chunk per device
+    line = (f"  %a2a = ({chunk}, {chunk}, {chunk}, {chunk}) all-to-all(%a, %b, %c, %d), channel_id=1, "
+            "replica_groups=mesh['axis_0'=1,'axis_1'=1,'axis_2'=4] {'axis_2'}")
     found = hlo_collectives(line, (2, 2))
     assert [(c.kind, c.axis, c.bytes) for c in found] == [("all_to_all", "x", 4096.0), ("all_to_all", "y", 2048.0)]
     assert sum(c.bytes / 2 for c in found) == 3 / 4 * 4096
