@@ -292,7 +292,7 @@ def _pinned_op(eqn: Any, ins: list[Any], sharding: NamedSharding) -> Any:
     operands as read (pinned to their planned layouts) with the incoming gradient pinned to `sharding`.
 
     The plan differentiates an op where it runs: its gradient arrives in its output's layout and its
-    derivative factors (tanh's 1 - y², a product's other operand) live in its operands' layouts. Left to
+    derivative factors (tanh's (1 + y)(1 - y), a product's other operand) live in its operands' layouts. Left to
     JAX, those factors are values of the forward pass that XLA's sharding propagation (Shardy) may place
     in a consumer's layout and reshard back for the backward (tanh's factor computed from the all-to-all
     its consumer reads, then all-to-all'ed back): a collective of XLA's layout choice, not of the plan's.
