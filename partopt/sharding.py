@@ -121,8 +121,33 @@ def reshard_collectives(src: Placement, dst: Placement, nbytes: float,
 
     One collective per axis that changes, one after the other: each step's buffer is the layout the
     previous steps left (a tensor split on both axes and gathered whole moves the 1/b-gathered buffer
-    on axis 0, then the whole tensor on axis 1). Of the two orders the cheaper is taken."""
+    on axis 0, then the whole tensor on axis 1). Of the two orders the cheaper is taken, except for an
+    all-to-all over the whole mesh (`mesh_all_to_all_steps`)."""
     return list(_reshard_steps(src, dst, nbytes, mesh, costmodel.active()))
+
+
+def is_mesh_all_to_all(src: Placement, dst: Placement, mesh: LogicalMesh) -> bool:
+    """Whether src -> dst is one all-to-all over every device of the mesh: each axis (of size > 1) turns
+    a Shard into another, and no dim is split in both layouts, so every destination block meets every
+    source block in the same 1/(devices) of it (a layout that reuses a source dim, like [S(a), S(b)] ->
+    [S(b), S(a)], sends unevenly and keeps the axis steps)."""
+    used = [axis for axis, size in enumerate(mesh.shape) if size > 1]
+    if len(used) < 2 or any(axis_collective(src[a], dst[a]) != "all_to_all" for a in used):
+        return False
+    split = {p.dim for p in src if isinstance(p, Shard)}
+    return not split & {p.dim for p in dst if isinstance(p, Shard)}
+
+
+def mesh_all_to_all_steps(src: Placement, nbytes: float, mesh: LogicalMesh,
+                          order: Sequence[int]) -> list[tuple[str, int, float]]:
+    """One all-to-all over the whole mesh as the bytes it puts on each axis's link, `order[0]` the link
+    that carries the blocks for devices differing on both axes: each device holds S = nbytes / devices
+    and sends S / devices to every other device, so (a-1)/a · S crosses axis a = order[0] (an
+    all-to-all of S there) and (b-1)/(a·b) · S goes only along axis b (an all-to-all of S / a);
+    together (ab-1)/(ab) · S, the pairwise exchange over all a·b devices."""
+    local = nbytes / shards(src, mesh)
+    first, second = order
+    return [("all_to_all", first, local), ("all_to_all", second, local / mesh.shape[first])]
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -133,6 +158,10 @@ def _reshard_steps(src: Placement, dst: Placement, nbytes: float, mesh: LogicalM
     changing = [axis for axis, (s, d) in enumerate(zip(src, dst))
                 if axis_collective(s, d) is not None and mesh.shape[axis] > 1]
     orders = [changing] if len(changing) < 2 else [changing, changing[::-1]]
+    if is_mesh_all_to_all(src, dst, mesh):
+        # the blocks for devices differing on both axes cross the slower link (a node's NIC): the dearer order
+        plans = [mesh_all_to_all_steps(src, nbytes, mesh, order) for order in orders]
+        return tuple(max(plans, key=lambda steps: collectives_time(steps, mesh)))
     plans = [_in_order(src, dst, nbytes, mesh, order) for order in orders]
     return tuple(min(plans, key=lambda steps: collectives_time(steps, mesh)))
 
@@ -454,8 +483,11 @@ def param_sync_collectives(grad: Placement, param: ParamStrategy, nbytes: float,
     Gradients accumulate over microbatches in the consumer's layout `grad`; once per iteration
     they are reduced into the parameter's placement. On a ZeRO axis the all-reduce becomes a
     reduce-scatter plus an all-gather of the updated weights (and a complete gradient needs
-    only that all-gather).
+    only that all-gather). A gradient that changes its split on both axes is one all-to-all over the
+    mesh, priced as any resharding (`is_mesh_all_to_all`).
     """
+    if is_mesh_all_to_all(grad, param.placement, mesh):
+        return reshard_collectives(grad, param.placement, nbytes, mesh)
     steps = []
     for axis, (g, p) in enumerate(zip(grad, param.placement)):
         if mesh.shape[axis] == 1:

@@ -3,7 +3,8 @@
 For every stage of the plan, `verify` builds a `jax.sharding.Mesh` of the stage's logical shape,
 places the stage's parameters and data by the `export --to jax` PartitionSpecs (keyed by the
 caller's pytree paths), pins every activation of the stage to its planned spec with
-`with_sharding_constraint` (other stages' ops run replicated), compiles one training step
+`with_sharding_constraint` (other stages' ops run replicated) and differentiates each pinned op where
+it runs (its backward recomputed from its pinned operands), compiles one training step
 (`jax.value_and_grad` of the imported function) on random inputs of one microbatch, and compares:
 
 * loss and every gradient with the unsharded run (`numpy.allclose`);
@@ -12,8 +13,9 @@ caller's pytree paths), pins every activation of the stage to its planned spec w
   and backward, and the gradient synchronisation of the parameters.
 
 A step has no optimizer, so a ZeRO reduce-scatter + all-gather pair counts as the all-reduce it
-splits; a parameter read by several ops counts XLA's all-reduce of each read's partial gradient
-(docs/FRONTENDS.md, "Conventions of the comparison"). JAX must see enough devices: set
+splits; a parameter read by several ops counts XLA's all-reduce of each read's partial gradient;
+collectives over the whole mesh count as partopt's steps on x and y (docs/FRONTENDS.md, "Conventions
+of the comparison"). JAX must see enough devices: set
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` before importing jax (`partopt verify` runs
 itself in a subprocess that does).
 """
@@ -266,6 +268,8 @@ def _constrained(closed: Any, constraints: dict[tuple[Any, ...], NamedSharding])
                 outs = evaluate(sub, sub_consts, ins[len(ins) - len(sub.invars):], here)
             elif name == "scan":
                 outs = _scan(evaluate, eqn, ins, here)
+            elif (*here, 0) in constraints and _recomputable(eqn):
+                outs = [_pinned_op(eqn, ins, constraints[(*here, 0)])]
             else:
                 result = eqn.primitive.bind(*ins, **eqn.params)
                 outs = list(result) if eqn.primitive.multiple_results else [result]
@@ -275,6 +279,43 @@ def _constrained(closed: Any, constraints: dict[tuple[Any, ...], NamedSharding])
         return [read(a) for a in jaxpr.outvars]
 
     return lambda *args: evaluate(closed.jaxpr, closed.consts, args, ())
+
+
+def _recomputable(eqn: Any) -> bool:
+    """One floating result of a plain primitive: `_pinned_op` can differentiate it by recomputation."""
+    return (not eqn.primitive.multiple_results and len(eqn.outvars) == 1
+            and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.inexact))
+
+
+def _pinned_op(eqn: Any, ins: list[Any], sharding: NamedSharding) -> Any:
+    """The equation's result pinned to `sharding`, its backward recomputing the op's derivative from its
+    operands as read (pinned to their planned layouts) with the incoming gradient pinned to `sharding`.
+
+    The plan differentiates an op where it runs: its gradient arrives in its output's layout and its
+    derivative factors (tanh's (1 + y)(1 - y), a product's other operand) live in its operands' layouts. Left to
+    JAX, those factors are values of the forward pass that XLA's sharding propagation (Shardy) may place
+    in a consumer's layout and reshard back for the backward (tanh's factor computed from the all-to-all
+    its consumer reads, then all-to-all'ed back): a collective of XLA's layout choice, not of the plan's.
+    """
+    slots = [k for k, atom in enumerate(eqn.invars) if not isinstance(atom, jcore.Literal)]  # literals stay
+
+    def bind(*arrays: Any) -> Any:
+        given = dict(zip(slots, arrays))
+        return eqn.primitive.bind(*(given.get(k, v) for k, v in enumerate(ins)), **eqn.params)
+
+    def run(*arrays: Any) -> Any:
+        return jax.lax.with_sharding_constraint(bind(*arrays), sharding)
+
+    def forward(*arrays: Any) -> tuple[Any, tuple[Any, ...]]:
+        return run(*arrays), arrays
+
+    def backward(arrays: tuple[Any, ...], grad: Any) -> tuple[Any, ...]:
+        _, pull = jax.vjp(bind, *arrays)
+        return pull(jax.lax.with_sharding_constraint(grad, sharding))
+
+    op = jax.custom_vjp(run)
+    op.defvjp(forward, backward)
+    return op(*(ins[k] for k in slots))
 
 
 def _scan(evaluate: Callable[..., list[Any]], eqn: Any, ins: list[Any], path: tuple[int, ...]) -> list[Any]:
@@ -335,7 +376,9 @@ def hlo_collectives(text: str, shape: tuple[int, int]) -> list[Collective]:
     An all-reduce over the whole mesh counts once per mesh axis with the same buffer, as partopt prices
     a sum over both axes (hierarchically); an all-gather over the whole mesh as partopt's two steps (x
     gathers the buffer split on y, then y the whole buffer: the same bytes on the wire as one ring over
-    all devices); the op names are XLA's metadata (which user ops it serves)."""
+    all devices); an all-to-all over the whole mesh as partopt prices it (`sharding.mesh_all_to_all_steps`:
+    x exchanges the local buffer, y the buffer over x's size: (xy-1)/(xy) of it in all, the bytes the one
+    exchange sends); the op names are XLA's metadata (which user ops it serves)."""
     found = []
     for line in text.splitlines():
         line = re.sub(r"/\*.*?\*/", "", line)  # XLA's /*index=5*/ comments inside tuple types
@@ -361,6 +404,9 @@ def hlo_collectives(text: str, shape: tuple[int, int]) -> list[Collective]:
         elif kind == "all_gather" and axis == "x,y":  # partopt's steps: x gathers 1/(y's size) of it, then y all
             found += [Collective(kind, "x", size / shape[1], f"{name} (over the whole mesh)"),
                       Collective(kind, "y", float(size), f"{name} (over the whole mesh)")]
+        elif kind == "all_to_all" and axis == "x,y":  # as sharding.mesh_all_to_all_steps on equal links
+            found += [Collective(kind, "x", float(size), f"{name} (over the whole mesh)"),
+                      Collective(kind, "y", size / shape[0], f"{name} (over the whole mesh)")]
         else:
             found.append(Collective(kind, axis, float(size), name))
     return found

@@ -175,3 +175,60 @@ def test_a_tied_table_with_zero_over_both_axes_is_all_reduced_whole_on_each():
     syncs = [c for c in planned_collectives(plan, 0, graph) if c.where.startswith("gradient sync of params/wte")]
     assert [(c.kind, c.axis, c.bytes) for c in syncs] == [("all_reduce", "x", TABLE_BYTES),
                                                           ("all_reduce", "y", TABLE_BYTES)] * 2
+
+
+def test_an_all_to_all_over_the_whole_mesh_counts_as_partopt_prices_it():
+    """XLA's one exchange of a 4 KiB shard over 2 x 2 devices sends 3/4 of it; partopt's steps carry the
+    shard on x (1/2 of 4 KiB sent) and the shard over x's size on y (1/2 of 2 KiB): the same 3 KiB."""
+    chunk = "f32[2,16,1,8]{3,2,1,0}"  # XLA's tuple form: one 1 KiB chunk per device
+    line = (f"  %a2a = ({chunk}, {chunk}, {chunk}, {chunk}) all-to-all(%a, %b, %c, %d), channel_id=1, "
+            "replica_groups=mesh['axis_0'=1,'axis_1'=1,'axis_2'=4] {'axis_2'}")
+    found = hlo_collectives(line, (2, 2))
+    assert [(c.kind, c.axis, c.bytes) for c in found] == [("all_to_all", "x", 4096.0), ("all_to_all", "y", 2048.0)]
+    assert sum(c.bytes / 2 for c in found) == 3 / 4 * 4096
+
+
+@pytest.fixture(scope="module")
+def tied_2x2(tmp_path_factory):
+    """The tied model planned intra-op only on a 2 x 2 mesh, and `verify`'s report of running it."""
+    fn, args = jm.make_tied()
+    graph = from_function(fn, *args)
+    cluster = dataclasses.replace(preset("p3.16xlarge").resized(1), devices_per_node=4)
+    plan = optimize(graph, cluster, workers=1, microbatches=[1], intra_only=True, logical_shapes=[(2, 2)])
+    path = tmp_path_factory.mktemp("tied2x2") / "tied.json"
+    write_plan(plan, path)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    done = subprocess.run([sys.executable, "-m", "partopt.verify_jax", str(path), TIED], env=env,
+                          capture_output=True, text=True, check=True)
+    return graph, read_plan(path), json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_tied_model_on_a_2x2_mesh_runs_its_all_to_alls_as_planned(tied_2x2):
+    """The plan splits the batch for tanh and the LM head and the width for `mul` (by the scale, which
+    it stores split): tanh's output (8 x 16 x 32 fp32, 16 KiB, a 4 KiB shard per device) is exchanged
+    over the mesh into mul, mul's back into the LM head, and both gradients back: 4 exchanges, each
+    4 KiB on x and 2 KiB on y (`sharding.mesh_all_to_all_steps`)."""
+    graph, plan, report = tied_2x2
+    stage = plan.stages[0]
+    assert [stage.ops[op].axes for op in ("tanh", "mul", "dot_general")] == [("b", "b"), ("d32", "d32"), ("b", "b")]
+    exchanges = [c for c in planned_collectives(plan, 0, graph) if c.kind == "all_to_all"]
+    assert sorted((c.axis, c.bytes) for c in exchanges) == [("x", 4096.0)] * 4 + [("y", 2048.0)] * 4
+    assert report["ok"], report["stages"][0]["mismatches"]
+    compiled = [c for c in report["stages"][0]["compiled"] if c["kind"] == "all_to_all"]
+    assert sum(c["bytes"] for c in compiled if c["axis"] == "x") == 4 * 4096  # 4 exchanges, not 5
+
+
+def test_a_wrong_all_to_all_count_still_fails(tied_2x2):
+    """The convention maps XLA's exchange to partopt's bytes, not a tolerance: the two whole-shard steps
+    partopt priced before, a fifth exchange (what XLA ran when it resharded tanh's derivative factor) or
+    a missing one are all mismatches."""
+    graph, plan, report = tied_2x2
+    found = [Collective(**c) for c in report["stages"][0]["compiled"]]
+    planned = planned_collectives(plan, 0, graph)
+    assert compare(found, planned) == []
+    before = [dataclasses.replace(c, bytes=4096.0) if c.kind == "all_to_all" else c for c in planned]
+    assert [line.split(":")[0] for line in compare(found, before)] == ["all_to_all on y"]
+    fifth = [Collective("all_to_all", "x", 4096.0, "tanh's 1 - y"), Collective("all_to_all", "y", 2048.0, "back")]
+    assert len(compare([*found, *fifth], planned)) == 2
+    missing = [c for c in planned if not (c.kind == "all_to_all" and c.where == "mul reads tanh")]
+    assert len(compare(found, missing)) == 2
