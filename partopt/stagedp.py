@@ -11,7 +11,9 @@ step), which stages do in parallel on their own devices. The DP minimises
 
 over cuts, submeshes and options whose devices sum to exactly `devices` (1F1B). The interleaved schedule
 over Megatron's uniform chunks is the same problem on a diagonal table of stages
-(`stages.interleaved_table`), solved on t / v with v·B microbatches (docs/COSTMODEL.md §5b). Why it is exact:
+(`stages.interleaved_table`), solved on t / v with v·B microbatches; ZB-H1 (`zero_bubble`) is this DP with
+a per-stage rebate in the sum, once per memory level and threshold on its coupled term (docs/COSTMODEL.md
+§5b). Why it is exact:
 
 * Per-iteration work. For a bound b on it, an entry's best option is its fastest one with extra
   <= b. The bound starts unlimited and drops below the per-iteration work of each plan found,
@@ -68,10 +70,10 @@ class DPResult:
     rounds: int  # inner DPs run (relaxed and full, per t_max value evaluated per bound)
 
 
-def _levels(t: np.ndarray, extra: np.ndarray, deepest: int) -> int:
-    """The least k0 >= 1 such that slices k0..deepest of both tables are equal (DP levels needed)."""
+def _levels(deepest: int, *tables: np.ndarray) -> int:
+    """The least k0 >= 1 such that slices k0..deepest of every table are equal (DP levels needed)."""
     k0 = deepest
-    while k0 > 1 and np.array_equal(t[:, k0 - 1], t[:, deepest]) and np.array_equal(extra[:, k0 - 1], extra[:, deepest]):
+    while k0 > 1 and all(np.array_equal(x[:, k0 - 1], x[:, deepest]) for x in tables):
         k0 -= 1
     return k0
 
@@ -123,12 +125,16 @@ def _plan(t: np.ndarray, f, after, stay, sizes: list[int], devices: int) -> tupl
     return value, stages
 
 
-def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int,
-              bound: float) -> tuple[float, list[tuple[int, int, int, int]], int] | None:
+def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, bound: float,
+              summed: np.ndarray | None = None) -> tuple[float, list[tuple[int, int, int, int]], int] | None:
     """min sum t + (B - 1) max t over plans on t[k, i, j, s], by branch and bound over t_max (module
-    docstring); exact when below `bound`. Returns (total, [(first, last, submesh, level)], rounds)."""
+    docstring); exact when below `bound`. `summed` (default t): what the sum adds per entry, t less a
+    rebate (zero-bubble), while t_max and the max term stay on t. Returns (total, [(first, last,
+    submesh, level)], rounds)."""
     levels = np.unique(t[1:][np.isfinite(t[1:])])
+    same = summed is None
     t = np.ascontiguousarray(np.moveaxis(t, -1, 0))  # [s, k, i, j]: each submesh's rows contiguous
+    summed = t if same else np.ascontiguousarray(np.moveaxis(summed, -1, 0))
     if len(levels) == 0:
         return None
     slope = microbatches - 1
@@ -138,29 +144,31 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int,
 
     K = t.shape[1] - 1
     # every entry at its least latency over k: one level, and a lower bound on the exact inner DP
-    loose = None if K == 1 else np.concatenate([t[:, :1], t[:, 1:].min(axis=1, keepdims=True)], axis=1)
+    loose = None if K == 1 or not same else np.concatenate([t[:, :1], t[:, 1:].min(axis=1, keepdims=True)], axis=1)
 
-    def inner(table: np.ndarray, t_max: float):
-        masked = np.where(table <= t_max, table, INF)
-        return _plan(masked, *_inner(masked, sizes, devices), sizes, devices)
+    def inner(table: np.ndarray):
+        return _plan(table, *_inner(table, sizes, devices), sizes, devices)
 
     def evaluate(index: int) -> tuple[float, int] | None:
         """Run the inner DP at t_max = levels[index]; keep its plan if best: (g, index of its max t).
         The one-level relaxation first: when its plan costs the same at the levels it lands on, it is exact."""
         nonlocal best, rounds
         found = None
-        if loose is not None:
+        full = np.where(t <= levels[index], summed, INF)
+        if K > 1:
+            one = np.where(loose <= levels[index], loose, INF) if same else \
+                np.concatenate([full[:, :1], full[:, 1:].min(axis=1, keepdims=True)], axis=1)
             rounds += 1
-            relaxed = inner(loose, levels[index])
+            relaxed = inner(one)
             if relaxed is None:
                 return None
             n = len(relaxed[1])
             placed = [(i, j, s, min(n - p, K)) for p, (i, j, s, _) in enumerate(relaxed[1])]
-            if all(t[s, k, i, j] == loose[s, 1, i, j] for i, j, s, k in placed):
+            if all(full[s, k, i, j] == one[s, 1, i, j] for i, j, s, k in placed):
                 found = (relaxed[0], placed)
         if found is None:
             rounds += 1
-            found = inner(t, levels[index])
+            found = inner(full)
         if found is None:
             return None
         value, stages = found
@@ -193,35 +201,49 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int,
     return best[0], best[1], rounds
 
 
-def _fastest(t: np.ndarray, extra: np.ndarray, bound: float) -> tuple[np.ndarray, np.ndarray]:
+def _fastest(t: np.ndarray, extra: np.ndarray, bound: float,
+             summed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Each entry's least latency over options with extra <= bound, and that option (the first on ties);
-    one option at a time, so no copy of all of them is made."""
+    one option at a time, so no copy of all of them is made. With `summed`, also its least summed value
+    over those options, taken on its own: the fastest option's when the rebate is the same for all
+    options, else a lower bound (`zero_bubble`'s interval bounds)."""
     table = np.full(t.shape[1:], INF)
+    low = None if summed is None else np.full(t.shape[1:], INF)
     option = np.zeros(t.shape[1:], dtype=np.int32)
     for h in range(t.shape[0]):
-        better = (extra[h] <= bound) & (t[h] < table)
+        within = extra[h] <= bound
+        better = within & (t[h] < table)
         table[better] = t[h][better]
         option[better] = h
-    return table, option
+        if low is not None:
+            np.minimum(low, np.where(within, summed[h], INF), out=low)
+    return table, option, low
 
 
-def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, microbatches: int) -> DPResult | None:
+def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, microbatches: int,
+          rebate: np.ndarray | None = None, cutoff: float = INF) -> DPResult | None:
     """The optimal stages, or None when no plan fits (every entry infeasible or devices not tiled).
 
     `t` and `extra` are indexed [h, k, i, j, s] (or [k, i, j, s] for entries with one option).
+    `rebate` (broadcast to t): subtracted from each entry in the sum, not in the max (`zero_bubble`);
+    the total then is sum (t - rebate) + (B - 1) max t + max extra. `cutoff`: a plan is exact only when
+    it costs less; otherwise the result costs at least `cutoff` (the caller discards it).
     """
     if t.ndim == 4:
         t, extra = t[None], extra[None]
+        rebate = None if rebate is None else np.asarray(rebate)[None]
+    summed = None if rebate is None else t - rebate
     deepest = min(t.shape[2], devices, t.shape[1] - 1)
-    k0 = _levels(t, extra, deepest)
+    k0 = _levels(deepest, t, extra, *(() if summed is None else (summed,)))
     t, extra = t[:, :k0 + 1], extra[:, :k0 + 1]
+    summed = None if summed is None else summed[:, :k0 + 1]
     levels = np.unique(np.concatenate([np.unique(e[np.isfinite(x)]) for x, e in zip(t, extra)]))
     best: DPResult | None = None
     rounds = 0
     bound = INF
     while True:
-        table, option = _fastest(t, extra, bound)
-        found = _pipeline(table, sizes, devices, microbatches, best.total if best else INF)
+        table, option, low = _fastest(t, extra, bound, summed)
+        found = _pipeline(table, sizes, devices, microbatches, min(cutoff, best.total if best else INF), low)
         if found is None:
             break
         pipeline, picked, used = found
@@ -235,7 +257,104 @@ def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, micr
             max_latency = max(float(table[min(c.inflight, k0), c.first, c.last, c.submesh]) for c in stages)
             best = DPResult(pipeline + sync, stages, max_latency, rounds)
         lower = levels[levels < sync]
-        if len(lower) == 0:
+        if len(lower) == 0 or pipeline >= cutoff:
             break
         bound = float(lower[-1])
     return None if best is None else DPResult(best.total, best.stages, best.max_latency, rounds)
+
+
+def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list[int], devices: int,
+                microbatches: int, cutoff: float = INF) -> DPResult | None:
+    """The least ZB-H1 iteration (`schedules.iteration_time`) over cuts, submeshes and options, or None when
+    no plan fits or none costs less than `cutoff`.
+
+    `t`, `extra` as for `solve`, from `stages.stage_table` (level k: the entry's memory fits min(k, B)
+    microbatches); `omega[h, i, j, s]` the entry's min(w, f + send, b - w + send) (-inf where it cannot
+    run). A plan of S stages costs F - c(S) min_i omega_i with F the 1F1B total and c(S) = S + min(S, B) - 2,
+    and holds min(S, B) on every stage. Exact (docs/COSTMODEL.md §5b): per memory level m (the plans
+    whose every stage fits m held, at most m stages when m < B) and per threshold θ on min omega, the
+    rebate a_k θ per stage (a_k = 2 for the k <= B last stages, else 1: they sum to c(S) + 2) makes
+    the 1F1B DP over the entries with omega >= θ find min F - c(S) θ; the least over θ is the optimum,
+    found by branch and bound over the sorted omegas (`_thresholds`).
+    """
+    if t.ndim == 4:
+        t, extra, omega = t[None], extra[None], omega[None]
+    depth = t.shape[1]
+    deepest = min(t.shape[2], devices, depth - 1)
+    top = min(microbatches, deepest)
+    share = np.where(np.arange(depth) <= microbatches, 2.0, 1.0)
+    share[0] = 0.0
+    state = {"best": None, "total": cutoff, "rounds": 0}
+    for m in range(1, top + 1):
+        if m < top and np.array_equal(t[:, m], t[:, m + 1]) and np.array_equal(extra[:, m], extra[:, m + 1]):
+            continue  # the next level admits the same entries and more stages
+        table = np.broadcast_to(t[:, m:m + 1], t.shape).copy()
+        sync = np.broadcast_to(extra[:, m:m + 1], extra.shape).copy()
+        table[:, 0] = INF
+        if m < microbatches:  # m held: at most m stages
+            table[:, m + 1:] = INF
+        thetas = np.unique(omega[np.isfinite(t[:, m])])
+        if len(thetas):
+            _thresholds(table, sync, omega, thetas, share, sizes, devices, microbatches, state)
+    best = state["best"]
+    return None if best is None else DPResult(best.total, best.stages, best.max_latency, state["rounds"])
+
+
+def _thresholds(table: np.ndarray, sync: np.ndarray, omega: np.ndarray, thetas: np.ndarray, share: np.ndarray,
+                sizes: list[int], devices: int, microbatches: int, state: dict) -> None:
+    """Branch and bound over the thresholds θ = thetas[x] at one memory level, keeping the best plan in `state`.
+
+    V(θ) = min over plans whose entries all have omega >= θ of F - c(S) θ, one `solve` with the rebate
+    a_k θ (plus 2θ); a plan found there costs F - c(S) min omega <= V(θ), which is what is kept. On an
+    interval [θ_lo, θ_hi] every V(θ) >= the `solve` over omega >= θ_lo with the rebate a_k min(θ_hi, omega)
+    per entry (as c(S) θ = sum a_k θ - 2θ and θ <= each stage's omega), plus 2θ_lo: a lower bound, the
+    interval dropped once it reaches the best plan. Intervals with the least bound go first."""
+    weights = share[None, :, None, None, None]
+
+    def admitted(theta: float) -> np.ndarray:
+        return np.where(omega[:, None] >= theta, table, INF)
+
+    def exact(x: int) -> None:
+        theta = float(thetas[x])
+        found = solve(admitted(theta), sync, sizes, devices, microbatches, weights * theta,
+                      state["total"] - 2 * theta)
+        if found is None:
+            return
+        state["rounds"] += found.rounds
+        n = len(found.stages)
+        entries = [(c.option, 1, c.first, c.last, c.submesh) for c in found.stages]  # level 1 holds the entries
+        times = [float(table[e]) for e in entries]
+        least = min(float(omega[c.option, c.first, c.last, c.submesh]) for c in found.stages)
+        total = (sum(times) + (microbatches - 1) * max(times) - (n + min(n, microbatches) - 2) * least
+                 + max(float(sync[e]) for e in entries))
+        if total < state["total"] - 1e-15:
+            stages = [StageChoice(c.first, c.last, c.submesh, n, c.option) for c in found.stages]
+            state["best"], state["total"] = DPResult(total, stages, found.max_latency, 0), total
+
+    def lower(lo: int, hi: int) -> float:
+        theta = float(thetas[lo])
+        rebate = weights * np.minimum(float(thetas[hi]), omega)[:, None]
+        found = solve(admitted(theta), sync, sizes, devices, microbatches, rebate, state["total"] - 2 * theta)
+        if found is None:
+            return INF
+        state["rounds"] += found.rounds
+        return found.total + 2 * theta
+
+    open_: list[tuple[float, int, int]] = []
+
+    def push(lo: int, hi: int) -> None:
+        if lo == hi:
+            exact(lo)
+        elif lo < hi:
+            heapq.heappush(open_, (lower(lo, hi), lo, hi))
+
+    exact(0)  # every entry admitted: the unrestricted plan, a first incumbent
+    push(1, len(thetas) - 1)
+    while open_:
+        bound, lo, hi = heapq.heappop(open_)
+        if bound >= state["total"]:
+            break
+        mid = (lo + hi) // 2
+        exact(mid)
+        push(lo, mid - 1)
+        push(mid + 1, hi)
