@@ -106,11 +106,13 @@ def _inner(t: np.ndarray, sizes: list[int], devices: int):
     return f, after, stay
 
 
-def _plan(t: np.ndarray, f, after, stay, sizes: list[int], devices: int) -> tuple[float, list[tuple[int, int, int, int]]] | None:
-    """The inner DP's best plan on all `devices`: (sum t, [(first, last, submesh, level)]), or None.
+def _plan(t: np.ndarray, f, after, stay, sizes: list[int], devices: int,
+          count: int | None = None) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+    """The inner DP's best plan on all `devices` (of exactly `count` stages when given, a level below the top
+    or the top level itself): (sum t, [(first, last, submesh, level)]), or None.
     Each stage is the (last layer, submesh) whose sum t + rest equals the state's value, as `_inner` added them."""
     K = f.shape[0] - 1
-    level = 1 + int(np.argmin(f[1:, 0, devices]))
+    level = 1 + int(np.argmin(f[1:, 0, devices])) if count is None else count
     value = float(f[level, 0, devices])
     if not np.isfinite(value):
         return None
@@ -126,11 +128,12 @@ def _plan(t: np.ndarray, f, after, stay, sizes: list[int], devices: int) -> tupl
 
 
 def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, bound: float,
-              summed: np.ndarray | None = None) -> tuple[float, list[tuple[int, int, int, int]], int] | None:
-    """min sum t + (B - 1) max t over plans on t[k, i, j, s], by branch and bound over t_max (module
-    docstring); exact when below `bound`. `summed` (default t): what the sum adds per entry, t less a
-    rebate (zero-bubble), while t_max and the max term stay on t. Returns (total, [(first, last,
-    submesh, level)], rounds)."""
+              summed: np.ndarray | None = None,
+              count: int | None = None) -> tuple[float, list[tuple[int, int, int, int]], int] | None:
+    """min sum t + (B - 1) max t over plans on t[k, i, j, s] (of exactly `count` stages when given), by
+    branch and bound over t_max (module docstring); exact when below `bound`. `summed` (default t): what
+    the sum adds per entry, t less a rebate, while t_max and the max term stay on t. Returns (total,
+    [(first, last, submesh, level)], rounds)."""
     levels = np.unique(t[1:][np.isfinite(t[1:])])
     same = summed is None
     t = np.ascontiguousarray(np.moveaxis(t, -1, 0))  # [s, k, i, j]: each submesh's rows contiguous
@@ -147,7 +150,7 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
     loose = None if K == 1 or not same else np.concatenate([t[:, :1], t[:, 1:].min(axis=1, keepdims=True)], axis=1)
 
     def inner(table: np.ndarray):
-        return _plan(table, *_inner(table, sizes, devices), sizes, devices)
+        return _plan(table, *_inner(table, sizes, devices), sizes, devices, count)
 
     def evaluate(index: int) -> tuple[float, int] | None:
         """Run the inner DP at t_max = levels[index]; keep its plan if best: (g, index of its max t).
@@ -155,7 +158,7 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
         nonlocal best, rounds
         found = None
         full = np.where(t <= levels[index], summed, INF)
-        if K > 1:
+        if K > 1 and count is None:
             one = np.where(loose <= levels[index], loose, INF) if same else \
                 np.concatenate([full[:, :1], full[:, 1:].min(axis=1, keepdims=True)], axis=1)
             rounds += 1
@@ -221,13 +224,15 @@ def _fastest(t: np.ndarray, extra: np.ndarray, bound: float,
 
 
 def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, microbatches: int,
-          rebate: np.ndarray | None = None, cutoff: float = INF) -> DPResult | None:
+          rebate: np.ndarray | None = None, cutoff: float = INF, count: int | None = None) -> DPResult | None:
     """The optimal stages, or None when no plan fits (every entry infeasible or devices not tiled).
 
     `t` and `extra` are indexed [h, k, i, j, s] (or [k, i, j, s] for entries with one option).
-    `rebate` (broadcast to t): subtracted from each entry in the sum, not in the max (`zero_bubble`);
-    the total then is sum (t - rebate) + (B - 1) max t + max extra. `cutoff`: a plan is exact only when
-    it costs less; otherwise the result costs at least `cutoff` (the caller discards it).
+    `rebate` (broadcast to t): subtracted from each entry in the sum, not in the max (a lower bound of
+    `zero_bubble`'s); the total then is sum (t - rebate) + (B - 1) max t + max extra; with a rebate
+    that differs between options, a lower bound (`_fastest`). `cutoff`: a plan is exact only when it
+    costs less; otherwise the result costs at least `cutoff` (the caller discards it). `count`: plans of
+    exactly that many stages (the entries at levels above it should be inf).
     """
     if t.ndim == 4:
         t, extra = t[None], extra[None]
@@ -235,6 +240,10 @@ def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, micr
     summed = None if rebate is None else t - rebate
     deepest = min(t.shape[2], devices, t.shape[1] - 1)
     k0 = _levels(deepest, t, extra, *(() if summed is None else (summed,)))
+    if count is not None:  # level `count` must be its own (the top level means "that many or more")
+        if count > deepest:
+            return None
+        k0 = max(k0, count)
     t, extra = t[:, :k0 + 1], extra[:, :k0 + 1]
     summed = None if summed is None else summed[:, :k0 + 1]
     levels = np.unique(np.concatenate([np.unique(e[np.isfinite(x)]) for x, e in zip(t, extra)]))
@@ -243,7 +252,7 @@ def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, micr
     bound = INF
     while True:
         table, option, low = _fastest(t, extra, bound, summed)
-        found = _pipeline(table, sizes, devices, microbatches, min(cutoff, best.total if best else INF), low)
+        found = _pipeline(table, sizes, devices, microbatches, min(cutoff, best.total if best else INF), low, count)
         if found is None:
             break
         pipeline, picked, used = found
@@ -269,92 +278,83 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
     no plan fits or none costs less than `cutoff`.
 
     `t`, `extra` as for `solve`, from `stages.stage_table` (level k: the entry's memory fits min(k, B)
-    microbatches); `omega[h, i, j, s]` the entry's min(w, f + send, b - w + send) (-inf where it cannot
-    run). A plan of S stages costs F - c(S) min_i omega_i with F the 1F1B total and c(S) = S + min(S, B) - 2,
-    and holds min(S, B) on every stage. Exact (docs/COSTMODEL.md §5b): per memory level m (the plans
-    whose every stage fits m held, at most m stages when m < B) and per threshold θ on min omega, the
-    rebate a_k θ per stage (a_k = 2 for the k <= B last stages, else 1: they sum to c(S) + 2) makes
-    the 1F1B DP over the entries with omega >= θ find min F - c(S) θ; the least over θ is the optimum,
-    found by branch and bound over the sorted omegas (`_thresholds`).
+    microbatches); `omega[h, i, j, s]` the entry's min(w, f + send, b - w + send) (any finite number where
+    it cannot run). A plan of S stages costs F - c(S) min_i omega_i, F its 1F1B total and c(S) =
+    S + min(S, B) - 2, and holds min(S, B) on every stage. Exact (docs/COSTMODEL.md §5b): per stage count
+    S, its level min(S, B) entries and a fixed c, branch and bound over a threshold on min omega
+    (`_threshold`), after a one-DP bound that drops S outright when it cannot win.
     """
     if t.ndim == 4:
         t, extra, omega = t[None], extra[None], omega[None]
-    depth = t.shape[1]
-    deepest = min(t.shape[2], devices, depth - 1)
-    top = min(microbatches, deepest)
-    share = np.where(np.arange(depth) <= microbatches, 2.0, 1.0)
-    share[0] = 0.0
+    deepest = min(t.shape[2], devices, t.shape[1] - 1)
     state = {"best": None, "total": cutoff, "rounds": 0}
-    for m in range(1, top + 1):
-        if m < top and np.array_equal(t[:, m], t[:, m + 1]) and np.array_equal(extra[:, m], extra[:, m + 1]):
-            continue  # the next level admits the same entries and more stages
-        table = np.broadcast_to(t[:, m:m + 1], t.shape).copy()
-        sync = np.broadcast_to(extra[:, m:m + 1], extra.shape).copy()
+    for count in range(1, deepest + 1):
+        held = min(count, microbatches)
+        table = np.broadcast_to(t[:, held:held + 1], t.shape).copy()
+        sync = np.broadcast_to(extra[:, held:held + 1], extra.shape).copy()
         table[:, 0] = INF
-        if m < microbatches:  # m held: at most m stages
-            table[:, m + 1:] = INF
-        thetas = np.unique(omega[np.isfinite(t[:, m])])
-        if len(thetas):
-            _thresholds(table, sync, omega, thetas, share, sizes, devices, microbatches, state)
+        table[:, count + 1:] = INF
+        c = count + held - 2
+        # omega_i <= t_i / 3 (three parts of t_i) and min_i t_i <= sum t / S: every plan of S stages costs
+        # at least sum t (1 - c / 3S) + (B - 1) max t + max sync, one DP (a rebate proportional to t)
+        rebate = np.where(np.isfinite(table), table * (c / (3 * count)), 0.0) if c else None
+        bound = solve(table, sync, sizes, devices, microbatches, rebate, state["total"], count)
+        if bound is None:
+            continue
+        state["rounds"] += bound.rounds
+        if bound.total >= state["total"]:
+            continue
+        _threshold(table, sync, omega, c, count, sizes, devices, microbatches, state)
     best = state["best"]
     return None if best is None else DPResult(best.total, best.stages, best.max_latency, state["rounds"])
 
 
-def _thresholds(table: np.ndarray, sync: np.ndarray, omega: np.ndarray, thetas: np.ndarray, share: np.ndarray,
-                sizes: list[int], devices: int, microbatches: int, state: dict) -> None:
-    """Branch and bound over the thresholds θ = thetas[x] at one memory level, keeping the best plan in `state`.
+def _threshold(table: np.ndarray, sync: np.ndarray, omega: np.ndarray, c: int, count: int, sizes: list[int],
+               devices: int, microbatches: int, state: dict) -> None:
+    """The least F - c min omega over plans of exactly `count` stages on `table`, kept in `state` when best.
 
-    V(θ) = min over plans whose entries all have omega >= θ of F - c(S) θ, one `solve` with the rebate
-    a_k θ (plus 2θ); a plan found there costs F - c(S) min omega <= V(θ), which is what is kept. On an
-    interval [θ_lo, θ_hi] every V(θ) >= the `solve` over omega >= θ_lo with the rebate a_k min(θ_hi, omega)
-    per entry (as c(S) θ = sum a_k θ - 2θ and θ <= each stage's omega), plus 2θ_lo: a lower bound, the
-    interval dropped once it reaches the best plan. Intervals with the least bound go first."""
-    weights = share[None, :, None, None, None]
+    g(θ) = the least F over plans whose stages all have omega >= θ (one `solve`) never falls as θ rises;
+    its plan's own min omega θ' >= θ, so g is constant on [θ, θ'] and the plan costs g(θ) - c θ', the
+    least there. On a stretch (θ_lo, θ_hi] of the sorted omegas every plan costs at least g(θ_lo) - c θ_hi,
+    so the stretch with the least bound is split first and any reaching the best plan is dropped (as the
+    t_max branch and bound of `_pipeline`, mirrored)."""
+    thetas = np.unique(omega[np.isfinite(table[:, count])])
+    open_: list[tuple[float, int, int, float]] = []  # (lower bound, lo, hi, g at or below thetas[lo])
 
-    def admitted(theta: float) -> np.ndarray:
-        return np.where(omega[:, None] >= theta, table, INF)
-
-    def exact(x: int) -> None:
-        theta = float(thetas[x])
-        found = solve(admitted(theta), sync, sizes, devices, microbatches, weights * theta,
-                      state["total"] - 2 * theta)
+    def evaluate(x: int, hi: int) -> tuple[float, int] | None:
+        """g(thetas[x]) and the index of its plan's min omega, keeping the plan if best; None when no plan has
+        min omega >= thetas[x] costing less than the best plus c thetas[hi] (then no θ in [x, hi] wins)."""
+        admitted = np.where(omega[:, None] >= thetas[x], table, INF)
+        found = solve(admitted, sync, sizes, devices, microbatches, None, state["total"] + c * float(thetas[hi]), count)
         if found is None:
-            return
+            return None
         state["rounds"] += found.rounds
-        n = len(found.stages)
-        entries = [(c.option, 1, c.first, c.last, c.submesh) for c in found.stages]  # level 1 holds the entries
+        entries = [(c_.option, count, c_.first, c_.last, c_.submesh) for c_ in found.stages]
+        least = min(float(omega[e[0], e[2], e[3], e[4]]) for e in entries)
+        if found.total >= state["total"] + c * float(thetas[hi]):
+            return None
         times = [float(table[e]) for e in entries]
-        least = min(float(omega[c.option, c.first, c.last, c.submesh]) for c in found.stages)
-        total = (sum(times) + (microbatches - 1) * max(times) - (n + min(n, microbatches) - 2) * least
-                 + max(float(sync[e]) for e in entries))
+        total = sum(times) + (microbatches - 1) * max(times) - c * least + max(float(sync[e]) for e in entries)
         if total < state["total"] - 1e-15:
-            stages = [StageChoice(c.first, c.last, c.submesh, n, c.option) for c in found.stages]
+            stages = [StageChoice(s.first, s.last, s.submesh, count, s.option) for s in found.stages]
             state["best"], state["total"] = DPResult(total, stages, found.max_latency, 0), total
+        return found.total, int(np.searchsorted(thetas, least))
 
-    def lower(lo: int, hi: int) -> float:
-        theta = float(thetas[lo])
-        rebate = weights * np.minimum(float(thetas[hi]), omega)[:, None]
-        found = solve(admitted(theta), sync, sizes, devices, microbatches, rebate, state["total"] - 2 * theta)
-        if found is None:
-            return INF
-        state["rounds"] += found.rounds
-        return found.total + 2 * theta
+    def push(lo: int, hi: int, g_lo: float) -> None:
+        if lo <= hi:
+            heapq.heappush(open_, (g_lo - c * float(thetas[hi]), lo, hi, g_lo))
 
-    open_: list[tuple[float, int, int]] = []
-
-    def push(lo: int, hi: int) -> None:
-        if lo == hi:
-            exact(lo)
-        elif lo < hi:
-            heapq.heappush(open_, (lower(lo, hi), lo, hi))
-
-    exact(0)  # every entry admitted: the unrestricted plan, a first incumbent
-    push(1, len(thetas) - 1)
+    push(0, len(thetas) - 1, -INF)
     while open_:
-        bound, lo, hi = heapq.heappop(open_)
-        if bound >= state["total"]:
+        lower, lo, hi, g_lo = heapq.heappop(open_)
+        if lower >= state["total"]:
             break
-        mid = (lo + hi) // 2
-        exact(mid)
-        push(lo, mid - 1)
-        push(mid + 1, hi)
+        mid = lo if c == 0 else (lo + hi) // 2
+        found = evaluate(mid, hi)
+        if found is None:  # nothing at thetas[mid] and above wins (or fits)
+            push(lo, mid - 1, g_lo)
+            continue
+        g_mid, reach = found
+        push(lo, mid - 1, g_lo)
+        if c:
+            push(reach + 1, hi, g_mid)
