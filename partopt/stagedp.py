@@ -11,9 +11,8 @@ step), which stages do in parallel on their own devices. The DP minimises
 
 over cuts, submeshes and options whose devices sum to exactly `devices` (1F1B). The interleaved schedule
 over Megatron's uniform chunks is the same problem on a diagonal table of stages
-(`stages.interleaved_table`), solved on t / v with v·B microbatches; ZB-H1 (`zero_bubble`) is this DP with
-a per-stage rebate in the sum, once per memory level and threshold on its coupled term (docs/COSTMODEL.md
-§5b). Why it is exact:
+(`stages.interleaved_table`), solved on t / v with v·B microbatches; ZB-H1 (`zero_bubble`) is this DP once
+per stage count and threshold on its coupled term min omega (docs/COSTMODEL.md §5b). Why it is exact:
 
 * Per-iteration work. For a bound b on it, an entry's best option is its fastest one with extra
   <= b. The bound starts unlimited and drops below the per-iteration work of each plan found,
@@ -208,8 +207,8 @@ def _fastest(t: np.ndarray, extra: np.ndarray, bound: float,
              summed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Each entry's least latency over options with extra <= bound, and that option (the first on ties);
     one option at a time, so no copy of all of them is made. With `summed`, also its least summed value
-    over those options, taken on its own: the fastest option's when the rebate is the same for all
-    options, else a lower bound (`zero_bubble`'s interval bounds)."""
+    over those options, taken on its own: the fastest option's when t less the rebate grows with t (a rebate
+    the same for all options, or a share of t as in `zero_bubble`'s bound), else a lower bound."""
     table = np.full(t.shape[1:], INF)
     low = None if summed is None else np.full(t.shape[1:], INF)
     option = np.zeros(t.shape[1:], dtype=np.int32)
@@ -228,9 +227,9 @@ def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, micr
     """The optimal stages, or None when no plan fits (every entry infeasible or devices not tiled).
 
     `t` and `extra` are indexed [h, k, i, j, s] (or [k, i, j, s] for entries with one option).
-    `rebate` (broadcast to t): subtracted from each entry in the sum, not in the max (a lower bound of
-    `zero_bubble`'s); the total then is sum (t - rebate) + (B - 1) max t + max extra; with a rebate
-    that differs between options, a lower bound (`_fastest`). `cutoff`: a plan is exact only when it
+    `rebate` (broadcast to t): subtracted from each entry in the sum, not in the max (`zero_bubble`'s
+    bound); the total then is sum (t - rebate) + (B - 1) max t + max extra, exact when t - rebate grows
+    with t (`_fastest`), else a lower bound. `cutoff`: a plan is exact only when it
     costs less; otherwise the result costs at least `cutoff` (the caller discards it). `count`: plans of
     exactly that many stages (the entries at levels above it should be inf).
     """
@@ -278,8 +277,8 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
     no plan fits or none costs less than `cutoff`.
 
     `t`, `extra` as for `solve`, from `stages.stage_table` (level k: the entry's memory fits min(k, B)
-    microbatches); `omega[h, i, j, s]` the entry's min(w, f + send, b - w + send) (any finite number where
-    it cannot run). A plan of S stages costs F - c(S) min_i omega_i, F its 1F1B total and c(S) =
+    microbatches); `omega[h, i, j, s]` the entry's min(w, f, t - f - w) as plan assembly splits its latency
+    (`stages.split_table`; any finite number where it cannot run). A plan of S stages costs F - c(S) min_i omega_i, F its 1F1B total and c(S) =
     S + min(S, B) - 2, and holds min(S, B) on every stage. Exact (docs/COSTMODEL.md §5b): per stage count
     S, its level min(S, B) entries and a fixed c, branch and bound over a threshold on min omega
     (`_threshold`), after a one-DP bound that drops S outright when it cannot win.
@@ -329,7 +328,7 @@ def _threshold(table: np.ndarray, sync: np.ndarray, omega: np.ndarray, c: int, c
         if found is None:
             return None
         state["rounds"] += found.rounds
-        entries = [(c_.option, count, c_.first, c_.last, c_.submesh) for c_ in found.stages]
+        entries = [(x.option, count, x.first, x.last, x.submesh) for x in found.stages]
         least = min(float(omega[e[0], e[2], e[3], e[4]]) for e in entries)
         if found.total >= state["total"] + c * float(thetas[hi]):
             return None
