@@ -289,13 +289,24 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
     state = {"best": None, "total": cutoff, "rounds": 0}
     for count in range(1, deepest + 1):
         held = min(count, microbatches)
-        table = np.broadcast_to(t[:, held:held + 1], t.shape).copy()
-        sync = np.broadcast_to(extra[:, held:held + 1], extra.shape).copy()
-        table[:, 0] = INF
-        table[:, count + 1:] = INF
+        depth = count + 2 if count < deepest else count + 1  # levels 1..count, then one empty level
+        table = np.full((t.shape[0], depth, *t.shape[2:]), INF)
+        sync = np.zeros_like(table)
+        table[:, 1:count + 1] = t[:, held:held + 1]
+        sync[:, 1:count + 1] = extra[:, held:held + 1]
         c = count + held - 2
         # omega_i <= t_i / 3 (three parts of t_i) and min_i t_i <= sum t / S: every plan of S stages costs
-        # at least sum t (1 - c / 3S) + (B - 1) max t + max sync, one DP (a rebate proportional to t)
+        # at least sum t (1 - c(S) / 3S) + (B - 1) max t + max sync, one DP (a rebate proportional to t);
+        # first for S or more stages at once (level S as the top level: "S or more"; the largest share
+        # c / 3S beyond S; entries fitting min(S, B) include theirs), which ends the loop when it loses
+        share = max((k + min(k, microbatches) - 2) / (3 * k) for k in range(count, deepest + 1))
+        if count < deepest and share > 0:
+            more = table[:, :count + 1]
+            bound = solve(more, sync[:, :count + 1], sizes, devices, microbatches,
+                          np.where(np.isfinite(more), more * share, 0.0), state["total"], count)
+            if bound is None or bound.total >= state["total"]:
+                break
+            state["rounds"] += bound.rounds
         rebate = np.where(np.isfinite(table), table * (c / (3 * count)), 0.0) if c else None
         bound = solve(table, sync, sizes, devices, microbatches, rebate, state["total"], count)
         if bound is None:
