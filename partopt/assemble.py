@@ -14,13 +14,13 @@ from partopt import costmodel, intra
 from partopt.cluster import Cluster
 from partopt.graph import Graph, Op
 from partopt.layering import Layering
-from partopt.ops import is_matmul
 from partopt.plan import OpStrategy, ParamPlacement, Plan, StagePlan, tensor_table
 from partopt.pricing import LayerCost, Stats
 from partopt.sharding import Shard
 from partopt.shared import shared_params
 from partopt.schedules import plan_iteration
-from partopt.stages import End, Pipeline, StageSpec, boundary_bytes, combined, totals
+from partopt.stages import (End, Pipeline, StageSpec, boundary_bytes, combined, recomputed_flops, split, totals,
+                            training_flops, weight_flops)
 
 
 def place(cluster: Cluster, submeshes: list[tuple[int, int]]) -> list[list[int]]:
@@ -68,31 +68,11 @@ def params_of(graph: Graph, ops: Sequence[Op]) -> list[str]:
     return list(dict.fromkeys(t for op in ops for t in op.inputs if graph.tensors[t].role == "param"))
 
 
-def _training_flops(graph: Graph, ops: Sequence[Op] | None = None) -> float:
-    return sum(costmodel.training_flops(graph.flops(op), is_matmul(op)) for op in (graph.ops if ops is None else ops))
-
-
-def _recomputed_flops(graph: Graph, units: Sequence[Sequence[Op]], mode: str) -> float:
-    """Forward FLOPs that recomputation `mode` runs again in these base layers (priced one by one)."""
-    total = 0.0
-    for ops in units:
-        rerun = intra.recomputed_ops(graph, ops, mode)
-        total += sum(graph.flops(op) for op in ops if op.name in rerun)
-    return total
-
-
 def pipeline_of(graph: Graph, cluster: Cluster, layering: Layering, count: int, overlap: bool) -> Pipeline:
     """What the stages of a plan with `count` microbatches share (see `stages.Pipeline`)."""
     batch = graph.dims[graph.batch_dim]
     return Pipeline(layering, boundary_bytes(graph, layering), batch // count, batch,
-                    shared_params(graph, layering.base), cluster, overlap)
-
-
-def _weight_flops(graph: Graph, ops: Sequence[Op]) -> float:
-    """Weight-gradient FLOPs of `ops`: a matmul reading a parameter computes dW, a GEMM of its forward's FLOPs
-    (the other ops' parameter gradients are left in the input-gradient pass)."""
-    return sum(graph.flops(op) for op in ops
-               if is_matmul(op) and any(graph.tensors[t].role == "param" for t in op.inputs))
+                    shared_params(graph, layering.base), cluster, overlap, graph)
 
 
 def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count: int,
@@ -112,7 +92,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
     ends = [End(spec.submesh, spec.shape, frozenset(d // cluster.devices_per_node for d in devices))
             for spec, devices in zip(specs[:num_stages], placed)]
     stages, parts = [], []
-    recomputed_flops = 0.0
+    recomputed = 0.0
     for j, (spec, row) in enumerate(zip(specs, rows)):  # chunk j runs on stage j mod S's devices, sends to j + 1's
         devices = placed[j % num_stages]
         receiver = ends[(j + 1) % num_stages] if j + 1 < len(specs) else None
@@ -151,19 +131,19 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
                     sync[kind] = sync.get(kind, 0.0) + delta
         stage_ops = [op for j in range(spec.first, spec.last + 1) for op in layering.ops(j)]
         forward_flops = sum(graph.flops(op) for op in stage_ops)
-        rerun = _recomputed_flops(graph, layering.base[first:last + 1], spec.recompute)
-        executed = _training_flops(graph, stage_ops) + rerun
-        recomputed_flops += rerun
-        forward = forward_flops / max(executed, 1e-300)
-        weight = _weight_flops(graph, stage_ops) / max(executed, 1e-300)
+        rerun = recomputed_flops(graph, layering.base[first:last + 1], spec.recompute)
+        executed = training_flops(graph, stage_ops) + rerun
+        recomputed += rerun
+        forward_s, weight_s = split(sums.latency_s, forward_flops / max(executed, 1e-300),
+                                    weight_flops(graph, stage_ops) / max(executed, 1e-300))
         latency = sums.latency_s
         tags = [stage_ops[0].layer, stage_ops[-1].layer]
         stages.append(StagePlan(
             layers=[spec.first, spec.last], graph_layers=tags, submesh=list(spec.submesh),
-            logical_mesh=list(spec.shape), devices=devices, stage_time_s=latency, forward_s=latency * forward,
+            logical_mesh=list(spec.shape), devices=devices, stage_time_s=latency, forward_s=float(forward_s),
             send_time_s=sums.send_s, sync_time_s=sums.sync_s, memory_bytes=sums.memory_bytes(spec.inflight),
             inflight_microbatches=spec.inflight, recompute=spec.recompute,
-            weight_s=min(latency * weight, latency - latency * forward),
+            weight_s=float(weight_s),
             breakdown={"compute_s": sum(row[b].sharding.breakdown.compute_s for b in range(first, last + 1)),
                        "comm_s": comm, "sync_s": sync,
                        "optimizer_s": optimizer_s,
@@ -180,8 +160,8 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
     iteration = plan_iteration([s.stage_time_s for s in stages], [s.forward_s for s in stages],
                                [s.weight_s for s in stages], [s.sync_time_s for s in stages], count, schedule,
                                virtual_stages)
-    flops = _training_flops(graph)
-    executed = flops + recomputed_flops
+    flops = training_flops(graph)
+    executed = flops + recomputed
     tensors = tensor_table(intra.with_batch(graph, mb))
     return Plan(
         graph=graph.name, cluster=cluster.name, nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,

@@ -441,8 +441,9 @@ def _render_plan(plan: Plan) -> list[Table]:
 @click.option("--no-overlap", is_flag=True, help="Price gradient reduction after the backward instead of overlapped "
               "with it (docs/COSTMODEL.md §5b): every cost adds up, the model before overlap.")
 @click.option("--schedule", type=click.Choice(["auto", *SCHEDULES]), default="auto", show_default=True,
-              help="Pipeline schedule: auto (the best the search plans: 1f1b with free cuts, interleaved with "
-              "Megatron's uniform chunks) or one of them (docs/COSTMODEL.md §5b; --search megatron runs 1f1b).")
+              help="Pipeline schedule: auto (the best the search plans: 1f1b and zero-bubble (ZB-H1) with free cuts, "
+              "interleaved with Megatron's uniform chunks) or one of them (docs/COSTMODEL.md §5b; --search megatron "
+              "runs 1f1b).")
 @click.option("--profile", "profile_file", type=click.Path(),
               help="Measured op times and collective bandwidths (a partopt.profile file); the analytical model prices the rest.")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,

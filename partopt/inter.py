@@ -27,7 +27,7 @@ from partopt.options import DEFAULT_MAX_LAYERS, Options, microbatch_counts, rest
 from partopt.plan import Plan
 from partopt.pricing import Expired, Job, Pricer, Stats, tighten
 from partopt.schedules import SEARCHED, inflight, interleaved_shapes
-from partopt.stages import Pipeline, StageSpec, chunks, interleaved_table, stage_table
+from partopt.stages import Pipeline, StageSpec, chunks, interleaved_table, split_table, stage_table
 from partopt.units import fmt_bytes
 
 __all__ = ["DEFAULT_MAX_LAYERS", "Options", "microbatch_counts", "optimize"]
@@ -263,15 +263,22 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
                    count: int, budget: float, schedules: Sequence[str], stats: Stats):
     """The stage DP's best plan over `schedules` for one microbatch count: (result, schedule, v, options per
     submesh), or None. 1F1B cuts the layers freely; interleaved takes the best (S, v) of Megatron's uniform
-    chunking (`schedules.interleaved_shapes`, `stages.interleaved_table`); ties keep 1F1B."""
+    chunking (`schedules.interleaved_shapes`, `stages.interleaved_table`); zero-bubble (ZB-H1) cuts freely on
+    1F1B's table (`stagedp.zero_bubble`); ties keep 1F1B, then interleaved."""
     found = []
+    table = stage_table(pipe, costs, submeshes, count, budget) if {"1f1b", "zero-bubble"} & set(schedules) else None
     if "1f1b" in schedules:
-        t, extra, options_of = stage_table(pipe, costs, submeshes, count, budget)
+        t, extra, options_of = table
         found.append((stagedp.solve(t, extra, sizes, devices, count), "1f1b", 1, options_of))
     if "interleaved" in schedules:
         for S, v in interleaved_shapes(len(pipe.layering.groups), count, devices):
             t, extra, options_of = interleaved_table(pipe, costs, submeshes, count, budget, S, v)
             found.append((stagedp.solve(t / v, extra, sizes, devices, v * count), "interleaved", v, options_of))
+    if "zero-bubble" in schedules:  # only a plan faster than the others found counts (ties keep them)
+        t, extra, options_of = table
+        cutoff = min((f[0].total for f in found if f[0] is not None), default=math.inf)
+        found.append((stagedp.zero_bubble(t, extra, split_table(pipe, t, options_of), sizes, devices, count, cutoff),
+                      "zero-bubble", 1, options_of))
     found = [f for f in found if f[0] is not None]
     stats.dp_rounds += sum(f[0].rounds for f in found)
     return min(found, key=lambda f: f[0].total) if found else None

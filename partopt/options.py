@@ -101,5 +101,5 @@ def restrictions(options: Options, batch: int, layers: int, dp_layers: int) -> l
     if len(options.recompute_modes) > 1:
         found.append("recomputation: one mode per stage")
     if "interleaved" in options.schedules:
-        found.append("interleaved schedule: Megatron's uniform chunks only; zero-bubble not searched")
+        found.append("interleaved schedule: Megatron's uniform chunks only")
     return found

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from partopt.errors import InstanceError
 
 SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved", "zero-bubble")
-SEARCHED: tuple[str, ...] = ("1f1b", "interleaved")  # what the stage DP plans (docs/COSTMODEL.md §5b); auto: the best
+SEARCHED: tuple[str, ...] = ("1f1b", "interleaved", "zero-bubble")  # what the stage DP plans (docs/COSTMODEL.md §5b); auto: the best
 
 
 def check_microbatches(microbatches: int) -> None:

@@ -11,7 +11,8 @@ step), which stages do in parallel on their own devices. The DP minimises
 
 over cuts, submeshes and options whose devices sum to exactly `devices` (1F1B). The interleaved schedule
 over Megatron's uniform chunks is the same problem on a diagonal table of stages
-(`stages.interleaved_table`), solved on t / v with v·B microbatches (docs/COSTMODEL.md §5b). Why it is exact:
+(`stages.interleaved_table`), solved on t / v with v·B microbatches; ZB-H1 (`zero_bubble`) is this DP once
+per stage count and threshold on its coupled term min omega (docs/COSTMODEL.md §5b). Why it is exact:
 
 * Per-iteration work. For a bound b on it, an entry's best option is its fastest one with extra
   <= b. The bound starts unlimited and drops below the per-iteration work of each plan found,
@@ -68,10 +69,10 @@ class DPResult:
     rounds: int  # inner DPs run (relaxed and full, per t_max value evaluated per bound)
 
 
-def _levels(t: np.ndarray, extra: np.ndarray, deepest: int) -> int:
-    """The least k0 >= 1 such that slices k0..deepest of both tables are equal (DP levels needed)."""
+def _levels(deepest: int, *tables: np.ndarray) -> int:
+    """The least k0 >= 1 such that slices k0..deepest of every table are equal (DP levels needed)."""
     k0 = deepest
-    while k0 > 1 and np.array_equal(t[:, k0 - 1], t[:, deepest]) and np.array_equal(extra[:, k0 - 1], extra[:, deepest]):
+    while k0 > 1 and all(np.array_equal(x[:, k0 - 1], x[:, deepest]) for x in tables):
         k0 -= 1
     return k0
 
@@ -104,11 +105,13 @@ def _inner(t: np.ndarray, sizes: list[int], devices: int):
     return f, after, stay
 
 
-def _plan(t: np.ndarray, f, after, stay, sizes: list[int], devices: int) -> tuple[float, list[tuple[int, int, int, int]]] | None:
-    """The inner DP's best plan on all `devices`: (sum t, [(first, last, submesh, level)]), or None.
+def _plan(t: np.ndarray, f, after, stay, sizes: list[int], devices: int,
+          count: int | None = None) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+    """The inner DP's best plan on all `devices` (of exactly `count` stages when given, a level below the top
+    or the top level itself): (sum t, [(first, last, submesh, level)]), or None.
     Each stage is the (last layer, submesh) whose sum t + rest equals the state's value, as `_inner` added them."""
     K = f.shape[0] - 1
-    level = 1 + int(np.argmin(f[1:, 0, devices]))
+    level = 1 + int(np.argmin(f[1:, 0, devices])) if count is None else count
     value = float(f[level, 0, devices])
     if not np.isfinite(value):
         return None
@@ -123,12 +126,17 @@ def _plan(t: np.ndarray, f, after, stay, sizes: list[int], devices: int) -> tupl
     return value, stages
 
 
-def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int,
-              bound: float) -> tuple[float, list[tuple[int, int, int, int]], int] | None:
-    """min sum t + (B - 1) max t over plans on t[k, i, j, s], by branch and bound over t_max (module
-    docstring); exact when below `bound`. Returns (total, [(first, last, submesh, level)], rounds)."""
+def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, bound: float,
+              summed: np.ndarray | None = None,
+              count: int | None = None) -> tuple[float, list[tuple[int, int, int, int]], int] | None:
+    """min sum t + (B - 1) max t over plans on t[k, i, j, s] (of exactly `count` stages when given), by
+    branch and bound over t_max (module docstring); exact when below `bound`. `summed` (default t): what
+    the sum adds per entry, t less a rebate, while t_max and the max term stay on t. Returns (total,
+    [(first, last, submesh, level)], rounds)."""
     levels = np.unique(t[1:][np.isfinite(t[1:])])
+    same = summed is None
     t = np.ascontiguousarray(np.moveaxis(t, -1, 0))  # [s, k, i, j]: each submesh's rows contiguous
+    summed = t if same else np.ascontiguousarray(np.moveaxis(summed, -1, 0))
     if len(levels) == 0:
         return None
     slope = microbatches - 1
@@ -138,29 +146,31 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int,
 
     K = t.shape[1] - 1
     # every entry at its least latency over k: one level, and a lower bound on the exact inner DP
-    loose = None if K == 1 else np.concatenate([t[:, :1], t[:, 1:].min(axis=1, keepdims=True)], axis=1)
+    loose = None if K == 1 or not same else np.concatenate([t[:, :1], t[:, 1:].min(axis=1, keepdims=True)], axis=1)
 
-    def inner(table: np.ndarray, t_max: float):
-        masked = np.where(table <= t_max, table, INF)
-        return _plan(masked, *_inner(masked, sizes, devices), sizes, devices)
+    def inner(table: np.ndarray):
+        return _plan(table, *_inner(table, sizes, devices), sizes, devices, count)
 
     def evaluate(index: int) -> tuple[float, int] | None:
         """Run the inner DP at t_max = levels[index]; keep its plan if best: (g, index of its max t).
         The one-level relaxation first: when its plan costs the same at the levels it lands on, it is exact."""
         nonlocal best, rounds
         found = None
-        if loose is not None:
+        full = np.where(t <= levels[index], summed, INF)
+        if K > 1 and count is None:
+            one = np.where(loose <= levels[index], loose, INF) if same else \
+                np.concatenate([full[:, :1], full[:, 1:].min(axis=1, keepdims=True)], axis=1)
             rounds += 1
-            relaxed = inner(loose, levels[index])
+            relaxed = inner(one)
             if relaxed is None:
                 return None
             n = len(relaxed[1])
             placed = [(i, j, s, min(n - p, K)) for p, (i, j, s, _) in enumerate(relaxed[1])]
-            if all(t[s, k, i, j] == loose[s, 1, i, j] for i, j, s, k in placed):
+            if all(full[s, k, i, j] == one[s, 1, i, j] for i, j, s, k in placed):
                 found = (relaxed[0], placed)
         if found is None:
             rounds += 1
-            found = inner(t, levels[index])
+            found = inner(full)
         if found is None:
             return None
         value, stages = found
@@ -193,35 +203,55 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int,
     return best[0], best[1], rounds
 
 
-def _fastest(t: np.ndarray, extra: np.ndarray, bound: float) -> tuple[np.ndarray, np.ndarray]:
+def _fastest(t: np.ndarray, extra: np.ndarray, bound: float,
+             summed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Each entry's least latency over options with extra <= bound, and that option (the first on ties);
-    one option at a time, so no copy of all of them is made."""
+    one option at a time, so no copy of all of them is made. With `summed`, also its least summed value
+    over those options, taken on its own: the fastest option's when t less the rebate grows with t (a rebate
+    the same for all options, or a share of t as in `zero_bubble`'s bound), else a lower bound."""
     table = np.full(t.shape[1:], INF)
+    low = None if summed is None else np.full(t.shape[1:], INF)
     option = np.zeros(t.shape[1:], dtype=np.int32)
     for h in range(t.shape[0]):
-        better = (extra[h] <= bound) & (t[h] < table)
+        within = extra[h] <= bound
+        better = within & (t[h] < table)
         table[better] = t[h][better]
         option[better] = h
-    return table, option
+        if low is not None:
+            np.minimum(low, np.where(within, summed[h], INF), out=low)
+    return table, option, low
 
 
-def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, microbatches: int) -> DPResult | None:
+def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, microbatches: int,
+          rebate: np.ndarray | None = None, cutoff: float = INF, count: int | None = None) -> DPResult | None:
     """The optimal stages, or None when no plan fits (every entry infeasible or devices not tiled).
 
     `t` and `extra` are indexed [h, k, i, j, s] (or [k, i, j, s] for entries with one option).
+    `rebate` (broadcast to t): subtracted from each entry in the sum, not in the max (`zero_bubble`'s
+    bound); the total then is sum (t - rebate) + (B - 1) max t + max extra, exact when t - rebate grows
+    with t (`_fastest`), else a lower bound. `cutoff`: a plan is exact only when it
+    costs less; otherwise the result costs at least `cutoff` (the caller discards it). `count`: plans of
+    exactly that many stages (the entries at levels above it should be inf).
     """
     if t.ndim == 4:
         t, extra = t[None], extra[None]
+        rebate = None if rebate is None else np.asarray(rebate)[None]
+    summed = None if rebate is None else t - rebate
     deepest = min(t.shape[2], devices, t.shape[1] - 1)
-    k0 = _levels(t, extra, deepest)
+    k0 = _levels(deepest, t, extra, *(() if summed is None else (summed,)))
+    if count is not None:  # level `count` must be its own (the top level means "that many or more")
+        if count > deepest:
+            return None
+        k0 = max(k0, count)
     t, extra = t[:, :k0 + 1], extra[:, :k0 + 1]
+    summed = None if summed is None else summed[:, :k0 + 1]
     levels = np.unique(np.concatenate([np.unique(e[np.isfinite(x)]) for x, e in zip(t, extra)]))
     best: DPResult | None = None
     rounds = 0
     bound = INF
     while True:
-        table, option = _fastest(t, extra, bound)
-        found = _pipeline(table, sizes, devices, microbatches, best.total if best else INF)
+        table, option, low = _fastest(t, extra, bound, summed)
+        found = _pipeline(table, sizes, devices, microbatches, min(cutoff, best.total if best else INF), low, count)
         if found is None:
             break
         pipeline, picked, used = found
@@ -235,7 +265,106 @@ def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, micr
             max_latency = max(float(table[min(c.inflight, k0), c.first, c.last, c.submesh]) for c in stages)
             best = DPResult(pipeline + sync, stages, max_latency, rounds)
         lower = levels[levels < sync]
-        if len(lower) == 0:
+        if len(lower) == 0 or pipeline >= cutoff:
             break
         bound = float(lower[-1])
     return None if best is None else DPResult(best.total, best.stages, best.max_latency, rounds)
+
+
+def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list[int], devices: int,
+                microbatches: int, cutoff: float = INF) -> DPResult | None:
+    """The least ZB-H1 iteration (`schedules.iteration_time`) over cuts, submeshes and options, or None when
+    no plan fits or none costs less than `cutoff`.
+
+    `t`, `extra` as for `solve`, from `stages.stage_table` (level k: the entry's memory fits min(k, B)
+    microbatches); `omega[h, i, j, s]` the entry's min(w, f, t - f - w) as plan assembly splits its latency
+    (`stages.split_table`; any finite number where it cannot run). A plan of S stages costs F - c(S) min_i omega_i, F its 1F1B total and c(S) =
+    S + min(S, B) - 2, and holds min(S, B) on every stage. Exact (docs/COSTMODEL.md §5b): per stage count
+    S, its level min(S, B) entries and a fixed c, branch and bound over a threshold on min omega
+    (`_threshold`), after a one-DP bound that drops S outright when it cannot win.
+    """
+    if t.ndim == 4:
+        t, extra, omega = t[None], extra[None], omega[None]
+    deepest = min(t.shape[2], devices, t.shape[1] - 1)
+    state = {"best": None, "total": cutoff, "rounds": 0}
+    for count in range(1, deepest + 1):
+        held = min(count, microbatches)
+        depth = count + 2 if count < deepest else count + 1  # levels 1..count, then one empty level
+        table = np.full((t.shape[0], depth, *t.shape[2:]), INF)
+        sync = np.zeros_like(table)
+        table[:, 1:count + 1] = t[:, held:held + 1]
+        sync[:, 1:count + 1] = extra[:, held:held + 1]
+        c = count + held - 2
+        # omega_i <= t_i / 3 (three parts of t_i) and min_i t_i <= sum t / S: every plan of S stages costs
+        # at least sum t (1 - c(S) / 3S) + (B - 1) max t + max sync, one DP (a rebate proportional to t);
+        # first for S or more stages at once (level S as the top level: "S or more"; the largest share
+        # c / 3S beyond S; entries fitting min(S, B) include theirs), which ends the loop when it loses
+        share = max((k + min(k, microbatches) - 2) / (3 * k) for k in range(count, deepest + 1))
+        if count < deepest and share > 0:
+            more = table[:, :count + 1]
+            bound = solve(more, sync[:, :count + 1], sizes, devices, microbatches,
+                          np.where(np.isfinite(more), more * share, 0.0), state["total"], count)
+            if bound is None or bound.total >= state["total"]:
+                break
+            state["rounds"] += bound.rounds
+        rebate = np.where(np.isfinite(table), table * (c / (3 * count)), 0.0) if c else None
+        bound = solve(table, sync, sizes, devices, microbatches, rebate, state["total"], count)
+        if bound is None:
+            continue
+        state["rounds"] += bound.rounds
+        if bound.total >= state["total"]:
+            continue
+        _threshold(table, sync, omega, c, count, sizes, devices, microbatches, state)
+    best = state["best"]
+    return None if best is None else DPResult(best.total, best.stages, best.max_latency, state["rounds"])
+
+
+def _threshold(table: np.ndarray, sync: np.ndarray, omega: np.ndarray, c: int, count: int, sizes: list[int],
+               devices: int, microbatches: int, state: dict) -> None:
+    """The least F - c min omega over plans of exactly `count` stages on `table`, kept in `state` when best.
+
+    g(θ) = the least F over plans whose stages all have omega >= θ (one `solve`) never falls as θ rises;
+    its plan's own min omega θ' >= θ, so g is constant on [θ, θ'] and the plan costs g(θ) - c θ', the
+    least there. On a stretch (θ_lo, θ_hi] of the sorted omegas every plan costs at least g(θ_lo) - c θ_hi,
+    so the stretch with the least bound is split first and any reaching the best plan is dropped (as the
+    t_max branch and bound of `_pipeline`, mirrored)."""
+    thetas = np.unique(omega[np.isfinite(table[:, count])])
+    open_: list[tuple[float, int, int, float]] = []  # (lower bound, lo, hi, g at or below thetas[lo])
+
+    def evaluate(x: int, hi: int) -> tuple[float, int] | None:
+        """g(thetas[x]) and the index of its plan's min omega, keeping the plan if best; None when no plan has
+        min omega >= thetas[x] costing less than the best plus c thetas[hi] (then no θ in [x, hi] wins)."""
+        admitted = np.where(omega[:, None] >= thetas[x], table, INF)
+        found = solve(admitted, sync, sizes, devices, microbatches, None, state["total"] + c * float(thetas[hi]), count)
+        if found is None:
+            return None
+        state["rounds"] += found.rounds
+        entries = [(x.option, count, x.first, x.last, x.submesh) for x in found.stages]
+        least = min(float(omega[e[0], e[2], e[3], e[4]]) for e in entries)
+        if found.total >= state["total"] + c * float(thetas[hi]):
+            return None
+        times = [float(table[e]) for e in entries]
+        total = sum(times) + (microbatches - 1) * max(times) - c * least + max(float(sync[e]) for e in entries)
+        if total < state["total"] - 1e-15:
+            stages = [StageChoice(s.first, s.last, s.submesh, count, s.option) for s in found.stages]
+            state["best"], state["total"] = DPResult(total, stages, found.max_latency, 0), total
+        return found.total, int(np.searchsorted(thetas, least))
+
+    def push(lo: int, hi: int, g_lo: float) -> None:
+        if lo <= hi:
+            heapq.heappush(open_, (g_lo - c * float(thetas[hi]), lo, hi, g_lo))
+
+    push(0, len(thetas) - 1, -INF)
+    while open_:
+        lower, lo, hi, g_lo = heapq.heappop(open_)
+        if lower >= state["total"]:
+            break
+        mid = lo if c == 0 else (lo + hi) // 2
+        found = evaluate(mid, hi)
+        if found is None:  # nothing at thetas[mid] and above wins (or fits)
+            push(lo, mid - 1, g_lo)
+            continue
+        g_mid, reach = found
+        push(lo, mid - 1, g_lo)
+        if c:
+            push(reach + 1, hi, g_mid)

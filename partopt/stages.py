@@ -14,10 +14,11 @@ from typing import Sequence
 
 import numpy as np
 
-from partopt import costmodel, schedules
+from partopt import costmodel, intra, schedules
 from partopt.cluster import Cluster, Link
-from partopt.graph import Graph
+from partopt.graph import Graph, Op
 from partopt.layering import Layering
+from partopt.ops import is_matmul
 from partopt.pricing import REDUCTIONS, LayerCost
 from partopt.shared import Correction, correction
 
@@ -57,6 +58,7 @@ class Pipeline:
     shared: dict[str, tuple[int, ...]]
     cluster: Cluster
     overlap: bool = False  # gradient reductions overlap the last microbatch's backward (`exposed_reduction`)
+    graph: Graph | None = None  # the model at full batch: FLOP shares of forward and weight passes (`split_table`)
 
     @property
     def link(self) -> Link:
@@ -145,6 +147,62 @@ def combined(parts: Sequence[StageTotals]) -> StageTotals:
     return StageTotals(sum(p.time_s for p in parts), sum(p.send_s for p in parts), sum(p.sync_s for p in parts),
                        sum(p.param_bytes for p in parts), sum(p.activation_bytes for p in parts),
                        max(p.working_bytes for p in parts), None)
+
+
+def training_flops(graph: Graph, ops: Sequence[Op] | None = None) -> float:
+    """Forward + backward FLOPs of `ops` (default: the whole graph)."""
+    return sum(costmodel.training_flops(graph.flops(op), is_matmul(op)) for op in (graph.ops if ops is None else ops))
+
+
+def recomputed_flops(graph: Graph, units: Sequence[Sequence[Op]], mode: str) -> float:
+    """Forward FLOPs that recomputation `mode` runs again in these base layers (priced one by one)."""
+    total = 0.0
+    for ops in units:
+        rerun = intra.recomputed_ops(graph, ops, mode)
+        total += sum(graph.flops(op) for op in ops if op.name in rerun)
+    return total
+
+
+def weight_flops(graph: Graph, ops: Sequence[Op]) -> float:
+    """Weight-gradient FLOPs of `ops`: a matmul reading a parameter computes dW, a GEMM of its forward's FLOPs
+    (the other ops' parameter gradients are left in the input-gradient pass)."""
+    return sum(graph.flops(op) for op in ops
+               if is_matmul(op) and any(graph.tensors[t].role == "param" for t in op.inputs))
+
+
+def split(latency: np.ndarray | float, forward: np.ndarray | float, weight: np.ndarray | float):
+    """(forward_s, weight_s) of a stage of latency t whose forward and weight passes are these FLOP shares of
+    what it executes: t · forward, and t · weight capped at the rest t - t · forward (plan assembly's split)."""
+    forward_s = latency * forward
+    return forward_s, np.minimum(latency * weight, latency - forward_s)
+
+
+def split_table(pipe: Pipeline, t: np.ndarray, options: list[list[tuple]]) -> np.ndarray:
+    """omega[h, i, j, s] = min(w, f, t - f - w) of every entry of `stage_table`'s t (its latency t at
+    level 1, split as plan assembly does, `split`): what ZB-H1 hides per drain slot
+    (`schedules.iteration_time`); 0 where the entry cannot run."""
+    graph, layering = pipe.graph, pipe.layering
+    L = len(layering.groups)
+    omega = np.zeros((t.shape[0], L, L, t.shape[-1]))
+    shares: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for s, choices in enumerate(options):
+        for h, (_, mode, _) in enumerate(choices):
+            if mode not in shares:
+                columns = np.array([(sum(graph.flops(op) for op in layering.ops(g)),
+                                     training_flops(graph, layering.ops(g))
+                                     + recomputed_flops(graph, layering.base[a:b + 1], mode),
+                                     weight_flops(graph, layering.ops(g))) for g, (a, b) in enumerate(layering.groups)])
+                sums = np.cumsum(columns, axis=0)
+                before = np.vstack([np.zeros(3), sums[:-1]])
+                ranged = np.triu(np.moveaxis(sums[None, :, :] - before[:, None, :], 2, 0))  # [column, i, j ≥ i]
+                executed = np.maximum(ranged[1], 1e-300)
+                shares[mode] = (ranged[0] / executed, ranged[2] / executed)
+            latency = t[h, 1, :, :, s]
+            runs = np.isfinite(latency)
+            forward, weight = split(np.where(runs, latency, 0.0), *shares[mode])
+            hidden = np.minimum(np.minimum(weight, forward), np.where(runs, latency, 0.0) - forward - weight)
+            omega[h, :, :, s] = np.where(runs, hidden, 0.0)
+    return omega
 
 
 def boundary_bytes(graph: Graph, layering: Layering) -> list[float]:

@@ -267,7 +267,7 @@ def solved():
     """Small real plans: a 2-layer GPT pipelined on (2, 2) meshes, and an MLP sharded over 8 devices."""
     cluster = preset("p3.16xlarge", 1)
     graph = gpt(**SMALL_GPT)
-    pipelined = optimize(graph, cluster, microbatches=2, layers=2, logical_shapes=[(2, 2)])
+    pipelined = optimize(graph, cluster, microbatches=2, layers=2, logical_shapes=[(2, 2)], schedule="1f1b")  # Megatron runs it
     mlp = read_graph(INSTANCES / "mlp-2layer.json")
     sharded = optimize(mlp, cluster, intra_only=True)
     return [(graph, pipelined), (mlp, sharded)]
@@ -407,7 +407,8 @@ def _axes_of(entry: dict, target: str) -> set[int]:
 
 @pytest.mark.parametrize("target", ["jax", "dtensor"])
 def test_jax_and_dtensor_exports_re_price_to_the_plans_time_and_memory(tiny, target):
-    plan = optimize(tiny.graph, tiny.cluster, microbatches=2, layers=2, logical_shapes=[(2, 1)], workers=1, recompute=True)
+    plan = optimize(tiny.graph, tiny.cluster, microbatches=2, layers=2, logical_shapes=[(2, 1)], workers=1, recompute=True,
+                    schedule="1f1b")
     assert any(info.zero_axes for s in plan.stages for info in s.params.values())  # ZeRO is exercised too
     exported = json.loads(ex.export(plan, target))
     assert exported["training"]["recompute"] == [{"granularity": "full", "method": "uniform", "num_layers": 1}] * len(plan.stages)

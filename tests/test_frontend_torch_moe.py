@@ -119,13 +119,13 @@ def test_training_flops_match_flop_counter_apart_from_dispatch_and_combine(make)
 
 
 def test_a_small_mixtral_plans_with_its_experts_split_over_devices():
-    """The docs/FRONTENDS.md example: planned on 4 devices, the experts' weights are split along e
-    (expert parallelism: the dispatch's tokens move to their experts' devices, an all-to-all)."""
+    """The docs/FRONTENDS.md example: planned on 4 devices as one 1F1B stage, the experts' weights are split
+    along e (expert parallelism: the dispatch's tokens move to their experts' devices, an all-to-all)."""
     config = mixtral(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4,
                      num_local_experts=8, vocab_size=1000)
     graph = from_hf_config(config, batch=8, seq=128, dtype="fp16")
     cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=4)
-    plan = optimize(graph, cluster, workers=1, microbatches=[1, 2])
+    plan = optimize(graph, cluster, workers=1, microbatches=[1, 2], schedule="1f1b")
     assert math.isfinite(plan.iteration_time_s) and plan.iteration_time_s > 0
     experts = {name: info.placement for stage in plan.stages for name, info in stage.params.items()
                if ".experts." in name}

@@ -169,7 +169,7 @@ def test_auto_microbatches_skip_counts_an_moe_cannot_split_into():
 def test_the_returned_pipeline_simulates_to_its_closed_form_and_gpipe_holds_more_memory():
     from partopt.draw import stage_times
     from partopt.simulate import closed_form, simulate
-    plan = optimize(mlp(4, 512, 512), preset("p3.16xlarge", 2), microbatches=4)
+    plan = optimize(mlp(4, 512, 512), preset("p3.16xlarge", 2), microbatches=4, schedule="1f1b")
     assert len(plan.stages) > 1
     stages, B = stage_times(plan), plan.num_microbatches
     pipeline = plan.iteration_time_s - max(s.sync_time_s for s in plan.stages)

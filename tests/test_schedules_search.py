@@ -164,12 +164,12 @@ def test_interleaved_dp_minimises_the_interleaved_closed_form():
 
 
 def test_auto_is_never_worse_than_a_forced_schedule():
-    """On an 8-layer GPT on 8 V100s the default plan predicts no slower an iteration than either schedule
+    """On an 8-layer GPT on 8 V100s the default plan predicts no slower an iteration than any schedule
     forced, and is one of them."""
     graph = gpt(hidden=256, layers=8, heads=4, seq=64, vocab=512, batch=16, name="gpt-8")
     kwargs = dict(layers=None, microbatches=[4, 8], workers=1)
     auto = optimize(graph, CLUSTER, **kwargs)
-    forced = {s: optimize(graph, CLUSTER, schedule=s, **kwargs) for s in ("1f1b", "interleaved")}
+    forced = {s: optimize(graph, CLUSTER, schedule=s, **kwargs) for s in ("1f1b", "interleaved", "zero-bubble")}
     assert forced["interleaved"].schedule == "interleaved" and forced["interleaved"].virtual_stages >= 2
     assert auto.iteration_time_s <= min(p.iteration_time_s for p in forced.values())
     assert auto.iteration_time_s in [p.iteration_time_s for p in forced.values()]
@@ -178,9 +178,8 @@ def test_auto_is_never_worse_than_a_forced_schedule():
 
 
 def test_the_search_refuses_what_it_does_not_plan():
-    for schedule in ("gpipe", "zero-bubble"):
-        with pytest.raises(InstanceError, match=f"does not plan the {schedule}"):
-            optimize(GRAPH, CLUSTER, schedule=schedule)
+    with pytest.raises(InstanceError, match="does not plan the gpipe"):
+        optimize(GRAPH, CLUSTER, schedule="gpipe")
     with pytest.raises(InstanceError, match="unknown pipeline schedule"):
         Options(schedule="pipedream")
 
@@ -277,8 +276,8 @@ def test_cli_evaluate_virtual_stages_and_bad_schedules(tmp_path, megatron_interl
     odd = CliRunner().invoke(main, [*base[:-5], "--microbatches", "2", "--schedule", "interleaved"])
     assert odd.exit_code == 2 and "at least 2 virtual stages" in odd.output
     refused = CliRunner().invoke(main, ["solve", str(graph_file), "--cluster", "p3.16xlarge", "--nodes", "1",
-                                        "--schedule", "zero-bubble"])
-    assert refused.exit_code == 2 and "does not plan the zero-bubble schedule" in refused.output
+                                        "--schedule", "gpipe"])
+    assert refused.exit_code == 2 and "does not plan the gpipe schedule" in refused.output
     grid = CliRunner().invoke(main, ["solve", str(graph_file), "--cluster", "p3.16xlarge", "--nodes", "1",
                                      "--search", "megatron", "--schedule", "interleaved"])
     assert grid.exit_code == 2 and "--search megatron plans 1f1b, not interleaved" in grid.output

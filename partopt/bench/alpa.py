@@ -191,7 +191,7 @@ RECOMPUTE_MODELS: tuple[str, ...] = MODELS
 def model_options(model: str) -> dict:
     """Planner keywords for the paper's setting of `model`: activation recomputation (Alpa's suites),
     the additive cost model (no overlap) that the reproduction was calibrated and checked with, and
-    Alpa's 1F1B schedule (the search's default would also try interleaved)."""
+    Alpa's 1F1B schedule (the search's default would also try interleaved and zero-bubble)."""
     return {"recompute": "full" if model in RECOMPUTE_MODELS else "none", "overlap": False, "schedule": "1f1b"}
 
 

@@ -1,0 +1,295 @@
+"""ZB-H1 as a choice of the stage DP (issue 13 item 2): the threshold DP (`stagedp.zero_bubble`) equals brute
+force on random tables and on a tiny GPT, its objective is the closed form the simulator checks, auto is never
+worse than a forced schedule, and a zero-bubble plan round-trips, re-prices and is refused by the Megatron export."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from partopt import costmodel, io, stagedp
+from partopt.assemble import pipeline_of
+from partopt.bench import alpa
+from partopt.check import differences
+from partopt.cli import main
+from partopt.cluster import preset
+from partopt.inter import _best_schedule, optimize
+from partopt.layering import build_layers
+from partopt.models import gpt
+from partopt.options import Options
+from partopt.plan import plan_from_dict, plan_to_dict
+from partopt.pricing import Job, Pricer, Stats
+from partopt.schedules import iteration_time
+from partopt.simulate import StageTimes, closed_form, simulate
+from partopt.stages import End, recomputed_flops, split_table, stage_table, totals, training_flops, weight_flops
+from partopt.validate import check_plan
+
+export = importlib.import_module("partopt.export")
+
+GRAPH = gpt(hidden=64, layers=4, heads=4, seq=32, vocab=128, batch=8, name="tiny-gpt")
+CLUSTER = preset("p3.16xlarge", 1)
+SUBMESHES = [(1, 1), (1, 2), (1, 4)]
+
+
+def cuts(layers: int):
+    """Every cut of `layers` DP layers into contiguous [first, last] stages."""
+    for cut in itertools.product([False, True], repeat=layers - 1):
+        ends = [i for i in range(layers - 1) if cut[i]] + [layers - 1]
+        yield list(zip([0] + [e + 1 for e in ends[:-1]], ends))
+
+
+def brute_table(t, extra, omega, sizes, devices, B) -> float:
+    """The least ZB-H1 iteration over every cut × submesh × option on exactly `devices` devices, straight from
+    its definition: every stage must fit min(S, B) microbatches (t[h, min(S, B)] finite), and the plan costs
+    sum t + (B - 1) max t - (S + min(S, B) - 2) min omega + max extra."""
+    H, L = t.shape[0], t.shape[2]
+    best = math.inf
+    for ranges in cuts(L):
+        S, held = len(ranges), min(len(ranges), B)
+        if held >= t.shape[1]:
+            continue
+        for picked in itertools.product(range(len(sizes)), range(H), repeat=S):
+            pairs = list(zip(picked[::2], picked[1::2]))
+            if sum(sizes[s] for s, _ in pairs) != devices:
+                continue
+            times = [t[h, held, i, j, s] for (i, j), (s, h) in zip(ranges, pairs)]
+            if not all(map(math.isfinite, times)):
+                continue
+            hidden = min(omega[h, i, j, s] for (i, j), (s, h) in zip(ranges, pairs))
+            sync = max(extra[h, held, i, j, s] for (i, j), (s, h) in zip(ranges, pairs))
+            best = min(best, sum(times) + (B - 1) * max(times) - (S + held - 2) * hidden + sync)
+    return best
+
+
+def random_table(rng, L: int, H: int, sizes: list[int]):
+    """A stage table as `stages.stage_table` makes them: a latency per (option, layers, submesh), finite at the
+    levels k (held min(k, B)) below a random memory cap; an omega within [0, t/3]; a sync per entry."""
+    S = len(sizes)
+    latency = rng.uniform(0.5, 3.0, (H, L, L, S)) * (1 + np.arange(L)[None, None, :, None])
+    cap = rng.integers(1, L + 2, (H, L, L, S))  # fits held microbatches < cap
+    t = np.full((H, L + 1, L, L, S), np.inf)
+    extra = np.zeros_like(t)
+    sync = rng.uniform(0.0, 2.0, (H, L, L, S))
+    for k in range(1, L + 1):
+        fits = (k < cap) & np.triu(np.ones((L, L), bool))[None, :, :, None]
+        t[:, k] = np.where(fits, latency, np.inf)
+        extra[:, k] = np.where(fits, sync, 0.0)
+    omega = np.round(rng.uniform(0.0, 1.0 / 3.0, (H, L, L, S)) * latency, 1)  # rounded: ties between thresholds
+    return t, extra, omega
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_threshold_dp_equals_brute_force_on_random_tables(seed):
+    """Exact over cuts × submeshes × options: options differ in omega as well as latency and sync, memory
+    caps bind at random depths (so min(S, B) decides what fits), B below and above the stage counts."""
+    rng = np.random.default_rng(seed)
+    for _ in range(12):
+        L, H, sizes = int(rng.integers(2, 5)), int(rng.integers(1, 3)), [1, 2]
+        devices, B = int(rng.integers(1, 5)), int(rng.integers(1, 6))
+        t, extra, omega = random_table(rng, L, H, sizes)
+        expected = brute_table(t, extra, omega, sizes, devices, B)
+        found = stagedp.zero_bubble(t, extra, omega, sizes, devices, B)
+        assert (found is None) == math.isinf(expected)
+        if found is None:
+            continue
+        assert found.total == pytest.approx(expected, rel=1e-12)
+        # the plan it returns costs what it says, every stage holding min(S, B)
+        S = len(found.stages)
+        held = min(S, B)
+        assert [c.inflight for c in found.stages] == [S] * S
+        times = [t[c.option, held, c.first, c.last, c.submesh] for c in found.stages]
+        cost = (sum(times) + (B - 1) * max(times)
+                - (S + held - 2) * min(omega[c.option, c.first, c.last, c.submesh] for c in found.stages)
+                + max(extra[c.option, held, c.first, c.last, c.submesh] for c in found.stages))
+        assert cost == pytest.approx(found.total, rel=1e-12)
+        # a cutoff below the optimum finds nothing; above it, the same optimum
+        assert stagedp.zero_bubble(t, extra, omega, sizes, devices, B, cutoff=expected * (1 - 1e-9)) is None
+        assert stagedp.zero_bubble(t, extra, omega, sizes, devices, B, cutoff=expected * 1.01).total == found.total
+
+
+def test_the_dp_objective_is_the_simulated_time_on_uniform_layers():
+    """Eight identical layers (f = 1, b = 2 of which w = 1, no sends), four one-device stages, B = 8: the DP
+    cuts them evenly, and its least ZB-H1 iteration is the event simulation of that plan (exact on uniform stages
+    without sends, docs/COSTMODEL.md §5b). By hand, stages of F = 2, B = 2, W = 2: the ideal 8 · 6 = 48 plus
+    the paper's bubble (S − 1)(F + B − W) = 6: 54, against 1F1B's (S + B − 1) · 6 = 66; the uneven cut
+    1-2-2-3 would cost 24 + 7 · 9 − 6 · 1 = 81."""
+    L, B = 8, 8
+    t = np.full((1, L + 1, L, L, 1), np.inf)
+    omega = np.zeros((1, L, L, 1))
+    for i, j in itertools.product(range(L), range(L)):
+        if j >= i:
+            t[0, 1:, i, j, 0] = 3.0 * (j - i + 1)
+            omega[0, i, j, 0] = 1.0 * (j - i + 1)
+    found = stagedp.zero_bubble(t, np.zeros_like(t), omega, [1], 4, B)
+    assert [(c.first, c.last) for c in found.stages] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    stages = [StageTimes(2.0, 4.0, weight_s=2.0)] * 4
+    assert found.total == 54.0 == closed_form(stages, B, "zero-bubble") == simulate(stages, B, "zero-bubble").iteration_time_s
+    assert simulate(stages, B, "1f1b").iteration_time_s == 66.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_dp_objective_bounds_the_simulated_time_on_uneven_layers(seed):
+    """Layers of random forward time f, b = 2f and w = b/2 (the matmul split), no sends, one-device stages: the
+    plan the DP picks, run event by event, takes no longer than the DP's closed form (docs/COSTMODEL.md §5b: T <= C
+    when b_i = r f_i and w_i = b_i / 2), and at least its reach bound (stage k reached by the forwards before it, then B of its F + B + W)."""
+    rng = np.random.default_rng(seed)
+    L, devices = 6, 3
+    f = rng.uniform(0.5, 2.0, L)
+    t = np.full((1, L + 1, L, L, 1), np.inf)
+    omega = np.zeros((1, L, L, 1))
+    for i, j in itertools.product(range(L), range(L)):
+        if j >= i:
+            t[0, 1:, i, j, 0] = 3.0 * f[i:j + 1].sum()
+            omega[0, i, j, 0] = f[i:j + 1].sum()
+    for B in (1, 2, 3, 8):
+        found = stagedp.zero_bubble(t, np.zeros_like(t), omega, [1], devices, B)
+        stages = [StageTimes(f[c.first:c.last + 1].sum(), 2 * f[c.first:c.last + 1].sum(),
+                             weight_s=f[c.first:c.last + 1].sum()) for c in found.stages]
+        assert found.total == pytest.approx(closed_form(stages, B, "zero-bubble"), rel=1e-12)
+        simulated = simulate(stages, B, "zero-bubble").iteration_time_s
+        reach = max(sum(x.forward_s for x in stages[:k]) + B * stages[k].latency_s for k in range(len(stages)))
+        assert reach <= simulated <= found.total * (1 + 1e-12)
+
+
+@pytest.fixture(scope="module")
+def priced():
+    """The tiny GPT's layers priced on (1, 1), (1, 2), (1, 4) submeshes with no recomputation and with full
+    recomputation on (1, 2) (an option whose FLOP shares, and so whose omega, differ): the search's cost rows."""
+    layering, count = build_layers(GRAPH, None), 4
+    budget = costmodel.memory_budget(CLUSTER.device)
+    costs = {}
+    with Pricer(GRAPH, Options(workers=1)) as pricer:
+        for sub, shape, mode in [((1, 1), (1, 1), "none"), ((1, 2), (1, 2), "none"), ((1, 2), (2, 1), "full"),
+                                 ((1, 4), (1, 4), "none")]:
+            mesh = CLUSTER.logical_mesh(sub, shape)
+            costs[(sub, shape, mode)] = [[pricer.one(Job(GRAPH.dims["b"] // count, count, tuple(op.name for op in ops),
+                                                          mesh, mode, budget), Stats()) for ops in layering.base]]
+    return layering, count, costs
+
+
+def stage_split(layering, first: int, last: int, mode: str, latency: float) -> tuple[float, float]:
+    """(f, w) of a stage as plan assembly splits its latency: the forward's and the dW GEMMs' FLOP shares of what
+    the stage executes (forward + backward + recomputation), summed over the stage's ops directly."""
+    ops = [op for g in range(first, last + 1) for op in layering.ops(g)]
+    base = layering.base[layering.groups[first][0]:layering.groups[last][1] + 1]
+    executed = training_flops(GRAPH, ops) + recomputed_flops(GRAPH, base, mode)
+    f = latency * sum(GRAPH.flops(op) for op in ops) / executed
+    return f, min(latency * weight_flops(GRAPH, ops) / executed, latency - f)
+
+
+def test_omega_is_the_plan_assemblys_split_entry_by_entry(priced):
+    layering, count, costs = priced
+    pipe = pipeline_of(GRAPH, CLUSTER, layering, count, True)
+    t, _, options = stage_table(pipe, costs, SUBMESHES, count, math.inf)
+    omega = split_table(pipe, t, options)
+    L = len(layering.groups)
+    for s, sub in enumerate(SUBMESHES):
+        for h, (shape, mode, r) in enumerate(options[s]):
+            for i, j in itertools.combinations_with_replacement(range(L), 2):
+                latency = totals(costs[(sub, shape, mode)][r], pipe, i, j, End(sub, shape)).latency_s
+                f, w = stage_split(layering, i, j, mode, latency)
+                assert t[h, 1, i, j, s] == latency
+                assert omega[h, i, j, s] == pytest.approx(min(w, f, latency - f - w), rel=1e-12)
+                assert 0 < omega[h, i, j, s] < latency / 3 + 1e-18  # three shares of one latency
+
+
+def brute_force(pipe, layering, costs, count: int, budget: float, devices: int) -> float:
+    """The least ZB-H1 iteration over every cut × submesh × option per stage on exactly `devices` devices, each
+    stage priced by `totals`, split as plan assembly does, fitting min(S, B) microbatches, and the plan by
+    `schedules.iteration_time`."""
+    choices = [(sub, key, r) for sub in SUBMESHES for key in costs if key[0] == sub for r in range(len(costs[key]))]
+    best = math.inf
+    for ranges in cuts(len(layering.groups)):
+        S = len(ranges)
+        for picked in itertools.product(choices, repeat=S):
+            if sum(sub[0] * sub[1] for sub, _, _ in picked) != devices:
+                continue
+            sums = [totals(costs[key][r], pipe, a, b, End(sub, key[1])) for (a, b), (sub, key, r) in zip(ranges, picked)]
+            if any(x.memory_bytes(min(S, count)) > budget for x in sums):
+                continue
+            times = [x.latency_s for x in sums]
+            splits = [stage_split(layering, a, b, key[2], x.latency_s) for (a, b), (_, key, _), x in zip(ranges, picked, sums)]
+            best = min(best, iteration_time(times, [f for f, _ in splits], max(x.sync_s for x in sums), count,
+                                            "zero-bubble", weight_times=[w for _, w in splits]))
+    return best
+
+
+@pytest.mark.parametrize("devices", [2, 4, 8])
+@pytest.mark.parametrize("binds", [False, True])
+def test_the_search_equals_brute_force_and_auto_takes_the_best_schedule(priced, devices, binds):
+    """`inter._best_schedule` with zero-bubble forced finds the brute force's least ZB-H1 iteration over cuts ×
+    submeshes × options, with memory free and with a budget under which the whole model on one device fits 3
+    microbatches but not 4 (so min(S, B) rules out plans 1F1B may run); auto is the least of the schedules forced."""
+    layering, count, costs = priced
+    pipe = pipeline_of(GRAPH, CLUSTER, layering, count, True)
+    sizes = [a * b for a, b in SUBMESHES]
+    whole = totals(costs[((1, 1), (1, 1), "none")][0], pipe, 0, len(layering.groups) - 1, End((1, 1), (1, 1)))
+    budget = whole.memory_bytes(3.5) if binds else math.inf
+    expected = brute_force(pipe, layering, costs, count, budget, devices)
+    found = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, ("zero-bubble",), Stats())
+    assert math.isfinite(expected)
+    assert found[1] == "zero-bubble"
+    assert found[0].total == pytest.approx(expected, rel=1e-12)
+    forced = [_best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, (s,), Stats())
+              for s in ("1f1b", "interleaved", "zero-bubble")]
+    auto = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, Options().schedules, Stats())
+    assert auto[0].total == pytest.approx(min(x[0].total for x in forced if x is not None), rel=1e-12)
+    assert auto[0].total <= forced[0][0].total  # ZB-H1 on 1F1B's stages is never slower, when it fits
+
+
+@pytest.fixture(scope="module")
+def zb_plan():
+    graph = gpt(hidden=256, layers=8, heads=4, seq=64, vocab=512, batch=16, name="gpt-8")
+    kwargs = dict(layers=None, microbatches=[4, 8], workers=1)
+    return graph, {s: optimize(graph, CLUSTER, schedule=s, **kwargs) for s in ("auto", "1f1b", "zero-bubble")}
+
+
+def test_a_zero_bubble_plan_round_trips_reprices_and_is_not_exported_to_megatron(zb_plan):
+    """The plan found with zero-bubble forced: every stage holds min(S, B) microbatches, its iteration is the
+    ZB-H1 closed form of its own stage figures, it reads back from its file unchanged, `partopt check`
+    (evaluate's pricing of its stages) finds the same figures, and `export --to megatron` refuses it."""
+    graph, plans = zb_plan
+    plan = plans["zero-bubble"]
+    S, B = len(plan.stages), plan.num_microbatches
+    assert plan.schedule == "zero-bubble" and plan.virtual_stages == 1 and S >= 2
+    assert [s.inflight_microbatches for s in plan.stages] == [min(S, B)] * S
+    times, forwards = [s.stage_time_s for s in plan.stages], [s.forward_s for s in plan.stages]
+    hidden = min(min(s.weight_s, s.forward_s, s.stage_time_s - s.forward_s - s.weight_s) for s in plan.stages)
+    expected = sum(times) + (B - 1) * max(times) - (S + min(S, B) - 2) * hidden + max(s.sync_time_s for s in plan.stages)
+    assert plan.iteration_time_s == pytest.approx(expected, rel=1e-12)
+    assert plan.iteration_time_s < plans["1f1b"].iteration_time_s
+    again = plan_from_dict(json.loads(json.dumps(plan_to_dict(plan))))
+    assert plan_to_dict(again) == plan_to_dict(plan)
+    check_plan(again)
+    assert differences(again, graph, CLUSTER) == []
+    with pytest.raises(export.NotExpressibleError, match="zero-bubble"):
+        export.to_megatron(again)
+    assert not any("zero-bubble" in r for r in plan.solver["search"])
+
+
+def test_auto_is_never_worse_than_zero_bubble_forced(zb_plan):
+    _, plans = zb_plan
+    assert plans["auto"].iteration_time_s <= min(plans["zero-bubble"].iteration_time_s, plans["1f1b"].iteration_time_s)
+
+
+def test_solve_plans_zero_bubble_from_the_cli(tmp_path):
+    graph_file, plan_file = tmp_path / "g.json", tmp_path / "p.json"
+    io.write_graph(GRAPH, str(graph_file))
+    result = CliRunner().invoke(main, ["solve", str(graph_file), "--cluster", "p3.16xlarge", "--nodes", "1",
+                                       "--schedule", "zero-bubble", "--microbatches", "4", "-o", str(plan_file)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(plan_file.read_text())["schedule"] == "zero-bubble"
+    result = CliRunner().invoke(main, ["export", str(plan_file), "--to", "megatron"])
+    assert result.exit_code == 2 and "zero-bubble" in result.output and "Traceback" not in result.output
+
+
+def test_the_alpa_reproduction_keeps_1f1b():
+    """Alpa ran 1F1B: the reproduction's options pin it, whatever the search's default."""
+    for model in ("gpt", "moe", "wresnet"):
+        assert alpa.model_options(model)["schedule"] == "1f1b"
