@@ -98,10 +98,11 @@ class _Space:
     submeshes: list[tuple[int, int]]
     meshes: dict[tuple, LogicalMesh]  # (submesh, logical shape) -> its mesh
 
-    def best(self, pipe: Pipeline, costs: dict, count: int, budget: float, stats: Stats):
-        """The stage DP's best plan over the searched schedules (`_best_schedule`), or None."""
+    def best(self, pipe: Pipeline, costs: dict, count: int, budget: float, stats: Stats,
+             schedules: Sequence[str] | None = None):
+        """The stage DP's best plan over `schedules` (default: the searched ones; `_best_schedule`), or None."""
         return _best_schedule(pipe, costs, self.submeshes, [n * m for n, m in self.submeshes],
-                              self.cluster.num_devices, count, budget, self.options.schedules, stats)
+                              self.cluster.num_devices, count, budget, schedules or self.options.schedules, stats)
 
 
 @dataclass
@@ -227,8 +228,8 @@ def _price_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, work: l
         if not _binds(found, free):
             return found, costs, list(modes[:m + 1])  # memory does not bind: recomputing more only adds time
 
-    def bound() -> float:  # the best plan so far, this count's with the caps priced yet
-        now = space.best(pipe, costs, count, budget, stats)
+    def bound() -> float:  # the best plan so far, this count's with the caps priced yet (one schedule's: cheaper)
+        now = space.best(pipe, costs, count, budget, stats, options.schedules[:1])
         return min(incumbent, now[0].total if now else math.inf)
 
     for rows_of, priced, jobs in reversed(lean):  # memory binds under every mode
