@@ -3,6 +3,7 @@ that cannot fit beside the rest of the model, and the memory-free optimum a reco
 
 Each bound is checked by hand on a small case and against what the search or the ILP then does."""
 
+import dataclasses
 import math
 import random
 
@@ -17,6 +18,7 @@ from partopt.layering import build_layers
 from partopt.pricing import longest_stage
 from partopt.sharding import forward_share
 from test_ilp import brute_force, random_graph
+from test_intra import mlp_gelu
 from test_recompute import best_forced, block_graph, tight_cluster
 
 B, H = 8, 64
@@ -24,14 +26,10 @@ A = B * H * 4  # one fp32 activation [b, h]
 
 
 def two_layers() -> Graph:
-    """Layer 0: y0 = x · w0, g = gelu(y0); layer 1: y1 = g · w1 (fp32)."""
-    dims = {"b": B, "h0": H, "h1": H, "h2": H}
-    tensors = {"x": Tensor("x", ("b", "h0"), "input"), "w0": Tensor("w0", ("h0", "h1"), "param"),
-               "w1": Tensor("w1", ("h1", "h2"), "param"), "y0": Tensor("y0", ("b", "h1")),
-               "g": Tensor("g", ("b", "h1")), "y1": Tensor("y1", ("b", "h2"), "output")}
-    ops = [Op("fc0", "einsum", ("x", "w0"), "y0", 0), Op("gelu", "elementwise", ("y0",), "g", 0, {"fn": "gelu"}),
-           Op("fc1", "einsum", ("g", "w1"), "y1", 1)]
-    return Graph("two-layers", dims, tensors, ops, "b", "fp32")
+    """Layer 0: y0 = x · w0, g = gelu(y0); layer 1: y1 = g · w1 (fp32): `mlp_gelu` with fc1 in a layer of its own."""
+    graph = mlp_gelu(B, H)
+    ops = [*graph.ops[:2], dataclasses.replace(graph.ops[2], layer=1)]
+    return Graph("two-layers", graph.dims, graph.tensors, ops, "b", "fp32")
 
 
 def prints(graph, modes, device=None):
