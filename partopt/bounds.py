@@ -1,6 +1,6 @@
 """Lower bounds that let the search skip work it can prove useless (docs/COSTMODEL.md §5b, "How the
-search skips work"): each layer's roofline work, the least memory a microbatch count needs, and the
-least recomputation that memory forces.
+search skips work"): each layer's roofline work, and the least recomputation a microbatch count's memory
+forces (inf: the count cannot fit at all).
 
 All of them hold under the analytical model only (no split divides FLOPs or bytes by more than the
 devices it uses); under another model (measured times) there is no work bound and nothing is skipped.
@@ -57,32 +57,18 @@ def footprints(g_mb: Graph, base: list[list[Op]], modes: Sequence[str], device: 
         per_mode = []
         for mode in modes:
             rerun = intra.recomputed_ops(g_mb, ops, mode)
+            also_kept = intra.kept_recomputed(g_mb, ops, rerun)
             kept = working = rerun_s = 0.0
             for op in ops:
                 size = g_mb.nbytes(op.output)
-                if op.name not in rerun:
+                if op.name not in rerun or op.name in also_kept:
                     kept += size
-                    continue
-                working += size
-                rerun_s += op_work(g_mb, op, device) * forward_share(is_matmul(op))
-                readers = g_mb.consumers[op.output]
-                if not readers or any(c.name not in rerun for c in readers):
-                    kept += size
+                if op.name in rerun:
+                    working += size
+                    rerun_s += op_work(g_mb, op, device) * forward_share(is_matmul(op))
             per_mode.append(Footprint(kept, working, rerun_s))
         out.append(per_mode)
     return out
-
-
-def least_activation_bytes(layers: list[list[Footprint]]) -> float:
-    """The least activation bytes all devices hold together in any plan with one mode per layer: kept
-    bytes plus the largest working set (a stage holds its largest), the least over mode choices — a
-    threshold W on the working set takes, per layer, the mode that keeps least among those within W."""
-    best = math.inf
-    for limit in sorted({f.working_bytes for per_mode in layers for f in per_mode}):
-        allowed = [[f.kept_bytes for f in per_mode if f.working_bytes <= limit] for per_mode in layers]
-        if all(allowed):
-            best = min(best, limit + sum(min(k) for k in allowed))
-    return best
 
 
 def least_rerun_s(layers: list[list[Footprint]], room: float) -> float:

@@ -137,12 +137,12 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     stats, tally = Stats(), _Tally(progress)
     best: tuple | None = None  # (iteration time, count, stage specs, their rows of layer costs, schedule, v)
     views = _microbatch_views(graph, microbatch_counts(batch, options.microbatches))
-    work, lower = {}, {}  # per count: each base layer's roofline work; the iteration time's lower bound
+    room = cluster.num_devices * budget - _state_bytes(graph)  # activation bytes all devices can hold together
+    base, work, lower = {}, {}, {}  # per count: the base layers' ops, their roofline work; the iteration's lower bound
     for count, view in views.items():
-        base = [[view.op_index[op.name] for op in ops] for ops in layering.base]
-        work[count] = bounds.roofline_work(view, base, cluster.device)
-        rerun = bounds.least_rerun_s(bounds.footprints(view, base, options.recompute_modes, cluster.device),
-                                     cluster.num_devices * budget - _state_bytes(graph))
+        base[count] = [[view.op_index[op.name] for op in ops] for ops in layering.base]
+        work[count] = bounds.roofline_work(view, base[count], cluster.device)
+        rerun = bounds.least_rerun_s(bounds.footprints(view, base[count], options.recompute_modes, cluster.device), room)
         lower[count] = count * (sum(work[count]) + rerun) / cluster.num_devices if work[count] is not None else (
             0.0 if rerun < math.inf else math.inf)
     # counts that cannot fit skipped; the most microbatches first: the smallest microbatches need least memory,
@@ -160,8 +160,8 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     continue  # its lower bound already loses: no ILP needed
                 if time.perf_counter() > deadline:
                     raise Expired
-                found, costs, modes = _price_count(space, pricer, count, views[count], work[count], best, stats,
-                                                   lambda jobs: tally.running(jobs, len(candidates) - n))
+                found, costs, modes = _price_count(space, pricer, count, views[count], base[count], work[count], best,
+                                                   stats, lambda jobs: tally.running(jobs, len(candidates) - n))
                 stats.counts.append(count)
                 stats.recompute_modes[count] = modes
                 unfinished.remove(count)
@@ -187,10 +187,11 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     return plan
 
 
-def _price_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, work: list[float] | None, best: tuple | None,
-                 stats: Stats, running: Callable[[int], Callable[[int], None]]):
-    """The best plan with `count` microbatches (`g_mb`: the microbatch view; `work`: each base layer's
-    roofline work), or None when none fits or it cannot beat `best`; with the layer costs priced
+def _price_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops: list[list[Op]],
+                 work: list[float] | None, best: tuple | None, stats: Stats,
+                 running: Callable[[int], Callable[[int], None]]):
+    """The best plan with `count` microbatches (`g_mb`: the microbatch view; `base_ops`: its base layers'
+    ops; `work`: their roofline work), or None when none fits or it cannot beat `best`; with the layer costs priced
     (one option per (submesh, logical shape, recomputation mode): a list of rows of layer costs) and
     the recomputation modes tried.
 
@@ -201,7 +202,6 @@ def _price_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, work: l
     mb = space.graph.dims[space.graph.batch_dim] // count
     pricer.views[mb] = g_mb
     pipe = pipeline_of(space.graph, space.cluster, space.layering, count, options.overlap)
-    base_ops = [[g_mb.op_index[op.name] for op in ops] for ops in space.layering.base]
     hashes = [g_mb.structural_hash(ops) for ops in base_ops]
     names = [tuple(op.name for op in ops) for ops in base_ops]
     modes = _distinct_modes(g_mb, base_ops, options.recompute_modes)

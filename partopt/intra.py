@@ -61,6 +61,16 @@ def recomputed_ops(graph: Graph, ops: Sequence[Op], mode: str) -> frozenset[str]
     return frozenset(core)
 
 
+def kept_recomputed(graph: Graph, ops: Sequence[Op], rerun: frozenset[str]) -> frozenset[str]:
+    """The recomputed ops of `ops` (`rerun`) whose output is kept for the backward all the same: read by an op
+    not recomputed, or by nobody (what leaves the layer)."""
+    def kept(op: Op) -> bool:
+        readers = graph.consumers[op.output]
+        return not readers or any(c.name not in rerun for c in readers)
+
+    return frozenset(op.name for op in ops if op.name in rerun and kept(op))
+
+
 def with_batch(graph: Graph, batch: int) -> Graph:
     """The same graph with its batch dim resized (a microbatch's view of the model).
 
@@ -458,14 +468,12 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     rerun = recomputed_ops(graph, ops, recompute)
     boundary = _boundary_pairs(graph, ops, inside)
     leaving: set[str] = set()
-    kept: set[str] = set()
+    kept = set(kept_recomputed(graph, ops, rerun))
     for op in ops:
         options = _kept(op_strategies(graph, op, mesh, force_dim), lambda s: restriction.op(op, s), op.name, restriction)
         readers = graph.consumers[op.output]
         if op.output not in boundary and not any(c.name in inside for c in readers):
             leaving.add(op.name)
-        if op.name in rerun and (not readers or any(c.name not in rerun for c in readers)):
-            kept.add(op.name)
         weights = [slot for slot, t in enumerate(op.inputs) if graph.tensors[t].role == "param"]
         cost, memory, copies = [], [], []
         for s in options:

@@ -338,7 +338,7 @@ def longest_stage(costs: list[float | None], count: int, limit: float, work: lis
     lower bound of it; None: the layer cannot run on the mesh). With `overlap` the gradient reductions
     hide behind the last microbatch's backward, at most t of them (docs/COSTMODEL.md §5b: exposed ≥
     reductions − backward), so the iteration is at least B · t + sync − t ≥ (1 − 1/B)(B · t + sync).
-    With `work` (each layer's device-seconds per microbatch, a lower bound: `inter.roofline_work`),
+    With `work` (each layer's device-seconds per microbatch, a lower bound: `bounds.roofline_work`),
     the layers outside the stage must also run under `limit` on the `spare` devices it leaves:
     their iteration is at least B · (their work) / spare, and with no device spare there must be
     no layer outside. A longer run ending at the same layer leaves less outside, so checking the

@@ -4,6 +4,7 @@ that cannot fit beside the rest of the model, and the memory-free optimum a reco
 Each bound is checked by hand on a small case and against what the search or the ILP then does."""
 
 import dataclasses
+import itertools
 import math
 import random
 
@@ -12,7 +13,7 @@ import pytest
 from partopt import costmodel, ilp, intra
 from partopt.cluster import preset
 from partopt.graph import Graph, Op, Tensor
-from partopt.bounds import footprints, least_activation_bytes, least_rerun_s, op_work, roofline_work
+from partopt.bounds import footprints, least_rerun_s, op_work, roofline_work
 from partopt.inter import optimize
 from partopt.layering import build_layers
 from partopt.pricing import longest_stage
@@ -37,15 +38,27 @@ def prints(graph, modes, device=None):
     return footprints(graph, build_layers(graph, 64).base, modes, device)
 
 
+def least_bytes(layers) -> float:
+    """Brute force: the least kept bytes plus largest working set over every choice of one mode per layer."""
+    return min(sum(f.kept_bytes for f in choice) + max(f.working_bytes for f in choice)
+               for choice in itertools.product(*layers))
+
+
+def fits_exactly_from(layers, least: float) -> bool:
+    """`least_rerun_s` finds a fitting choice with `least` bytes of room and none with a byte less."""
+    return least_rerun_s(layers, least) < math.inf and least_rerun_s(layers, least - 1) == math.inf
+
+
 def test_least_activation_bytes_by_hand():
     graph = two_layers()
     # none: layer 0 keeps y0 and g, layer 1 keeps y1; nothing is recomputed: 3A, no working set.
-    assert least_activation_bytes(prints(graph, ("none",))) == 3 * A
+    assert least_bytes(prints(graph, ("none",))) == 3 * A and fits_exactly_from(prints(graph, ("none",)), 3 * A)
     # full: layer 0 keeps only g (read by layer 1) and reruns y0 and g (working set 2A); layer 1 keeps
     # y1 (read by nobody) and reruns it (A): kept A + A, largest working set 2A.
-    assert least_activation_bytes(prints(graph, ("full",))) == 4 * A
+    assert least_bytes(prints(graph, ("full",))) == 4 * A and fits_exactly_from(prints(graph, ("full",)), 4 * A)
     # both: layer 0 under none (2A, 0) and layer 1 under none (A, 0) is the least: 3A
-    assert least_activation_bytes(prints(graph, ("none", "full"))) == 3 * A
+    both = prints(graph, ("none", "full"))
+    assert least_bytes(both) == 3 * A and fits_exactly_from(both, 3 * A)
 
 
 def chain(layers: int) -> Graph:
@@ -74,7 +87,7 @@ def test_the_least_recomputation_that_memory_forces():
     # room 5.5A: within the working set 2A the kept bytes may be 3.5A, so at least 2.5 layers recompute:
     # the Lagrangian bound at λ = e / A is 3 · 2e − 3.5e = 2.5e (all three recompute: 3e)
     assert least_rerun_s(layers, 5.5 * A) == pytest.approx(2.5 * e)
-    assert least_activation_bytes(layers) == 5 * A
+    assert least_bytes(layers) == 5 * A and fits_exactly_from(layers, 5 * A)
 
 
 def test_no_plan_holds_less_than_the_least_activation_bytes():
@@ -85,11 +98,12 @@ def test_no_plan_holds_less_than_the_least_activation_bytes():
         plan = optimize(graph, cluster, microbatches=4)
         view = intra.with_batch(graph, graph.dims[graph.batch_dim] // plan.num_microbatches)
         base = [[view.op_index[op.name] for op in ops] for ops in build_layers(graph, 64).base]
-        least = least_activation_bytes(footprints(view, base, ("none", "selective", "full"), cluster.device))
+        layers = footprints(view, base, ("none", "selective", "full"), cluster.device)
         held = sum(s.memory_bytes * len(s.devices) for s in plan.stages)
         state = sum(costmodel.param_memory(graph.numel(t.name), graph.dtype_of(t.name), graph.optimizer).total
                     for t in graph.params)
-        assert held >= state + least
+        assert held >= state + least_bytes(layers)
+        assert least_rerun_s(layers, held - state) < math.inf  # the search's gate lets this count through
 
 
 def test_the_iteration_bound_holds_on_real_plans_with_forced_recomputation():
