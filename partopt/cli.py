@@ -25,7 +25,7 @@ from rich.text import Text
 
 from partopt import baselines, check, io, models, validate
 from partopt import sweep as sweep_module
-from partopt.cluster import PRESETS, Cluster, Link, preset
+from partopt.cluster import AUTO_ALPA_NODES, PRESETS, SUBMESH_FAMILIES, Cluster, Link, preset
 from partopt.costmodel import training_flops
 from partopt.draw import draw
 from partopt.evaluate import evaluate as evaluate_plan, uniform
@@ -401,8 +401,8 @@ def _render_plan(plan: Plan) -> list[Table]:
         ("solver", f"{plan.solver['backend']}: {plan.solver['status']}, gap {plan.solver['gap']:.2g}, "
                    f"{plan.solver['ilps']} ILPs"
                    + (f", planning {fmt_seconds(plan.solver['time_s'])}" if "time_s" in plan.solver else "")
-                   + (f"; {plan.solver['dropped_options']} leaner options dropped (no solution within their time "
-                      "limit)" if plan.solver.get("dropped_options") else "")),
+                   + (f"; {plan.solver['dropped_options']} memory-capped options dropped (no solution within "
+                      "their solver limits)" if plan.solver.get("dropped_options") else "")),
         *([("search space", "\n".join(plan.solver["search"]))] if plan.solver.get("search") else []),
         *([("stopped early", f"{'at the deadline' if plan.solver['stopped'] == 'deadline' else 'by Ctrl-C'}: the best "
                              f"plan found, at most {plan.solver['bound_gap']:.1%} slower than the best possible "
@@ -432,8 +432,9 @@ def _render_plan(plan: Plan) -> list[Table]:
               "and --workers do not apply).")
 @click.option("--logical-shapes", type=click.Choice(["node_local", "all"]), default="node_local", show_default=True,
               help="Logical meshes per submesh: second axis inside a node (Alpa's space), or every factorisation.")
-@click.option("--submeshes", type=click.Choice(["alpa", "power_of_two"]), default="alpa", show_default=True,
-              help="Submesh shapes: (1, 2^k) and (n, M) for every n, or only powers of two (large clusters).")
+@click.option("--submeshes", type=click.Choice(SUBMESH_FAMILIES), default="auto", show_default=True,
+              help="Submesh shapes: (1, 2^k) and (n, M) for every n (alpa), or only powers of two; auto: alpa up to "
+              f"{AUTO_ALPA_NODES} nodes, powers of two beyond.")
 @click.option("--workers", type=click.IntRange(min=1), help="Processes for the ILPs (default: one per core).")
 @click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), default="auto", show_default=True, is_flag=False,
               flag_value="full", help="Activation recomputation per stage: searched (auto), none, selective (the "

@@ -37,7 +37,10 @@ PEAK_FALLBACK: Mapping[str, tuple[str, ...]] = {
     "int64": ("fp32",),
     "bool": ("fp32",),
 }
-SUBMESH_FAMILIES: tuple[str, ...] = ("alpa", "power_of_two")
+SUBMESH_FAMILIES: tuple[str, ...] = ("auto", "alpa", "power_of_two")
+# "auto" searches Alpa's family (every node count) up to this many nodes, powers of two beyond: the stage DP's
+# table and work grow with the number of submesh shapes, and Alpa's family at 384 nodes has 387 of them
+AUTO_ALPA_NODES = 16
 
 
 def _check(condition: bool, cause: str, hint: str) -> None:
@@ -148,10 +151,17 @@ class Cluster:
         """The same machine type with `nodes` nodes (InstanceError when nodes < 1)."""
         return replace(self, nodes=nodes)
 
-    def submesh_shapes(self, family: str = "alpa") -> list[tuple[int, int]]:
-        """Submesh shapes (nodes, devices per node) the stage DP may use, smallest first (DESIGN §6)."""
+    def submesh_family(self, family: str = "auto") -> str:
+        """The family `family` names on this cluster: "auto" is Alpa's up to `AUTO_ALPA_NODES` nodes, else powers of two."""
         if family not in SUBMESH_FAMILIES:
             raise InstanceError(f"unknown submesh family {family!r}", hint=f"use one of {list(SUBMESH_FAMILIES)}")
+        if family == "auto":
+            return "alpa" if self.nodes <= AUTO_ALPA_NODES else "power_of_two"
+        return family
+
+    def submesh_shapes(self, family: str = "auto") -> list[tuple[int, int]]:
+        """Submesh shapes (nodes, devices per node) the stage DP may use, smallest first (DESIGN §6)."""
+        family = self.submesh_family(family)
         m = self.devices_per_node
         within = [t for t in _powers_of_two(m) if m % t == 0]
         if m not in within:

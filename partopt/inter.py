@@ -25,7 +25,7 @@ from partopt.graph import Graph, Op
 from partopt.layering import Layering, build_layers, tagged_layers
 from partopt.options import DEFAULT_MAX_LAYERS, Options, microbatch_counts, restrictions
 from partopt.plan import Plan
-from partopt.pricing import Expired, Job, Pricer, Stats, tighten
+from partopt.pricing import Dropped, Expired, Job, Pricer, Stats, tighten
 from partopt.schedules import SEARCHED, inflight, interleaved_shapes
 from partopt.stages import Pipeline, StageSpec, chunks, interleaved_table, split_table, stage_table
 from partopt.units import fmt_bytes
@@ -64,7 +64,7 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
 
     Options (keywords): microbatches ("auto": the powers of two dividing the batch; a count; or
     several counts to search), layers (most DP layers, default 64),
-    submesh_family ("alpa" | "power_of_two"), logical_shapes ("node_local": the second mesh axis
+    submesh_family ("auto" | "alpa" | "power_of_two"), logical_shapes ("node_local": the second mesh axis
     within a node, as Alpa's benchmarks; "all"; or a list of allowed (a, b) shapes), backend
     ("highs" | "cpsat" | "cbc"), time_limit_s (per ILP), memory_reserve (fraction of device
     memory kept free), intra_only / inter_only / data_parallel_only / stage_data_parallel
@@ -180,7 +180,8 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     total, count, specs, rows, schedule, v = best
     plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start,
                     schedule, v)
-    plan.solver["search"] = restrictions(options, batch, len(tagged_layers(graph)), len(layering.groups))
+    plan.solver["search"] = restrictions(options, batch, len(tagged_layers(graph)), len(layering.groups),
+                                         cluster.submesh_family(options.submesh_family))
     if stopped:  # the counts not finished could still win, down to their lower bounds
         bound = min([total, *(lower[c] for c in unfinished)])
         plan.solver.update(stopped=stopped, lower_bound_s=bound, bound_gap=(total - bound) / total)
@@ -216,7 +217,8 @@ def _price_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_op
                                                           space.cluster, options.overlap)]
         jobs = {(hashes[b], (*key, mode)): Job(mb, count, names[b], space.meshes[key], mode, budget)
                 for key in keys for b in range(len(base_ops))}
-        priced = pricer.run(jobs, stats, running(len(jobs)))
+        priced = {key: None if isinstance(cost, Dropped) else cost  # counted in stats; no option here
+                  for key, cost in pricer.run(jobs, stats, running(len(jobs))).items()}
         rows_of = {(*key, mode): [[priced[(hashes[b], (*key, mode))] for b in range(len(base_ops))]] for key in keys}
         costs.update(rows_of)
         lean.append((rows_of, priced, jobs))

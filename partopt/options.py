@@ -19,7 +19,7 @@ class Options:
 
     microbatches: int | str | Sequence[int] = "auto"  # a count, several to search, or auto (powers of two)
     layers: int | None = DEFAULT_MAX_LAYERS
-    submesh_family: str = "alpa"
+    submesh_family: str = "auto"  # Alpa's family up to 16 nodes, powers of two beyond (`Cluster.submesh_family`)
     logical_shapes: str | Sequence[tuple[int, int]] = "node_local"  # or "all", or the allowed (a, b)
     backend: str = "highs"  # fastest in docs/benchmarks.md
     time_limit_s: float = 60.0
@@ -78,9 +78,10 @@ def microbatch_counts(batch: int, requested: int | str | Sequence[int]) -> list[
     return sorted(set(counts))
 
 
-def restrictions(options: Options, batch: int, layers: int, dp_layers: int) -> list[str]:
+def restrictions(options: Options, batch: int, layers: int, dp_layers: int, family: str = "alpa") -> list[str]:
     """Where the search's space is narrower than every plan of the model: the plan records these
-    (`solver.search`) and `partopt solve` prints them; all other pruning is exact (a lower bound)."""
+    (`solver.search`) and `partopt solve` prints them; all other pruning is exact (a lower bound).
+    `family`: the submesh family searched (`Cluster.submesh_family` of the options' one)."""
     found = []
     if dp_layers < layers:
         found.append(f"stages cut between {dp_layers} groups of the {layers} layers (--layers {options.layers})")
@@ -90,8 +91,10 @@ def restrictions(options: Options, batch: int, layers: int, dp_layers: int) -> l
             found.append(f"microbatch counts: the {len(counts)} powers of two dividing the batch of {batch} "
                          f"(of its {len(divisors)} divisors)")
     if not (options.intra_only or options.inter_only or options.data_parallel_only):
-        found.append("submeshes: " + ("whole nodes and powers of two within a node" if options.submesh_family == "alpa"
-                                      else "powers of two of nodes and of devices within a node"))
+        found.append("submeshes: " + ("whole nodes and powers of two within a node" if family == "alpa"
+                                      else "powers of two of nodes and of devices within a node")
+                     + (" (auto on a cluster this large; --submeshes alpa searches every node count)"
+                        if options.submesh_family == "auto" and family != "alpa" else ""))
     if options.logical_shapes == "node_local":
         found.append("logical meshes: the second axis within a node")
     elif not isinstance(options.logical_shapes, str):

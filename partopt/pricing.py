@@ -54,7 +54,7 @@ class LayerCost:
 
 @dataclass(frozen=True)
 class Dropped:
-    """A leaner option whose ILP found no solution within its work or time limit: not priced, and
+    """A memory-capped option whose ILP found no solution within its work or time limit: not priced, and
     counted in the plan (`solver.dropped_options`) so that the search says what it could not look at."""
 
     time_limit_s: float
@@ -125,10 +125,10 @@ def price(g_mb: Graph, job: Job, options) -> Priced:
     (without a cap, an infeasible layer raises).
 
     The solvers stop at deterministic work limits (`partopt.solvers.DEFAULT_WORK_LIMITS`), the time
-    limit being a safety net, so the answer does not depend on the machine's load. A leaner option
-    (a cap below the device's budget) whose ILP finds no solution is `Dropped`: it is optional.
+    limit being a safety net, so the answer does not depend on the machine's load. A memory-capped
+    option whose ILP finds no solution is `Dropped`: the search has other meshes and caps, and counts
+    the drop (a whole search ended by one slow ILP on a loaded machine told the user nothing).
     """
-    lean = job.cap is not None and job.cap < costmodel.memory_budget(job.mesh.device, options.memory_reserve)
     try:
         with costmodel.using(options.cost_model):
             sharding = intra.shard_stage(g_mb, job.mesh, [g_mb.op_index[n] for n in job.ops], microbatches=job.count,
@@ -142,8 +142,8 @@ def price(g_mb: Graph, job: Job, options) -> Priced:
             raise  # not a memory cap: a restriction that leaves some op no strategy (its message names it)
         return None
     except SolverError:
-        if lean:
-            return Dropped(options.time_limit_s)  # no leaner option found within the limits
+        if job.cap is not None:
+            return Dropped(options.time_limit_s)  # no capped option found within the limits
         raise
     return LayerCost.of(sharding)
 

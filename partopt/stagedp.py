@@ -45,6 +45,7 @@ per stage count and threshold on its coupled term min omega (docs/COSTMODEL.md Â
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,7 +133,17 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
     """min sum t + (B - 1) max t over plans on t[k, i, j, s] (of exactly `count` stages when given), by
     branch and bound over t_max (module docstring); exact when below `bound`. `summed` (default t): what
     the sum adds per entry, t less a rebate, while t_max and the max term stay on t. Returns (total,
-    [(first, last, submesh, level)], rounds)."""
+    [(first, last, submesh, level)], rounds).
+
+    Submeshes with no feasible entry are left out and the device counts divided by the greatest common
+    divisor of those left (exact: every sum of their sizes is a multiple of it; GPT-1T's layers fit no
+    submesh smaller than a node, so its DP runs over 384 node counts, not 3072 devices)."""
+    alive = [s for s in range(t.shape[-1]) if np.isfinite(t[1:, ..., s]).any()]
+    unit = math.gcd(*(sizes[s] for s in alive)) if alive else 1
+    if devices % unit:
+        return None  # no stages of these sizes tile the devices
+    t, sizes, devices = t[..., alive], [sizes[s] // unit for s in alive], devices // unit
+    summed = None if summed is None else summed[..., alive]
     levels = np.unique(t[1:][np.isfinite(t[1:])])
     same = summed is None
     t = np.ascontiguousarray(np.moveaxis(t, -1, 0))  # [s, k, i, j]: each submesh's rows contiguous
@@ -200,7 +211,7 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
         g_mid, peak = found
         push(mid + 1, hi, g_hi)
         push(lo, peak, g_mid)
-    return best[0], best[1], rounds
+    return best[0], [(i, j, alive[s], k) for i, j, s, k in best[1]], rounds
 
 
 def _fastest(t: np.ndarray, extra: np.ndarray, bound: float,

@@ -235,6 +235,7 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: in
                 "loss": float(loss_value), "ref_loss": float(ref_loss), "grad_mismatch": worst,
                 "params": len(grads), "modules": per_module, "placements": applied,
                 "notes": notes}))
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it (a lone exit can abort the peer)
     finally:
         math_attention.__exit__(None, None, None)
         dist.destroy_process_group()

@@ -115,6 +115,7 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, cuts: list[str]
         if losses:
             result["loss"] = float(sum(float(x) for x in losses) / n)
         Path(out_dir, f"stage{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it (a lone exit can abort the peer)
     finally:
         dist.destroy_process_group()
 

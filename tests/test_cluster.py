@@ -59,6 +59,16 @@ def test_submesh_family_keeps_a_non_power_of_two_node_whole():
     assert _toy(6, 1e11, 1e10, True, nodes=3).submesh_shapes() == [(1, 1), (1, 2), (1, 6), (2, 6), (3, 6)]
 
 
+def test_auto_submesh_family_is_alpa_up_to_16_nodes_and_powers_of_two_beyond():
+    # Alpa's family at N nodes of 8 has 4 + (N - 1) shapes: 19 at 16 nodes, 387 at 384; powers of two: 4 + 8 at 384
+    assert preset("dgx-a100", nodes=16).submesh_shapes() == preset("dgx-a100", nodes=16).submesh_shapes("alpa")
+    assert len(preset("dgx-a100", nodes=16).submesh_shapes()) == 19
+    big = preset("dgx-a100", nodes=384)
+    assert big.submesh_family("auto") == "power_of_two"
+    assert big.submesh_shapes() == [(1, 1), (1, 2), (1, 4), (1, 8)] + [(2 ** k, 8) for k in range(1, 9)]
+    assert len(big.submesh_shapes("alpa")) == 387
+
+
 def test_unknown_submesh_family():
     with pytest.raises(InstanceError, match="alpa"):
         preset("p3.16xlarge").submesh_shapes("hexagonal")

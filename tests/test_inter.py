@@ -228,3 +228,23 @@ def test_a_leaner_option_that_finds_no_solution_in_time_is_counted_not_silently_
     stats.record(Dropped(10.0), solved=True)
     stats.record(None, solved=True)  # an infeasible cap is not a drop: it is proven
     assert stats.dropped == 1 and stats.ilps == 0
+
+
+def test_a_search_goes_on_when_an_ilp_at_the_budget_finds_no_solution(monkeypatch):
+    """An ILP capped at the device's budget that stops without a solution (a loaded machine's clock) drops that
+    option only: the search finds the plan of the other meshes and counts the drop."""
+    from partopt import intra
+    from partopt.errors import SolverError
+
+    graph, cluster = mlp(4, 4096, 4096), preset("p3.16xlarge", 1)
+    solve = intra.shard_stage
+
+    def two_by_one_stalls(g, mesh, *args, memory_budget=None, **kwargs):
+        if memory_budget is not None and mesh.shape == (2, 1):
+            raise SolverError("no solution within the time limit", "test")
+        return solve(g, mesh, *args, memory_budget=memory_budget, **kwargs)
+
+    monkeypatch.setattr(intra, "shard_stage", two_by_one_stalls)
+    plan = optimize(graph, cluster, microbatches=1, recompute="none", workers=1)
+    assert plan.solver["dropped_options"] >= 1
+    assert all(tuple(stage.logical_mesh) != (2, 1) for stage in plan.stages)

@@ -26,6 +26,16 @@ def test_grouped_layers_and_forced_choices_are_recorded():
     assert not any("logical meshes" in r for r in restrictions(Options(logical_shapes="all"), 16, 8, 8))
 
 
+def test_the_auto_submesh_family_says_when_it_narrows_the_search():
+    alpa_family = restrictions(Options(), 16, 8, 8, family="alpa")
+    assert "submeshes: whole nodes and powers of two within a node" in alpa_family
+    narrowed = [r for r in restrictions(Options(), 16, 8, 8, family="power_of_two") if r.startswith("submeshes")]
+    assert narrowed and "--submeshes alpa" in narrowed[0]
+    asked = [r for r in restrictions(Options(submesh_family="power_of_two"), 16, 8, 8, family="power_of_two")
+             if r.startswith("submeshes")]
+    assert asked == ["submeshes: powers of two of nodes and of devices within a node"]
+
+
 def test_a_plan_carries_its_search_space():
     graph = mlp(8, 1024, 256)
     plan = optimize(graph, alpa.cluster_for(4), options=Options(layers=4, workers=1))

@@ -219,3 +219,23 @@ def test_block_granularity_finds_a_faster_plan_than_16_groups():
     assert blocks.iteration_time_s < grouped.iteration_time_s * (1 - 1e-3)
     group_ends = {last for _, last in build_layers(graph, 16).groups}
     assert {s.layers[1] for s in blocks.stages} - group_ends  # a cut 16 groups cannot express
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_dp_equals_brute_force_when_small_submeshes_fit_nothing(seed):
+    """Entries only on whole nodes (sizes 4, 8): the DP counts devices in units of 4 and still finds the optimum."""
+    rng = random.Random(seed)
+    t, extra, sizes, devices = random_instance(rng, "memory")
+    while sizes[-1] < 4:
+        t, extra, sizes, devices = random_instance(rng, "memory")
+    t[..., [s for s, size in enumerate(sizes) if size < 4]] = np.inf
+    for microbatches in (1, 3, 128):
+        agrees(brute_force(t, extra, sizes, devices, microbatches), t, extra, sizes, devices, microbatches)
+
+
+def test_no_plan_when_the_feasible_sizes_cannot_tile_the_devices():
+    """Only stages of 2 devices can run, on 3 devices: no plan (the unit 2 does not divide 3)."""
+    t = np.full((1, 2, 1, 1, 2), np.inf)
+    t[0, 1, 0, 0, 1] = 1.0  # sizes (1, 2): only the 2-device submesh runs the layer
+    assert brute_force(t, np.zeros_like(t), [1, 2], 3, 4) is None
+    assert stagedp.solve(t, np.zeros_like(t), [1, 2], 3, 4) is None

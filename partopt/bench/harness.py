@@ -165,7 +165,7 @@ class _OneSubmesh(Cluster):
 
     only: tuple[int, int] = (1, 1)
 
-    def submesh_shapes(self, family: str = "alpa") -> list[tuple[int, int]]:
+    def submesh_shapes(self, family: str = "auto") -> list[tuple[int, int]]:
         return [self.only]
 
 
