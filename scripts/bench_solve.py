@@ -88,8 +88,11 @@ def run(case: Case, workdir: Path, timeout_s: float) -> dict:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-                return {"case": case.name, "wall_s": time.perf_counter() - start, "peak_gib": peak / 2**20,
-                        "target_s": case.target_s, "error": f"not finished within {timeout_s:.0f} s"}
+                stopped = {"case": case.name, "wall_s": time.perf_counter() - start, "peak_gib": peak / 2**20,
+                           "target_s": case.target_s, "error": f"not finished within {timeout_s:.0f} s"}
+                if proc.returncode != 0 or not out_path.read_text().strip():
+                    return stopped
+                break  # interrupted with a plan found: reported with its gap to the lower bound
             time.sleep(0.2)
     wall = time.perf_counter() - start
     out, err = out_path.read_text(), err_path.read_text()
@@ -97,6 +100,7 @@ def run(case: Case, workdir: Path, timeout_s: float) -> dict:
         return {"case": case.name, "wall_s": wall, "peak_gib": peak / 2**20, "error": err.strip().splitlines()[-1]}
     plan = json.loads(out)
     return {"case": case.name, "wall_s": wall, "peak_gib": peak / 2**20, "target_s": case.target_s,
+            "stopped": plan["solver"].get("stopped"), "bound_gap": plan["solver"].get("bound_gap"),
             "ilps": plan["solver"]["ilps"],
             "stages": len(plan["stages"]), "microbatches": plan["num_microbatches"],
             "meshes": sorted({(tuple(s["submesh"]), tuple(s["logical_mesh"])) for s in plan["stages"]}),
@@ -120,7 +124,8 @@ def main() -> None:
             if "error" in r:
                 table.add_row(r["case"], f"{r['wall_s']:.1f} s", target, f"{r['peak_gib']:.2f} GiB", r["error"][:60])
                 continue
-            table.add_row(r["case"], f"{r['wall_s']:.1f} s", target, f"{r['peak_gib']:.2f} GiB", str(r["ilps"]),
+            wall = f"{r['wall_s']:.1f} s" + (f" (stopped; gap {r['bound_gap']:.1%})" if r.get("stopped") else "")
+            table.add_row(r["case"], wall, target, f"{r['peak_gib']:.2f} GiB", str(r["ilps"]),
                           str(r["stages"]), str(r["microbatches"]),
                           " ".join(f"{m}{s}" for m, s in r["meshes"]), f"{r['tflops']:.1f}")
             print(json.dumps(r, default=str), file=sys.stderr)
