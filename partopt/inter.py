@@ -348,7 +348,7 @@ def _state_bytes(graph: Graph) -> float:
 
 
 def _no_plan(graph: Graph, cluster: Cluster, budget: float) -> InfeasibleError:
-    state = costmodel.param_memory(graph.num_params, graph.dtype, graph.optimizer).total
+    state = _state_bytes(graph)
     total = budget * cluster.num_devices
     return InfeasibleError(
         f"no plan fits: the model's parameter state alone is {fmt_bytes(state)} against "
