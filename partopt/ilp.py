@@ -204,8 +204,10 @@ class _Terms:
         self.coef[variable] = self.coef.get(variable, 0.0) + value
 
 
-def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None) -> tuple[solvers.Model, list[np.ndarray]]:
+def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None,
+                choice: list[int] | None = None) -> tuple[solvers.Model, list[np.ndarray]]:
     """The ILP over surviving strategies; returns it and, per node, its variable per strategy (-1 if fixed).
+    `choice` (a surviving strategy per node, fitting the budget): the model's `start`, every variable set.
 
     Nodes left with one strategy get no variables; their costs are constants the objective omits.
     With a budget, the memory row holds the node memory and, per pool of transients, a continuous
@@ -216,10 +218,13 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
     model = solvers.Model()
     keep = [np.flatnonzero(a) for a in alive]
     var = [np.full(len(c), -1) for c in graph.costs]
+    start = model.start
     for n, idx in enumerate(keep):
         if len(idx) > 1:
             for k in idx:
                 var[n][k] = model.add_var(graph.costs[n][k], f"{graph.names[n]}#{k}")
+                if choice is not None:
+                    start[int(var[n][k])] = float(k == choice[n])
             model.add_row(list(var[n][idx]), [1.0] * len(idx), 1, 1)
 
     groups: dict[Group, _Terms] = {}
@@ -273,6 +278,9 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
         for a in range(reduced.shape[1]):
             for b in range(reduced.shape[2]):
                 pair[a, b] = model.add_var(reduced[0, a, b], f"e{u}-{v}#{a},{b}")
+        if choice is not None:  # the pair of the chosen strategies' classes is 1
+            chosen = (row_class[np.searchsorted(keep[u], choice[u])], col_class[np.searchsorted(keep[v], choice[v])])
+            start.update({int(pair[a, b]): float((a, b) == chosen) for a, b in np.ndindex(pair.shape)})
         for a in range(reduced.shape[1]):
             members = var[u][keep[u][row_class == a]]
             model.add_row(list(pair[a]) + list(members), [1.0] * reduced.shape[2] + [-1.0] * len(members), 0, 0)
@@ -312,6 +320,8 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None)
                 constant_peaks += max(t.const for t in members)
                 continue
             peak = model.add_continuous(max(t.upper for t in members), name=f"peak {pool}")
+            if choice is not None:  # the largest owner's transients under the start
+                start[peak] = max(sum(c * start[i] for i, c in t.coef.items()) + t.const for t in members)
             for t in members:  # this owner's transients <= the pool's peak
                 model.add_row(list(t.coef) + [peak], list(t.coef.values()) + [-1.0], float("-inf"), -t.const)
             index.append(peak)
@@ -448,20 +458,36 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
     if reduce_first:
         reduced, remaining, steps = _eliminate(graph, alive)
         every = [np.ones(len(c), dtype=bool) for c in reduced.costs]
-        model, var = build_model(reduced, every, None)
+        model, var = build_model(reduced, every, None, _cheapest(reduced, every))  # no memory row: any choice fits
         result = (_run(model, backend, time_limit_s, seed, None) if model.num_vars
                   else solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend))
         choice = _recover(graph, alive, remaining, _picks(every, var, result.values), steps)
         relaxed = _solution(graph, choice, result, model, kept, total)
         if budget is None or graph.peak_memory(choice) <= budget:
             return replace(relaxed, free_bound=relaxed.lower_bound)
-    model, var = build_model(graph, alive, budget)
+    first = _leanest(graph, alive) if budget is not None else _cheapest(graph, alive)
+    model, var = build_model(graph, alive, budget, first if budget is None or graph.peak_memory(first) <= budget else None)
     result = (_run(model, backend, time_limit_s, seed, budget) if model.num_vars
               else solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend))
     picks = _picks(alive, var, result.values)
     choice = [int(np.flatnonzero(a)[k]) for a, k in zip(alive, picks)]
     return replace(_solution(graph, choice, result, model, kept, total),
                    free_bound=relaxed.lower_bound if reduce_first else None)
+
+
+def _cheapest(graph: CostGraph, alive: list[np.ndarray]) -> list[int]:
+    """Each node's least-cost surviving strategy, edges aside: a start for a program with no memory row."""
+    return [int(np.flatnonzero(a)[np.argmin(c[a])]) for c, a in zip(graph.costs, alive)]
+
+
+def _leanest(graph: CostGraph, alive: list[np.ndarray]) -> list[int]:
+    """Each node's least-memory surviving strategy (the cheaper on ties): the start of a capped ILP when it fits,
+    so that a solve stopped by a limit keeps an incumbent instead of finding nothing."""
+    choice = []
+    for n, a in enumerate(alive):
+        idx = np.flatnonzero(a)
+        choice.append(int(idx[np.lexsort((graph.costs[n][idx], graph.memory[n][idx]))[0]]))
+    return choice
 
 
 def _solution(graph: CostGraph, choice: list[int], result: solvers.Result, model: solvers.Model,

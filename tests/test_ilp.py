@@ -82,3 +82,40 @@ def test_bound_and_gap_of_a_proven_optimum():
     assert solution.bound == pytest.approx(solution.objective)
     assert solution.result.gap == 0.0
     assert np.isfinite(solution.result.time_s)
+
+
+@pytest.mark.parametrize("backend", ["highs", "cbc"])
+def test_a_solve_stopped_at_once_keeps_a_feasible_incumbent(backend):
+    """Each program starts from a feasible assignment (the least-cost one without a memory row, the leanest
+    one under a budget it fits), so a clock that stops the solver at once still yields a plan that fits,
+    priced no lower than the optimum, instead of no solution (issue 16: no option vanishes under load)."""
+    stopped = 0
+    for graph, budget in CASES:
+        if budget is None or graph.peak_memory(ilp._leanest(graph, ilp.reduce(graph))) > budget:
+            continue
+        expected = brute_force(graph, budget)
+        solution = ilp.solve(graph, budget, backend, time_limit_s=1e-9)
+        assert graph.peak_memory(solution.choice) <= budget + 1e-9
+        assert solution.objective >= expected - 1e-9
+        stopped += solution.result.status == "timeout"
+    assert stopped > 0  # the clock did stop some solves, and they kept their start
+
+
+def test_a_start_sets_every_variable_and_satisfies_every_row():
+    """The start of a capped model is a whole solution (HiGHS would otherwise complete it by a sub-MIP, which a
+    stopped clock cuts short): node, pair and peak variables all set, every row within its bounds."""
+    checked = 0
+    for graph, budget in CASES:
+        if budget is None:
+            continue
+        alive = ilp.reduce(graph)
+        choice = ilp._leanest(graph, alive)
+        if graph.peak_memory(choice) > budget:
+            continue
+        model, _ = ilp.build_model(graph, alive, budget, choice)
+        assert sorted(model.start) == list(range(model.num_vars))
+        for index, coef, lo, hi in model.rows:
+            value = sum(c * model.start[i] for i, c in zip(index, coef))
+            assert lo - 1e-6 <= value <= hi + 1e-6
+        checked += 1
+    assert checked > 10

@@ -7,7 +7,7 @@ and returns a `Result` with status, objective, best bound, gap and time. Every b
 seeded and single-threaded, and stops at a deterministic work limit (`WORK_UNITS`: the solver's
 own measure, not the clock), so the same model gives the same answer whatever the machine's load;
 the wall-clock `time_limit_s` is only a safety net. A solve stopped by either limit returns its
-incumbent, if it has one, with the best bound and gap.
+incumbent, if it has one (a model's `start` is one), with the best bound and gap.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class Model:
     names: list[str] = field(default_factory=list)
     continuous: dict[int, float] = field(default_factory=dict)  # variable -> its upper bound
     scale: float = 1.0  # objective units per second (see ilp.build_model)
+    # values of some variables in a feasible solution: the solver starts from it, so a solve stopped by a limit
+    # still returns an incumbent (HiGHS completes a partial start itself; CP-SAT takes it as a hint, CBC as a MIP start)
+    start: dict[int, float] = field(default_factory=dict)
 
     @property
     def num_vars(self) -> int:

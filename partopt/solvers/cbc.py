@@ -32,8 +32,11 @@ def _solve(model: Model, options: Options) -> Result:
                 prob += expr <= hi, f"u{k}"
             if lo > float("-inf"):
                 prob += expr >= lo, f"l{k}"
+    for i, value in model.start.items():
+        x[i].setInitialValue(value)
     nodes = None if math.isinf(options.work_limit) else int(options.work_limit)
     cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=options.threads, maxNodes=nodes,
+                            warmStart=bool(model.start),
                             options=[f"randomSeed {options.seed + 1}", "ratioGap 0", "allowableGap 0"])
     prob.solve(cmd)
     elapsed = time.perf_counter() - start

@@ -31,6 +31,8 @@ def solve(model: Model, options: Options) -> Result:
             if hi < float("inf"):
                 cp.add(expr <= int(hi // 1))
     cp.minimize(sum(int(round(c * scale)) * v for c, v in zip(model.objective, x) if c))
+    for i, value in model.start.items():
+        cp.add_hint(x[i], int(round(value)))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = options.time_limit_s
     solver.parameters.max_deterministic_time = options.work_limit  # reproducible with one worker

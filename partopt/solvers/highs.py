@@ -60,6 +60,9 @@ def solve(model: Model, options: Options) -> Result:
         h.addRows(len(model.rows), np.asarray(lower), np.asarray(upper), len(index),
                   np.asarray(starts, dtype=np.int32), np.asarray(index, dtype=np.int32),
                   np.asarray(value, dtype=float))
+    if model.start:
+        index = np.fromiter(model.start, dtype=np.int32)
+        h.setSolution(len(index), index, np.fromiter(model.start.values(), dtype=float))
     h.run()
     elapsed = time.perf_counter() - start
     status = h.getModelStatus()
