@@ -123,6 +123,8 @@ class Point:
     recompute: str
     zero: bool
     overlap: bool
+    schedule: str  # the pipeline schedule as run (`schedules.SCHEDULES`) ...
+    virtual_stages: int  # ... with this many model chunks per stage (interleaved)
     iteration_s: float | None  # the measured figure: an iteration time ...
     tflops_per_gpu: float | None  # ... or per-GPU TFLOP/s counted with `flops`
     flops: str | float = "executed"  # the plan's FLOPs with recomputation, "model" without, or the source's count
@@ -185,6 +187,7 @@ def points_from_dict(data: Any, where: str = "", base: Path = Path(".")) -> Poin
             preset=cluster["preset"], nodes=cluster["nodes"], devices_per_node=cluster.get("devices_per_node"),
             tp=plan["tp"], pp=plan["pp"], dp=plan["dp"], microbatches=plan.get("microbatches"),
             recompute=plan.get("recompute", "auto"), zero=plan.get("zero", False), overlap=plan.get("overlap", True),
+            schedule=plan.get("schedule", "1f1b"), virtual_stages=plan.get("virtual_stages", 1),
             iteration_s=measured.get("iteration_s"), tflops_per_gpu=measured.get("tflops_per_gpu"),
             flops=measured.get("flops", "executed"), where=at))
     labels = [p.label for p in points]
@@ -219,7 +222,8 @@ def ratio(point: Point, cluster: Cluster) -> float:
     """Predicted / measured throughput of `point` on `cluster` (its plan priced by `evaluate.uniform`)."""
     try:
         plan = uniform(point.graph, cluster, point.tp, point.pp, point.dp, point.microbatches,
-                       zero=point.zero, recompute=point.recompute, overlap=point.overlap)
+                       zero=point.zero, recompute=point.recompute, overlap=point.overlap,
+                       schedule=point.schedule, virtual_stages=point.virtual_stages)
     except PartoptError as err:
         raise type(err)(err.cause, f"{point.where} ({point.label}): {err.where}" if err.where else point.where,
                         err.hint) from None

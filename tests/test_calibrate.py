@@ -220,6 +220,25 @@ def test_command_prints_errors_and_writes_the_file(tmp_path, monkeypatch):
     assert written["calibration"]["fitted"] == {"matmul_efficiency": pytest.approx(fitted, abs=1e-6)}
 
 
+def test_a_point_is_priced_with_the_schedule_it_ran():
+    """A point's `schedule` and `virtual_stages` reach `evaluate.uniform`: the interleaved run of a
+    4-layer GPT on 2 stages × 2 chunks is priced as that schedule, not as 1F1B."""
+    plan = {"tp": 1, "pp": 2, "dp": 1, "microbatches": 2, "recompute": "none"}
+    cluster_entry = {"preset": "p3.16xlarge", "nodes": 1, "devices_per_node": 2}
+    points = calibrate.points_from_dict(_file(*[
+        {"label": label, "source": SOURCE, "model": _gpt(256, 4, layers=4), "cluster": cluster_entry,
+         "plan": {**plan, **extra}, "measured": {"iteration_s": 1.0}}
+        for label, extra in (("1f1b", {}), ("interleaved", {"schedule": "interleaved", "virtual_stages": 2}))]))
+    one, two = points.points
+    assert (one.schedule, one.virtual_stages, two.schedule, two.virtual_stages) == ("1f1b", 1, "interleaved", 2)
+    base = calibrate.point_cluster(one, preset("p3.16xlarge"))
+    times = {s: uniform(one.graph, base, 1, 2, 1, 2, recompute="none", schedule=s, virtual_stages=v).iteration_time_s
+             for s, v in (("1f1b", 1), ("interleaved", 2))}
+    assert abs(times["interleaved"] / times["1f1b"] - 1) > 1e-3  # the schedules differ on this plan
+    assert calibrate.ratio(one, base) == pytest.approx(1.0 / times["1f1b"], rel=1e-12)
+    assert calibrate.ratio(two, base) == pytest.approx(1.0 / times["interleaved"], rel=1e-12)
+
+
 def _point(**changes) -> dict:
     point = {"label": "p", "source": SOURCE, "model": _gpt(64, 2),
              "cluster": {"preset": "p3.16xlarge", "nodes": 1, "devices_per_node": 1},
@@ -252,6 +271,13 @@ BAD_FILES = {
     "plan-too-big": (_file(_point(plan={"tp": 2, "pp": 1, "dp": 1}), _point(label="q")),
                      r"\$\.points\[0\] \(p\).*tp × pp × dp = 2 but the cluster has 1 devices"),
     "a-cluster-file": (cluster_to_dict(preset("p3.16xlarge")), r"\$\.format: expected 'partopt\.points'"),
+    "unknown-schedule": (_file(_point(plan={"tp": 1, "pp": 1, "dp": 1, "schedule": "pipedream"})),
+                         r"\$\.points\[0\]\.plan\.schedule: unknown value 'pipedream'"),
+    "interleaved-one-chunk": (_file(_point(model=_gpt(64, 2, layers=4), cluster={"preset": "p3.16xlarge", "nodes": 1,
+                                                                               "devices_per_node": 2},
+                                           plan={"tp": 1, "pp": 2, "dp": 1, "microbatches": 2,
+                                                 "schedule": "interleaved"}), _point(label="q")),
+                              r"\$\.points\[0\] \(p\).*interleaved schedule needs at least 2 virtual stages"),
 }
 
 
