@@ -158,8 +158,9 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
     restrictions = restrictions or [intra.Restriction()] * len(specs)
     budget = costmodel.memory_budget(cluster.device, options.memory_reserve)
     with costmodel.using(options.cost_model), Pricer(graph, options, cache) as pricer:
-        rows = [_price_layers(pricer, cluster, layering, count, spec, r, stats, budget if fit_memory else None)
-                for spec, r in zip(specs, restrictions)]
+        # a device of an interleaved plan holds its v chunks together: each chunk's layers share budget / v
+        share = budget / virtual_stages if fit_memory else None
+        rows = [_price_layers(pricer, cluster, layering, count, spec, r, stats, share) for spec, r in zip(specs, restrictions)]
         plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start,
                         schedule, virtual_stages)
     for i, stage in enumerate(plan.stages):

@@ -191,6 +191,28 @@ def megatron_interleaved():
                           recompute="none")
 
 
+def test_an_interleaved_chunk_fits_its_share_of_the_device(monkeypatch):
+    """A device holds its v chunks together, so `uniform` prices each chunk's n layers within budget / (v · n)
+    first: the v chunks' layers then fit one budget (before, each chunk took a whole budget: v budgets a device)."""
+    from partopt import costmodel
+    from partopt.evaluate import LOOSER
+    from partopt.pricing import Pricer
+
+    graph = gpt(hidden=512, layers=8, heads=8, seq=128, vocab=1024, batch=32, name="gpt-512")
+    caps, one = [], Pricer.one
+
+    def recorded(self, job, stats):
+        caps.append((job.cap, job.share))
+        return one(self, job, stats)
+
+    monkeypatch.setattr(Pricer, "one", recorded)
+    uniform(graph, CLUSTER, 2, 2, 2, 8, schedule="interleaved", virtual_stages=2, recompute="none")
+    budget = costmodel.memory_budget(CLUSTER.device)
+    firsts = [cap for cap, share in caps if cap is not None and cap * share * 2 <= budget * (1 + 1e-12)]
+    assert firsts and all(cap is None or cap * share * 2 <= budget * LOOSER[-1] * (1 + 1e-12)
+                          for cap, share in caps)
+
+
 def test_evaluate_prices_megatrons_interleaved_schedule_as_run(megatron_interleaved):
     """pp 2 · v 2 on 8 layers: four chunks of 2 layers in model order, chunk j on stage j mod 2; stage 0
     holds S + (S - 1)/v = 2.5 microbatches (B = 8 > S, Korthikanti et al.), stage 1 holds (w_1 + 1)/v with
