@@ -56,11 +56,11 @@ def test_a100_points_carry_the_published_figures():
 
 def test_h100_points_run_the_schedules_their_sources_name():
     """Llama 3 interleaved its pipeline (priced interleaved, 2 chunks of 4 of the 128 priced layers per
-    stage: the count is not published); the 8B ran without a pipeline; the 70B's 5 chunks are priced 1F1B."""
+    stage: the count is not published); the 8B ran without a pipeline; the 70B ran virtual pipeline 5."""
     by_label = {p.label.split(",")[0] + f" {p.gpus}": p for p in calibrate.read_points(POINTS / "dgx-h100.json").points}
     assert {label: (p.schedule, p.virtual_stages) for label, p in by_label.items()} == {
         "Llama 3 405B 8192": ("interleaved", 2), "Llama 3 405B 16384": ("interleaved", 2),
-        "NeMo Llama3 8B FP8 8": ("1f1b", 1), "NeMo Llama3 70B FP8 64": ("1f1b", 1)}
+        "NeMo Llama3 8B FP8 8": ("1f1b", 1), "NeMo Llama3 70B FP8 64": ("interleaved", 5)}
     for p in by_label.values():
         assert p.microbatches % p.pp == 0 or p.schedule != "interleaved"  # Megatron's rule for interleaving
 
