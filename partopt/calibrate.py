@@ -401,18 +401,19 @@ def _check(points: Sequence[Point], parameters: Sequence[str], where: str) -> No
 
 
 def fit(points: Points | Sequence[Point], name: str, parameters: Sequence[str] | None = None,
-        leave_one_out: bool = True, start: Mapping[str, float] | None = None) -> Calibration:
+        leave_one_out: bool = True, start: Mapping[str, float] | None = None, where: str | None = None) -> Calibration:
     """Fit preset `name`'s parameters to the points by least squares on log error.
 
     `parameters` (else the points file's "fit", else `identifiable`) are fitted from the preset's
     values (or `start`); the others keep the preset's. Each point gets its error with the fitted
     values and, with `leave_one_out`, its error when fitted without it (starting from the fitted
-    optimum). InstanceError when the points do not identify a parameter asked for."""
-    where = "fit"
+    optimum). InstanceError when the points do not identify a parameter asked for; `where` names
+    where `parameters` came from (default: the points file's "fit", or "fit")."""
     if isinstance(points, Points):
-        where = f"{points.name}: $.fit"
-        parameters = parameters if parameters is not None else points.fit
+        if parameters is None:
+            where, parameters = where or f"{points.name}: $.fit", points.fit
         points = points.points
+    where = where or "fit"
     points = list(points)
     _check_presets(points, name)
     parameters = tuple(parameters if parameters is not None else identifiable(points, name))

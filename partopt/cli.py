@@ -846,10 +846,12 @@ def _percent(x: float | None) -> str:
 @main.command("calibrate")
 @click.argument("points_file", metavar="POINTS")
 @click.option("--preset", "preset_name", required=True, type=click.Choice(PRESETS), help="The cluster preset to fit.")
+@click.option("--fit", "fit_names", help="Comma-separated parameters to fit instead of the points file's `fit` "
+              "(e.g. matmul_efficiency,intra_bus_efficiency: try a set without editing the file).")
 @click.option("-o", "--output", type=click.Path(),
               help="Write the preset's data file here: a cluster file with the fitted values and their provenance "
               "(partopt/presets/<preset>.json in the package makes it the preset).")
-def calibrate_command(points_file: str, preset_name: str, output: str | None) -> None:
+def calibrate_command(points_file: str, preset_name: str, fit_names: str | None, output: str | None) -> None:
     """Fit a preset's physical parameters to the measured runs of POINTS (least squares on log error),
     printing each point's fitted and leave-one-out error (docs/COSTMODEL.md §7)."""
     from partopt import calibrate  # numpy-heavy fitting, needed by this command only
@@ -857,8 +859,9 @@ def calibrate_command(points_file: str, preset_name: str, output: str | None) ->
     if output:
         io.check_output(output)
     points = calibrate.read_points(points_file)
+    names = None if fit_names is None else [n.strip() for n in fit_names.split(",") if n.strip()]
     with console(stderr=True).status(f"fitting {preset_name} to {len(points.points)} points …"):
-        result = calibrate.fit(points, preset_name)
+        result = calibrate.fit(points, preset_name, names, where="--fit" if names is not None else None)
     out = console()
     params = Table(title=f"{preset_name}: parameters", title_justify="left")
     for column in ("parameter", "unit", "start", "value", "", "meaning"):

@@ -220,6 +220,24 @@ def test_command_prints_errors_and_writes_the_file(tmp_path, monkeypatch):
     assert written["calibration"]["fitted"] == {"matmul_efficiency": pytest.approx(fitted, abs=1e-6)}
 
 
+def test_fit_on_the_command_line_overrides_the_files(tmp_path, monkeypatch):
+    """`--fit` fits the parameters it names, not the file's `fit`; a parameter it cannot fit is one line naming
+    --fit as the place."""
+    wants = {"a": 0.5, "b": 0.6, "c": 0.75}
+    points = _points_dict([(k, _gpt(64, 2), 1, 1, 1, 1) for k in wants], [1.0] * 3)
+    monkeypatch.setattr(calibrate, "ratio", lambda point, c: c.device.matmul_efficiency / wants[point.label])
+    path = tmp_path / "points.json"
+    path.write_text(json.dumps({**points, "fit": ["memory_efficiency"]}))
+    out = tmp_path / "fitted.json"
+    result = _run("calibrate", str(path), "--preset", "p3.16xlarge", "--fit", "matmul_efficiency", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["calibration"]["fitted"] == {
+        "matmul_efficiency": pytest.approx((0.5 * 0.6 * 0.75) ** (1 / 3), abs=1e-6)}
+    result = _run("calibrate", str(path), "--preset", "p3.16xlarge", "--fit", "matmul_efficiency,warp_speed")
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
+    assert "--fit" in result.stderr and "unknown calibration parameter 'warp_speed'" in result.stderr
+
+
 def test_a_point_is_priced_with_the_schedule_it_ran():
     """A point's `schedule` and `virtual_stages` reach `evaluate.uniform`: the interleaved run of a
     4-layer GPT on 2 stages × 2 chunks is priced as that schedule, not as 1F1B."""
