@@ -465,8 +465,9 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
         relaxed = _solution(graph, choice, result, model, kept, total)
         if budget is None or graph.peak_memory(choice) <= budget:
             return replace(relaxed, free_bound=relaxed.lower_bound)
-    first = _leanest(graph, alive) if budget is not None else _cheapest(graph, alive)
-    model, var = build_model(graph, alive, budget, first if budget is None or graph.peak_memory(first) <= budget else None)
+    first = _cheapest(graph, alive) if budget is None else _leanest(graph, alive)
+    fits = budget is None or graph.peak_memory(first) <= budget
+    model, var = build_model(graph, alive, budget, first if fits else None)
     result = (_run(model, backend, time_limit_s, seed, budget) if model.num_vars
               else solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend))
     picks = _picks(alive, var, result.values)

@@ -181,7 +181,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start,
                     schedule, v)
     plan.solver["search"] = restrictions(options, batch, len(tagged_layers(graph)), len(layering.groups),
-                                         cluster.submesh_family(options.submesh_family))
+                                         family=cluster.submesh_family(options.submesh_family))
     if stopped:  # the counts not finished could still win, down to their lower bounds
         bound = min([total, *(lower[c] for c in unfinished)])
         plan.solver.update(stopped=stopped, lower_bound_s=bound, bound_gap=(total - bound) / total)

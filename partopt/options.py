@@ -78,7 +78,7 @@ def microbatch_counts(batch: int, requested: int | str | Sequence[int]) -> list[
     return sorted(set(counts))
 
 
-def restrictions(options: Options, batch: int, layers: int, dp_layers: int, family: str = "alpa") -> list[str]:
+def restrictions(options: Options, batch: int, layers: int, dp_layers: int, *, family: str) -> list[str]:
     """Where the search's space is narrower than every plan of the model: the plan records these
     (`solver.search`) and `partopt solve` prints them; all other pruning is exact (a lower bound).
     `family`: the submesh family searched (`Cluster.submesh_family` of the options' one)."""

@@ -10,20 +10,21 @@ from partopt.options import Options, restrictions
 
 def test_auto_microbatches_name_the_divisors_left_out():
     # 12 = 2² · 3 has six divisors (1, 2, 3, 4, 6, 12), of which 1, 2 and 4 are powers of two
-    found = restrictions(Options(), batch=12, layers=4, dp_layers=4)
+    found = restrictions(Options(), batch=12, layers=4, dp_layers=4, family="alpa")
     assert any("the 3 powers of two dividing the batch of 12 (of its 6 divisors)" in r for r in found)
     # 16 has only powers of two as divisors: nothing left out
-    assert not any("microbatch" in r for r in restrictions(Options(), batch=16, layers=4, dp_layers=4))
-    assert not any("microbatch" in r for r in restrictions(Options(microbatches=3), batch=12, layers=4, dp_layers=4))
+    assert not any("microbatch" in r for r in restrictions(Options(), batch=16, layers=4, dp_layers=4, family="alpa"))
+    assert not any("microbatch" in r
+                   for r in restrictions(Options(microbatches=3), batch=12, layers=4, dp_layers=4, family="alpa"))
 
 
 def test_grouped_layers_and_forced_choices_are_recorded():
-    found = restrictions(Options(layers=4), batch=16, layers=8, dp_layers=4)
+    found = restrictions(Options(layers=4), batch=16, layers=8, dp_layers=4, family="alpa")
     assert "stages cut between 4 groups of the 8 layers (--layers 4)" in found
-    assert not any("groups" in r for r in restrictions(Options(), batch=16, layers=8, dp_layers=8))
+    assert not any("groups" in r for r in restrictions(Options(), batch=16, layers=8, dp_layers=8, family="alpa"))
     assert any("recomputation" in r for r in found)  # auto: one mode per stage
-    assert not any("recomputation" in r for r in restrictions(Options(recompute="none"), 16, 8, 8))
-    assert not any("logical meshes" in r for r in restrictions(Options(logical_shapes="all"), 16, 8, 8))
+    assert not any("recomputation" in r for r in restrictions(Options(recompute="none"), 16, 8, 8, family="alpa"))
+    assert not any("logical meshes" in r for r in restrictions(Options(logical_shapes="all"), 16, 8, 8, family="alpa"))
 
 
 def test_the_auto_submesh_family_says_when_it_narrows_the_search():
@@ -39,5 +40,5 @@ def test_the_auto_submesh_family_says_when_it_narrows_the_search():
 def test_a_plan_carries_its_search_space():
     graph = mlp(8, 1024, 256)
     plan = optimize(graph, alpa.cluster_for(4), options=Options(layers=4, workers=1))
-    assert plan.solver["search"] == restrictions(Options(layers=4), 1024, 8, 4)
+    assert plan.solver["search"] == restrictions(Options(layers=4), 1024, 8, 4, family="alpa")
     assert "stages cut between 4 groups of the 8 layers (--layers 4)" in plan.solver["search"]
