@@ -17,6 +17,7 @@ import json
 import math
 import os
 import tempfile
+import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ MAX_PROCESSES = 8  # one CPU process per device of a stage
 RTOL, ATOL = 1e-4, 1e-5  # fp32 on CPU: a sharded sum differs from the unsharded one by rounding only
 SEED = 0
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+DONE_WAIT_S = 60.0  # how long a finished rank waits for its peers before it exits anyway
 TOP_LEVEL = "(top level)"  # the loss, gradient synchronisation: outside every module
 
 
@@ -168,7 +170,7 @@ def _step(model: Any, inputs: list[Any], loss_fn: Any) -> tuple[Any, dict[str, A
 
 # ---------------------------------------------------------------- one process
 
-def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: int, init_method: str, out: str) -> None:
+def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: int, run_dir: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor, init_device_mesh
@@ -177,7 +179,7 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: in
     from torch.distributed.tensor.experimental import implicit_replication
 
     warnings.filterwarnings("ignore")  # the library never prints; torch warns about DTensor's module hooks
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous(run_dir), rank=rank, world_size=world)
     # DTensor has sharding rules for attention's math kernel, not for the CPU flash kernel
     math_attention = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)
     math_attention.__enter__()
@@ -231,11 +233,11 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: in
                 ref = ref_grads[fqn]
                 if not torch.allclose(g, ref, rtol=RTOL, atol=ATOL):
                     worst.append((fqn, float((g - ref).abs().max())))
-            Path(out).write_text(json.dumps({
+            Path(run_dir, "result.json").write_text(json.dumps({
                 "loss": float(loss_value), "ref_loss": float(ref_loss), "grad_mismatch": worst,
                 "params": len(grads), "modules": per_module, "placements": applied,
                 "notes": notes}))
-        dist.barrier()  # no rank tears gloo down while a peer still talks to it (a lone exit can abort the peer)
+        finish(rank, world, run_dir)
     finally:
         math_attention.__exit__(None, None, None)
         dist.destroy_process_group()
@@ -347,6 +349,39 @@ def differences(predicted: dict[str, dict[str, int]], observed: dict[str, dict[s
     return lines
 
 
+def finish(rank: int, world: int, run_dir: str) -> None:
+    """End a worker whose results are written: wait until every rank is done, then exit at once.
+
+    gloo can abort a process at teardown (SIGABRT, "terminate called without an active exception")
+    when a peer closes its sockets first. A rank that leaves only once every rank is done, and leaves
+    without running destructors, gives that race nothing to break (docs/FRONTENDS.md)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    Path(run_dir, f"done{rank}").touch()
+    deadline = time.monotonic() + DONE_WAIT_S
+    while not _all_done(run_dir, world) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os._exit(0)
+
+
+def _all_done(run_dir: str, world: int) -> bool:
+    return all(Path(run_dir, f"done{k}").exists() for k in range(world))
+
+
+def spawn(worker: Any, args: tuple, world: int, run_dir: str) -> None:
+    """Run `worker(rank, *args)` in `world` processes and wait for them. A process that dies after every
+    rank has written its results and passed the final barrier died in the runtime's teardown, not in the
+    step: that is not a failure of the plan (see `finish`)."""
+    import torch.multiprocessing as mp
+
+    try:
+        mp.spawn(worker, args=args, nprocs=world, join=True)
+    except Exception:
+        if not _all_done(run_dir, world):
+            raise
+
+
 def rendezvous(directory: str) -> str:
     """The init_method of one run's process group: a file in the run's own directory. A TCP port chosen
     free and released before the processes bind it can be chosen meanwhile by another run on the machine,
@@ -358,8 +393,6 @@ def rendezvous(directory: str) -> str:
 
 def verify_plan(plan: Plan, source: str) -> VerifyReport:
     """Run every stage's shardings with DTensor and compare with the unsharded step (see the module doc)."""
-    import torch.multiprocessing as mp
-
     from partopt.frontends.torch import read_hf_config
 
     if source.endswith(".json"):  # fail here, not in every process
@@ -376,15 +409,13 @@ def verify_plan(plan: Plan, source: str) -> VerifyReport:
             raise PartoptError(f"stage {i} runs on {world} devices; verify starts one CPU process per device, "
                                f"at most {MAX_PROCESSES}", "verify", "verify a plan of a smaller cluster")
         with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "result.json")
             try:
-                mp.spawn(_worker, args=(world, source, plan_to_dict(plan), i, rendezvous(tmp), out), nprocs=world,
-                         join=True)
+                spawn(_worker, (world, source, plan_to_dict(plan), i, tmp), world, tmp)
             except Exception as err:  # a worker's failure arrives as ProcessRaisedException with its traceback
                 last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
                 raise PartoptError(f"stage {i}: the DTensor run failed: {last}", "verify",
                                    "check that the plan was solved for the graph of this model") from None
-            result = json.loads(Path(out).read_text())
+            result = json.loads(Path(tmp, "result.json").read_text())
         stages.append(_report(i, stage, result))
     pipelined = None
     if len(plan.stages) > 1:

@@ -21,7 +21,7 @@ from typing import Any
 from partopt.errors import PartoptError
 from partopt.export import to_dtensor
 from partopt.plan import Plan, plan_from_dict, plan_to_dict
-from partopt.verify_torch import ATOL, MAX_PROCESSES, RTOL, Check, _build, _step, rendezvous
+from partopt.verify_torch import ATOL, MAX_PROCESSES, RTOL, Check, _build, _step, finish, rendezvous, spawn
 
 
 @dataclass
@@ -115,7 +115,7 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, cuts: list[str]
         if losses:
             result["loss"] = float(sum(float(x) for x in losses) / n)
         Path(out_dir, f"stage{rank}.json").write_text(json.dumps(result))
-        dist.barrier()  # no rank tears gloo down while a peer still talks to it (a lone exit can abort the peer)
+        finish(rank, world, out_dir)
     finally:
         dist.destroy_process_group()
 
@@ -156,8 +156,6 @@ def _sum_tied_copies(pipe: Any, world: int, rank: int, first_name: dict[str, str
 
 def verify_pipeline(plan: Plan, source: str) -> PipelineReport:
     """Run `plan`'s stage split with torch.distributed.pipelining and compare with the unsharded step."""
-    import torch.multiprocessing as mp
-
     world = len(plan.stages)
     report = PipelineReport(world, plan.num_microbatches, boundaries(plan))
     if world > MAX_PROCESSES:
@@ -165,8 +163,7 @@ def verify_pipeline(plan: Plan, source: str) -> PipelineReport:
         return report
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mp.spawn(_worker, args=(world, source, plan_to_dict(plan), report.boundaries, tmp),
-                     nprocs=world, join=True)
+            spawn(_worker, (world, source, plan_to_dict(plan), report.boundaries, tmp), world, tmp)
         except Exception as err:  # a worker's failure arrives as ProcessRaisedException with its traceback
             report.note = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
             return report

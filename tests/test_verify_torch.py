@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: configs are built here
 
@@ -19,7 +21,7 @@ from partopt.frontends.torch import from_hf_config, read_hf_config
 from partopt.inter import optimize
 from partopt.plan import ParamPlacement, write_plan
 from partopt.sharding import R, Shard
-from partopt.verify_torch import differences, verify_plan
+from partopt.verify_torch import differences, spawn, verify_plan
 from test_frontend_torch import mlp_source
 
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -33,6 +35,29 @@ def llama_on_two_devices(directory):
     graph = from_hf_config(read_hf_config(config), batch=4, seq=8)
     cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
     return config, optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(1, 2)])
+
+
+def _abort_after_all_done(rank: int, run_dir: str) -> None:
+    Path(run_dir, f"done{rank}").touch()
+    while not all(Path(run_dir, f"done{k}").exists() for k in range(2)):
+        time.sleep(0.01)
+    if rank == 1:
+        os.abort()  # what gloo's teardown does when a peer closed its sockets first
+
+
+def _abort_before_done(rank: int, run_dir: str) -> None:
+    if rank == 1:
+        os.abort()
+    Path(run_dir, f"done{rank}").touch()
+
+
+def test_a_process_dying_after_every_rank_is_done_does_not_fail_the_run(tmp_path):
+    spawn(_abort_after_all_done, (str(tmp_path),), 2, str(tmp_path))
+
+
+def test_a_process_dying_before_it_is_done_fails_the_run(tmp_path):
+    with pytest.raises(Exception, match="SIGABRT"):
+        spawn(_abort_before_done, (str(tmp_path),), 2, str(tmp_path))
 
 
 def test_differences_name_the_module():
