@@ -408,6 +408,11 @@ def _render_plan(plan: Plan) -> list[Table]:
                              f"plan found, at most {plan.solver['bound_gap']:.1%} slower than the best possible "
                              f"(lower bound {fmt_seconds(plan.solver['lower_bound_s'])} per iteration)")]
           if plan.solver.get("stopped") else []),
+        *([("stage DP", f"a zero-bubble search stopped at its work limit: the plan is at most "
+                        f"{plan.solver['bound_gap']:.2%} slower than the best possible (lower bound "
+                        f"{fmt_seconds(plan.solver['lower_bound_s'])} per iteration); --schedule 1f1b or "
+                        "interleaved searches exactly")]
+          if "lower_bound_s" in plan.solver and not plan.solver.get("stopped") else []),
     ])
     return [stages, totals]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from partopt import bounds, costmodel, intra, pricing, stagedp
@@ -151,6 +151,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     if not candidates:
         raise _no_plan(graph, cluster, budget)
     unfinished, stopped = list(candidates), None
+    floor = math.inf  # the least floor of a stage DP stopped at its work limit
     deadline = start + options.deadline_s if options.deadline_s is not None else math.inf
     try:
         with Pricer(graph, options, cache, deadline) as pricer:
@@ -162,6 +163,8 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     raise Expired
                 found, costs, modes = _price_count(space, pricer, count, views[count], base[count], work[count], best,
                                                    stats, lambda jobs: tally.running(jobs, len(candidates) - n))
+                if found is not None and found[0].floor is not None:
+                    floor = min(floor, found[0].floor)
                 stats.counts.append(count)
                 stats.recompute_modes[count] = modes
                 unfinished.remove(count)
@@ -182,8 +185,10 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     schedule, v)
     plan.solver["search"] = restrictions(options, batch, len(tagged_layers(graph)), len(layering.groups),
                                          family=cluster.submesh_family(options.submesh_family))
+    if floor < total:  # a zero-bubble search stopped at its work limit: how much better a plan could be
+        plan.solver.update(lower_bound_s=floor, bound_gap=(total - floor) / total)
     if stopped:  # the counts not finished could still win, down to their lower bounds
-        bound = min([total, *(lower[c] for c in unfinished)])
+        bound = min([total, floor, *(lower[c] for c in unfinished)])
         plan.solver.update(stopped=stopped, lower_bound_s=bound, bound_gap=(total - bound) / total)
     return plan
 
@@ -224,7 +229,7 @@ def _price_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_op
         lean.append((rows_of, priced, jobs))
         if free is None:  # the first mode's plan with memory ignored: what leaner options could recover
             free = space.best(pipe, costs, count, math.inf, stats)
-        if best is not None and free is not None and (free[0].total, count) > best[:2]:
+        if best is not None and free is not None and (_lower(free), count) > best[:2]:
             return None, costs, list(modes[:m + 1])  # even with memory ignored this count loses
         found = space.best(pipe, costs, count, budget, stats)
         if not _binds(found, free):
@@ -267,7 +272,8 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     """The stage DP's best plan over `schedules` for one microbatch count: (result, schedule, v, options per
     submesh), or None. 1F1B cuts the layers freely; interleaved takes the best (S, v) of Megatron's uniform
     chunking (`schedules.interleaved_shapes`, `stages.interleaved_table`); zero-bubble (ZB-H1) cuts freely on
-    1F1B's table (`stagedp.zero_bubble`); ties keep 1F1B, then interleaved."""
+    1F1B's table (`stagedp.zero_bubble`, from 1F1B's stage count outwards, stopped at its work limit); ties keep
+    1F1B, then interleaved. The result's `floor` is set when a stopped search leaves room below its total."""
     found = []
     table = stage_table(pipe, costs, submeshes, count, budget) if {"1f1b", "zero-bubble"} & set(schedules) else None
     if "1f1b" in schedules:
@@ -279,12 +285,19 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
             found.append((stagedp.solve(t / v, extra, sizes, devices, v * count), "interleaved", v, options_of))
     if "zero-bubble" in schedules:  # only a plan faster than the others found counts (ties keep them)
         t, extra, options_of = table
-        cutoff = min((f[0].total for f in found if f[0] is not None), default=math.inf)
-        found.append((stagedp.zero_bubble(t, extra, split_table(pipe, t, options_of), sizes, devices, count, cutoff),
-                      "zero-bubble", 1, options_of))
+        done = [f[0] for f in found if f[0] is not None]
+        cutoff = min((r.total for r in done), default=math.inf)
+        hint = len(min(done, key=lambda r: r.total).stages) if done else None
+        found.append((stagedp.zero_bubble(t, extra, split_table(pipe, t, options_of), sizes, devices, count, cutoff,
+                                          stagedp.zero_bubble_limit(t, devices), hint), "zero-bubble", 1, options_of))
     found = [f for f in found if f[0] is not None]
     stats.dp_rounds += sum(f[0].rounds for f in found)
-    return min(found, key=lambda f: f[0].total) if found else None
+    floor = min(f[0].total if f[0].floor is None else f[0].floor for f in found) if found else math.inf
+    found = [f for f in found if f[0].stages]  # a zero-bubble search stopped with no plan leaves only its floor
+    if not found:
+        return None
+    best = min(found, key=lambda f: f[0].total)
+    return (replace(best[0], floor=floor if floor < best[0].total else None), *best[1:])
 
 
 def _may_win(leaner_than: list, key: tuple, count: int, limit: float, work: list[float] | None,
@@ -312,7 +325,12 @@ def _binds(found, free) -> bool:
     Leaner options (memory caps, recomputation) cost a layer at least as much B · t + sync as its
     unconstrained optimum, so when the fastest options' memory-free plan fits they are not priced
     (docs/COSTMODEL.md: the one trade this leaves out)."""
-    return free is None or found is None or found[0].total > free[0].total * (1 + 1e-12)
+    return free is None or found is None or found[0].total > _lower(free) * (1 + 1e-12)
+
+
+def _lower(found) -> float:
+    """A lower bound on the plans `found` (of `_best_schedule`) stands for: its total, or a stopped search's floor."""
+    return found[0].total if found[0].floor is None else found[0].floor
 
 
 def _distinct_modes(graph: Graph, base_ops: list[list[Op]], modes: Sequence[str]) -> list[str]:

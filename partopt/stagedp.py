@@ -51,6 +51,15 @@ from dataclasses import dataclass
 import numpy as np
 
 INF = np.inf
+# table cells (layers² × devices × submeshes per inner DP) a zero-bubble search may visit past its first plan
+# before it stops with a floor (`zero_bubble_limit`): 200 DPs of GPT-1T's table on 384 DGX A100 (its near-tied
+# stage counts took about 2,800), and more than any smaller case of docs/benchmarks.md needs
+ZERO_BUBBLE_WORK = 3e10
+
+
+def zero_bubble_limit(t: np.ndarray, devices: int) -> int:
+    """The inner DPs `zero_bubble` may run on table `t` ([h, k, i, j, s]) over `devices`: ZERO_BUBBLE_WORK's share."""
+    return max(1, int(ZERO_BUBBLE_WORK / (t.shape[-2] ** 2 * devices * t.shape[-1])))
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,7 @@ class DPResult:
     stages: list[StageChoice]
     max_latency: float
     rounds: int  # inner DPs run (relaxed and full, per t_max value evaluated per bound)
+    floor: float | None = None  # a search stopped at its work limit: a lower bound on the optimum (None: exact)
 
 
 def _levels(deepest: int, *tables: np.ndarray) -> int:
@@ -283,7 +293,8 @@ def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, micr
 
 
 def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list[int], devices: int,
-                microbatches: int, cutoff: float = INF) -> DPResult | None:
+                microbatches: int, cutoff: float = INF, limit: int | None = None,
+                hint: int | None = None) -> DPResult | None:
     """The least ZB-H1 iteration (`schedules.iteration_time`) over cuts, submeshes and options, or None when
     no plan fits or none costs less than `cutoff`.
 
@@ -293,31 +304,74 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
     S + min(S, B) - 2, and holds min(S, B) on every stage. Exact (docs/COSTMODEL.md §5b): per stage count
     S, its level min(S, B) entries and a fixed c, branch and bound over a threshold on min omega
     (`_threshold`), after a one-DP bound that drops S outright when it cannot win.
+
+    `limit`: the inner DPs the search may run once a plan (or the cutoff) is known; past it the search
+    stops, and the result's `floor` is a lower bound on every plan it did not rule out (the plan found or
+    the cutoff is then within `total - floor` of the optimum). Stopped before any plan beat the cutoff, the
+    result has no stages, an infinite total and the floor below the cutoff (None when the floor does not
+    reach below it). Deterministic: a count of DPs, not seconds. `hint`: a stage count to search first and
+    outwards from (the caller's 1F1B plan's): where the best plans likely are, for a search that may stop.
     """
     if t.ndim == 4:
         t, extra, omega = t[None], extra[None], omega[None]
     deepest = min(t.shape[2], devices, t.shape[1] - 1)
-    state = {"best": None, "total": cutoff, "rounds": 0}
-    for count in range(1, deepest + 1):
+    state = {"best": None, "total": cutoff, "rounds": 0, "floor": INF, "limit": INF if limit is None else limit}
+
+    def levels(count: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """The table and sync of plans of `count` stages (levels 1..count, then one empty level), and c(count)."""
         held = min(count, microbatches)
-        depth = count + 2 if count < deepest else count + 1  # levels 1..count, then one empty level
+        depth = count + 2 if count < deepest else count + 1
         table = np.full((t.shape[0], depth, *t.shape[2:]), INF)
         sync = np.zeros_like(table)
         table[:, 1:count + 1] = t[:, held:held + 1]
         sync[:, 1:count + 1] = extra[:, held:held + 1]
-        c = count + held - 2
-        # omega_i <= t_i / 3 (three parts of t_i) and min_i t_i <= sum t / S: every plan of S stages costs
-        # at least sum t (1 - c(S) / 3S) + (B - 1) max t + max sync, one DP (a rebate proportional to t);
-        # first for S or more stages at once (level S as the top level: "S or more"; the largest share
-        # c / 3S beyond S; entries fitting min(S, B) include theirs), which ends the loop when it loses
-        share = max((k + min(k, microbatches) - 2) / (3 * k) for k in range(count, deepest + 1))
-        if count < deepest and share > 0:
-            more = table[:, :count + 1]
-            bound = solve(more, sync[:, :count + 1], sizes, devices, microbatches,
-                          np.where(np.isfinite(more), more * share, 0.0), state["total"], count)
-            if bound is None or bound.total >= state["total"]:
-                break
-            state["rounds"] += bound.rounds
+        return table, sync, count + held - 2
+
+    def largest_share(count: int) -> float:
+        return max((k + min(k, microbatches) - 2) / (3 * k) for k in range(count, deepest + 1))
+
+    def bound_from(count: int) -> DPResult | None:
+        """omega_i <= t_i / 3 (three parts of t_i) and min_i t_i <= sum t / S: every plan of S stages costs at
+        least sum t (1 - c(S) / 3S) + (B - 1) max t + max sync, one DP (a rebate proportional to t). For S or
+        more stages at once: level S as the top level ("S or more"), the largest share c / 3S beyond S
+        (entries fitting min(S, B) include theirs). None: no plan costs less than the best."""
+        table, sync, _ = levels(count)
+        share = largest_share(count)
+        more = table[:, :count + 1]
+        found = solve(more, sync[:, :count + 1], sizes, devices, microbatches,
+                      np.where(np.isfinite(more), more * share, 0.0) if share > 0 else None, state["total"], count)
+        if found is not None:
+            state["rounds"] += found.rounds
+        return None if found is None or found.total >= state["total"] else found
+
+    def rebate_bound(count: int) -> DPResult | None:
+        table, sync, c = levels(count)
+        rebate = np.where(np.isfinite(table), table * (c / (3 * count)), 0.0) if c else None
+        found = solve(table, sync, sizes, devices, microbatches, rebate, state["total"], count)
+        if found is not None:
+            state["rounds"] += found.rounds
+        return found
+
+    # the stage counts from `hint` outwards (ascending without one): the likeliest first, so that a search
+    # stopped at its limit has tried them; above the hint, one bound drops every larger count at once
+    order = sorted(range(1, deepest + 1), key=lambda k: (abs(k - hint), k) if hint else k)
+    ceiling = deepest  # counts above it are ruled out
+    for n, count in enumerate(order):
+        if count > ceiling:
+            continue
+        if state["rounds"] >= state["limit"] and state["total"] < INF:  # stopped: bound what is left
+            for k in order[n:]:
+                if k <= ceiling:
+                    rest = bound_from(k) if k >= (hint or 1) else rebate_bound(k)
+                    if rest is not None and rest.total < state["total"]:
+                        state["floor"] = min(state["floor"], rest.total)
+                    if k >= (hint or 1):  # "k or more": the rest above it
+                        ceiling = k
+            break
+        table, sync, c = levels(count)
+        if count >= (hint or 1) and count < deepest and largest_share(count) > 0 and bound_from(count) is None:
+            ceiling = count - 1
+            continue
         rebate = np.where(np.isfinite(table), table * (c / (3 * count)), 0.0) if c else None
         bound = solve(table, sync, sizes, devices, microbatches, rebate, state["total"], count)
         if bound is None:
@@ -325,20 +379,23 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
         state["rounds"] += bound.rounds
         if bound.total >= state["total"]:
             continue
-        _threshold(table, sync, omega, c, count, sizes, devices, microbatches, state)
-    best = state["best"]
-    return None if best is None else DPResult(best.total, best.stages, best.max_latency, state["rounds"])
+        _threshold(table, sync, omega, c, count, sizes, devices, microbatches, state, bound.total)
+    best, floor = state["best"], state["floor"]
+    if best is None:  # stopped before any plan beat the cutoff: no stages, and how far below it one may be
+        return DPResult(INF, [], INF, state["rounds"], floor) if floor < cutoff else None
+    return DPResult(best.total, best.stages, best.max_latency, state["rounds"], floor if floor < best.total else None)
 
 
 def _threshold(table: np.ndarray, sync: np.ndarray, omega: np.ndarray, c: int, count: int, sizes: list[int],
-               devices: int, microbatches: int, state: dict) -> None:
+               devices: int, microbatches: int, state: dict, least: float = -INF) -> None:
     """The least F - c min omega over plans of exactly `count` stages on `table`, kept in `state` when best.
 
     g(θ) = the least F over plans whose stages all have omega >= θ (one `solve`) never falls as θ rises;
     its plan's own min omega θ' >= θ, so g is constant on [θ, θ'] and the plan costs g(θ) - c θ', the
     least there. On a stretch (θ_lo, θ_hi] of the sorted omegas every plan costs at least g(θ_lo) - c θ_hi,
     so the stretch with the least bound is split first and any reaching the best plan is dropped (as the
-    t_max branch and bound of `_pipeline`, mirrored)."""
+    t_max branch and bound of `_pipeline`, mirrored). Past `state["limit"]` DPs it stops, its least open
+    bound (at least `least`, a bound on every plan of `count` stages) kept in `state["floor"]`."""
     thetas = np.unique(omega[np.isfinite(table[:, count])])
     open_: list[tuple[float, int, int, float]] = []  # (lower bound, lo, hi, g at or below thetas[lo])
 
@@ -369,6 +426,9 @@ def _threshold(table: np.ndarray, sync: np.ndarray, omega: np.ndarray, c: int, c
     while open_:
         lower, lo, hi, g_lo = heapq.heappop(open_)
         if lower >= state["total"]:
+            break
+        if state["rounds"] >= state["limit"] and state["total"] < INF:  # stopped: the least bound left
+            state["floor"] = min(state["floor"], max(lower, least))
             break
         mid = lo if c == 0 else (lo + hi) // 2
         found = evaluate(mid, hi)

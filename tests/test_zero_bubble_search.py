@@ -113,6 +113,35 @@ def test_the_threshold_dp_equals_brute_force_on_random_tables(seed):
         assert stagedp.zero_bubble(t, extra, omega, sizes, devices, B, cutoff=expected * 1.01).total == found.total
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_search_stopped_at_its_work_limit_brackets_the_optimum(seed):
+    """Stopped after `limit` inner DPs, what the search returns (its plan, or the cutoff when it found none) is
+    no better than brute force's optimum (or the cutoff) and its floor no worse: floor <= optimum <= returned.
+    A search that is not marked (floor None) returns the optimum exactly, whichever stage count it starts from."""
+    rng = np.random.default_rng(100 + seed)
+    stopped = 0
+    for _ in range(12):
+        L, H, sizes = int(rng.integers(3, 5)), int(rng.integers(1, 3)), [1, 2]
+        devices, B = int(rng.integers(2, 5)), int(rng.integers(2, 6))
+        t, extra, omega = random_table(rng, L, H, sizes)
+        expected = brute_table(t, extra, omega, sizes, devices, B)
+        if math.isinf(expected):
+            continue
+        onef1b = stagedp.solve(t, extra, sizes, devices, B)
+        for cutoff in (math.inf, onef1b.total if onef1b else math.inf):
+            for limit, hint in itertools.product((None, 0, 1, 3, 10), (None, 1, 2, 3)):
+                found = stagedp.zero_bubble(t, extra, omega, sizes, devices, B, cutoff, limit, hint)
+                best = min(expected, cutoff)  # what an exact search returns: its plan, or the cutoff's
+                returned = cutoff if found is None or not found.stages else found.total
+                assert best <= returned * (1 + 1e-12)  # never cheaper than the optimum
+                if found is None or found.floor is None:  # not marked: exact
+                    assert returned == pytest.approx(best, rel=1e-12)
+                else:
+                    stopped += 1
+                    assert found.floor <= best * (1 + 1e-12)
+    assert stopped  # the limits do stop some of these searches
+
+
 def test_the_dp_objective_is_the_simulated_time_on_uniform_layers():
     """Eight identical layers (f = 1, b = 2 of which w = 1, no sends), four one-device stages, B = 8: the DP
     cuts them evenly, and its least ZB-H1 iteration is the event simulation of that plan (exact on uniform stages
@@ -293,3 +322,13 @@ def test_the_alpa_reproduction_keeps_1f1b():
     """Alpa ran 1F1B: the reproduction's options pin it, whatever the search's default."""
     for model in ("gpt", "moe", "wresnet"):
         assert alpa.model_options(model)["schedule"] == "1f1b"
+
+
+def test_the_work_limit_binds_only_on_large_tables():
+    """3·10¹⁰ cells: GPT-1T's table (64 DP layers, 12 submeshes, 3,072 devices) gets 3e10 / (64² · 3072 · 12) =
+    198.7 → 198 inner DPs; the tiny GPT's (4 layers, 3 submeshes, 4 devices) over a million, so its searches
+    stay exact and its plans carry no lower bound."""
+    assert stagedp.zero_bubble_limit(np.empty((1, 2, 64, 64, 12)), 3072) == 198
+    assert stagedp.zero_bubble_limit(np.empty((1, 2, 4, 4, 3)), 4) == 3e10 // (4 * 4 * 4 * 3)
+    plan = optimize(GRAPH, CLUSTER, workers=1, microbatches=[4], schedule="zero-bubble")
+    assert "lower_bound_s" not in plan.solver and "bound_gap" not in plan.solver
