@@ -52,9 +52,9 @@ import numpy as np
 
 INF = np.inf
 # table cells (layers² × devices × submeshes per inner DP) a zero-bubble search may visit past its first plan
-# before it stops with a floor (`zero_bubble_limit`): 200 DPs of GPT-1T's table on 384 DGX A100 (its near-tied
+# before it stops with a floor (`zero_bubble_limit`): 99 DPs of GPT-1T's table on 384 DGX A100 (its near-tied
 # stage counts took about 2,800), and more than any smaller case of docs/benchmarks.md needs
-ZERO_BUBBLE_WORK = 3e10
+ZERO_BUBBLE_WORK = 1.5e10
 
 
 def zero_bubble_limit(t: np.ndarray, devices: int) -> int:
@@ -344,13 +344,18 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
             state["rounds"] += found.rounds
         return None if found is None or found.total >= state["total"] else found
 
-    def rebate_bound(count: int) -> DPResult | None:
-        table, sync, c = levels(count)
-        rebate = np.where(np.isfinite(table), table * (c / (3 * count)), 0.0) if c else None
-        found = solve(table, sync, sizes, devices, microbatches, rebate, state["total"], count)
+    def bound_below(count: int) -> DPResult | None:
+        """The same bound for every plan of `count` stages or fewer in one DP: each entry at its least latency and
+        sync over depths (what fits any count), any number of stages, the largest share c / 3S for S <= count."""
+        least = t[:, 1:].min(axis=1, keepdims=True)
+        table = np.concatenate([np.full_like(least, INF), least], axis=1)
+        sync = np.concatenate([np.zeros_like(least), extra[:, 1:].min(axis=1, keepdims=True)], axis=1)
+        share = max((k + min(k, microbatches) - 2) / (3 * k) for k in range(1, count + 1))
+        found = solve(table, sync, sizes, devices, microbatches,
+                      np.where(np.isfinite(table), table * share, 0.0) if share > 0 else None, state["total"])
         if found is not None:
             state["rounds"] += found.rounds
-        return found
+        return None if found is None or found.total >= state["total"] else found
 
     # the stage counts from `hint` outwards (ascending without one): the likeliest first, so that a search
     # stopped at its limit has tried them; above the hint, one bound drops every larger count at once
@@ -359,14 +364,12 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
     for n, count in enumerate(order):
         if count > ceiling:
             continue
-        if state["rounds"] >= state["limit"] and state["total"] < INF:  # stopped: bound what is left
-            for k in order[n:]:
-                if k <= ceiling:
-                    rest = bound_from(k) if k >= (hint or 1) else rebate_bound(k)
-                    if rest is not None and rest.total < state["total"]:
-                        state["floor"] = min(state["floor"], rest.total)
-                    if k >= (hint or 1):  # "k or more": the rest above it
-                        ceiling = k
+        if state["rounds"] >= state["limit"] and state["total"] < INF:  # stopped: bound what is left, one DP a side
+            left = [k for k in order[n:] if k <= ceiling]
+            above, below = [k for k in left if k >= (hint or 1)], [k for k in left if k < (hint or 1)]
+            for rest in (bound_from(min(above)) if above else None, bound_below(max(below)) if below else None):
+                if rest is not None:
+                    state["floor"] = min(state["floor"], rest.total)
             break
         table, sync, c = levels(count)
         if count >= (hint or 1) and count < deepest and largest_share(count) > 0 and bound_from(count) is None:

@@ -325,10 +325,10 @@ def test_the_alpa_reproduction_keeps_1f1b():
 
 
 def test_the_work_limit_binds_only_on_large_tables():
-    """3·10¹⁰ cells: GPT-1T's table (64 DP layers, 12 submeshes, 3,072 devices) gets 3e10 / (64² · 3072 · 12) =
-    198.7 → 198 inner DPs; the tiny GPT's (4 layers, 3 submeshes, 4 devices) over a million, so its searches
+    """1.5·10¹⁰ cells: GPT-1T's table (64 DP layers, 12 submeshes, 3,072 devices) gets 1.5e10 / (64² · 3072 · 12) =
+    99.3 → 99 inner DPs; the tiny GPT's (4 layers, 3 submeshes, 4 devices) over a million, so its searches
     stay exact and its plans carry no lower bound."""
-    assert stagedp.zero_bubble_limit(np.empty((1, 2, 64, 64, 12)), 3072) == 198
-    assert stagedp.zero_bubble_limit(np.empty((1, 2, 4, 4, 3)), 4) == 3e10 // (4 * 4 * 4 * 3)
+    assert stagedp.zero_bubble_limit(np.empty((1, 2, 64, 64, 12)), 3072) == 99
+    assert stagedp.zero_bubble_limit(np.empty((1, 2, 4, 4, 3)), 4) == 1.5e10 // (4 * 4 * 4 * 3)
     plan = optimize(GRAPH, CLUSTER, workers=1, microbatches=[4], schedule="zero-bubble")
     assert "lower_bound_s" not in plan.solver and "bound_gap" not in plan.solver
