@@ -51,8 +51,8 @@ from dataclasses import dataclass
 import numpy as np
 
 INF = np.inf
-# table cells (layers² × devices × submeshes per inner DP) a zero-bubble search may visit past its first plan
-# before it stops with a floor (`zero_bubble_limit`): 99 DPs of GPT-1T's table on 384 DGX A100 (its near-tied
+# table cells (layers² × devices × submeshes per inner DP) a zero-bubble search may visit before it stops with
+# a floor (`zero_bubble_limit`): 99 DPs of GPT-1T's table on 384 DGX A100 (its near-tied
 # stage counts took about 2,800), and more than any smaller case of docs/benchmarks.md needs
 ZERO_BUBBLE_WORK = 1.5e10
 
@@ -305,8 +305,8 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
     S, its level min(S, B) entries and a fixed c, branch and bound over a threshold on min omega
     (`_threshold`), after a one-DP bound that drops S outright when it cannot win.
 
-    `limit`: the inner DPs the search may run once a plan (or the cutoff) is known; past it the search
-    stops, and the result's `floor` is a lower bound on every plan it did not rule out (the plan found or
+    `limit`: the inner DPs the search may run (from its start; it stops only once a plan or the cutoff is
+    known); past it the search stops, and the result's `floor` is a lower bound on every plan it did not rule out (the plan found or
     the cutoff is then within `total - floor` of the optimum). Stopped before any plan beat the cutoff, the
     result has no stages, an infinite total and the floor below the cutoff (None when the floor does not
     reach below it). Deterministic: a count of DPs, not seconds. `hint`: a stage count to search first and
@@ -327,8 +327,9 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
         sync[:, 1:count + 1] = extra[:, held:held + 1]
         return table, sync, count + held - 2
 
-    def largest_share(count: int) -> float:
-        return max((k + min(k, microbatches) - 2) / (3 * k) for k in range(count, deepest + 1))
+    def largest_share(counts: range) -> float:
+        """The largest c(S) / 3S over `counts`: the rebate share a bound over those stage counts may take."""
+        return max((k + min(k, microbatches) - 2) / (3 * k) for k in counts)
 
     def bound_from(count: int) -> DPResult | None:
         """omega_i <= t_i / 3 (three parts of t_i) and min_i t_i <= sum t / S: every plan of S stages costs at
@@ -336,7 +337,7 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
         more stages at once: level S as the top level ("S or more"), the largest share c / 3S beyond S
         (entries fitting min(S, B) include theirs). None: no plan costs less than the best."""
         table, sync, _ = levels(count)
-        share = largest_share(count)
+        share = largest_share(range(count, deepest + 1))
         more = table[:, :count + 1]
         found = solve(more, sync[:, :count + 1], sizes, devices, microbatches,
                       np.where(np.isfinite(more), more * share, 0.0) if share > 0 else None, state["total"], count)
@@ -350,7 +351,7 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
         least = t[:, 1:].min(axis=1, keepdims=True)
         table = np.concatenate([np.full_like(least, INF), least], axis=1)
         sync = np.concatenate([np.zeros_like(least), extra[:, 1:].min(axis=1, keepdims=True)], axis=1)
-        share = max((k + min(k, microbatches) - 2) / (3 * k) for k in range(1, count + 1))
+        share = largest_share(range(1, count + 1))
         found = solve(table, sync, sizes, devices, microbatches,
                       np.where(np.isfinite(table), table * share, 0.0) if share > 0 else None, state["total"])
         if found is not None:
@@ -364,7 +365,7 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
     for n, count in enumerate(order):
         if count > ceiling:
             continue
-        if state["rounds"] >= state["limit"] and state["total"] < INF:  # stopped: bound what is left, one DP a side
+        if _spent(state):  # stopped: bound what is left, one DP a side
             left = [k for k in order[n:] if k <= ceiling]
             above, below = [k for k in left if k >= (hint or 1)], [k for k in left if k < (hint or 1)]
             for rest in (bound_from(min(above)) if above else None, bound_below(max(below)) if below else None):
@@ -372,7 +373,8 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
                     state["floor"] = min(state["floor"], rest.total)
             break
         table, sync, c = levels(count)
-        if count >= (hint or 1) and count < deepest and largest_share(count) > 0 and bound_from(count) is None:
+        if count >= (hint or 1) and count < deepest and largest_share(range(count, deepest + 1)) > 0 \
+                and bound_from(count) is None:
             ceiling = count - 1
             continue
         rebate = np.where(np.isfinite(table), table * (c / (3 * count)), 0.0) if c else None
@@ -387,6 +389,11 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
     if best is None:  # stopped before any plan beat the cutoff: no stages, and how far below it one may be
         return DPResult(INF, [], INF, state["rounds"], floor) if floor < cutoff else None
     return DPResult(best.total, best.stages, best.max_latency, state["rounds"], floor if floor < best.total else None)
+
+
+def _spent(state: dict) -> bool:
+    """Whether a zero-bubble search has run its DPs and has something to return (a plan or the cutoff)."""
+    return state["rounds"] >= state["limit"] and state["total"] < INF
 
 
 def _threshold(table: np.ndarray, sync: np.ndarray, omega: np.ndarray, c: int, count: int, sizes: list[int],
@@ -430,7 +437,7 @@ def _threshold(table: np.ndarray, sync: np.ndarray, omega: np.ndarray, c: int, c
         lower, lo, hi, g_lo = heapq.heappop(open_)
         if lower >= state["total"]:
             break
-        if state["rounds"] >= state["limit"] and state["total"] < INF:  # stopped: the least bound left
+        if _spent(state):  # stopped: the least bound left
             state["floor"] = min(state["floor"], max(lower, least))
             break
         mid = lo if c == 0 else (lo + hi) // 2
