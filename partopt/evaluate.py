@@ -110,7 +110,8 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
         return copies and (0 in s.zero_axes) == (zero and dp > 1) and 1 not in s.zero_axes
 
     return intra.Restriction(op_ok, param_ok, f"Megatron's layout (data parallel {dp} × tensor parallel {tp}"
-                                              f"{', sequence parallel' if sequence_parallel else ''})")
+                                              f"{', sequence parallel' if sequence_parallel else ''})",
+                             ("megatron", dp, tp, zero and dp > 1, sequence_parallel and tp > 1))
 
 
 LOOSER = (1.0, 1.5, 2.0, 3.0)  # caps tried for a layer, in units of its even share of the budget
@@ -155,7 +156,7 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
     """
     start = time.perf_counter()
     stats = Stats()
-    restrictions = restrictions or [intra.Restriction()] * len(specs)
+    restrictions = restrictions or [intra.UNRESTRICTED] * len(specs)
     budget = costmodel.memory_budget(cluster.device, options.memory_reserve)
     with costmodel.using(options.cost_model), Pricer(graph, options, cache) as pricer:
         # a device of an interleaved plan holds its v chunks together: each chunk's layers share budget / v

@@ -379,6 +379,13 @@ class Restriction:
     op: Callable[[Op, Strategy], bool] = lambda op, strategy: True
     param: Callable[[str, ParamStrategy], bool] = lambda tensor, strategy: True
     reason: str = "the requested strategy"
+    # set when the predicates read only a layer's structure (op kinds, dim roles, the mesh), never op or tensor
+    # names: layers that hash alike under one key are allowed the same strategies and share a solve without
+    # listing them (`pricing`); () for no restriction at all. None: the allowed strategies are the key.
+    key: tuple | None = None
+
+
+UNRESTRICTED = Restriction(key=())
 
 
 def _kept(options: list, keep, name: str, restriction: Restriction) -> list:

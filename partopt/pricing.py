@@ -169,8 +169,10 @@ def price_job(graph: Graph, options, job: Job) -> Priced:
 def _restriction_key(g_mb: Graph, job: Job) -> tuple:
     """What a restriction allows, as a key: layers alike under alike pins share one solve."""
     r = job.restriction
-    if r is None:
+    if r is None or r.key == ():
         return ()
+    if r.key is not None:  # structural: the layer's hash (beside this key in the cache key) and the key decide
+        return ("structural", *r.key)
     ops = [g_mb.op_index[n] for n in job.ops]
     params = list(dict.fromkeys(t for op in ops for t in op.inputs if g_mb.tensors[t].role == "param"))
     return (tuple(tuple(s.axes) for op in ops for s in op_strategies(g_mb, op, job.mesh) if r.op(op, s)),

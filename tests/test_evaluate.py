@@ -266,3 +266,22 @@ def test_evaluate_cli_reads_megatrons_microbatch_size_per_data_parallel_rank(tmp
     bad = CliRunner().invoke(main, ["evaluate", str(graph_file), "--cluster", "p3.16xlarge", "--nodes", "1", "--tp",
                                     "2", "--pp", "2", "--dp", "2", "--microbatch-size", "3"])
     assert bad.exit_code == 2 and "--microbatch-size" in bad.output
+
+
+@pytest.mark.parametrize("kwargs", [dict(tp=4, pp=2, dp=1, sequence_parallel=True), dict(tp=2, pp=1, dp=4, zero=True)])
+def test_a_megatron_layout_keyed_by_structure_prices_what_its_listed_strategies_do(small_gpt, monkeypatch, kwargs):
+    """Megatron's restriction reads only a layer's structure, so it is keyed by the layer's hash and its own key
+    (`intra.Restriction.key`) instead of by listing every allowed strategy: the same plan, the same ILPs."""
+    import importlib
+
+    module = importlib.import_module("partopt.evaluate")  # the module: `partopt.evaluate` is also the function
+    cluster = preset("p3.16xlarge", 1)
+    keyed = uniform(small_gpt, cluster, microbatches=8, **kwargs)
+    assert module._megatron(small_gpt, kwargs["tp"], kwargs["dp"], kwargs.get("zero", False)).key is not None
+    megatron = module._megatron
+    monkeypatch.setattr(module, "_megatron", lambda *a, **k: dataclasses.replace(megatron(*a, **k), key=None))
+    listed = uniform(small_gpt, cluster, microbatches=8, **kwargs)
+    assert keyed.iteration_time_s == listed.iteration_time_s
+    assert keyed.solver["ilps"] == listed.solver["ilps"]
+    assert [{op: (e.axes, e.explanation) for op, e in s.ops.items()} for s in keyed.stages] == \
+           [{op: (e.axes, e.explanation) for op, e in s.ops.items()} for s in listed.stages]
