@@ -21,11 +21,11 @@ from partopt.frontends.torch import from_hf_config, read_hf_config
 from partopt.inter import optimize
 from partopt.plan import ParamPlacement, write_plan
 from partopt.sharding import R, Shard
-from partopt.verify_torch import differences, spawn, verify_plan
+from partopt.verify_torch import spawn, verify_plan
+from partopt.verify_torch_comm import op_inputs
 from test_frontend_torch import mlp_source
+from test_verify_torch_comm import LLAMA, data_parallel_plan
 
-LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 8}
 
 
 def llama_on_two_devices(directory):
@@ -60,11 +60,6 @@ def test_a_process_dying_before_it_is_done_fails_the_run(tmp_path):
         spawn(_abort_before_done, (str(tmp_path),), 2, str(tmp_path))
 
 
-def test_differences_name_the_module():
-    lines = differences({"lm_head": {"all_gather": 1}}, {"lm_head": {"all_gather": 2}, "(top level)": {"all_reduce": 1}})
-    assert lines == ["(top level): the plan prices none; DTensor ran all_reduce x1"]
-
-
 @pytest.fixture(scope="module")
 def split_plan(tmp_path_factory):
     """A Llama plan on a 1 x 2 mesh whose MLP is split column then row, and attention by kv groups."""
@@ -93,17 +88,63 @@ def test_dtensor_export_names_modules_and_their_parallel_styles(split_plan):
     assert all(axis == "y" for module in styles.values() for axis in module)  # axis x splits the batch or nothing
 
 
-def test_a_tensor_parallel_plan_reproduces_the_unsharded_step(split_plan):
-    """Two gloo processes run the split plan; loss and every gradient equal the unsharded step."""
+def test_parameters_sharded_under_replicated_ops_compute_right_but_fail_the_collectives(split_plan):
+    """Two gloo processes run the split plan: loss and every gradient equal the unsharded step, but the plan
+    was edited (its parameters sharded, its ops left replicated, so it prices gathering each weight for its
+    op) and DTensor runs the weights tensor parallel instead: the collectives check fails, naming modules."""
     plan, config = split_plan
     report = verify_plan(plan, str(config))
     stage = report.stages[0]
-    assert report.ok, report.lines()
-    assert [c.name for c in stage.checks] == ["loss", "gradients"]
+    assert [c.name for c in stage.checks] == ["loss", "gradients", "collectives"]
+    assert [c.ok for c in stage.checks] == [True, True, False] and not report.ok
     assert stage.placements["model.layers.0.mlp.up_proj.weight"] == "[Replicate(), Shard(0)]"
     assert stage.placements["model.layers.0.mlp.down_proj.weight"] == "[Replicate(), Shard(1)]"
     assert stage.placements["model.layers.0.self_attn.o_proj.weight"] == "[Replicate(), Shard(1)]"
-    assert any(n for kinds in stage.observed.values() for n in kinds.values())  # the split ran collectives
+    # the plan gathers k_proj's weight [2, 8, 32] (fp32: 2,048 B) for its replicated op, DTensor never does
+    assert "model.layers.0.self_attn.k_proj: all_gather on y: the plan implies 1 (2,048 B), DTensor ran 0 (0 B)" \
+        in stage.differences
+    assert any(line.startswith("FAIL collectives") for line in map(str.strip, report.lines()))
+
+
+@pytest.fixture(scope="module")
+def dp_plan(tmp_path_factory):
+    return data_parallel_plan(tmp_path_factory.mktemp("dp"))
+
+
+def test_a_data_parallel_plan_runs_the_collectives_it_prices(dp_plan):
+    """The batch split on y up to the final norm, the LM head and loss replicated: DTensor, pinned to the
+    plan's layout where lm_head begins, gathers the norm's output there (4 x 8 x 32 fp32 = 4,096 B) instead
+    of computing the loss on batch shards, and synchronises the gradients as the plan does: 11 reduce-scatters
+    and 12 all-gathers (verify_torch_comm's hand-derived test has the bytes), the norms' 128 B ones not compared."""
+    plan, config = dp_plan
+    report = verify_plan(plan, str(config))
+    stage = report.stages[0]
+    assert report.ok, report.lines()
+    forward = [(c["module"], c["kind"], c["axis"], c["bytes"]) for c in stage.calls
+               if not c["backward"] and c["module"] != "(top level)"]
+    assert forward == [("lm_head", "all_gather", "y", 4096)]
+    sync = [c["kind"] for c in stage.calls if c["module"] == "(top level)"]
+    assert (sync.count("reduce_scatter"), sync.count("all_gather")) == (11, 12)
+    small = [c for c in stage.calls if c["module"] == "(top level)" and c["bytes"] <= 256]
+    assert {c["bytes"] for c in small} == {32 * 4} and len(small) == 6  # the three norms' weights: listed only
+
+
+def test_a_plan_pricing_a_gather_dtensor_does_not_run_fails_naming_the_module(dp_plan, tmp_path):
+    """The same plan edited so that the MLP's product reads up_proj's output replicated (an all-gather of
+    4 x 8 x 64 fp32 = 8,192 B inside model.layers.0.mlp, where no module begins): the run does not gather
+    it (DTensor multiplies the batch shards), so `partopt verify` fails on that module and exits 1."""
+    plan, config = dp_plan
+    stage = plan.stages[0]
+    mul = stage.ops["model.layers.0.mlp.mul"]
+    assert op_inputs(mul.explanation) == ["model.layers.0.mlp.act_fn.silu", "model.layers.0.mlp.up_proj.linear"]
+    edited = dataclasses.replace(stage, ops={**stage.ops, "model.layers.0.mlp.mul": dataclasses.replace(
+        mul, inputs=(mul.inputs[0], (R, R)))})
+    path = tmp_path / "edited.json"
+    write_plan(dataclasses.replace(plan, stages=[edited]), path)
+    result = CliRunner().invoke(main, ["verify", str(path), "--against", "torch", "--model", str(config)])
+    assert result.exit_code == 1, result.output
+    assert "ok   gradients" in result.output and "FAIL collectives" in result.output
+    assert "model.layers.0.mlp: all_gather on y: the plan implies 1 (8,192 B), DTensor ran 0 (0 B)" in result.output
 
 
 def test_cli_verify_of_a_plan_of_another_graph_is_one_line(tmp_path, split_plan):

@@ -1,0 +1,212 @@
+"""The collectives a plan implies for `verify --against torch`'s DTensor step, module by module, and their
+comparison with those the step ran (`verify_torch._recorder`).
+
+DTensor propagates its own layouts from the parameters' and inputs' placements; it does not take the
+plan's activation layouts unless told. So the step pins them where a module begins (`pins`): each
+activation entering a module (read by an op inside it, made outside it) is redistributed to the layout
+the plan's first reader inside the module requires (other stages' ops: replicated, so only this
+stage's collectives show). The collectives that implies, in the run's fp32 bytes as partopt counts
+them (all-gather: the gathered buffer; the others: the input buffer), are `planned_calls`: each pin's
+forward redistribution, its gradient's backward one, and each parameter's gradient synchronisation as
+the step runs it (to its optimizer-state shard and back). `compare` then checks, per module, the
+forward calls by (kind, mesh axis): count and bytes; the backward calls and the synchronisation by
+(kind, mesh axis) over the stage (CommDebugMode attributes a backward call to the module its
+hooks last saw, not to where the plan prices it: docs/FRONTENDS.md).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from partopt.export import AXIS_NAMES, TensorPlacement, optimizer_placement
+from partopt.plan import Plan, StagePlan
+from partopt.sharding import MeshShape, Placement, R, as_gradient_target, gradient_placement, reshard_collectives
+
+TOP_LEVEL = "(top level)"  # the loss, gradient synchronisation: outside every module
+BACKWARD = "(backward)"  # the backward's calls, compared over the stage
+FP32 = 4  # bytes per element: verify runs in fp32 whatever dtype the plan was priced in
+SMALL_BYTES = 256  # scalars (the loss) and norm statistics: listed, not compared
+_INPUT = re.compile(r"(\S+) \[[^\]]*\]")
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Where the step redistributes an activation: entering `module`, `tensor` goes to `placement`."""
+
+    module: str
+    tensor: str
+    placement: Placement
+
+
+def op_inputs(explanation: str) -> list[str]:
+    """An op's input tensors, in order, from its plan explanation (`op: … — in A [S(b), R], W [R, R]; out …`)."""
+    _, _, tail = explanation.partition(" — in ")
+    return _INPUT.findall(tail.partition("; out ")[0])
+
+
+def module_of(op: str) -> str:
+    """The module FQN of an op named `<module path>.<aten op>` (TOP_LEVEL for the loss and other bare names)."""
+    return op.rpartition(".")[0] if "." in op else TOP_LEVEL
+
+
+def _contains(module: str, op: str) -> bool:
+    return module != TOP_LEVEL and op.startswith(module + ".")
+
+
+def _entries(producer: str | None, consumer: str) -> list[str]:
+    """The modules the consumer op is inside and the producer op is not, outermost first: where the
+    tensor enters the consumer's modules."""
+    module = module_of(consumer)
+    if module == TOP_LEVEL:  # the loss: the step pins its inputs where it computes it
+        return [TOP_LEVEL]
+    parts = module.split(".")
+    prefixes = [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
+    return [m for m in prefixes if producer is None or not _contains(m, producer)]
+
+
+def _numel(plan: Plan, tensor: str) -> int:
+    return math.prod(plan.tensors[tensor]["shape"])
+
+
+def _reads(plan: Plan, index: int) -> list[tuple[str, str, Placement, tuple]]:
+    """(op, tensor, placement it reads the tensor in, the op's axes) for every activation read of the model,
+    in plan order: this stage's ops as planned, the other stages' replicated."""
+    stage = plan.stages[index]
+    none = (None,) * len(stage.logical_mesh)
+    replicated = (R,) * len(stage.logical_mesh)
+    result = []
+    for k, s in enumerate(plan.stages):
+        for op, info in s.ops.items():
+            for t, need in zip(op_inputs(info.explanation), info.inputs):
+                if plan.tensors.get(t, {}).get("role") not in ("param", None):
+                    result.append((op, t, need, info.axes) if k == index else (op, t, replicated, none))
+    return result
+
+
+def input_placements(plan: Plan, index: int) -> dict[str, Placement]:
+    """Each model input as the step places it: as its first reader requires (another stage's: replicated)."""
+    placed: dict[str, Placement] = {}
+    for _, t, need, _ in _reads(plan, index):
+        if plan.tensors[t]["role"] == "input":
+            placed.setdefault(t, need)
+    return placed
+
+
+def pins(plan: Plan, index: int) -> list[Pin]:
+    """Every redistribution the step makes at a module's entry, in plan order (see the module doc)."""
+    producer = {info.tensor: op for s in plan.stages for op, info in s.ops.items()}
+    result: dict[tuple[str, str], Pin] = {}
+    for op, t, need, _ in _reads(plan, index):
+        for module in _entries(producer.get(t), op):
+            result.setdefault((module, t), Pin(module, t, need))
+    return list(result.values())
+
+
+def _calls(module: str, src: Placement, dst: Placement, nbytes: float, mesh: MeshShape,
+           backward: bool = False) -> list[dict[str, Any]]:
+    """The collectives of src -> dst as calls of `module` (an axis of size 1 moves nothing)."""
+    return [{"module": module, "kind": kind, "axis": AXIS_NAMES[axis], "bytes": size, "backward": backward}
+            for kind, axis, size in reshard_collectives(src, dst, nbytes, mesh) if mesh.shape[axis] > 1]
+
+
+def planned_calls(plan: Plan, index: int) -> list[dict[str, Any]]:
+    """The collectives of the step of stage `index` as the plan implies them (see the module doc)."""
+    stage = plan.stages[index]
+    mesh = MeshShape((stage.logical_mesh[0], stage.logical_mesh[1]))
+    replicated = (R,) * len(stage.logical_mesh)
+    made = {info.tensor: info.output for info in stage.ops.values()}
+    inputs = input_placements(plan, index)
+    producer = {info.tensor: op for s in plan.stages for op, info in s.ops.items()}
+    pinned = {(p.module, p.tensor): p.placement for p in pins(plan, index)}
+    result: list[dict[str, Any]] = []
+    done: set[tuple[Any, ...]] = set()
+    for op, t, need, axes in _reads(plan, index):
+        source = inputs[t] if t in inputs else made.get(t, replicated)
+        nbytes = _numel(plan, t) * FP32
+        layout = source
+        for module in _entries(producer.get(t), op):
+            target = pinned[(module, t)]
+            if (module, t) not in done:
+                done.add((module, t))
+                result += _calls(module, layout, target, nbytes, mesh)
+                if plan.tensors[t]["role"] != "input":
+                    result += _calls(module, gradient_placement(target, axes), as_gradient_target(layout), nbytes,
+                                     mesh, backward=True)
+            layout = target
+        if layout != need and (module_of(op), t, need) not in done:  # inside one module: DTensor's own rules
+            done.add((module_of(op), t, need))  # once per layout: a second reader takes the resharded tensor
+            result += _calls(module_of(op), layout, need, nbytes, mesh)
+            if plan.tensors[t]["role"] != "input":
+                result += _calls(module_of(op), gradient_placement(need, axes), as_gradient_target(layout), nbytes,
+                                 mesh, backward=True)
+    for op, info in stage.ops.items():  # a sharded parameter gathered for its reader (FSDP), inside the op
+        for t, need in zip(op_inputs(info.explanation), info.inputs):
+            if t in stage.params:
+                result += _calls(module_of(op), stage.params[t].placement, need, _numel(plan, t) * FP32, mesh)
+    return result + sync_calls(plan, stage)
+
+
+def sync_calls(plan: Plan, stage: StagePlan) -> list[dict[str, Any]]:
+    """Each stage parameter's gradient synchronisation as the step runs it: from the layout its first reader
+    leaves to the optimizer-state placement, then back to the parameter's (a fused parameter's chunks,
+    placed alike, as one torch parameter)."""
+    mesh = MeshShape((stage.logical_mesh[0], stage.logical_mesh[1]))
+    grads: dict[str, Placement] = {}
+    for info in stage.ops.values():
+        for t, need in zip(op_inputs(info.explanation), info.inputs):
+            if t in stage.params:
+                grads.setdefault(t, gradient_placement(need, info.axes))
+    whole: dict[str, list[str]] = defaultdict(list)
+    for name in stage.params:
+        whole[name.partition("[")[0]].append(name)
+    result = []
+    for names in whole.values():
+        name = names[0]
+        info = stage.params[name]
+        if name not in grads:
+            continue
+        t = TensorPlacement(name, "param", tuple(plan.tensors[name]["dims"]), tuple(plan.tensors[name]["shape"]),
+                            info.placement, info.zero_axes)
+        state, _ = optimizer_placement(t, tuple(stage.logical_mesh))
+        nbytes = sum(_numel(plan, n) for n in names) * FP32
+        result += _calls(TOP_LEVEL, grads[name], state, nbytes, mesh) + _calls(TOP_LEVEL, state, info.placement,
+                                                                                nbytes, mesh)
+    return result
+
+
+def _key(call: dict[str, Any], routed: tuple[str, ...]) -> tuple[str, str, str]:
+    module = call["module"]
+    inside = next((m for m in routed if module == m or module.startswith(m + ".")), None)
+    if inside is not None:
+        return inside, call["kind"], call["axis"]
+    return (BACKWARD if call["backward"] and module != TOP_LEVEL else module), call["kind"], call["axis"]
+
+
+def compared(call: dict[str, Any]) -> bool:
+    """Whether a call counts: a floating buffer over SMALL_BYTES (scalars, norm statistics and the integer
+    routing metadata of the experts' exchange are listed, not compared)."""
+    return call["bytes"] > SMALL_BYTES and call.get("floating", True)
+
+
+def compare(planned: list[dict[str, Any]], ran: list[dict[str, Any]], routed: tuple[str, ...] = ()) -> list[str]:
+    """One line per (module, kind, mesh axis) whose count or bytes (by more than 1 %) differ between the plan
+    and the run, over the calls that count (`compared`). Calls in `routed` modules (experts), forward and
+    backward, count under the module by count only: their bytes are the routing's (see the module doc)."""
+    totals: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0.0])
+    for side, calls in ((0, planned), (2, ran)):
+        for c in calls:
+            if compared(c):
+                total = totals[_key(c, routed)]
+                total[side] += 1
+                total[side + 1] += c["bytes"]
+    lines = []
+    for (module, kind, axis), (n_plan, b_plan, n_ran, b_ran) in sorted(totals.items()):
+        loose = module in routed
+        if n_plan != n_ran or (not loose and abs(b_plan - b_ran) > 0.01 * max(b_plan, b_ran)):
+            lines.append(f"{module or '(model)'}: {kind} on {axis}: the plan implies {n_plan} ({b_plan:,.0f} B), "
+                         f"DTensor ran {n_ran} ({b_ran:,.0f} B)" + (" (bytes: the routing's)" if loose else ""))
+    return lines
