@@ -492,8 +492,10 @@ def verify_plan(plan: Plan, source: str) -> VerifyReport:
 
 def _report(plan: Plan, i: int, r: dict[str, Any]) -> StageReport:
     stage = plan.stages[i]
+    splits = expert_splits(plan, stage, _batch_axes(stage, plan.batch_dim))
+    summed = {m: s.experts for m, s in splits.items() if s.experts and not s.exchanges}
     report = StageReport(i, list(stage.logical_mesh), placements=r["placements"], notes=r["notes"],
-                         calls=r["calls"], planned=planned_calls(plan, i))
+                         calls=r["calls"], planned=planned_calls(plan, i, summed))
     close = math.isclose(r["loss"], r["ref_loss"], rel_tol=RTOL, abs_tol=ATOL)
     report.checks.append(Check("loss", close, f"sharded {r['loss']:.6g}, unsharded {r['ref_loss']:.6g}"))
     bad = r["grad_mismatch"]

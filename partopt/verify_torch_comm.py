@@ -113,8 +113,9 @@ def _calls(module: str, src: Placement, dst: Placement, nbytes: float, mesh: Mes
             for kind, axis, size in reshard_collectives(src, dst, nbytes, mesh) if mesh.shape[axis] > 1]
 
 
-def planned_calls(plan: Plan, index: int) -> list[dict[str, Any]]:
-    """The collectives of the step of stage `index` as the plan implies them (see the module doc)."""
+def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | None = None) -> list[dict[str, Any]]:
+    """The collectives of the step of stage `index` as the plan implies them (see the module doc); `summed`:
+    the experts modules the step runs by summing over their expert axes (`summed_experts`)."""
     stage = plan.stages[index]
     mesh = MeshShape((stage.logical_mesh[0], stage.logical_mesh[1]))
     replicated = (R,) * len(stage.logical_mesh)
@@ -147,7 +148,33 @@ def planned_calls(plan: Plan, index: int) -> list[dict[str, Any]]:
         for t, need in zip(op_inputs(info.explanation), info.inputs):
             if t in stage.params:
                 result += _calls(module_of(op), stage.params[t].placement, need, _numel(plan, t) * FP32, mesh)
+    for module, axes in (summed or {}).items():
+        result = [c for c in result if not (c["module"] == module or c["module"].startswith(module + "."))]
+        result += experts_sum_calls(plan, module, axes, mesh)
     return result + sync_calls(plan, stage)
+
+
+def experts_sum_calls(plan: Plan, module: str, axes: tuple[int, ...], mesh: MeshShape) -> list[dict[str, Any]]:
+    """The collectives of an experts module whose tokens are not split over its expert axes, as the step runs it
+    (`verify_torch_moe.expert_parallel`): each process computes its experts' part of every token's output and
+    the parts are summed, an all-reduce of combine's output [b, s, h] on each expert axis; backward, the
+    hidden states' gradient [b, s, h] and the routing weights' [b, s, top_k] are summed likewise. The plan
+    prices the same sums its own way (GShard: an all-gather of the experts' outputs [e, b, c, h] before
+    combine, and of the dispatched tokens' gradient); both are in its strategy space (docs/FRONTENDS.md)."""
+    out = plan.tensors[f"{module}.combine"]
+    dispatch = plan.tensors[f"{module}.dispatch"]
+    sizes = dict(zip(dispatch["dims"], dispatch["shape"])) | dict(zip(out["dims"], out["shape"]))
+    e, c = sizes[dispatch["dims"][0]], sizes[dispatch["dims"][2]]
+    tokens = math.prod(out["shape"][:-1])
+    top_k = e * c // out["shape"][1]
+    result = []
+    for axis in axes:
+        if mesh.shape[axis] > 1:
+            for nbytes, backward in ((_numel(plan, f"{module}.combine"), False), (tokens * out["shape"][-1], True),
+                                     (tokens * top_k, True)):
+                result.append({"module": module, "kind": "all_reduce", "axis": AXIS_NAMES[axis],
+                               "bytes": nbytes * FP32, "backward": backward})
+    return result
 
 
 def sync_calls(plan: Plan, stage: StagePlan) -> list[dict[str, Any]]:
