@@ -27,7 +27,7 @@ from partopt.errors import PartoptError
 from partopt.frontends.torch_axes import torch_placements
 from partopt.export import AXIS_NAMES, TensorPlacement, optimizer_placement
 from partopt.plan import Plan, plan_from_dict, plan_to_dict
-from partopt.sharding import R, Shard
+from partopt.sharding import R, Shard, fmt, parse_placement
 from partopt.verify_torch_comm import SMALL_BYTES, TOP_LEVEL, Pin, compare, compared, input_placements, pins, \
     planned_calls
 from partopt.verify_torch_moe import expert_modules, expert_parallel, expert_splits
@@ -195,12 +195,12 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: in
         def as_torch(spec: list[tuple[str, int | None]]) -> list[Any]:
             return [TShard(a) if kind == "shard" else Replicate() for kind, a in spec]
 
-        applied, notes, grad_targets = {}, [], {}
+        applied, notes, grad_targets, states = {}, [], {}, {}
         names_of: dict[int, list[str]] = {}
         for fqn, p in model.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(p), []).append(fqn)
         for fqn, p in list(model.named_parameters()):
-            spec, sync = _param_specs(plan, stage, fqn, tuple(p.shape), sizes, notes)
+            spec, sync = _param_specs(plan, stage, fqn, tuple(p.shape), sizes, notes, states)
             param = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, as_torch(spec)))
             for name in names_of[id(p)]:
                 owner, _, leaf = name.rpartition(".")
@@ -243,7 +243,7 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: in
                     worst.append((fqn, float((g - ref).abs().max())))
             Path(run_dir, "result.json").write_text(json.dumps({
                 "loss": float(loss_value), "ref_loss": float(ref_loss), "grad_mismatch": worst,
-                "params": len(grads), "calls": calls, "placements": applied,
+                "params": len(grads), "calls": calls, "placements": applied, "states": states,
                 "notes": notes}))
         finish(rank, world, run_dir)
     finally:
@@ -384,8 +384,9 @@ def _dim_sizes(plan: Plan) -> dict[str, int]:
 
 
 def _param_specs(plan: Plan, stage: Any, fqn: str, shape: tuple[int, ...], sizes: dict[str, int],
-                 notes: list[str]) -> tuple[list, list]:
-    """(the parameter's placement, its gradient's synchronised placement) in DTensor terms."""
+                 notes: list[str], states: dict[str, str]) -> tuple[list, list]:
+    """(the parameter's placement, its gradient's synchronised placement) in DTensor terms; an optimizer-state
+    shard DTensor cannot express is left replicated, with a note and its run placement in `states`."""
     replicated = [("replicate", None)] * len(AXIS_NAMES)
     name, info = fqn, stage.params.get(fqn)
     if info is None:
@@ -402,7 +403,12 @@ def _param_specs(plan: Plan, stage: Any, fqn: str, shape: tuple[int, ...], sizes
     notes.extend(why)
     t = TensorPlacement(name, "param", dims, tuple(plan.tensors[name]["shape"]), info.placement, info.zero_axes)
     state, _flat = optimizer_placement(t, tuple(stage.logical_mesh))
-    sync, _ = torch_placements(name, state, shape, dims, sizes)
+    sync, why = torch_placements(name, state, shape, dims, sizes)
+    ran = tuple(p if kind == "shard" else q for p, q, (kind, _) in zip(state, info.placement, sync))
+    if ran != state:
+        notes.extend(f"{text}; its gradient is synchronised to {fmt(ran)}, not the optimizer state's {fmt(state)}"
+                     for text in why)
+        states[fqn] = fmt(ran)
     return spec, sync
 
 
@@ -495,7 +501,8 @@ def _report(plan: Plan, i: int, r: dict[str, Any]) -> StageReport:
     splits = expert_splits(plan, stage, _batch_axes(stage, plan.batch_dim))
     summed = {m: s.experts for m, s in splits.items() if s.experts and not s.exchanges}
     report = StageReport(i, list(stage.logical_mesh), placements=r["placements"], notes=r["notes"],
-                         calls=r["calls"], planned=planned_calls(plan, i, summed))
+                         calls=r["calls"], planned=planned_calls(plan, i, summed, {
+                             name: parse_placement(text, name) for name, text in r["states"].items()}))
     close = math.isclose(r["loss"], r["ref_loss"], rel_tol=RTOL, abs_tol=ATOL)
     report.checks.append(Check("loss", close, f"sharded {r['loss']:.6g}, unsharded {r['ref_loss']:.6g}"))
     bad = r["grad_mismatch"]

@@ -24,7 +24,7 @@ from typing import Any
 
 from partopt.export import AXIS_NAMES, TensorPlacement, optimizer_placement
 from partopt.plan import Plan, StagePlan
-from partopt.sharding import MeshShape, Placement, R, as_gradient_target, gradient_placement, reshard_collectives
+from partopt.sharding import MeshShape, Placement, R, Shard, as_gradient_target, gradient_placement, reshard_collectives
 
 TOP_LEVEL = "(top level)"  # the loss, gradient synchronisation: outside every module
 BACKWARD = "(backward)"  # the backward's calls, compared over the stage
@@ -106,16 +106,50 @@ def pins(plan: Plan, index: int) -> list[Pin]:
     return list(result.values())
 
 
+def dtensor_order(src: Placement, dst: Placement, mesh: MeshShape) -> list[Placement]:
+    """The layouts DTensor's redistribution passes through from src to dst, one mesh axis a step (torch's
+    `generate_greedy_transform_infos`): from a sharded source the axes last to first, then first to last
+    for what is left; a Shard whose earlier axes split its dim otherwise than the target's goes through
+    Replicate. partopt takes the cheaper order; on a 2-D mesh the per-axis bytes then differ, not the sum."""
+    current, steps = list(src), []
+
+    def step(axis: int, to: Any) -> None:
+        current[axis] = to
+        steps.append(tuple(current))
+
+    if any(isinstance(p, Shard) and mesh.shape[a] > 1 for a, p in enumerate(src)):
+        for axis in reversed(range(len(current))):
+            target = dst[axis]
+            if isinstance(target, Shard) and [k for k in range(axis) if current[k] == target] != \
+                    [k for k in range(axis) if dst[k] == target]:
+                target = R
+            if current[axis] != target:
+                step(axis, target)
+    for axis in range(len(current)):
+        if current[axis] != dst[axis]:
+            step(axis, dst[axis])
+    return steps
+
+
 def _calls(module: str, src: Placement, dst: Placement, nbytes: float, mesh: MeshShape,
            backward: bool = False) -> list[dict[str, Any]]:
-    """The collectives of src -> dst as calls of `module` (an axis of size 1 moves nothing)."""
-    return [{"module": module, "kind": kind, "axis": AXIS_NAMES[axis], "bytes": size, "backward": backward}
-            for kind, axis, size in reshard_collectives(src, dst, nbytes, mesh) if mesh.shape[axis] > 1]
+    """The collectives of src -> dst as calls of `module`, in DTensor's order of the axes (`dtensor_order`;
+    an axis of size 1 moves nothing)."""
+    result, layout = [], src
+    for following in dtensor_order(src, dst, mesh):
+        result += [{"module": module, "kind": kind, "axis": AXIS_NAMES[axis], "bytes": size, "backward": backward}
+                   for kind, axis, size in reshard_collectives(layout, following, nbytes, mesh)
+                   if mesh.shape[axis] > 1]
+        layout = following
+    return result
 
 
-def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | None = None) -> list[dict[str, Any]]:
+def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | None = None,
+                  states: dict[str, Placement] | None = None) -> list[dict[str, Any]]:
     """The collectives of the step of stage `index` as the plan implies them (see the module doc); `summed`:
-    the experts modules the step runs by summing over their expert axes (`summed_experts`)."""
+    the experts modules the step runs by summing over their expert axes (`experts_sum_calls`); `states`:
+    per torch parameter, the layout the step synchronises its gradient to where DTensor cannot express
+    the optimizer-state shard (`sync_calls`)."""
     stage = plan.stages[index]
     mesh = MeshShape((stage.logical_mesh[0], stage.logical_mesh[1]))
     replicated = (R,) * len(stage.logical_mesh)
@@ -151,7 +185,7 @@ def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | N
     for module, axes in (summed or {}).items():
         result = [c for c in result if not (c["module"] == module or c["module"].startswith(module + "."))]
         result += experts_sum_calls(plan, module, axes, mesh)
-    return result + sync_calls(plan, stage)
+    return result + sync_calls(plan, stage, states or {})
 
 
 def experts_sum_calls(plan: Plan, module: str, axes: tuple[int, ...], mesh: MeshShape) -> list[dict[str, Any]]:
@@ -177,10 +211,12 @@ def experts_sum_calls(plan: Plan, module: str, axes: tuple[int, ...], mesh: Mesh
     return result
 
 
-def sync_calls(plan: Plan, stage: StagePlan) -> list[dict[str, Any]]:
+def sync_calls(plan: Plan, stage: StagePlan, states: dict[str, Placement]) -> list[dict[str, Any]]:
     """Each stage parameter's gradient synchronisation as the step runs it: from the layout its first reader
     leaves to the optimizer-state placement, then back to the parameter's (a fused parameter's chunks,
-    placed alike, as one torch parameter)."""
+    placed alike, as one torch parameter). Where `states` gives the torch parameter another layout (a ZeRO
+    shard of an inner factor of a torch axis, which no DTensor Shard expresses), the gradient goes there:
+    an all-reduce where the plan reduce-scatters and all-gathers, the same sum and bytes on a ring."""
     mesh = MeshShape((stage.logical_mesh[0], stage.logical_mesh[1]))
     grads: dict[str, Placement] = {}
     for info in stage.ops.values():
@@ -198,7 +234,7 @@ def sync_calls(plan: Plan, stage: StagePlan) -> list[dict[str, Any]]:
             continue
         t = TensorPlacement(name, "param", tuple(plan.tensors[name]["dims"]), tuple(plan.tensors[name]["shape"]),
                             info.placement, info.zero_axes)
-        state, _ = optimizer_placement(t, tuple(stage.logical_mesh))
+        state = states.get(name.partition("[")[0]) or optimizer_placement(t, tuple(stage.logical_mesh))[0]
         nbytes = sum(_numel(plan, n) for n in names) * FP32
         result += _calls(TOP_LEVEL, grads[name], state, nbytes, mesh) + _calls(TOP_LEVEL, state, info.placement,
                                                                                 nbytes, mesh)
