@@ -131,8 +131,8 @@ def dtensor_order(src: Placement, dst: Placement, mesh: MeshShape) -> list[Place
     return steps
 
 
-def _calls(module: str, src: Placement, dst: Placement, nbytes: float, mesh: MeshShape,
-           backward: bool = False) -> list[dict[str, Any]]:
+def planned_reshard(src: Placement, dst: Placement, nbytes: float, mesh: MeshShape, module: str = TOP_LEVEL,
+                    backward: bool = False) -> list[dict[str, Any]]:
     """The collectives of src -> dst as calls of `module`, in DTensor's order of the axes (`dtensor_order`;
     an axis of size 1 moves nothing)."""
     result, layout = [], src
@@ -167,21 +167,21 @@ def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | N
             target = pinned[(module, t)]
             if (module, t) not in done:
                 done.add((module, t))
-                result += _calls(module, layout, target, nbytes, mesh)
+                result += planned_reshard(layout, target, nbytes, mesh, module)
                 if plan.tensors[t]["role"] != "input":
-                    result += _calls(module, gradient_placement(target, axes), as_gradient_target(layout), nbytes,
-                                     mesh, backward=True)
+                    result += planned_reshard(gradient_placement(target, axes), as_gradient_target(layout), nbytes,
+                                              mesh, module, backward=True)
             layout = target
         if layout != need and (module_of(op), t, need) not in done:  # inside one module: DTensor's own rules
             done.add((module_of(op), t, need))  # once per layout: a second reader takes the resharded tensor
-            result += _calls(module_of(op), layout, need, nbytes, mesh)
+            result += planned_reshard(layout, need, nbytes, mesh, module_of(op))
             if plan.tensors[t]["role"] != "input":
-                result += _calls(module_of(op), gradient_placement(need, axes), as_gradient_target(layout), nbytes,
-                                 mesh, backward=True)
+                result += planned_reshard(gradient_placement(need, axes), as_gradient_target(layout), nbytes, mesh,
+                                          module_of(op), backward=True)
     for op, info in stage.ops.items():  # a sharded parameter gathered for its reader (FSDP), inside the op
         for t, need in zip(op_inputs(info.explanation), info.inputs):
             if t in stage.params:
-                result += _calls(module_of(op), stage.params[t].placement, need, _numel(plan, t) * FP32, mesh)
+                result += planned_reshard(stage.params[t].placement, need, _numel(plan, t) * FP32, mesh, module_of(op))
     for module, axes in (summed or {}).items():
         result = [c for c in result if not (c["module"] == module or c["module"].startswith(module + "."))]
         result += experts_sum_calls(plan, module, axes, mesh)
@@ -236,8 +236,8 @@ def sync_calls(plan: Plan, stage: StagePlan, states: dict[str, Placement]) -> li
                             info.placement, info.zero_axes)
         state = states.get(name.partition("[")[0]) or optimizer_placement(t, tuple(stage.logical_mesh))[0]
         nbytes = sum(_numel(plan, n) for n in names) * FP32
-        result += _calls(TOP_LEVEL, grads[name], state, nbytes, mesh) + _calls(TOP_LEVEL, state, info.placement,
-                                                                                nbytes, mesh)
+        result += planned_reshard(grads[name], state, nbytes, mesh)
+        result += planned_reshard(state, info.placement, nbytes, mesh)
     return result
 
 

@@ -14,8 +14,10 @@ import pytest
 from partopt.cluster import preset
 from partopt.frontends.torch import from_hf_config, read_hf_config
 from partopt.inter import optimize
-from partopt.sharding import R, Shard
-from partopt.verify_torch_comm import BACKWARD, TOP_LEVEL, compare, input_placements, op_inputs, planned_calls
+from partopt.export import AXIS_NAMES
+from partopt.sharding import MeshShape, Partial, R, Shard, reshard_collectives
+from partopt.verify_torch_comm import BACKWARD, TOP_LEVEL, compare, dtensor_order, input_placements, op_inputs, \
+    planned_calls, planned_reshard
 
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 8}
@@ -117,3 +119,20 @@ def test_the_comparison_names_each_module_kind_and_axis_that_differs():
                                             "DTensor ran 1 (8,192 B)"]
     backward = [dict(ran[0], module="model.layers.0.mlp", backward=True), *ran[1:]]
     assert compare([dict(planned[0], module=BACKWARD, backward=True), planned[1]], backward) == []
+
+
+def test_a_two_axis_reshard_is_predicted_in_dtensors_order_of_the_axes():
+    """[S(b), S(b)] -> [R, R] of a 64 KiB tensor on 2 x 2: DTensor gathers y first (the 32 KiB still split on
+    x), then x (the whole 64 KiB); partopt's own order on equal links takes x first (y then carries 64 KiB).
+    From replicated partial sums [P, P] to a ZeRO shard [S(d), S(d)] it goes x first: a reduce-scatter of
+    the whole 64 KiB on x, then of the 32 KiB left on y."""
+    mesh = MeshShape((2, 2))
+    split, whole = (Shard("b"), Shard("b")), (R, R)
+    assert dtensor_order(split, whole, mesh) == [(Shard("b"), R), (R, R)]
+    calls = [(c["kind"], c["axis"], c["bytes"]) for c in planned_reshard(split, whole, 65536, mesh)]
+    assert calls == [("all_gather", "y", 32768), ("all_gather", "x", 65536)]
+    assert [(k, AXIS_NAMES[a], b) for k, a, b in reshard_collectives(split, whole, 65536, mesh)] == \
+        [("all_gather", "x", 32768), ("all_gather", "y", 65536)]
+    partial, state = (Partial(), Partial()), (Shard("d"), Shard("d"))
+    calls = [(c["kind"], c["axis"], c["bytes"]) for c in planned_reshard(partial, state, 65536, mesh)]
+    assert calls == [("reduce_scatter", "x", 65536), ("reduce_scatter", "y", 32768)]
