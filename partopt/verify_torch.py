@@ -407,7 +407,7 @@ def _param_specs(plan: Plan, stage: Any, fqn: str, shape: tuple[int, ...], sizes
     ran = tuple(p if kind == "shard" else q for p, q, (kind, _) in zip(state, info.placement, sync))
     if ran != state:
         notes.extend(f"{text}; its gradient is synchronised to {fmt(ran)}, not the optimizer state's {fmt(state)}"
-                     for text in why)
+                     for text in dict.fromkeys(why))  # one note a parameter, not one a mesh axis
         states[fqn] = fmt(ran)
     return spec, sync
 

@@ -213,3 +213,23 @@ def test_a_tied_embedding_split_across_stages_is_summed_between_its_copies(tmp_p
     assert {h.partition(":")[0] for h in report.tied["transformer.wte.weight"]} == {"0", "1"}
     assert all(c.ok for c in report.checks), report.lines()
     assert report.checks[1].detail == "29 of 29 parameters match"
+
+
+def test_a_gpt2_plan_with_a_tied_table_and_fused_zero_shards_runs_the_collectives_it_prices(tmp_path):
+    """GPT-2 (tied wte / lm_head, fused c_attn) solved on a 2 x 1 mesh, data parallel with ZeRO: the step runs
+    the plan's collectives, but for the fused c_attn biases [3 · 32], whose ZeRO shard over d splits an inner
+    factor of the torch axis (no DTensor Shard can): replicated with a note, their gradients all-reduced,
+    by hand 3 · 32 fp32 = 384 B each, where the plan reduce-scatters and all-gathers them."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(GPT2))
+    graph = from_hf_config(read_hf_config(config), batch=4, seq=8)
+    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    plan = optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(2, 1)], intra_only=True)
+    report = verify_plan(plan, str(config))
+    stage = report.stages[0]
+    assert report.ok, report.lines()
+    reduced = [(c["kind"], c["bytes"]) for c in stage.calls
+               if c["module"] == "(top level)" and c["kind"] == "all_reduce" and c["bytes"] > 256]
+    assert reduced == [("all_reduce", 384), ("all_reduce", 384)]
+    assert [n.partition(":")[0] for n in stage.notes] == ["transformer.h.0.attn.c_attn.bias[0/3]",
+                                                          "transformer.h.1.attn.c_attn.bias[0/3]"]
