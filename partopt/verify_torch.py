@@ -1,14 +1,15 @@
 """Prove a plan in PyTorch: each stage's parameter shardings applied with DTensor on gloo CPU
 processes, one training step, compared with the unsharded step (loss, every gradient) and with
-the collectives the plan prices (by kind).
+the collectives the plan implies, module by module (`verify_torch_comm`).
 
 The model is a Hugging Face config.json or `pkg.mod:make` / `file.py:make` (see
 `partopt.frontends.torch.load_source`), built with random weights from a fixed seed in every
 process. A stage runs the whole model on its own mesh: its parameters take the plan's
-placements, the others are replicated, the model inputs are split over the mesh axes on which
-the stage's first op splits the batch, and gradients are then reduced to the placement the
-plan's synchronisation gives them (reduce-scatter to the optimizer-state shard and all-gather
-back under ZeRO, else all-reduce). torch is imported lazily.
+placements, the others are replicated, each model input is placed as its first reader requires,
+activations are redistributed to the plan's layouts where modules begin (and the model's output
+where the loss reads it), and gradients are then reduced to the placement the plan's
+synchronisation gives them (reduce-scatter to the optimizer-state shard and all-gather back
+under ZeRO, else all-reduce). torch is imported lazily.
 """
 
 from __future__ import annotations
@@ -218,11 +219,10 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: in
         def as_placed(name: str, x: Any) -> Any:
             spec, _ = torch_placements(name, placed.get(name, replicated), tuple(x.shape),
                                        plan.tensors[name]["dims"], sizes)
-            return distribute_tensor(x, mesh, [TShard(a) if kind == "shard" else Replicate() for kind, a in spec])
+            return distribute_tensor(x, mesh, as_torch(spec))
         dinputs = [as_placed(name, x) for name, x in zip(names, inputs)]
         labels = [as_placed("labels", inputs[0])] if "labels" in plan.tensors else dinputs
-        planned_pins = pins(plan, stage_index)
-        place = _pin(model, planned_pins, plan, mesh, sizes, skip=tuple(expert_modules(plan)))
+        place = _pin(model, pins(plan, stage_index), plan, mesh, sizes, skip=tuple(expert_modules(plan)))
         with implicit_replication():
             with _recorder(mesh) as comm:
                 loss = loss_fn(_placed_output(model(*dinputs), place), labels)
