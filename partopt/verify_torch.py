@@ -471,8 +471,9 @@ def verify_plan(plan: Plan, source: str) -> VerifyReport:
         if "input_ids" not in plan.tensors:
             raise PartoptError("the plan has no tensor input_ids: it is not a plan of a graph imported from a "
                                "Hugging Face config", "verify", "solve the graph of `partopt import hf` for this config")
-    for stage in plan.stages:  # refuse an expert split the run cannot express before any process starts
+    for i, stage in enumerate(plan.stages):  # refuse what the run cannot express before any process starts
         expert_splits(plan, stage, set())
+        pins(plan, i)
     stages = []
     for i, stage in enumerate(plan.stages):
         world = math.prod(stage.logical_mesh)

@@ -22,6 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from partopt.errors import PartoptError
 from partopt.export import AXIS_NAMES, TensorPlacement, optimizer_placement
 from partopt.plan import Plan, StagePlan
 from partopt.sharding import MeshShape, Placement, R, Shard, as_gradient_target, gradient_placement, reshard_collectives
@@ -81,7 +82,12 @@ def _reads(plan: Plan, index: int) -> list[tuple[str, str, Placement, tuple]]:
     result = []
     for k, s in enumerate(plan.stages):
         for op, info in s.ops.items():
-            for t, need in zip(op_inputs(info.explanation), info.inputs):
+            names = op_inputs(info.explanation)
+            if len(names) != len(info.inputs):
+                raise PartoptError(f"stages[{k}].ops.{op}: its explanation names {len(names)} inputs where its "
+                                   f"strategy places {len(info.inputs)}; verify reads the op's inputs from it",
+                                   "verify", "verify a plan as `partopt solve` wrote it")
+            for t, need in zip(names, info.inputs):
                 if plan.tensors.get(t, {}).get("role") not in ("param", None):
                     result.append((op, t, need, info.axes) if k == index else (op, t, replicated, none))
     return result

@@ -158,6 +158,21 @@ def test_cli_verify_of_a_plan_of_another_graph_is_one_line(tmp_path, split_plan)
     assert result.output.count("\n") == 1 and "no tensor input_ids" in result.output
 
 
+def test_cli_verify_of_a_plan_whose_explanation_lost_an_input_is_one_line(tmp_path, dp_plan):
+    """verify reads an op's inputs from its explanation: one that no longer names them is refused, naming the op."""
+    plan, config = dp_plan
+    stage = plan.stages[0]
+    head = stage.ops["lm_head.linear"]
+    edited = dataclasses.replace(stage, ops={**stage.ops, "lm_head.linear": dataclasses.replace(
+        head, explanation="lm_head.linear: replicated")})
+    path = tmp_path / "plan.json"
+    write_plan(dataclasses.replace(plan, stages=[edited]), path)
+    result = CliRunner().invoke(main, ["verify", str(path), "--against", "torch", "--model", str(config)])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "stages[0].ops.lm_head.linear: its explanation names 0 inputs" \
+        in result.output
+
+
 def test_every_process_builds_the_same_model_from_a_torch_source(tmp_path):
     """verify rebuilds `file.py:make` in each process: the weights and inputs must agree bit for bit."""
     import torch
