@@ -300,20 +300,35 @@ def _recorder(mesh: Any, module: str | None = None) -> Any:
 
 
 def _pin(model: Any, planned: list[Pin], plan: Plan, mesh: Any, sizes: dict[str, int], skip: tuple[str, ...]) -> Any:
-    """Redistribute each activation entering a module to the layout the plan pins it in (`verify_torch_comm.pins`):
-    a forward pre-hook per module, matching the module's DTensor arguments to the pinned tensors by their number
-    of elements (an argument that matches none, or several, is left as DTensor has it). Experts modules run
-    their own exchange (`verify_torch_moe`) and are left alone, with everything inside them. Returns the
-    placing function of the loss's pins (TOP_LEVEL), for the model's output."""
-    from torch.distributed.tensor import DTensor, Replicate
+    """Redistribute each activation entering a module to the layout the plan pins it in (`verify_torch_comm.pins`)
+    by a forward pre-hook, and a pending sum leaving a module by a forward hook, matching the DTensors to the
+    pinned tensors by their number of elements (one that matches none, or several, is left as DTensor has it);
+    at a tensor's first entry its gradient goes back to the layout it arrived in (a pending gradient reduced
+    there, as the plan does, not carried on by DTensor). Experts modules run their own exchange
+    (`verify_torch_moe`) and are left alone, with everything inside them. Returns the placing function of the
+    loss's pins (TOP_LEVEL), for the model's output."""
+    import torch
+    from torch.distributed.tensor import DTensor, Partial, Replicate
     from torch.distributed.tensor import Shard as TShard
 
-    by_module: dict[str, list[Pin]] = {}
+    class GradientTo(torch.autograd.Function):
+        """The identity, whose backward redistributes the gradient (a pending sum reduced where the plan does)."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, placements: list[Any]) -> Any:
+            ctx.placements = placements
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+            return grad.redistribute(mesh, ctx.placements), None
+
+    by_module: dict[tuple[str, bool], list[Pin]] = {}
     for pin in planned:
         if not any(pin.module == m or pin.module.startswith(m + ".") for m in skip):
-            by_module.setdefault(pin.module, []).append(pin)
+            by_module.setdefault((pin.module, pin.exit), []).append(pin)
 
-    def hook_for(module_pins: list[Pin]) -> Any:
+    def placer(module_pins: list[Pin]) -> Any:
         def place(x: Any) -> Any:
             if not isinstance(x, DTensor):
                 return x
@@ -324,25 +339,30 @@ def _pin(model: Any, planned: list[Pin], plan: Plan, mesh: Any, sizes: dict[str,
             if spec is None:
                 return x
             target = [TShard(a) if kind == "shard" else Replicate() for kind, a in spec]
-            return x if list(x.placements) == target else x.redistribute(mesh, target)
+            arrived = [Replicate() if isinstance(p, Partial) else p for p in x.placements]
+            y = x if list(x.placements) == target else x.redistribute(mesh, target)
+            return GradientTo.apply(y, arrived) if fits[0].gradient and y.requires_grad else y
+        return place
 
-        def hook(module: Any, args: tuple, kwargs: dict) -> tuple:
-            return tuple(place(a) for a in args), {k: place(v) for k, v in kwargs.items()}
-        return hook
-
-    for name, module_pins in by_module.items():
+    for (name, leaving), module_pins in by_module.items():
         if name == TOP_LEVEL:
             continue
         try:
             module = model.get_submodule(name)
         except AttributeError:
             continue  # an op named after no module (a function's result): nothing to hook
-        module.register_forward_pre_hook(hook_for(module_pins), with_kwargs=True)
-    return lambda x: hook_for(by_module.get(TOP_LEVEL, []))(None, (x,), {})[0][0]
+        place = placer(module_pins)
+        if leaving:
+            module.register_forward_hook(lambda m, args, out, place=place: _placed_output(out, place))
+        else:
+            module.register_forward_pre_hook(
+                lambda m, args, kwargs, place=place: (tuple(place(a) for a in args),
+                                                      {k: place(v) for k, v in kwargs.items()}), with_kwargs=True)
+    return placer(by_module.get((TOP_LEVEL, False), []))
 
 
 def _placed_output(out: Any, place: Any) -> Any:
-    """The model's output with its tensor (a Hugging Face output's logits) placed for the loss."""
+    """A module's output with its tensor (a Hugging Face output's logits, a tuple's first) placed."""
     if hasattr(out, "logits"):
         out["logits"] = place(out.logits)
         return out

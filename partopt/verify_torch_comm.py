@@ -1,14 +1,16 @@
 """The collectives a plan implies for `verify --against torch`'s DTensor step, module by module, and their
 comparison with those the step ran (`verify_torch._recorder`).
 
-DTensor propagates its own layouts from the parameters' and inputs' placements; it does not take the
-plan's activation layouts unless told. So the step pins them where a module begins (`pins`): each
-activation entering a module (read by an op inside it, made outside it) is redistributed to the layout
-the plan's first reader inside the module requires (other stages' ops: replicated, so only this
-stage's collectives show). The collectives that implies, in the run's fp32 bytes as partopt counts
-them (all-gather: the gathered buffer; the others: the input buffer), are `planned_calls`: each pin's
-forward redistribution, its gradient's backward one, and each parameter's gradient synchronisation as
-the step runs it (to its optimizer-state shard and back). `compare` then checks, per module, the
+DTensor propagates its own layouts from the parameters' and inputs' placements, and reduces a pending
+sum only when an op needs it whole; it does not take the plan's layouts unless told. So the step pins
+them at module boundaries (`pins`): each activation entering a module (read by an op inside it, made
+outside it) is redistributed to the layout the plan's first reader inside the module requires (other
+stages' ops: replicated, so only this stage's collectives show); a pending sum leaving its op's module
+is reduced there for its reader outside; and at an activation's first entry its readers' summed
+gradient goes back to the layout it arrived in. The collectives that implies, in the run's fp32 bytes
+as partopt counts them (all-gather: the gathered buffer; the others: the input buffer), are
+`planned_calls`: each pin's forward redistribution, the backward ones, and each parameter's gradient
+synchronisation as the step runs it (to its optimizer-state shard and back). `compare` then checks, per module, the
 forward calls by (kind, mesh axis): count and bytes; the backward calls and the synchronisation by
 (kind, mesh axis) over the stage (CommDebugMode attributes a backward call to the module its
 hooks last saw, not to where the plan prices it: docs/FRONTENDS.md).
@@ -25,7 +27,8 @@ from typing import Any
 from partopt.errors import PartoptError
 from partopt.export import AXIS_NAMES, TensorPlacement, optimizer_placement
 from partopt.plan import Plan, StagePlan
-from partopt.sharding import MeshShape, Placement, R, Shard, as_gradient_target, gradient_placement, reshard_collectives
+from partopt.sharding import MeshShape, Partial, Placement, R, Shard, as_gradient_target, gradient_placement, \
+    reshard_collectives
 
 TOP_LEVEL = "(top level)"  # the loss, gradient synchronisation: outside every module
 BACKWARD = "(backward)"  # the backward's calls, compared over the stage
@@ -36,11 +39,15 @@ _INPUT = re.compile(r"(\S+) \[[^\]]*\]")
 
 @dataclass(frozen=True)
 class Pin:
-    """Where the step redistributes an activation: entering `module`, `tensor` goes to `placement`."""
+    """Where the step redistributes an activation: entering `module` (leaving it: `exit`, a pending sum
+    reduced for its reader outside), `tensor` goes to `placement`; `gradient`: its first entry on the way to
+    its readers, where their summed gradient goes back to the layout the tensor arrived in."""
 
     module: str
     tensor: str
     placement: Placement
+    exit: bool = False
+    gradient: bool = False
 
 
 def op_inputs(explanation: str) -> list[str]:
@@ -102,13 +109,31 @@ def input_placements(plan: Plan, index: int) -> dict[str, Placement]:
     return placed
 
 
+def _route(producer: str | None, consumer: str, source: Placement) -> list[tuple[str, bool]]:
+    """The (module, leaving) boundaries a tensor crosses from its producer op to a consumer op: the producer's
+    own module when the tensor leaves it as a pending sum (DTensor would carry the sum on and reduce it
+    later), then the consumer's modules it enters, outermost first."""
+    route = []
+    if producer is not None and any(isinstance(p, Partial) for p in source):
+        home = module_of(producer)
+        if home != TOP_LEVEL and not _contains(home, consumer):
+            route.append((home, True))
+    return route + [(m, False) for m in _entries(producer, consumer)]
+
+
 def pins(plan: Plan, index: int) -> list[Pin]:
-    """Every redistribution the step makes at a module's entry, in plan order (see the module doc)."""
+    """Every redistribution the step makes where a module begins or a pending sum leaves one, in plan order
+    (see the module doc); the placement is the first reader's beyond it."""
     producer = {info.tensor: op for s in plan.stages for op, info in s.ops.items()}
-    result: dict[tuple[str, str], Pin] = {}
+    made = {info.tensor: info.output for info in plan.stages[index].ops.values()}
+    result: dict[tuple[str, str, bool], Pin] = {}
     for op, t, need, _ in _reads(plan, index):
-        for module in _entries(producer.get(t), op):
-            result.setdefault((module, t), Pin(module, t, need))
+        route = _route(producer.get(t), op, made.get(t, need))
+        first = next((k for k, (_, leaving) in enumerate(route) if not leaving), None)
+        for k, (module, leaving) in enumerate(route):
+            if leaving and any(isinstance(p, Partial) for p in need):
+                continue  # the reader takes the pending sum as it is
+            result.setdefault((module, t, leaving), Pin(module, t, need, leaving, k == first))
     return list(result.values())
 
 
@@ -162,28 +187,35 @@ def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | N
     made = {info.tensor: info.output for info in stage.ops.values()}
     inputs = input_placements(plan, index)
     producer = {info.tensor: op for s in plan.stages for op, info in s.ops.items()}
-    pinned = {(p.module, p.tensor): p.placement for p in pins(plan, index)}
+    pinned = {(p.module, p.tensor, p.exit): p for p in pins(plan, index)}
     result: list[dict[str, Any]] = []
     done: set[tuple[Any, ...]] = set()
     for op, t, need, axes in _reads(plan, index):
         source = inputs[t] if t in inputs else made.get(t, replicated)
         nbytes = _numel(plan, t) * FP32
-        layout = source
-        for module in _entries(producer.get(t), op):
-            target = pinned[(module, t)]
-            if (module, t) not in done:
-                done.add((module, t))
-                result += planned_reshard(layout, target, nbytes, mesh, module)
+        route = [(m, leaving) for m, leaving in _route(producer.get(t), op, source) if (m, t, leaving) in pinned]
+        layouts = [source, *(pinned[(m, t, leaving)].placement for m, leaving in route)]
+        for k, (module, leaving) in enumerate(route):
+            if (module, t, leaving) not in done:
+                done.add((module, t, leaving))
+                result += planned_reshard(layouts[k], layouts[k + 1], nbytes, mesh, module)
+        layout, grad = layouts[-1], gradient_placement(need, axes)
+        if layout != need:  # inside one module: DTensor's own rules must reshard as the plan prices
+            if (module_of(op), t, need) not in done:  # once per layout: a second reader takes the resharded tensor
+                done.add((module_of(op), t, need))
+                result += planned_reshard(layout, need, nbytes, mesh, module_of(op))
                 if plan.tensors[t]["role"] != "input":
-                    result += planned_reshard(gradient_placement(target, axes), as_gradient_target(layout), nbytes,
-                                              mesh, module, backward=True)
-            layout = target
-        if layout != need and (module_of(op), t, need) not in done:  # inside one module: DTensor's own rules
-            done.add((module_of(op), t, need))  # once per layout: a second reader takes the resharded tensor
-            result += planned_reshard(layout, need, nbytes, mesh, module_of(op))
-            if plan.tensors[t]["role"] != "input":
-                result += planned_reshard(gradient_placement(need, axes), as_gradient_target(layout), nbytes, mesh,
-                                          module_of(op), backward=True)
+                    result += planned_reshard(grad, as_gradient_target(layout), nbytes, mesh, module_of(op), True)
+            grad = as_gradient_target(layout)
+        if plan.tensors[t]["role"] == "input":
+            continue
+        for k in reversed(range(len(route))):  # backward: each redistribution's, and the gradient pin's
+            module, leaving = route[k]
+            if layouts[k] != layouts[k + 1] or pinned[(module, t, leaving)].gradient:
+                if ("backward", module, t, leaving) not in done:
+                    done.add(("backward", module, t, leaving))
+                    result += planned_reshard(grad, as_gradient_target(layouts[k]), nbytes, mesh, module, True)
+                grad = as_gradient_target(layouts[k])
     for op, info in stage.ops.items():  # a sharded parameter gathered for its reader (FSDP), inside the op
         for t, need in zip(op_inputs(info.explanation), info.inputs):
             if t in stage.params:
