@@ -56,7 +56,7 @@ class StageReport:
     checks: list[Check] = field(default_factory=list)
     placements: dict[str, str] = field(default_factory=dict)  # parameter FQN -> the DTensor placements applied
     notes: list[str] = field(default_factory=list)  # plan placements DTensor cannot express, replaced
-    calls: list[dict[str, Any]] = field(default_factory=list)  # the DTensor step's collectives (module, kind, axis, …)
+    calls: list[dict[str, Any]] = field(default_factory=list)  # the DTensor step's collectives: module, kind, …
     planned: list[dict[str, Any]] = field(default_factory=list)  # those the plan implies (verify_torch_comm)
     differences: list[str] = field(default_factory=list)  # per (module, kind, axis): count or bytes differ
 

@@ -24,7 +24,7 @@ from partopt.sharding import R, Shard
 from partopt.verify_torch import spawn, verify_plan
 from partopt.verify_torch_comm import op_inputs
 from test_frontend_torch import mlp_source
-from test_verify_torch_comm import LLAMA, data_parallel_plan
+from test_verify_torch_comm import LLAMA, data_parallel_plan, megatron_plan
 
 
 
@@ -127,6 +127,23 @@ def test_a_data_parallel_plan_runs_the_collectives_it_prices(dp_plan):
     assert (sync.count("reduce_scatter"), sync.count("all_gather")) == (11, 12)
     small = [c for c in stage.calls if c["module"] == "(top level)" and c["bytes"] <= 256]
     assert {c["bytes"] for c in small} == {32 * 4} and len(small) == 6  # the three norms' weights: listed only
+
+
+def test_a_megatron_mlp_plan_runs_the_collectives_it_prices(tmp_path):
+    """The MLP split Megatron's way on y: DTensor, with the pending sum reduced where it leaves down_proj and the
+    input's gradient where it entered the MLP, runs one all-reduce of [4, 8, 32] fp32 (4,096 B) each way and
+    reproduces the unsharded step; without those pins it reduced the sum only at model.norm and carried the
+    pending gradient into the attention's and embedding's weight gradients."""
+    plan, config = megatron_plan(tmp_path)
+    report = verify_plan(plan, str(config))
+    stage = report.stages[0]
+    assert report.ok, report.lines()
+    steps = [(c["module"], c["kind"], c["axis"], c["bytes"], c["backward"]) for c in stage.calls
+             if c["module"] != "(top level)" and c["bytes"] > 256]
+    assert [s for s in steps if not s[4]] == [("model.layers.0.mlp.down_proj", "all_reduce", "y", 4096, False)]
+    backward = [(kind, axis, nbytes) for _, kind, axis, nbytes, back in steps if back]
+    assert backward == [("all_reduce", "y", 4096)]
+    assert stage.placements["model.layers.0.mlp.down_proj.weight"] == "[Replicate(), Shard(1)]"
 
 
 def test_a_plan_pricing_a_gather_dtensor_does_not_run_fails_naming_the_module(dp_plan, tmp_path):

@@ -15,6 +15,7 @@ from partopt.cluster import preset
 from partopt.frontends.torch import from_hf_config, read_hf_config
 from partopt.inter import optimize
 from partopt.export import AXIS_NAMES
+from partopt.plan import ParamPlacement
 from partopt.sharding import MeshShape, Partial, R, Shard, reshard_collectives
 from partopt.verify_torch_comm import BACKWARD, TOP_LEVEL, compare, dtensor_order, input_placements, op_inputs, \
     planned_calls, planned_reshard
@@ -43,6 +44,32 @@ def data_parallel_plan(directory):
         ins = tuple((R, R) if plan.tensors[t]["role"] == "param" else split for t in op_inputs(info.explanation))
         stage.ops[name] = dataclasses.replace(info, axes=(None, "b"), inputs=ins, output=split)
     assert all(p.placement == (R, R) and p.zero_axes == (1,) for p in stage.params.values())
+    return plan, config
+
+
+def megatron_plan(directory):
+    """The tiny Llama on a 1 x 2 mesh with its MLP split Megatron's way on y (gate and up by their output
+    features, down by its input features: a pending sum reduced before the residual add), every other op
+    replicated and their parameters replicated with ZeRO over y; and its config file."""
+    config = directory / "config.json"
+    config.write_text(json.dumps(LLAMA))
+    graph = from_hf_config(read_hf_config(config), batch=BATCH, seq=SEQ)
+    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    plan = optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(1, 2)])
+    stage = plan.stages[0]
+    mlp = "model.layers.0.mlp"
+    f = plan.tensors[f"{mlp}.up_proj.weight"]["dims"][0]
+    split, whole = (R, Shard(f)), (R, R)
+    for weight in ("gate_proj", "up_proj", "down_proj"):
+        stage.params[f"{mlp}.{weight}.weight"] = ParamPlacement(split, ())
+    for name in (f"{mlp}.gate_proj.linear", f"{mlp}.up_proj.linear"):
+        stage.ops[name] = dataclasses.replace(stage.ops[name], axes=(None, f), inputs=(whole, split), output=split)
+    for name in (f"{mlp}.act_fn.silu", f"{mlp}.mul"):
+        info = stage.ops[name]
+        stage.ops[name] = dataclasses.replace(info, axes=(None, f), inputs=(split,) * len(info.inputs), output=split)
+    stage.ops[f"{mlp}.down_proj.linear"] = dataclasses.replace(
+        stage.ops[f"{mlp}.down_proj.linear"], axes=(None, f), inputs=(split, split), output=(R, Partial()))
+    assert all(info.axes == (None, None) for name, info in stage.ops.items() if not name.startswith(mlp))
     return plan, config
 
 
@@ -136,3 +163,18 @@ def test_a_two_axis_reshard_is_predicted_in_dtensors_order_of_the_axes():
     partial, state = (Partial(), Partial()), (Shard("d"), Shard("d"))
     calls = [(c["kind"], c["axis"], c["bytes"]) for c in planned_reshard(partial, state, 65536, mesh)]
     assert calls == [("reduce_scatter", "x", 65536), ("reduce_scatter", "y", 32768)]
+
+
+def test_a_megatron_mlp_implies_one_all_reduce_each_way_and_no_sync_of_its_weights(tmp_path):
+    """By hand, in fp32: down_proj's pending sum [4, 8, 32] is all-reduced on y where it leaves its module
+    (4,096 B), and the gradient of the MLP's input, pending from the split gate and up, once where it
+    entered model.layers.0.mlp (4,096 B). The MLP's weights are split and their gradients whole: no sync.
+    The other parameters, read by replicated ops, have whole gradients: ZeRO slices them and all-gathers
+    them back (embedding 64·32, q and o 32·32, k and v 16·32, lm_head 64·32; the three norms, 32 each)."""
+    plan, _ = megatron_plan(tmp_path)
+    got = totals(planned_calls(plan, 0))
+    activation = BATCH * SEQ * HIDDEN * 4
+    gathered = (2 * VOCAB * HIDDEN + 2 * HIDDEN * HIDDEN + 2 * 16 * HIDDEN + 3 * HIDDEN) * 4
+    assert got == {("model.layers.0.mlp.down_proj", "all_reduce", "y", "forward"): (1, activation),
+                   ("model.layers.0.mlp", "all_reduce", "y", "backward"): (1, activation),
+                   (TOP_LEVEL, "all_gather", "y", "forward"): (9, gathered)}
