@@ -19,7 +19,7 @@ import numpy as np
 
 from partopt import costmodel
 from partopt import ops as opkinds
-from partopt.cluster import LogicalMesh
+from partopt.cluster import LogicalMesh, MeshAxis
 from partopt.errors import InstanceError
 from partopt.graph import Graph, Op, Tensor
 from partopt.ops import Behaviour
@@ -113,6 +113,19 @@ def buffer_bytes(kind: str, nbytes: float, src: Placement, mesh: LogicalMesh, ax
     device's local shard, so its buffer is also divided by this axis.
     """
     return nbytes / shards(src, mesh, skip_axis=None if kind == "all_to_all" else axis)
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """What the collective rules here read of a LogicalMesh: its shape, and axes of one nominal link
+    each; for the verifiers, which compare bytes, not times (a reshard on both axes then takes the
+    axes in order)."""
+
+    shape: tuple[int, int]
+
+    @property
+    def axes(self) -> tuple[MeshAxis, MeshAxis]:
+        return tuple(MeshAxis(size, 1.0, 0.0, False) for size in self.shape)
 
 
 def reshard_collectives(src: Placement, dst: Placement, nbytes: float,

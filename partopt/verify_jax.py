@@ -34,13 +34,12 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from partopt.cluster import MeshAxis
 from partopt.errors import PartoptError
 from partopt.export import AXIS_NAMES, TensorPlacement, stage_tensors
 from partopt.frontends.jax import CALLS, Traced, _sub_jaxpr, trace
 from partopt.graph import Graph
 from partopt.plan import Plan, StagePlan
-from partopt.sharding import Partial, Placement, R, Shard, as_gradient_target, gradient_placement, \
+from partopt.sharding import MeshShape, Partial, Placement, R, Shard, as_gradient_target, gradient_placement, \
     reshard_collectives
 
 COLLECTIVES = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
@@ -81,19 +80,6 @@ class StageCheck:
     @property
     def ok(self) -> bool:
         return self.numerics_ok and not self.mismatches
-
-
-@dataclass(frozen=True)
-class _MeshShape:
-    """What `partopt.sharding`'s collective rules read of a LogicalMesh: its shape, and axes of one
-    nominal link each (links play no part in the bytes compared here: a reshard on both axes then
-    takes the axes in order)."""
-
-    shape: tuple[int, int]
-
-    @property
-    def axes(self) -> tuple[MeshAxis, MeshAxis]:
-        return tuple(MeshAxis(size, 1.0, 0.0, False) for size in self.shape)
 
 
 def microbatch_args(args: Sequence[Any], params_argnum: int, microbatch: int) -> tuple[Any, ...]:
@@ -424,7 +410,7 @@ def planned_collectives(plan: Plan, index: int, graph: Graph) -> list[Collective
     read's partial gradient before adding them, so reads 2..k add the all-reduces of their partial axes.
     """
     stage = plan.stages[index]
-    mesh = _MeshShape((stage.logical_mesh[0], stage.logical_mesh[1]))
+    mesh = MeshShape((stage.logical_mesh[0], stage.logical_mesh[1]))
     produced = {info.tensor: info.output for info in stage.ops.values()}
     params = {name: (info.placement, info.zero_axes) for name, info in stage.params.items()}
     grads: dict[str, list[Placement]] = defaultdict(list)  # per parameter, each reader's gradient layout
@@ -462,7 +448,7 @@ def planned_collectives(plan: Plan, index: int, graph: Graph) -> list[Collective
 
 
 def tied_read_sync(read: Placement, first: Placement, placement: Placement, nbytes: float,
-                   mesh: _MeshShape) -> list[tuple[str, int, float]]:
+                   mesh: MeshShape) -> list[tuple[str, int, float]]:
     """The all-reduces XLA adds for a further read of a parameter: its partial gradient summed on the
     axes where it is partial and the parameter's synchronisation sums too (each buffer the gradient's
     layout there: the parameter's bytes over its split axes), before it is added to the others."""

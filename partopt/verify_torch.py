@@ -1,14 +1,15 @@
 """Prove a plan in PyTorch: each stage's parameter shardings applied with DTensor on gloo CPU
 processes, one training step, compared with the unsharded step (loss, every gradient) and with
-the collectives the plan prices (by kind).
+the collectives the plan implies, module by module (`verify_torch_comm`).
 
 The model is a Hugging Face config.json or `pkg.mod:make` / `file.py:make` (see
 `partopt.frontends.torch.load_source`), built with random weights from a fixed seed in every
 process. A stage runs the whole model on its own mesh: its parameters take the plan's
-placements, the others are replicated, the model inputs are split over the mesh axes on which
-the stage's first op splits the batch, and gradients are then reduced to the placement the
-plan's synchronisation gives them (reduce-scatter to the optimizer-state shard and all-gather
-back under ZeRO, else all-reduce). torch is imported lazily.
+placements, the others are replicated, each model input is placed as its first reader requires,
+activations are redistributed to the plan's layouts where modules begin (and the model's output
+where the loss reads it), and gradients are then reduced to the placement the plan's
+synchronisation gives them (reduce-scatter to the optimizer-state shard and all-gather back
+under ZeRO, else all-reduce). torch is imported lazily.
 """
 
 from __future__ import annotations
@@ -27,14 +28,16 @@ from partopt.errors import PartoptError
 from partopt.frontends.torch_axes import torch_placements
 from partopt.export import AXIS_NAMES, TensorPlacement, optimizer_placement
 from partopt.plan import Plan, plan_from_dict, plan_to_dict
-from partopt.verify_torch_moe import expert_parallel, expert_splits
+from partopt.sharding import R, Shard, fmt, parse_placement
+from partopt.verify_torch_comm import SMALL_BYTES, TOP_LEVEL, Pin, compare, compared, input_placements, pins, \
+    planned_calls
+from partopt.verify_torch_moe import expert_modules, expert_parallel, expert_splits
 
 MAX_PROCESSES = 8  # one CPU process per device of a stage
 RTOL, ATOL = 1e-4, 1e-5  # fp32 on CPU: a sharded sum differs from the unsharded one by rounding only
 SEED = 0
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 DONE_WAIT_S = 60.0  # how long a finished rank waits for its peers before it exits anyway
-TOP_LEVEL = "(top level)"  # the loss, gradient synchronisation: outside every module
 
 
 @dataclass
@@ -53,9 +56,9 @@ class StageReport:
     checks: list[Check] = field(default_factory=list)
     placements: dict[str, str] = field(default_factory=dict)  # parameter FQN -> the DTensor placements applied
     notes: list[str] = field(default_factory=list)  # plan placements DTensor cannot express, replaced
-    observed: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> kind -> calls (DTensor step)
-    predicted: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> kind -> ops pricing it (plan)
-    differences: list[str] = field(default_factory=list)  # modules whose collective kinds differ
+    calls: list[dict[str, Any]] = field(default_factory=list)  # the DTensor step's collectives: module, kind, …
+    planned: list[dict[str, Any]] = field(default_factory=list)  # those the plan implies (verify_torch_comm)
+    differences: list[str] = field(default_factory=list)  # per (module, kind, axis): count or bytes differ
 
 
 @dataclass
@@ -77,15 +80,14 @@ class VerifyReport:
         out = []
         for s in self.stages:
             out.append(f"stage {s.stage} on a {s.mesh[0]} x {s.mesh[1]} mesh ({s.mesh[0] * s.mesh[1]} gloo processes)")
-            out += [f"  {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}" for c in s.checks]
-            n = len(s.differences)
-            out.append(f"  collectives: {n} module{'' if n == 1 else 's'} differ{'s' if n == 1 else ''} in kind "
-                       f"from the plan" + (":" if n else ""))
-            out += [f"    {d}" for d in s.differences]
+            for c in s.checks:
+                out.append(f"  {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}")
+                if c.name == "collectives":
+                    out += [f"    {d}" for d in s.differences]
             out += [f"  note {n}" for n in s.notes]
         if self.pipeline is not None:
             out += self.pipeline.lines()
-        out.append("loss and gradients match" if self.ok else "MISMATCH: see the FAIL lines")
+        out.append("loss, gradients and collectives match" if self.ok else "MISMATCH: see the FAIL lines")
         return out
 
 
@@ -175,7 +177,6 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: in
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor, init_device_mesh
     from torch.distributed.tensor import Shard as TShard
-    from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.experimental import implicit_replication
 
     warnings.filterwarnings("ignore")  # the library never prints; torch warns about DTensor's module hooks
@@ -192,39 +193,46 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: in
         mesh = init_device_mesh("cpu", tuple(stage.logical_mesh), mesh_dim_names=AXIS_NAMES)
         sizes = _dim_sizes(plan)
 
-        def torch_placements(spec: list[tuple[str, int | None]]) -> list[Any]:
+        def as_torch(spec: list[tuple[str, int | None]]) -> list[Any]:
             return [TShard(a) if kind == "shard" else Replicate() for kind, a in spec]
 
-        applied, notes, grad_targets = {}, [], {}
+        applied, notes, grad_targets, states = {}, [], {}, {}
         names_of: dict[int, list[str]] = {}
         for fqn, p in model.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(p), []).append(fqn)
         for fqn, p in list(model.named_parameters()):
-            spec, sync = _param_specs(plan, stage, fqn, tuple(p.shape), sizes, notes)
-            param = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, torch_placements(spec)))
+            spec, sync = _param_specs(plan, stage, fqn, tuple(p.shape), sizes, notes, states)
+            param = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, as_torch(spec)))
             for name in names_of[id(p)]:
                 owner, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(owner) if owner else model, leaf, param)
             applied[fqn] = _placement_text(spec)
             if fqn in stage.params or any(k.startswith(fqn + "[") for k in stage.params):
-                grad_targets[fqn] = (torch_placements(sync), torch_placements(spec))
+                grad_targets[fqn] = (as_torch(sync), as_torch(spec))
         batch_axes = _batch_axes(stage, plan.batch_dim)
         for path, split in expert_splits(plan, stage, batch_axes).items():
             expert_parallel(model.get_submodule(path), mesh, split)
-        placements = [TShard(0) if k in batch_axes else Replicate() for k in range(len(AXIS_NAMES))]
-        dinputs = [distribute_tensor(x, mesh, placements) for x in inputs]
+        placed = input_placements(plan, stage_index)
+        names = [t for t, info in plan.tensors.items() if info["role"] == "input" and t != "labels"]
+        replicated = (R,) * len(AXIS_NAMES)
+
+        def as_placed(name: str, x: Any) -> Any:
+            spec, _ = torch_placements(name, placed.get(name, replicated), tuple(x.shape),
+                                       plan.tensors[name]["dims"], sizes)
+            return distribute_tensor(x, mesh, as_torch(spec))
+        dinputs = [as_placed(name, x) for name, x in zip(names, inputs)]
+        labels = [as_placed("labels", inputs[0])] if "labels" in plan.tensors else dinputs
+        place = _pin(model, pins(plan, stage_index), plan, mesh, sizes, skip=tuple(expert_modules(plan)))
         with implicit_replication():
-            with CommDebugMode() as comm:
-                loss = loss_fn(model(*dinputs), dinputs)
+            with _recorder(mesh) as comm:
+                loss = loss_fn(_placed_output(model(*dinputs), place), labels)
                 loss.backward()
-            with CommDebugMode() as sync:
+            with _recorder(mesh, TOP_LEVEL) as sync:
                 for fqn, p in model.named_parameters():  # the stage's gradient synchronisation, as priced
                     if fqn in grad_targets:
                         shard, back = grad_targets[fqn]
                         p.grad = p.grad.redistribute(mesh, shard).redistribute(mesh, back)
-        per_module = _own_counts(comm.comm_module_counts)
-        for kind, n in _kind_counts(sync.get_comm_counts()).items():
-            per_module.setdefault(TOP_LEVEL, {})[kind] = per_module.get(TOP_LEVEL, {}).get(kind, 0) + n
+        calls = comm.calls + sync.calls
         loss_value = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
         grads = {fqn: p.grad.full_tensor() for fqn, p in model.named_parameters()}
         if rank == 0:
@@ -235,7 +243,7 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: in
                     worst.append((fqn, float((g - ref).abs().max())))
             Path(run_dir, "result.json").write_text(json.dumps({
                 "loss": float(loss_value), "ref_loss": float(ref_loss), "grad_mismatch": worst,
-                "params": len(grads), "modules": per_module, "placements": applied,
+                "params": len(grads), "calls": calls, "placements": applied, "states": states,
                 "notes": notes}))
         finish(rank, world, run_dir)
     finally:
@@ -243,43 +251,149 @@ def _worker(rank: int, world: int, source: str, plan_data: dict, stage_index: in
         dist.destroy_process_group()
 
 
-def _kind_counts(counts: dict[Any, int]) -> dict[str, int]:
-    """Collective calls by kind (all_reduce, all_gather, reduce_scatter, all_to_all)."""
-    result: dict[str, int] = {}
-    for op, n in counts.items():
-        name = str(op).replace("alltoall", "all_to_all").replace("allgather", "all_gather").replace(
-            "allreduce", "all_reduce")  # c10d's spellings (c10d.alltoall_base_), as funcol's
-        kind = next((k for k in KINDS if k in name), name)
-        result[kind] = result.get(kind, 0) + n
-    return result
+def _recorder(mesh: Any, module: str | None = None) -> Any:
+    """A CommDebugMode that also lists every collective call as {module, kind, axis, bytes, backward}
+    in `.calls`: the innermost module running (its FQN; TOP_LEVEL outside every module, or `module`
+    for all), the mesh axis its process group spans ("x", "y", "x,y"), and the bytes partopt prices
+    (all-gather: the gathered output; the others: the input buffer)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    coordinate = mesh.get_coordinate()
+    ids = mesh.mesh
+    spans = {frozenset(ids[:, coordinate[1]].tolist()): "x", frozenset(ids[coordinate[0], :].tolist()): "y"}
+    spans.setdefault(frozenset(ids.flatten().tolist()), "x,y")
+
+    def axis_of(args: tuple) -> str:
+        group = next((a for a in reversed(args) if isinstance(a, (str, torch.ScriptObject))), None)  # funcol: last
+        if isinstance(group, str):
+            group = dist.distributed_c10d._resolve_process_group(group)
+        elif group is not None:
+            group = dist.ProcessGroup.unbox(group)
+        ranks = frozenset(dist.get_process_group_ranks(group)) if group is not None else frozenset()
+        return spans.get(ranks, "ranks " + ",".join(map(str, sorted(ranks))))
+
+    class Recorder(CommDebugMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[dict[str, Any]] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            packet = getattr(func, "_overloadpacket", None)
+            if out is not NotImplemented and (packet in self.comm_registry or "c10d." in str(packet)):
+                kind = _kind(packet)
+                if kind in KINDS:
+                    tensors = [a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+                    buffer = tensors[1] if str(packet).endswith("_base_") else tensors[0]  # c10d's (output, input)
+                    nbytes = buffer.numel() * buffer.element_size()
+                    axis = axis_of(args)
+                    if kind == "all_gather":
+                        nbytes *= math.prod(mesh.size(k) for k, a in enumerate(AXIS_NAMES) if a in axis.split(","))
+                    self.calls.append({"module": module or _fqn(self.advanced_module_tracker.name), "kind": kind,
+                                       "axis": axis, "bytes": nbytes, "floating": buffer.is_floating_point(),
+                                       "backward": bool(self.advanced_module_tracker.is_bw)})
+            return out
+
+    return Recorder()
 
 
-def _own_counts(module_counts: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """Per module FQN, the collectives it ran itself (forward + backward, its submodules' taken off);
-    the rest of the step (the loss, gradient synchronisation) under TOP_LEVEL."""
-    total = {}
-    for name, parts in module_counts.items():
-        fqn = TOP_LEVEL if name == "Global" else name.partition(".")[2] if "." in name else ""
-        counts = _kind_counts({op: n for part in parts.values() for op, n in part.items()})
-        total[fqn] = {k: total.get(fqn, {}).get(k, 0) + n for k, n in counts.items()}
-    own = {m: dict(c) for m, c in total.items()}
-    for m in total:
-        parent = _nearest(m, total)
-        if parent is not None:
-            for k, n in total[m].items():
-                own[parent][k] = own[parent].get(k, 0) - n
-    return {m: {k: n for k, n in c.items() if n} for m, c in own.items() if any(c.values())}
+def _pin(model: Any, planned: list[Pin], plan: Plan, mesh: Any, sizes: dict[str, int], skip: tuple[str, ...]) -> Any:
+    """Redistribute each activation entering a module to the layout the plan pins it in (`verify_torch_comm.pins`)
+    by a forward pre-hook, and a pending sum leaving a module by a forward hook, matching the DTensors to the
+    pinned tensors by their number of elements (one that matches none, or several, is left as DTensor has it);
+    at a tensor's first entry its gradient goes back to the layout it arrived in (a pending gradient reduced
+    there, as the plan does, not carried on by DTensor). Experts modules run their own exchange
+    (`verify_torch_moe`) and are left alone, with everything inside them. Returns the placing function of the
+    loss's pins (TOP_LEVEL), for the model's output."""
+    import torch
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor import Shard as TShard
+
+    class GradientTo(torch.autograd.Function):
+        """The identity, whose backward redistributes the gradient (a pending sum reduced where the plan does)."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, placements: list[Any]) -> Any:
+            ctx.placements = placements
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+            return grad.redistribute(mesh, ctx.placements), None
+
+    by_module: dict[tuple[str, bool], list[Pin]] = {}
+    for pin in planned:
+        if not any(pin.module == m or pin.module.startswith(m + ".") for m in skip):
+            by_module.setdefault((pin.module, pin.exit), []).append(pin)
+
+    def placer(module_pins: list[Pin]) -> Any:
+        def place(x: Any) -> Any:
+            if not isinstance(x, DTensor):
+                return x
+            fits = [p for p in module_pins if math.prod(plan.tensors[p.tensor]["shape"]) == x.numel()]
+            if len(fits) != 1:
+                return x
+            spec = _activation_spec(plan.tensors[fits[0].tensor], fits[0].placement, tuple(x.shape), sizes)
+            if spec is None:
+                return x
+            target = [TShard(a) if kind == "shard" else Replicate() for kind, a in spec]
+            arrived = [Replicate() if isinstance(p, Partial) else p for p in x.placements]
+            y = x if list(x.placements) == target else x.redistribute(mesh, target)
+            return GradientTo.apply(y, arrived) if fits[0].gradient and y.requires_grad else y
+        return place
+
+    for (name, leaving), module_pins in by_module.items():
+        if name == TOP_LEVEL:
+            continue
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            continue  # an op named after no module (a function's result): nothing to hook
+        place = placer(module_pins)
+        if leaving:
+            module.register_forward_hook(lambda m, args, out, place=place: _placed_output(out, place))
+        else:
+            module.register_forward_pre_hook(
+                lambda m, args, kwargs, place=place: (tuple(place(a) for a in args),
+                                                      {k: place(v) for k, v in kwargs.items()}), with_kwargs=True)
+    return placer(by_module.get((TOP_LEVEL, False), []))
 
 
-def _nearest(fqn: str, counted: dict[str, Any]) -> str | None:
-    """The closest enclosing module of `fqn` that has counts ("" is the model, TOP_LEVEL holds all)."""
-    if fqn == TOP_LEVEL:
+def _placed_output(out: Any, place: Any) -> Any:
+    """A module's output with its tensor (a Hugging Face output's logits, a tuple's first) placed."""
+    if hasattr(out, "logits"):
+        out["logits"] = place(out.logits)
+        return out
+    return place(out) if not isinstance(out, (tuple, list)) else type(out)([place(out[0]), *out[1:]])
+
+
+def _activation_spec(tensor: dict[str, Any], placement: Any, shape: tuple[int, ...],
+                     sizes: dict[str, int]) -> list[tuple[str, int | None]] | None:
+    """An activation's placement on torch axes: as a parameter's (`torch_placements`) when its dims lay out the
+    torch shape; else, when it splits only its leading dim, that dim is torch axis 0 (a module's input seen
+    through a reshape: attention's context [b, g, r, s, d] as o_proj's [b, s, g·r·d]); else None."""
+    try:
+        spec, _ = torch_placements("activation", placement, shape, tensor["dims"], sizes)
+        return spec
+    except PartoptError:
+        lead = tensor["dims"][0] if tensor["dims"] else None
+        if all(p == R or (p == Shard(lead) and shape[0] == tensor["shape"][0]) for p in placement):
+            return [("shard", 0) if p != R else ("replicate", None) for p in placement]
         return None
-    while fqn:
-        fqn = fqn.rpartition(".")[0]
-        if fqn in counted:
-            return fqn
-    return TOP_LEVEL if TOP_LEVEL in counted else None
+
+
+def _fqn(tracked: str) -> str:
+    """CommDebugMode's module name ("Global", "LlamaForCausalLM.model.norm") as an FQN ("" the model)."""
+    return TOP_LEVEL if tracked == "Global" else tracked.partition(".")[2]
+
+
+def _kind(op: Any) -> str:
+    """A collective's kind in partopt's names (c10d's spellings, c10d.alltoall_base_, as funcol's)."""
+    name = str(op).replace("alltoall", "all_to_all").replace("allgather", "all_gather").replace(
+        "allreduce", "all_reduce")
+    return next((k for k in KINDS if k in name), name)
 
 
 def _dim_sizes(plan: Plan) -> dict[str, int]:
@@ -290,8 +404,9 @@ def _dim_sizes(plan: Plan) -> dict[str, int]:
 
 
 def _param_specs(plan: Plan, stage: Any, fqn: str, shape: tuple[int, ...], sizes: dict[str, int],
-                 notes: list[str]) -> tuple[list, list]:
-    """(the parameter's placement, its gradient's synchronised placement) in DTensor terms."""
+                 notes: list[str], states: dict[str, str]) -> tuple[list, list]:
+    """(the parameter's placement, its gradient's synchronised placement) in DTensor terms; an optimizer-state
+    shard DTensor cannot express is left replicated, with a note and its run placement in `states`."""
     replicated = [("replicate", None)] * len(AXIS_NAMES)
     name, info = fqn, stage.params.get(fqn)
     if info is None:
@@ -308,7 +423,12 @@ def _param_specs(plan: Plan, stage: Any, fqn: str, shape: tuple[int, ...], sizes
     notes.extend(why)
     t = TensorPlacement(name, "param", dims, tuple(plan.tensors[name]["shape"]), info.placement, info.zero_axes)
     state, _flat = optimizer_placement(t, tuple(stage.logical_mesh))
-    sync, _ = torch_placements(name, state, shape, dims, sizes)
+    sync, why = torch_placements(name, state, shape, dims, sizes)
+    ran = tuple(p if kind == "shard" else q for p, q, (kind, _) in zip(state, info.placement, sync))
+    if ran != state:
+        notes.extend(f"{text}; its gradient is synchronised to {fmt(ran)}, not the optimizer state's {fmt(state)}"
+                     for text in dict.fromkeys(why))  # one note a parameter, not one a mesh axis
+        states[fqn] = fmt(ran)
     return spec, sync
 
 
@@ -318,35 +438,6 @@ def _batch_axes(stage: Any, batch_dim: str | None) -> set[int]:
     if first is None or batch_dim is None:
         return set()
     return {k for k, d in enumerate(first.axes) if d == batch_dim}
-
-
-def _predicted(stage: Any) -> dict[str, dict[str, int]]:
-    """Per module FQN, the collectives the plan prices for its ops' outputs (from each op's
-    explanation), and the per-iteration gradient synchronisation under TOP_LEVEL."""
-    result: dict[str, dict[str, int]] = {}
-    for op, info in stage.ops.items():
-        _, arrow, tail = info.explanation.partition(" → ")
-        module = op.rpartition(".")[0] if "." in op else TOP_LEVEL
-        for part in tail.split("; ") if arrow else []:
-            words = part.split()
-            kind = (words[1] if words[0] == "statistics" else words[0]).replace("-", "_")
-            result.setdefault(module, {})[kind] = result.get(module, {}).get(kind, 0) + 1
-    for kind, seconds in stage.breakdown.get("sync_s", {}).items():
-        # one call per parameter, as the step runs it; a tied copy's all-reduce between stages is the pipeline's
-        if seconds > 0 and kind in KINDS:
-            result.setdefault(TOP_LEVEL, {})[kind] = result.get(TOP_LEVEL, {}).get(kind, 0) + len(stage.params)
-    return result
-
-
-def differences(predicted: dict[str, dict[str, int]], observed: dict[str, dict[str, int]]) -> list[str]:
-    """Modules whose collective kinds differ between the plan and the DTensor step, one line each."""
-    lines = []
-    for module in sorted(set(predicted) | set(observed)):
-        p, o = predicted.get(module, {}), observed.get(module, {})
-        if set(p) != set(o):
-            text = lambda c: ", ".join(f"{k} x{n}" for k, n in sorted(c.items())) or "none"
-            lines.append(f"{module or '(model)'}: the plan prices {text(p)}; DTensor ran {text(o)}")
-    return lines
 
 
 def finish(rank: int, world: int, run_dir: str) -> None:
@@ -400,8 +491,9 @@ def verify_plan(plan: Plan, source: str) -> VerifyReport:
         if "input_ids" not in plan.tensors:
             raise PartoptError("the plan has no tensor input_ids: it is not a plan of a graph imported from a "
                                "Hugging Face config", "verify", "solve the graph of `partopt import hf` for this config")
-    for stage in plan.stages:  # refuse an expert split the run cannot express before any process starts
+    for i, stage in enumerate(plan.stages):  # refuse what the run cannot express before any process starts
         expert_splits(plan, stage, set())
+        pins(plan, i)
     stages = []
     for i, stage in enumerate(plan.stages):
         world = math.prod(stage.logical_mesh)
@@ -416,7 +508,7 @@ def verify_plan(plan: Plan, source: str) -> VerifyReport:
                 raise PartoptError(f"stage {i}: the DTensor run failed: {last}", "verify",
                                    "check that the plan was solved for the graph of this model") from None
             result = json.loads(Path(tmp, "result.json").read_text())
-        stages.append(_report(i, stage, result))
+        stages.append(_report(plan, i, result))
     pipelined = None
     if len(plan.stages) > 1:
         from partopt.verify_torch_pipeline import verify_pipeline
@@ -425,13 +517,23 @@ def verify_plan(plan: Plan, source: str) -> VerifyReport:
     return VerifyReport(plan.graph, stages, pipelined)
 
 
-def _report(i: int, stage: Any, r: dict[str, Any]) -> StageReport:
+def _report(plan: Plan, i: int, r: dict[str, Any]) -> StageReport:
+    stage = plan.stages[i]
+    splits = expert_splits(plan, stage, _batch_axes(stage, plan.batch_dim))
+    summed = {m: s.experts for m, s in splits.items() if s.experts and not s.exchanges}
     report = StageReport(i, list(stage.logical_mesh), placements=r["placements"], notes=r["notes"],
-                         observed=r["modules"], predicted=_predicted(stage))
+                         calls=r["calls"], planned=planned_calls(plan, i, summed, {
+                             name: parse_placement(text, name) for name, text in r["states"].items()}))
     close = math.isclose(r["loss"], r["ref_loss"], rel_tol=RTOL, abs_tol=ATOL)
     report.checks.append(Check("loss", close, f"sharded {r['loss']:.6g}, unsharded {r['ref_loss']:.6g}"))
     bad = r["grad_mismatch"]
     report.checks.append(Check("gradients", not bad, f"{r['params'] - len(bad)} of {r['params']} parameters match"
                                + (f"; worst {bad[0][0]} (max abs diff {bad[0][1]:.3g})" if bad else "")))
-    report.differences = differences(report.predicted, report.observed)
+    report.differences = compare(report.planned, report.calls, tuple(expert_modules(plan)))
+    counted = [c for c in report.calls if compared(c)]
+    n = len(report.differences)
+    report.checks.append(Check("collectives", not n, f"{len(counted)} calls of DTensor's step over {SMALL_BYTES} B "
+                               + (f"as the plan implies (per module forward, over the stage backward and in "
+                                  f"the gradient synchronisation)" if not n else
+                                  f"differ from the plan's in {n} (module, kind, axis):")))
     return report

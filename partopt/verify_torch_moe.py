@@ -40,6 +40,12 @@ class ExpertSplit:
     experts: tuple[int, ...]
     tokens: tuple[int, ...]
 
+    @property
+    def exchanges(self) -> bool:
+        """Whether tokens go to their experts' processes (all-to-all): the tokens are split over every expert
+        axis; else, with the experts split, every process routes all tokens and the outputs are summed."""
+        return bool(self.experts) and set(self.experts) <= set(self.tokens)
+
 
 def expert_splits(plan: Any, stage: Any, batch_axes: set[int]) -> dict[str, ExpertSplit]:
     """Per experts module, how the stage runs it (its experts replicated, its tokens split over
@@ -91,7 +97,7 @@ def expert_parallel(module: Any, mesh: Any, split: ExpertSplit) -> None:
     from torch.distributed.tensor import Shard as TShard
 
     ep, split_tokens = split.experts, split.tokens
-    exchange_tokens = bool(ep) and set(ep) <= set(split_tokens)
+    exchange_tokens = split.exchanges
     axes = range(mesh.ndim)
     tokens = [TShard(0) if a in split_tokens else TReplicate() for a in axes]
     weights = [TShard(0) if a in ep else TReplicate() for a in axes]

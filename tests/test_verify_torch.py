@@ -21,11 +21,11 @@ from partopt.frontends.torch import from_hf_config, read_hf_config
 from partopt.inter import optimize
 from partopt.plan import ParamPlacement, write_plan
 from partopt.sharding import R, Shard
-from partopt.verify_torch import differences, spawn, verify_plan
+from partopt.verify_torch import spawn, verify_plan
+from partopt.verify_torch_comm import op_inputs
 from test_frontend_torch import mlp_source
+from test_verify_torch_comm import LLAMA, data_parallel_plan, megatron_plan
 
-LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 8}
 
 
 def llama_on_two_devices(directory):
@@ -60,11 +60,6 @@ def test_a_process_dying_before_it_is_done_fails_the_run(tmp_path):
         spawn(_abort_before_done, (str(tmp_path),), 2, str(tmp_path))
 
 
-def test_differences_name_the_module():
-    lines = differences({"lm_head": {"all_gather": 1}}, {"lm_head": {"all_gather": 2}, "(top level)": {"all_reduce": 1}})
-    assert lines == ["(top level): the plan prices none; DTensor ran all_reduce x1"]
-
-
 @pytest.fixture(scope="module")
 def split_plan(tmp_path_factory):
     """A Llama plan on a 1 x 2 mesh whose MLP is split column then row, and attention by kv groups."""
@@ -93,17 +88,80 @@ def test_dtensor_export_names_modules_and_their_parallel_styles(split_plan):
     assert all(axis == "y" for module in styles.values() for axis in module)  # axis x splits the batch or nothing
 
 
-def test_a_tensor_parallel_plan_reproduces_the_unsharded_step(split_plan):
-    """Two gloo processes run the split plan; loss and every gradient equal the unsharded step."""
+def test_parameters_sharded_under_replicated_ops_compute_right_but_fail_the_collectives(split_plan):
+    """Two gloo processes run the split plan: loss and every gradient equal the unsharded step, but the plan
+    was edited (its parameters sharded, its ops left replicated, so it prices gathering each weight for its
+    op) and DTensor runs the weights tensor parallel instead: the collectives check fails, naming modules."""
     plan, config = split_plan
     report = verify_plan(plan, str(config))
     stage = report.stages[0]
-    assert report.ok, report.lines()
-    assert [c.name for c in stage.checks] == ["loss", "gradients"]
+    assert [c.name for c in stage.checks] == ["loss", "gradients", "collectives"]
+    assert [c.ok for c in stage.checks] == [True, True, False] and not report.ok
     assert stage.placements["model.layers.0.mlp.up_proj.weight"] == "[Replicate(), Shard(0)]"
     assert stage.placements["model.layers.0.mlp.down_proj.weight"] == "[Replicate(), Shard(1)]"
     assert stage.placements["model.layers.0.self_attn.o_proj.weight"] == "[Replicate(), Shard(1)]"
-    assert any(n for kinds in stage.observed.values() for n in kinds.values())  # the split ran collectives
+    # the plan gathers k_proj's weight [2, 8, 32] (fp32: 2,048 B) for its replicated op, DTensor never does
+    assert "model.layers.0.self_attn.k_proj: all_gather on y: the plan implies 1 (2,048 B), DTensor ran 0 (0 B)" \
+        in stage.differences
+    assert any(line.startswith("FAIL collectives") for line in map(str.strip, report.lines()))
+
+
+@pytest.fixture(scope="module")
+def dp_plan(tmp_path_factory):
+    return data_parallel_plan(tmp_path_factory.mktemp("dp"))
+
+
+def test_a_data_parallel_plan_runs_the_collectives_it_prices(dp_plan):
+    """The batch split on y up to the final norm, the LM head and loss replicated: DTensor, pinned to the
+    plan's layout where lm_head begins, gathers the norm's output there (4 x 8 x 32 fp32 = 4,096 B) instead
+    of computing the loss on batch shards, and synchronises the gradients as the plan does: 11 reduce-scatters
+    and 12 all-gathers (verify_torch_comm's hand-derived test has the bytes), the norms' 128 B ones not compared."""
+    plan, config = dp_plan
+    report = verify_plan(plan, str(config))
+    stage = report.stages[0]
+    assert report.ok, report.lines()
+    forward = [(c["module"], c["kind"], c["axis"], c["bytes"]) for c in stage.calls
+               if not c["backward"] and c["module"] != "(top level)"]
+    assert forward == [("lm_head", "all_gather", "y", 4096)]
+    sync = [c["kind"] for c in stage.calls if c["module"] == "(top level)"]
+    assert (sync.count("reduce_scatter"), sync.count("all_gather")) == (11, 12)
+    small = [c for c in stage.calls if c["module"] == "(top level)" and c["bytes"] <= 256]
+    assert {c["bytes"] for c in small} == {32 * 4} and len(small) == 6  # the three norms' weights: listed only
+
+
+def test_a_megatron_mlp_plan_runs_the_collectives_it_prices(tmp_path):
+    """The MLP split Megatron's way on y: DTensor, with the pending sum reduced where it leaves down_proj and the
+    input's gradient where it entered the MLP, runs one all-reduce of [4, 8, 32] fp32 (4,096 B) each way and
+    reproduces the unsharded step; without those pins it reduced the sum only at model.norm and carried the
+    pending gradient into the attention's and embedding's weight gradients."""
+    plan, config = megatron_plan(tmp_path)
+    report = verify_plan(plan, str(config))
+    stage = report.stages[0]
+    assert report.ok, report.lines()
+    steps = [(c["module"], c["kind"], c["axis"], c["bytes"], c["backward"]) for c in stage.calls
+             if c["module"] != "(top level)" and c["bytes"] > 256]
+    assert [s for s in steps if not s[4]] == [("model.layers.0.mlp.down_proj", "all_reduce", "y", 4096, False)]
+    backward = [(kind, axis, nbytes) for _, kind, axis, nbytes, back in steps if back]
+    assert backward == [("all_reduce", "y", 4096)]
+    assert stage.placements["model.layers.0.mlp.down_proj.weight"] == "[Replicate(), Shard(1)]"
+
+
+def test_a_plan_pricing_a_gather_dtensor_does_not_run_fails_naming_the_module(dp_plan, tmp_path):
+    """The same plan edited so that the MLP's product reads up_proj's output replicated (an all-gather of
+    4 x 8 x 64 fp32 = 8,192 B inside model.layers.0.mlp, where no module begins): the run does not gather
+    it (DTensor multiplies the batch shards), so `partopt verify` fails on that module and exits 1."""
+    plan, config = dp_plan
+    stage = plan.stages[0]
+    mul = stage.ops["model.layers.0.mlp.mul"]
+    assert op_inputs(mul.explanation) == ["model.layers.0.mlp.act_fn.silu", "model.layers.0.mlp.up_proj.linear"]
+    edited = dataclasses.replace(stage, ops={**stage.ops, "model.layers.0.mlp.mul": dataclasses.replace(
+        mul, inputs=(mul.inputs[0], (R, R)))})
+    path = tmp_path / "edited.json"
+    write_plan(dataclasses.replace(plan, stages=[edited]), path)
+    result = CliRunner().invoke(main, ["verify", str(path), "--against", "torch", "--model", str(config)])
+    assert result.exit_code == 1, result.output
+    assert "ok   gradients" in result.output and "FAIL collectives" in result.output
+    assert "model.layers.0.mlp: all_gather on y: the plan implies 1 (8,192 B), DTensor ran 0 (0 B)" in result.output
 
 
 def test_cli_verify_of_a_plan_of_another_graph_is_one_line(tmp_path, split_plan):
@@ -115,6 +173,21 @@ def test_cli_verify_of_a_plan_of_another_graph_is_one_line(tmp_path, split_plan)
     result = CliRunner().invoke(main, ["verify", str(path), "--against", "torch", "--model", str(config)])
     assert result.exit_code == 2
     assert result.output.count("\n") == 1 and "no tensor input_ids" in result.output
+
+
+def test_cli_verify_of_a_plan_whose_explanation_lost_an_input_is_one_line(tmp_path, dp_plan):
+    """verify reads an op's inputs from its explanation: one that no longer names them is refused, naming the op."""
+    plan, config = dp_plan
+    stage = plan.stages[0]
+    head = stage.ops["lm_head.linear"]
+    edited = dataclasses.replace(stage, ops={**stage.ops, "lm_head.linear": dataclasses.replace(
+        head, explanation="lm_head.linear: replicated")})
+    path = tmp_path / "plan.json"
+    write_plan(dataclasses.replace(plan, stages=[edited]), path)
+    result = CliRunner().invoke(main, ["verify", str(path), "--against", "torch", "--model", str(config)])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "stages[0].ops.lm_head.linear: its explanation names 0 inputs" \
+        in result.output
 
 
 def test_every_process_builds_the_same_model_from_a_torch_source(tmp_path):
@@ -172,3 +245,23 @@ def test_a_tied_embedding_split_across_stages_is_summed_between_its_copies(tmp_p
     assert {h.partition(":")[0] for h in report.tied["transformer.wte.weight"]} == {"0", "1"}
     assert all(c.ok for c in report.checks), report.lines()
     assert report.checks[1].detail == "29 of 29 parameters match"
+
+
+def test_a_gpt2_plan_with_a_tied_table_and_fused_zero_shards_runs_the_collectives_it_prices(tmp_path):
+    """GPT-2 (tied wte / lm_head, fused c_attn) solved on a 2 x 1 mesh, data parallel with ZeRO: the step runs
+    the plan's collectives, but for the fused c_attn biases [3 · 32], whose ZeRO shard over d splits an inner
+    factor of the torch axis (no DTensor Shard can): replicated with a note, their gradients all-reduced,
+    by hand 3 · 32 fp32 = 384 B each, where the plan reduce-scatters and all-gathers them."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(GPT2))
+    graph = from_hf_config(read_hf_config(config), batch=4, seq=8)
+    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    plan = optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(2, 1)], intra_only=True)
+    report = verify_plan(plan, str(config))
+    stage = report.stages[0]
+    assert report.ok, report.lines()
+    reduced = [(c["kind"], c["bytes"]) for c in stage.calls
+               if c["module"] == "(top level)" and c["kind"] == "all_reduce" and c["bytes"] > 256]
+    assert reduced == [("all_reduce", 384), ("all_reduce", 384)]
+    assert [n.partition(":")[0] for n in stage.notes] == ["transformer.h.0.attn.c_attn.bias[0/3]",
+                                                          "transformer.h.1.attn.c_attn.bias[0/3]"]
