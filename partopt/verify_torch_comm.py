@@ -216,7 +216,9 @@ def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | N
                     done.add(("backward", module, t, leaving))
                     result += planned_reshard(grad, as_gradient_target(layouts[k]), nbytes, mesh, module, True)
                 grad = as_gradient_target(layouts[k])
-    for op, info in stage.ops.items():  # a sharded parameter gathered for its reader (FSDP), inside the op
+    # a sharded parameter gathered for its reader, inside the op: forward only (DTensor's autograd keeps the
+    # gathered weight for the backward, where the plan prices FSDP's second gather; docs/FRONTENDS.md)
+    for op, info in stage.ops.items():
         for t, need in zip(op_inputs(info.explanation), info.inputs):
             if t in stage.params:
                 result += planned_reshard(stage.params[t].placement, need, _numel(plan, t) * FP32, mesh, module_of(op))
