@@ -9,7 +9,7 @@ parameters read by several base layers are held once (`partopt.shared`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -59,6 +59,8 @@ class Pipeline:
     cluster: Cluster
     overlap: bool = False  # gradient reductions overlap the last microbatch's backward (`exposed_reduction`)
     graph: Graph | None = None  # the model at full batch: FLOP shares of forward and weight passes (`split_table`)
+    # send_s by (first, last, end, receiver, cost model): the DP's tables ask for the same stages' sends many times
+    _sends: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def link(self) -> Link:
@@ -72,7 +74,11 @@ class Pipeline:
     def send_s(self, first: int, last: int, end: End, receiver: End | None = None) -> float:
         """Seconds per microbatch of a stage's pipeline sends (docs/COSTMODEL.md §5b "Pipeline sends"):
         what it sends out and gathers back (`out_s`) plus what it gathers in (`in_s`)."""
-        return self.out_s(last, end, receiver) + self.in_s(first, end)
+        model = costmodel.active()
+        key = (first, last, end, receiver, id(model))  # the entry holds the model: its id is not reused meanwhile
+        if key not in self._sends:
+            self._sends[key] = (model, self.out_s(last, end, receiver) + self.in_s(first, end))
+        return self._sends[key][1]
 
     def out_s(self, last: int, end: End, receiver: End | None = None) -> float:
         """The boundary activations of DP layer `last` out and their gradients back, each split over
