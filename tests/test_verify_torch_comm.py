@@ -25,15 +25,20 @@ LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num
 BATCH, SEQ, HIDDEN, VOCAB, FFN = 4, 8, 32, 64, 64
 
 
-def data_parallel_plan(directory):
-    """The tiny Llama (batch 4 of 8 tokens) on a 1 x 2 mesh, every op up to the final norm splitting the batch
-    on axis y and the LM head and loss replicated (so the norm's output is gathered for the head: the
-    worked example's plan), parameters replicated with ZeRO over y; and its config file."""
+def solved_llama(directory):
+    """The tiny Llama's config file, written in `directory`, and its plan on a 1 x 2 mesh of a p3 node."""
     config = directory / "config.json"
     config.write_text(json.dumps(LLAMA))
     graph = from_hf_config(read_hf_config(config), batch=BATCH, seq=SEQ)
     cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
-    plan = optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(1, 2)])
+    return config, optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(1, 2)])
+
+
+def data_parallel_plan(directory):
+    """The tiny Llama (batch 4 of 8 tokens) on a 1 x 2 mesh, every op up to the final norm splitting the batch
+    on axis y and the LM head and loss replicated (so the norm's output is gathered for the head: the
+    worked example's plan), parameters replicated with ZeRO over y; and its config file."""
+    config, plan = solved_llama(directory)
     stage = plan.stages[0]
     split = (R, Shard("b"))
     head = False
@@ -51,11 +56,7 @@ def megatron_plan(directory):
     """The tiny Llama on a 1 x 2 mesh with its MLP split Megatron's way on y (gate and up by their output
     features, down by its input features: a pending sum reduced before the residual add), every other op
     replicated and their parameters replicated with ZeRO over y; and its config file."""
-    config = directory / "config.json"
-    config.write_text(json.dumps(LLAMA))
-    graph = from_hf_config(read_hf_config(config), batch=BATCH, seq=SEQ)
-    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
-    plan = optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(1, 2)])
+    config, plan = solved_llama(directory)
     stage = plan.stages[0]
     mlp = "model.layers.0.mlp"
     f = plan.tensors[f"{mlp}.up_proj.weight"]["dims"][0]
