@@ -331,60 +331,53 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
         """The largest c(S) / 3S over `counts`: the rebate share a bound over those stage counts may take."""
         return max((k + min(k, microbatches) - 2) / (3 * k) for k in counts)
 
-    def bound_from(count: int) -> DPResult | None:
+    def bound(table: np.ndarray, sync: np.ndarray, share: float, count: int | None) -> DPResult | None:
         """omega_i <= t_i / 3 (three parts of t_i) and min_i t_i <= sum t / S: every plan of S stages costs at
-        least sum t (1 - c(S) / 3S) + (B - 1) max t + max sync, one DP (a rebate proportional to t). For S or
-        more stages at once: level S as the top level ("S or more"), the largest share c / 3S beyond S
-        (entries fitting min(S, B) include theirs). None: no plan costs less than the best."""
-        table, sync, _ = levels(count)
-        share = largest_share(range(count, deepest + 1))
-        more = table[:, :count + 1]
-        found = solve(more, sync[:, :count + 1], sizes, devices, microbatches,
-                      np.where(np.isfinite(more), more * share, 0.0) if share > 0 else None, state["total"], count)
+        least sum t (1 - c(S) / 3S) + (B - 1) max t + max sync, one DP with `share` c / 3S of t rebated in the sum
+        (of exactly `count` stages when given). None: no plan costs less than the best."""
+        rebate = np.where(np.isfinite(table), table * share, 0.0) if share > 0 else None
+        found = solve(table, sync, sizes, devices, microbatches, rebate, state["total"], count)
         if found is not None:
             state["rounds"] += found.rounds
         return None if found is None or found.total >= state["total"] else found
 
+    def bound_from(count: int, table: np.ndarray, sync: np.ndarray) -> DPResult | None:
+        """The bound for `count` stages or more at once (`table`, `sync`: `levels(count)`): level `count` as the
+        top level ("or more"), the largest share beyond it (entries fitting min(S, B) include theirs)."""
+        return bound(table[:, :count + 1], sync[:, :count + 1], largest_share(range(count, deepest + 1)), count)
+
     def bound_below(count: int) -> DPResult | None:
-        """The same bound for every plan of `count` stages or fewer in one DP: each entry at its least latency and
-        sync over depths (what fits any count), any number of stages, the largest share c / 3S for S <= count."""
+        """The bound for `count` stages or fewer in one DP: each entry at its least latency and sync over depths
+        (what fits any count), any number of stages, the largest share for S <= count."""
         least = t[:, 1:].min(axis=1, keepdims=True)
         table = np.concatenate([np.full_like(least, INF), least], axis=1)
         sync = np.concatenate([np.zeros_like(least), extra[:, 1:].min(axis=1, keepdims=True)], axis=1)
-        share = largest_share(range(1, count + 1))
-        found = solve(table, sync, sizes, devices, microbatches,
-                      np.where(np.isfinite(table), table * share, 0.0) if share > 0 else None, state["total"])
-        if found is not None:
-            state["rounds"] += found.rounds
-        return None if found is None or found.total >= state["total"] else found
+        return bound(table, sync, largest_share(range(1, count + 1)), None)
 
     # the stage counts from `hint` outwards (ascending without one): the likeliest first, so that a search
-    # stopped at its limit has tried them; above the hint, one bound drops every larger count at once
-    order = sorted(range(1, deepest + 1), key=lambda k: (abs(k - hint), k) if hint else k)
+    # stopped at its limit has tried them; from the hint up, one bound drops every larger count at once
+    start = hint or 1
+    order = sorted(range(1, deepest + 1), key=lambda k: (abs(k - start), k))
     ceiling = deepest  # counts above it are ruled out
     for n, count in enumerate(order):
         if count > ceiling:
             continue
         if _spent(state):  # stopped: bound what is left, one DP a side
             left = [k for k in order[n:] if k <= ceiling]
-            above, below = [k for k in left if k >= (hint or 1)], [k for k in left if k < (hint or 1)]
-            for rest in (bound_from(min(above)) if above else None, bound_below(max(below)) if below else None):
+            above, below = [k for k in left if k >= start], [k for k in left if k < start]
+            for rest in (bound_from(min(above), *levels(min(above))[:2]) if above else None,
+                         bound_below(max(below)) if below else None):
                 if rest is not None:
                     state["floor"] = min(state["floor"], rest.total)
             break
         table, sync, c = levels(count)
-        if count >= (hint or 1) and count < deepest and largest_share(range(count, deepest + 1)) > 0 \
-                and bound_from(count) is None:
+        if start <= count < deepest and largest_share(range(count, deepest + 1)) > 0 \
+                and bound_from(count, table, sync) is None:
             ceiling = count - 1
             continue
-        rebate = np.where(np.isfinite(table), table * (c / (3 * count)), 0.0) if c else None
-        bound = solve(table, sync, sizes, devices, microbatches, rebate, state["total"], count)
-        if bound is None:
-            continue
-        state["rounds"] += bound.rounds
-        if bound.total >= state["total"]:
-            continue
-        _threshold(table, sync, omega, c, count, sizes, devices, microbatches, state, bound.total)
+        alone = bound(table, sync, c / (3 * count), count)
+        if alone is not None:
+            _threshold(table, sync, omega, c, count, sizes, devices, microbatches, state, alone.total)
     best, floor = state["best"], state["floor"]
     if best is None:  # stopped before any plan beat the cutoff: no stages, and how far below it one may be
         return DPResult(INF, [], INF, state["rounds"], floor) if floor < cutoff else None
