@@ -115,6 +115,9 @@ def buffer_bytes(kind: str, nbytes: float, src: Placement, mesh: LogicalMesh, ax
     return nbytes / shards(src, mesh, skip_axis=None if kind == "all_to_all" else axis)
 
 
+SMALL_BYTES = 256  # collectives this small (scalars, norm statistics) the verifiers list but do not compare
+
+
 @dataclass(frozen=True)
 class MeshShape:
     """What the collective rules here read of a LogicalMesh: its shape, and axes of one nominal link

@@ -39,8 +39,8 @@ from partopt.export import AXIS_NAMES, TensorPlacement, stage_tensors
 from partopt.frontends.jax import CALLS, Traced, _sub_jaxpr, trace
 from partopt.graph import Graph
 from partopt.plan import Plan, StagePlan
-from partopt.sharding import MeshShape, Partial, Placement, R, Shard, as_gradient_target, gradient_placement, \
-    reshard_collectives
+from partopt.sharding import SMALL_BYTES, MeshShape, Partial, Placement, R, Shard, as_gradient_target, \
+    gradient_placement, reshard_collectives
 
 COLLECTIVES = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
                "all-to-all": "all_to_all", "collective-permute": "permute"}
@@ -50,7 +50,6 @@ _SHAPE = re.compile(r"(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\]")
 _GROUPS = re.compile(r"replica_groups=(?P<groups>\{[{}0-9, ]*\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?"
                      r"|mesh\[[^\]]*\]\s*\{[^}]*\})")
 _OP_NAME = re.compile(r'op_name="(?P<name>[^"]*)"')
-SMALL_BYTES = 256  # scalars and statistics: listed, not counted as a mismatch
 
 
 @dataclass(frozen=True)

@@ -24,19 +24,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from partopt import costmodel
 from partopt.errors import PartoptError
 from partopt.frontends.torch_axes import torch_placements
 from partopt.export import AXIS_NAMES, TensorPlacement, optimizer_placement
 from partopt.plan import Plan, plan_from_dict, plan_to_dict
-from partopt.sharding import R, Shard, fmt, parse_placement
-from partopt.verify_torch_comm import SMALL_BYTES, TOP_LEVEL, Pin, compare, compared, input_placements, pins, \
+from partopt.sharding import SMALL_BYTES, R, Shard, fmt, parse_placement
+from partopt.verify_torch_comm import TOP_LEVEL, Pin, compare, compared, input_placements, pins, \
     planned_calls
 from partopt.verify_torch_moe import expert_modules, expert_parallel, expert_splits
 
 MAX_PROCESSES = 8  # one CPU process per device of a stage
 RTOL, ATOL = 1e-4, 1e-5  # fp32 on CPU: a sharded sum differs from the unsharded one by rounding only
 SEED = 0
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 DONE_WAIT_S = 60.0  # how long a finished rank waits for its peers before it exits anyway
 
 
@@ -284,7 +284,7 @@ def _recorder(mesh: Any, module: str | None = None) -> Any:
             packet = getattr(func, "_overloadpacket", None)
             if out is not NotImplemented and (packet in self.comm_registry or "c10d." in str(packet)):
                 kind = _kind(packet)
-                if kind in KINDS:
+                if kind in costmodel.COLLECTIVES:
                     tensors = [a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
                     buffer = tensors[1] if str(packet).endswith("_base_") else tensors[0]  # c10d's (output, input)
                     nbytes = buffer.numel() * buffer.element_size()
@@ -393,7 +393,7 @@ def _kind(op: Any) -> str:
     """A collective's kind in partopt's names (c10d's spellings, c10d.alltoall_base_, as funcol's)."""
     name = str(op).replace("alltoall", "all_to_all").replace("allgather", "all_gather").replace(
         "allreduce", "all_reduce")
-    return next((k for k in KINDS if k in name), name)
+    return next((k for k in costmodel.COLLECTIVES if k in name), name)
 
 
 def _dim_sizes(plan: Plan) -> dict[str, int]:

@@ -27,13 +27,12 @@ from typing import Any
 from partopt.errors import PartoptError
 from partopt.export import AXIS_NAMES, TensorPlacement, optimizer_placement
 from partopt.plan import Plan, StagePlan
-from partopt.sharding import MeshShape, Partial, Placement, R, Shard, as_gradient_target, gradient_placement, \
-    reshard_collectives
+from partopt.sharding import SMALL_BYTES, MeshShape, Partial, Placement, R, Shard, as_gradient_target, \
+    gradient_placement, reshard_collectives
 
 TOP_LEVEL = "(top level)"  # the loss, gradient synchronisation: outside every module
 BACKWARD = "(backward)"  # the backward's calls, compared over the stage
 FP32 = 4  # bytes per element: verify runs in fp32 whatever dtype the plan was priced in
-SMALL_BYTES = 256  # scalars (the loss) and norm statistics: listed, not compared
 _INPUT = re.compile(r"(\S+) \[[^\]]*\]")
 
 
