@@ -1,8 +1,8 @@
 """Where a plan's time and memory go, stage by stage (what `partopt explain` prints).
 
 Each stage's rows add up to the plan's iteration time: its microbatches' compute, collectives
-and sends (B × per microbatch), its gradient synchronisation and optimizer step, and the time
-it waits — the pipeline bubble and the wait for slower stages' synchronisation. Memory rows add
+and sends (B × per microbatch), less the weight gathers prefetching hides, its gradient
+synchronisation and optimizer step, less what the backward hides of it, and the time it waits — the pipeline bubble and the wait for slower stages' synchronisation. Memory rows add
 up to the stage's per-device memory: weights, gradients, optimizer state, and the activations
 of its in-flight microbatches.
 """
@@ -42,11 +42,15 @@ def explain(plan: Plan) -> list[StageExplanation]:
             time_s["recomputation (per microbatch)"] = B * bd["recompute_s"]
         for kind, seconds in sorted(bd["comm_s"].items()):
             time_s[f"{_label(kind)} (per microbatch)"] = B * seconds
+        if bd.get("prefetched_s"):
+            time_s["weight gathers hidden by prefetch"] = -B * bd["prefetched_s"]
         if stage.send_time_s:
             time_s["point-to-point send"] = B * stage.send_time_s
         for kind, seconds in sorted(bd["sync_s"].items()):
             time_s[f"gradient {_label(kind)} (per iteration)"] = seconds
         time_s["optimizer step"] = bd["optimizer_s"]
+        if bd.get("overlapped_s"):
+            time_s["gradient reduction hidden under the backward"] = -bd["overlapped_s"]
         idle = plan.iteration_time_s - B * stage.stage_time_s - stage.sync_time_s
         time_s["pipeline bubble and waiting"] = 0.0 if abs(idle) < 1e-12 * plan.iteration_time_s else idle
         memory = {f"{part} state" if part == "optimizer" else part: size

@@ -132,6 +132,7 @@ class StageModel:
     leaving: set[str] = field(default_factory=set)  # ops whose pending-sum output is completed on leaving
     kept: set[str] = field(default_factory=set)  # recomputed ops whose output is kept (read by an op not recomputed)
     recompute: frozenset[str] = frozenset()  # ops whose forward is rerun in backward (`recomputed_ops`)
+    prefetch: bool = False  # parameter gathers hide under their consumer's compute (`prefetch_cover`)
 
 
 def _reruns(use: Use, ops: Sequence[Op], recompute: frozenset[str]) -> bool:
@@ -282,20 +283,34 @@ def _kept_tables(key: tuple, compute: Callable[[], tuple[np.ndarray, ...]]) -> t
     return tables
 
 
+Cover = tuple[tuple[float, ...], tuple[float, ...]]  # per consumer strategy: (forward, backward) seconds
+
+
+def prefetch_cover(graph: Graph, op: Op, strategies: Sequence[Strategy]) -> Cover:
+    """Per strategy of `op`, the (forward, backward) compute each gather of its weights hides under when
+    prefetched (docs/COSTMODEL.md §5b): the op's compute split by `forward_share`, shared equally by its weights."""
+    weights = sum(graph.tensors[t].role == "param" for t in op.inputs)
+    share = forward_share(is_matmul(op))
+    return (tuple(s.compute_s * share / weights for s in strategies),
+            tuple(s.compute_s * (1.0 - share) / weights for s in strategies))
+
+
 def _use_tables(model_graph: Graph, use: Use, src_list: list, dst_list: list[Strategy], prices: PairPrices,
-                microbatches: int, rerun: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                microbatches: int, rerun: bool, cover: Cover | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(seconds, copy bytes, gathered weight bytes) of one use for every pair of its ends' strategies
     (`_use_cost`, `_use_copies`), read-only. Repeated layers and the pricing jobs of one layer (other
-    caps, in-flight counts) ask for the same tables: they are kept under all they depend on."""
+    caps, in-flight counts) ask for the same tables: they are kept under all they depend on.
+    `cover`: a weight's use whose gathers are prefetched (`prefetch_cover` of its consumer)."""
     sources, required, grads = _ends(use, src_list, dst_list)
     nbytes = model_graph.nbytes(use.tensor)
     differentiable = _is_float(model_graph, use.tensor)
     zero = tuple(p.zero_axes for p in src_list) if use.param else ()
     key = (use.param, differentiable, use.gradient, rerun, microbatches, nbytes, tuple(sources), tuple(required),
-           tuple(grads), zero, prices.mesh, prices.model)
+           tuple(grads), zero, prices.mesh, prices.model, cover)
 
     def compute() -> tuple[np.ndarray, ...]:
-        cost = _use_cost(use, src_list, sources, required, grads, nbytes, differentiable, prices, microbatches, rerun)
+        cost = _use_cost(use, src_list, sources, required, grads, nbytes, differentiable, prices, microbatches, rerun,
+                         cover)
         return (cost, *_use_copies(use, sources, required, grads, nbytes, differentiable, prices))
 
     return _kept_tables(key, compute)
@@ -319,14 +334,20 @@ def _flow_table(graph: Graph, flow: gradients.Flow, src_list: list, dst_list: li
 
 
 def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list[Placement], grads: list[Placement],
-              nbytes: float, differentiable: bool, prices: PairPrices, microbatches: int, rerun: bool) -> np.ndarray:
+              nbytes: float, differentiable: bool, prices: PairPrices, microbatches: int, rerun: bool,
+              cover: Cover | None = None) -> np.ndarray:
     """Seconds of one use for every pair of its ends' strategies, as `_use_collectives` prices a pair:
     its collectives per microbatch (and the recomputed ones) plus its per-iteration ones over the
-    microbatches, each sum taken collective by collective in the same order (the same floats)."""
+    microbatches, each sum taken collective by collective in the same order (the same floats).
+    A weight's gathers with a `cover` cost only what its consumer's compute does not hide (`exposed`)."""
     gather = list(prices.reshard_seconds(sources, required, nbytes))
     per_iteration: list[np.ndarray] = []
     if use.param:
-        per_microbatch = gather + gather  # gathered for the forward and again for the backward
+        if cover is None:
+            per_microbatch = gather + gather  # gathered for the forward and again for the backward
+        else:
+            whole = functools.reduce(np.add, gather, np.zeros((len(sources), len(required))))
+            per_microbatch = [exposed(whole, np.asarray(c)[None, :]) for c in cover]
         if differentiable:
             per_iteration = list(prices.step_table(
                 lambda p, g: param_sync_collectives(g, p, nbytes, prices.mesh), src_list, grads,
@@ -339,6 +360,11 @@ def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list
         per_microbatch = gather + backward + (gather if rerun else [])
     start = np.zeros((len(sources), len(required)))
     return functools.reduce(np.add, per_microbatch, start) + functools.reduce(np.add, per_iteration, start) / microbatches
+
+
+def exposed(gather_s: np.ndarray | float, cover_s: np.ndarray | float) -> np.ndarray:
+    """Seconds of a prefetched gather that its cover does not hide: max(0, gather - cover)."""
+    return np.maximum(0.0, gather_s - cover_s)
 
 
 def _use_copies(use: Use, sources: list[Placement], required: list[Placement], grads: list[Placement],
@@ -453,7 +479,7 @@ def _add_layout_hubs(graph: Graph, mesh: LogicalMesh, costs: ilp.CostGraph, stra
 
 def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, microbatches: int = 1,
           inflight: int = 1, allow_zero: bool = True, data_parallel: bool = False,
-          restriction: Restriction | None = None, *, recompute: str = "none") -> StageModel:
+          restriction: Restriction | None = None, *, recompute: str = "none", prefetch: bool = False) -> StageModel:
     """The stage's cost graph; `graph` must already be at microbatch size (see `with_batch`).
 
     `data_parallel` restricts every op to splitting the batch dim and every parameter to copies;
@@ -463,6 +489,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     once while they do. Memory (docs/COSTMODEL.md §5): op nodes hold their kept output and their
     weights' gradient buffers, parameter nodes weights and optimizer state, and each use's copies
     (gathered weights, all-gather/all-to-all and layout-hub copies) are transients of its consumer.
+    `prefetch`: a weight's gathers run ahead of its consumer, under compute (`prefetch_cover`, `exposed`).
     """
     restriction = restriction or Restriction()
     force_dim = graph.batch_dim if data_parallel else None
@@ -555,8 +582,9 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
         strategies.append(options)
     hubs = _add_layout_hubs(graph, mesh, costs, strategies, uses)
     for use in uses:
+        cover = prefetch_cover(graph, ops[use.dst], strategies[use.dst]) if prefetch and use.param else None
         cost, *transients = _use_tables(graph, use, strategies[use.src], strategies[use.dst], prices,
-                                        microbatches, _reruns(use, ops, rerun))
+                                        microbatches, _reruns(use, ops, rerun), cover)
         costs.add_edge(use.src, use.dst, cost)
         for pool, table in zip((BUFFERS, PREFETCH), transients):  # the consumer's, where they coexist
             if table.any():
@@ -564,7 +592,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     for flow in sums.flows:
         costs.add_edge(flow.src, flow.dst, _flow_table(graph, flow, strategies[flow.src], strategies[flow.dst], prices))
     return StageModel(graph, mesh, ops, params, strategies, uses, costs, microbatches, inflight, sums.flows,
-                      hubs, leaving, kept, rerun)
+                      hubs, leaving, kept, rerun, prefetch)
 
 
 # ---------------------------------------------------------------- decoding
@@ -585,6 +613,7 @@ class Breakdown:
     state_bytes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATE_PARTS, 0.0))  # param_bytes by part
     activation_bytes: float = 0.0  # kept for backward, one microbatch, per device
     recompute_s: float = 0.0  # per microbatch: the forward compute and collectives recomputation reruns
+    prefetched_s: float = 0.0  # per microbatch: the part of comm_s (weights' gathers) hidden under compute
     # per device, held once: one microbatch's full activations while recomputing (0 without) plus
     # the transient buffers at their peak (`transient_bytes`, docs/COSTMODEL.md §5)
     working_bytes: float = 0.0
@@ -594,7 +623,7 @@ class Breakdown:
 
     @property
     def per_microbatch_s(self) -> float:
-        return self.compute_s + sum(self.comm_s.values()) + self.recompute_s
+        return self.compute_s + sum(self.comm_s.values()) - self.prefetched_s + self.recompute_s
 
     @property
     def per_iteration_s(self) -> float:
@@ -677,6 +706,11 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
         pay(c.per_iteration, breakdown.sync_s, bucketed=True)
         if use.param:
             pay(c.per_iteration, breakdown.param_sync_s.setdefault(use.tensor, defaultdict(float)), bucketed=True)
+            if model.prefetch:
+                op = model.ops[use.dst]
+                gather = collectives_time(c.forward, mesh)
+                for side in prefetch_cover(g, op, [chosen[use.dst]]):
+                    breakdown.prefetched_s += gather - float(exposed(gather, side[0]))
         if _reruns(use, model.ops, model.recompute):
             breakdown.recompute_s += collectives_time(c.recomputed(use.param), mesh)
         if not use.param:
@@ -761,14 +795,15 @@ def shard_stage(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None
                 memory_budget: float | None = None, backend: str = "highs", time_limit_s: float = 60.0,
                 seed: int = 0, allow_zero: bool = True, data_parallel: bool = False,
                 restriction: Restriction | None = None, reduce_first: bool = True,
-                recompute: str = "none", peak_shared_by: int = 1) -> StageSharding:
+                recompute: str = "none", peak_shared_by: int = 1, prefetch: bool = False) -> StageSharding:
     """The optimal sharding of `ops` (default: the whole graph) on `mesh` for one microbatch;
     `recompute` (none | selective | full, see `recomputed_ops`) reruns those ops' forward in backward;
-    `memory_budget` is charged 1/`peak_shared_by` of the transient peak (`ilp.CostGraph`)."""
+    `memory_budget` is charged 1/`peak_shared_by` of the transient peak (`ilp.CostGraph`); `prefetch`: see `build`."""
     g = with_batch(graph, microbatch) if microbatch is not None else graph
     if ops is not None and g is not graph:
         ops = [g.op_index[op.name] for op in ops]
-    model = build(g, mesh, ops, microbatches, inflight, allow_zero, data_parallel, restriction, recompute=recompute)
+    model = build(g, mesh, ops, microbatches, inflight, allow_zero, data_parallel, restriction, recompute=recompute,
+                  prefetch=prefetch)
     model.costs.peak_shared_by = peak_shared_by
     if memory_budget is not None and ilp.min_memory(model.costs) > memory_budget:
         raise _memory_error(model, memory_budget)

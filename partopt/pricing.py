@@ -136,7 +136,7 @@ def price(g_mb: Graph, job: Job, options) -> Priced:
                                          time_limit_s=options.time_limit_s, seed=options.seed,
                                          data_parallel=options.data_parallel_only or options.stage_data_parallel,
                                          allow_zero=not options.stage_data_parallel, recompute=job.recompute,
-                                         restriction=job.restriction, peak_shared_by=job.share)
+                                         restriction=job.restriction, peak_shared_by=job.share, prefetch=options.overlap)
     except InfeasibleError:
         if job.cap is None:
             raise  # not a memory cap: a restriction that leaves some op no strategy (its message names it)
@@ -201,7 +201,7 @@ class Pricer:
         self.cache = {} if cache is None else cache
         self.prefix = (graph.name, graph.structural_hash(), options.backend, options.time_limit_s, options.seed,
                        options.memory_reserve, options.data_parallel_only, options.stage_data_parallel,
-                       (options.cost_model or costmodel.ANALYTICAL).key)
+                       (options.cost_model or costmodel.ANALYTICAL).key, options.overlap)
 
     def view(self, mb: int) -> Graph:
         """The graph at microbatch size `mb` (built once)."""

@@ -5,6 +5,7 @@ memory of that process and its ILP workers every 0.2 s and reports the peak of t
 
     python scripts/bench_solve.py            # every case
     python scripts/bench_solve.py --case gpt-39b-64
+    python scripts/bench_solve.py --compare gpt-1.3b-b128   # the default against forced modes and Megatron's grid
 """
 
 from __future__ import annotations
@@ -47,6 +48,18 @@ CASES = [
     Case("gpt-1t-3072", GPT_1T, ("--cluster", "dgx-a100", "--nodes", "384", "--microbatches", "512", "--submeshes", "power_of_two",
           "--recompute"), 300.0),
 ]
+
+
+# issue 13's "the default is never worse than a hand plan": each case with no optional flags, then with one
+# mode forced, then Megatron-LM's grid (`--search megatron`: the best uniform (tp, pp, dp, microbatches) point)
+COMPARED = {
+    "gpt-1.3b-b128": ("generate:gpt --hidden 2048 --layers 24 --heads 32 --seq 1024 --vocab 51200 --batch 128 "
+                      "--name gpt-1.3b-b128", ("--cluster", "p3.16xlarge", "--nodes", "1")),
+    "gpt-39b-b1024": ("instances/gpt-39b.json", ("--cluster", "p3.16xlarge", "--nodes", "8")),
+    "gpt-1t-b512": (GPT_1T.replace("--batch 3072", "--batch 512"), ("--cluster", "dgx-a100", "--nodes", "384")),
+}
+FORCED = [(), ("--recompute", "none"), ("--recompute", "selective"), ("--recompute", "full"), ("--schedule", "1f1b"),
+          ("--schedule", "interleaved"), ("--schedule", "zero-bubble"), ("--search", "megatron")]
 
 
 def _tree_rss_kb(pid: int) -> int:
@@ -107,11 +120,41 @@ def run(case: Case, workdir: Path, timeout_s: float) -> dict:
             "tflops": plan["throughput"]["tflops_per_device"], "iteration_s": plan["iteration_time_s"]}
 
 
+def compare(names: list[str], timeout_s: float) -> None:
+    """Print the default plan beside each forced mode and Megatron's grid, and whether the default is no slower."""
+    table = Table(title="partopt solve: the default against one mode forced and Megatron's grid")
+    for column in ("case", "flags", "iteration", "TFLOP/s/dev", "stages", "B", "planning", "default no slower"):
+        table.add_column(column, justify="left" if column in ("case", "flags") else "right")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            graph, cluster = COMPARED[name]
+            default = None
+            for flags in FORCED:
+                r = run(Case(name, graph, (*cluster, *flags), None), Path(tmp), timeout_s)
+                print(json.dumps({**r, "flags": flags}, default=str), file=sys.stderr)
+                label = " ".join(flags) or "(defaults)"
+                if "error" in r or r.get("stopped"):
+                    table.add_row(name, label, r.get("error", f"stopped, gap {r.get('bound_gap')}")[:60], "", "", "",
+                                  f"{r['wall_s']:.0f} s", "")
+                    continue
+                if not flags:
+                    default = r["iteration_s"]
+                verdict = "" if default is None or not flags else ("yes" if default <= r["iteration_s"] * (1 + 1e-9) else "NO")
+                table.add_row(name, label, f"{r['iteration_s']:.3f} s", f"{r['tflops']:.1f}", str(r["stages"]),
+                              str(r["microbatches"]), f"{r['wall_s']:.0f} s", verdict)
+    Console().print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", choices=[c.name for c in CASES], help="run only these cases")
     parser.add_argument("--timeout", type=float, default=1800.0, help="stop a solve after this many seconds")
+    parser.add_argument("--compare", action="append", choices=list(COMPARED),
+                        help="instead: this case's default plan against each mode forced and Megatron's grid")
     args = parser.parse_args()
+    if args.compare:
+        compare(args.compare, args.timeout)
+        return
     cases = [c for c in CASES if not args.case or c.name in args.case]
     table = Table(title="partopt solve: planning time and memory")
     for column in ("case", "wall", "target", "peak RSS", "ILPs", "stages", "B", "(submesh, mesh)",
