@@ -22,11 +22,12 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from partopt.errors import PartoptError
 from partopt.export import AXIS_NAMES, TensorPlacement, optimizer_placement
 from partopt.plan import Plan, StagePlan
+from partopt.verify_torch_moe import expert_modules
 from partopt.sharding import SMALL_BYTES, MeshShape, Partial, Placement, R, Shard, as_gradient_target, \
     gradient_placement, reshard_collectives
 
@@ -216,15 +217,25 @@ def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | N
                     result += planned_reshard(grad, as_gradient_target(layouts[k]), nbytes, mesh, module, True)
                 grad = as_gradient_target(layouts[k])
     # a sharded parameter gathered for its reader, inside the op: forward only (DTensor's autograd keeps the
-    # gathered weight for the backward, where the plan prices FSDP's second gather; docs/FRONTENDS.md)
+    # gathered weight for the backward, where the plan prices FSDP's second gather; docs/FRONTENDS.md); an
+    # experts module gathers each torch parameter once, its chunks together (`verify_torch_moe.expert_parallel`)
+    experts, gathered = expert_modules(plan), set()
     for op, info in stage.ops.items():
         for t, need in zip(op_inputs(info.explanation), info.inputs):
-            if t in stage.params:
-                result += planned_reshard(stage.params[t].placement, need, _numel(plan, t) * FP32, mesh, module_of(op))
+            if t not in stage.params:
+                continue
+            nbytes = _numel(plan, t) * FP32
+            whole = t.partition("[")[0]
+            if any(t.startswith(m + ".") for m in experts):
+                if whole in gathered:
+                    continue
+                gathered.add(whole)
+                nbytes = sum(_numel(plan, n) for n in stage.params if n.partition("[")[0] == whole) * FP32
+            result += planned_reshard(stage.params[t].placement, need, nbytes, mesh, module_of(op))
     for module, axes in (summed or {}).items():
         result = [c for c in result if not (c["module"] == module or c["module"].startswith(module + "."))]
         result += experts_sum_calls(plan, module, axes, mesh)
-    return result + sync_calls(plan, stage, states or {})
+    return result + sync_calls(plan, stage, states or {}, experts)
 
 
 def experts_sum_calls(plan: Plan, module: str, axes: tuple[int, ...], mesh: MeshShape) -> list[dict[str, Any]]:
@@ -250,12 +261,16 @@ def experts_sum_calls(plan: Plan, module: str, axes: tuple[int, ...], mesh: Mesh
     return result
 
 
-def sync_calls(plan: Plan, stage: StagePlan, states: dict[str, Placement]) -> list[dict[str, Any]]:
+def sync_calls(plan: Plan, stage: StagePlan, states: dict[str, Placement],
+               experts: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Each stage parameter's gradient synchronisation as the step runs it: from the layout its first reader
     leaves to the optimizer-state placement, then back to the parameter's (a fused parameter's chunks,
     placed alike, as one torch parameter). Where `states` gives the torch parameter another layout (a ZeRO
     shard of an inner factor of a torch axis, which no DTensor Shard expresses), the gradient goes there:
-    an all-reduce where the plan reduce-scatters and all-gathers, the same sum and bytes on a ring."""
+    an all-reduce where the plan reduce-scatters and all-gathers, the same sum and bytes on a ring.
+    A weight of an `experts` module computed in another layout than it is stored (gathered FSDP-style for
+    its matmul) is reduced to its stored layout in that module's backward, where the expert-parallel run
+    (`verify_torch_moe.expert_parallel`) leaves its gradient; the rest of its synchronisation follows."""
     mesh = MeshShape((stage.logical_mesh[0], stage.logical_mesh[1]))
     grads: dict[str, Placement] = {}
     for info in stage.ops.values():
@@ -275,7 +290,12 @@ def sync_calls(plan: Plan, stage: StagePlan, states: dict[str, Placement]) -> li
                             info.placement, info.zero_axes)
         state = states.get(name.partition("[")[0]) or optimizer_placement(t, tuple(stage.logical_mesh))[0]
         nbytes = sum(_numel(plan, n) for n in names) * FP32
-        result += planned_reshard(grads[name], state, nbytes, mesh)
+        grad = grads[name]
+        module = next((m for m in experts if name.startswith(m + ".")), None)
+        if module is not None and grad != info.placement:
+            result += planned_reshard(grad, info.placement, nbytes, mesh, module, backward=True)
+            grad = info.placement
+        result += planned_reshard(grad, state, nbytes, mesh)
         result += planned_reshard(state, info.placement, nbytes, mesh)
     return result
 

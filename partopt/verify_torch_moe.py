@@ -72,7 +72,7 @@ def expert_splits(plan: Any, stage: Any, batch_axes: set[int]) -> dict[str, Expe
             raise PartoptError(f"{module}: its weights are placed differently ({text}); one expert-parallel run "
                                "holds an expert's gate, up and down projections together", WHERE,
                                "verify a plan that places an experts module's weights alike")
-        experts = tuple(a for a, p in enumerate(next(iter(placed.values()))) if isinstance(p, Shard))
+        experts = _computed_split(plan, stage, module)
         tokens = tuple(a for a, d in enumerate(dispatch.axes) if d is not None and d == plan.batch_dim)
         if experts and 0 < len(set(experts) & set(tokens)) < len(experts):
             raise PartoptError(f"{module}.dispatch: the plan splits the experts over mesh axes {list(experts)} and "
@@ -81,6 +81,19 @@ def expert_splits(plan: Any, stage: Any, batch_axes: set[int]) -> dict[str, Expe
                                "verify a plan whose experts and tokens share all or none of their axes")
         result[module] = ExpertSplit(experts, tokens)
     return result
+
+
+def _computed_split(plan: Any, stage: Any, module: str) -> tuple[int, ...]:
+    """The mesh axes the module's expert matmuls split their expert dim over: the experts each process
+    computes. Weights stored split more widely (FSDP-style, over e) are gathered to this split for the op."""
+    e = plan.tensors[f"{module}.{WEIGHTS[-1]}"]["dims"][0]
+    splits = {tuple(a for a, d in enumerate(stage.ops[f"{module}.{name}"].axes) if d == e)
+              for name in ("gate", "up", "down") if f"{module}.{name}" in stage.ops}
+    if len(splits) > 1:
+        raise PartoptError(f"{module}: its gate, up and down matmuls split the experts over different mesh axes "
+                           f"({sorted(splits)}); one expert-parallel run computes an expert's three together", WHERE,
+                           "verify a plan whose experts' matmuls split their expert dim alike")
+    return next(iter(splits), ())
 
 
 def expert_parallel(module: Any, mesh: Any, split: ExpertSplit) -> None:
