@@ -96,7 +96,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
     for j, (spec, row) in enumerate(zip(specs, rows)):  # chunk j runs on stage j mod S's devices, sends to j + 1's
         devices = placed[j % num_stages]
         receiver = ends[(j + 1) % num_stages] if j + 1 < len(specs) else None
-        sums = totals(row, pipe, spec.first, spec.last, ends[j % num_stages], receiver)
+        sums = totals(row, pipe, spec.first, spec.last, ends[j % num_stages], receiver, chunk=virtual_stages > 1)
         parts.append(sums)
         first, last = layering.groups[spec.first][0], layering.groups[spec.last][1]
         comm: dict[str, float] = {}
@@ -153,14 +153,15 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
                        "working_bytes": sums.working_bytes,
                        "transient_bytes": max(row[b].sharding.breakdown.transient_bytes for b in range(first, last + 1)),
                        "state_bytes": state,
-                       "overlapped_s": max(0.0, sum(sync.values()) + optimizer_s - sums.sync_s) if options.overlap else 0.0},
+                       "overlapped_s": max(0.0, sum(sync.values()) + optimizer_s - sums.sync_s) if options.overlap else 0.0,
+                       **({"send_p2p_s": sums.p2p_s, "send_hidden_s": sums.hidden_s} if sums.p2p_s else {})},
             ops=ops, params=param_info))
     if virtual_stages > 1:  # a chunk's devices hold every chunk on them
         for j, stage in enumerate(stages):
             stage.memory_bytes = combined(parts[j % num_stages::num_stages]).memory_bytes(specs[j].inflight)
     iteration = plan_iteration([s.stage_time_s for s in stages], [s.forward_s for s in stages],
                                [s.weight_s for s in stages], [s.sync_time_s for s in stages], count, schedule,
-                               virtual_stages)
+                               virtual_stages, [s.breakdown.get("send_p2p_s", 0.0) for s in stages])
     flops = training_flops(graph)
     executed = flops + recomputed
     tensors = tensor_table(intra.with_batch(graph, mb))

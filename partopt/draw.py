@@ -48,7 +48,8 @@ def stage_times(plan: Plan) -> list[StageTimes]:
 
     A plan's `send_time_s` is the round trip (activations out, gradients back: 2 × one p2p) and its
     `forward_s` is the forward's FLOP share of `stage_time_s`, sends included. So per stage:
-    send_s = send_time_s / 2, compute = stage_time_s - send_time_s split by the same share,
+    send_s = send_time_s / 2, compute = stage_time_s - send_time_s + the sends' part compute hides
+    (`breakdown.send_hidden_s`, interleaved sends overlapping compute) split by the same share,
     activation_bytes and static_bytes (parameter state and recomputation's working set) from the breakdown.
     A plan does not split the backward: weight_s (zero-bubble's W pass) is `WEIGHT_SHARE` of it, exact
     for matmuls (dX and dW are GEMMs of equal FLOPs), an overestimate where other ops weigh in.
@@ -65,7 +66,7 @@ def stage_times(plan: Plan) -> list[StageTimes]:
         if not 0 <= stage.forward_s <= stage.stage_time_s:
             raise InstanceError(f"forward_s {stage.forward_s!r} is not within [0, stage_time_s = {stage.stage_time_s!r}]",
                                 f"{where}.forward_s", "forward_s is the forward's share of stage_time_s")
-        compute = stage.stage_time_s - stage.send_time_s
+        compute = stage.stage_time_s - stage.send_time_s + stage.breakdown.get("send_hidden_s", 0.0)
         share = stage.forward_s / stage.stage_time_s if stage.stage_time_s > 0 else 0.0
         forward = compute * share
         weight = (compute - forward) * (WEIGHT_SHARE if stage.weight_s is None

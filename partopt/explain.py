@@ -1,10 +1,11 @@
 """Where a plan's time and memory go, stage by stage (what `partopt explain` prints).
 
 Each stage's rows add up to the plan's iteration time: its microbatches' compute, collectives
-and sends (B × per microbatch), less the weight gathers prefetching hides, its gradient
-synchronisation and optimizer step, less what the backward hides of it, and the time it waits — the pipeline bubble and the wait for slower stages' synchronisation. Memory rows add
-up to the stage's per-device memory: weights, gradients, optimizer state, and the activations
-of its in-flight microbatches.
+and sends (B × per microbatch), less the weight gathers prefetching hides and the sends compute
+hides, its gradient synchronisation and optimizer step, less what the backward hides of it, and
+the time it waits — the pipeline bubble and the wait for slower stages' synchronisation. Memory
+rows add up to the stage's per-device memory: weights, gradients, optimizer state, and the
+activations of its in-flight microbatches.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def explain(plan: Plan) -> list[StageExplanation]:
             time_s["weight gathers hidden by prefetch"] = -B * bd["prefetched_s"]
         if stage.send_time_s:
             time_s["point-to-point send"] = B * stage.send_time_s
+        if bd.get("send_hidden_s"):
+            time_s["sends hidden under compute"] = -B * bd["send_hidden_s"]
         for kind, seconds in sorted(bd["sync_s"].items()):
             time_s[f"gradient {_label(kind)} (per iteration)"] = seconds
         time_s["optimizer step"] = bd["optimizer_s"]

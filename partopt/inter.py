@@ -281,8 +281,9 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
         found.append((stagedp.solve(t, extra, sizes, devices, count), "1f1b", 1, options_of))
     if "interleaved" in schedules:
         for S, v in interleaved_shapes(len(pipe.layering.groups), count, devices):
-            t, extra, options_of = interleaved_table(pipe, costs, submeshes, count, budget, S, v)
-            found.append((stagedp.solve(t / v, extra, sizes, devices, v * count), "interleaved", v, options_of))
+            t, extra, fill, options_of = interleaved_table(pipe, costs, submeshes, count, budget, S, v)
+            found.append((stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill), "interleaved", v,
+                          options_of))
     if "zero-bubble" in schedules:  # only a plan faster than the others found counts (ties keep them)
         t, extra, options_of = table
         done = [f[0] for f in found if f[0] is not None]

@@ -38,13 +38,14 @@ class LayerCost:
     sharding: intra.StageSharding
     reduce_s: float = 0.0  # per iteration: the part of sync_s that reduces gradients (overlappable with backward)
     backward_s: float = 0.0  # per microbatch: backward compute and recomputation (what a reduction can hide behind)
+    forward_s: float = 0.0  # per microbatch: forward compute (what an interleaved chunk's gradient send hides behind)
 
     @classmethod
     def of(cls, sharding: intra.StageSharding) -> LayerCost:
         b = sharding.breakdown
         reduce = sum(b.sync_s.get(kind, 0.0) for kind in REDUCTIONS)
         return cls(b.per_microbatch_s, b.per_iteration_s, b.param_bytes, b.activation_bytes, b.working_bytes, sharding,
-                   reduce, b.backward_compute_s + b.recompute_s)
+                   reduce, b.backward_compute_s + b.recompute_s, b.compute_s - b.backward_compute_s)
 
     @property
     def memory_bytes(self) -> float:

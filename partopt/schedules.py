@@ -76,7 +76,7 @@ def inflight(stage: int, num_stages: int, microbatches: int, schedule: str, v: i
 
 
 def iteration_time(stage_times: Sequence[float], forward_times: Sequence[float], sync_s: float, microbatches: int,
-                   schedule: str, v: int = 1, weight_times: Sequence[float] | None = None) -> float:
+                   schedule: str, v: int = 1, weight_times: Sequence[float] | None = None, fill_s: float = 0.0) -> float:
     """One iteration's time: the pipeline part of `schedule` plus `sync_s` (gradient sync after the last backward).
 
     Per stage i: t_i = `stage_times[i]` = f_i + b_i + 2 send_i (interleaved: f_i + b_i + 2 v send_i,
@@ -84,7 +84,10 @@ def iteration_time(stage_times: Sequence[float], forward_times: Sequence[float],
     `weight_times[i]` = w_i, the weight-gradient part of b_i (zero-bubble only; default 0).
     * gpipe: sum t + (B - 1) (max_i (f_i + send_i) + max_i (t_i - f_i - send_i));
     * 1f1b: sum t + (B - 1) max t (Alpa's);
-    * interleaved: sum t / v + (B - 1 / v) max t (the bubble (S - 1) t / v: (S - 1) / (v B) of the ideal B t);
+    * interleaved: sum t / v + fill + (B - 1 / v) max t (the bubble (S - 1) t / v: (S - 1) / (v B) of the ideal
+      B t); `fill_s`: the point-to-point round trips of every chunk boundary when sends overlap compute (then t_i
+      carries only their exposed part), which the first microbatch's forward and the last one's backward still
+      wait for (docs/COSTMODEL.md §5b); 0 when sends add to t;
     * zero-bubble: sum t + (B - 1) max t - (S - 1 + min(S, B) - 1) ω, ω = min_i min(w_i, forward_times[i],
       t_i - forward_times[i] - w_i) (ZB-H1: the deferred W's fill the drain; uniform F = B = W: a third of
       1F1B's bubble (S - 1)(F + B + W)).
@@ -100,7 +103,7 @@ def iteration_time(stage_times: Sequence[float], forward_times: Sequence[float],
         backward = max(t - f for t, f in zip(stage_times, forward_times))
         pipeline = total + (microbatches - 1) * (max(forward_times) + backward)
     elif schedule == "interleaved":
-        pipeline = total / v + (microbatches - 1 / v) * slowest
+        pipeline = total / v + fill_s + (microbatches - 1 / v) * slowest
     else:
         pipeline = total + (microbatches - 1) * slowest
         if schedule == "zero-bubble":
@@ -124,13 +127,16 @@ def per_device(values: Sequence[float], num_stages: int) -> list[float]:
 
 
 def plan_iteration(stage_times: Sequence[float], forward_times: Sequence[float], weight_times: Sequence[float],
-                   sync_times: Sequence[float], microbatches: int, schedule: str, v: int = 1) -> float:
+                   sync_times: Sequence[float], microbatches: int, schedule: str, v: int = 1,
+                   fill_times: Sequence[float] = ()) -> float:
     """A plan's iteration time from its entries (one per stage, or per virtual stage when interleaved):
-    `iteration_time` of the per-device sums, the largest per-device sync added (stages sync in parallel)."""
+    `iteration_time` of the per-device sums, the largest per-device sync added (stages sync in parallel);
+    `fill_times`: each entry's overlapped point-to-point round trip (interleaved: their sum is the fill)."""
     num_stages = len(stage_times) // v
     times, forwards, weights = (per_device(x, num_stages) for x in (stage_times, forward_times, weight_times))
     sync = max(per_device(sync_times, num_stages))
-    return iteration_time(times, forwards, sync, microbatches, schedule, v, weights if schedule == "zero-bubble" else None)
+    return iteration_time(times, forwards, sync, microbatches, schedule, v, weights if schedule == "zero-bubble" else None,
+                          sum(fill_times))
 
 
 def interleaved_shapes(layers: int, microbatches: int, devices: int) -> list[tuple[int, int]]:

@@ -81,10 +81,16 @@ class Pipeline:
         return self._sends[key][1]
 
     def out_s(self, last: int, end: End, receiver: End | None = None) -> float:
-        """The boundary activations of DP layer `last` out and their gradients back, each split over
-        min(paths of the two ends) parallel paths, plus this end's all-gather of the gradient slices.
-        `receiver` is the next stage placed; None (the stage DP) prices it as wide as this end and,
-        on several nodes, across nodes (`Pipeline.link`)."""
+        """The boundary activations of DP layer `last` out and their gradients back (`p2p_s`), plus this
+        end's all-gather of the gradient slices."""
+        if last >= len(self.boundary) - 1:
+            return 0.0
+        return self.p2p_s(last, end, receiver) + self._gather_s(self._microbatch_bytes(last), end)
+
+    def p2p_s(self, last: int, end: End, receiver: End | None = None) -> float:
+        """The point-to-point part of `out_s`: the activations out and their gradients back, each split over
+        min(paths of the two ends) parallel paths. `receiver` is the next stage placed; None (the stage DP)
+        prices it as wide as this end and, on several nodes, across nodes (`Pipeline.link`)."""
         if last >= len(self.boundary) - 1:
             return 0.0
         nbytes = self._microbatch_bytes(last)
@@ -95,7 +101,7 @@ class Pipeline:
             crosses = not (end.nodes == receiver.nodes and len(end.nodes) == 1)
             paths = min(self._paths(end, crosses), self._paths(receiver, crosses))
         link = self.cluster.inter_node if crosses else self.cluster.intra_node
-        return 2 * costmodel.active().p2p_time(nbytes / paths, link) + self._gather_s(nbytes, end)
+        return 2 * costmodel.active().p2p_time(nbytes / paths, link)
 
     def in_s(self, first: int, end: End) -> float:
         """This end's all-gather of the activation slices that arrive from the stage before (0 on the first)."""
@@ -126,8 +132,9 @@ class Pipeline:
 @dataclass(frozen=True)
 class StageTotals:
     """A stage's sums: per-microbatch compute and communication, its send, per-iteration sync,
-    parameter state, kept activations per in-flight microbatch, the largest working set, and the
-    shared-parameter correction already folded in (None when the stage holds none)."""
+    parameter state, kept activations per in-flight microbatch, the largest working set, the
+    shared-parameter correction already folded in (None when the stage holds none), and, when its
+    sends overlap compute (`hidden_send`), their point-to-point part and what of it compute hides."""
 
     time_s: float
     send_s: float
@@ -136,10 +143,12 @@ class StageTotals:
     activation_bytes: float
     working_bytes: float
     fix: Correction | None
+    p2p_s: float = 0.0  # the point-to-point part of send_s, where it overlaps compute (else 0)
+    hidden_s: float = 0.0  # the part of p2p_s hidden under compute
 
     @property
     def latency_s(self) -> float:
-        return self.time_s + self.send_s
+        return self.time_s + self.send_s - self.hidden_s
 
     def memory_bytes(self, inflight: float) -> float:
         return self.param_bytes + inflight * self.activation_bytes + self.working_bytes
@@ -152,7 +161,17 @@ def combined(parts: Sequence[StageTotals]) -> StageTotals:
     another chunk's backward); the shared-parameter corrections stay per chunk (`fix` is None)."""
     return StageTotals(sum(p.time_s for p in parts), sum(p.send_s for p in parts), sum(p.sync_s for p in parts),
                        sum(p.param_bytes for p in parts), sum(p.activation_bytes for p in parts),
-                       max(p.working_bytes for p in parts), None)
+                       max(p.working_bytes for p in parts), None, sum(p.p2p_s for p in parts),
+                       sum(p.hidden_s for p in parts))
+
+
+def hidden_send(p2p_s: float, forward_s: float, backward_s: float) -> float:
+    """Seconds of a chunk's round trip `p2p_s` (activations out, their gradient back) that compute hides when
+    sends run on their own stream (Megatron's overlapped p2p of the interleaved schedule, docs/COSTMODEL.md
+    §5b): in 1F1B's steady state the activations travel while the device runs its next task, a backward
+    (`backward_s`, as long as this chunk's), and the gradient while it runs a forward (`forward_s`)."""
+    one_way = p2p_s / 2
+    return p2p_s - max(0.0, one_way - backward_s) - max(0.0, one_way - forward_s)
 
 
 def training_flops(graph: Graph, ops: Sequence[Op] | None = None) -> float:
@@ -229,8 +248,8 @@ def boundary_bytes(graph: Graph, layering: Layering) -> list[float]:
 def _columns(row: Sequence[LayerCost | None], layering: Layering) -> np.ndarray:
     """Per DP layer: time, sync, parameter and kept activation bytes, working bytes (the max: layers
     recompute one at a time), sync other than gradient reductions, gradient reductions, backward
-    time (the rest are sums over its base layers); NaN where a base layer cannot run."""
-    out = np.full((len(layering.groups), 8), np.nan)
+    time, forward compute (the rest are sums over its base layers); NaN where a base layer cannot run."""
+    out = np.full((len(layering.groups), 9), np.nan)
     for j, (a, b) in enumerate(layering.groups):
         parts = row[a:b + 1]
         if any(c is None for c in parts):
@@ -238,11 +257,11 @@ def _columns(row: Sequence[LayerCost | None], layering: Layering) -> np.ndarray:
         out[j] = (sum(c.time_s for c in parts), sum(c.sync_s for c in parts), sum(c.param_bytes for c in parts),
                   sum(c.activation_bytes for c in parts), max(c.working_bytes for c in parts),
                   sum(c.sync_s - c.reduce_s for c in parts), sum(c.reduce_s for c in parts),
-                  sum(c.backward_s for c in parts))
+                  sum(c.backward_s for c in parts), sum(c.forward_s for c in parts))
     return out
 
 
-SUMMED = [0, 1, 2, 3, 5, 6, 7]
+SUMMED = [0, 1, 2, 3, 5, 6, 7, 8]
 
 
 def _running(columns: np.ndarray, i: int, overlap: bool) -> np.ndarray:
@@ -273,19 +292,25 @@ def exposed_reduction(reduce_s: np.ndarray, backward_s: np.ndarray) -> np.ndarra
 
 
 def totals(row: Sequence[LayerCost | None], pipe: Pipeline, first: int, last: int, end: End,
-           receiver: End | None = None, columns: np.ndarray | None = None) -> StageTotals:
+           receiver: End | None = None, columns: np.ndarray | None = None, chunk: bool = False) -> StageTotals:
     """The sums of a stage of DP layers [first, last] on mesh `end` with its layers' costs `row`;
     its sends priced to `receiver`, the next stage placed (None: the stage DP's bound, `Pipeline.send_s`).
-    `columns`: the row's `_columns`, when a caller sums many stages of one row."""
+    `columns`: the row's `_columns`, when a caller sums many stages of one row. `chunk`: a model chunk of
+    the interleaved schedule, whose point-to-point sends hide under compute when `pipe.overlap` (`hidden_send`)."""
     devices = end.shape[0] * end.shape[1]
     columns = _columns(row, pipe.layering) if columns is None else columns
-    time_s, sync_s, params, acts, working = _running(columns, first, pipe.overlap)[last - first, :5]
+    running = _running(columns, first, pipe.overlap)[last - first]
+    time_s, sync_s, params, acts, working = running[:5]
     fix = correction(row, pipe.layering.groups[first][0], pipe.layering.groups[last][1], pipe.shared, pipe.link,
                      min(devices, pipe.per_node))
     if fix is not None:
         params, sync_s = params + fix.param_bytes, sync_s + _fix_sync(fix, pipe.overlap)
+    p2p_s = hidden_s = 0.0
+    if chunk and pipe.overlap:
+        p2p_s = pipe.p2p_s(last, end, receiver)
+        hidden_s = hidden_send(p2p_s, float(running[8]), float(running[7]))
     return StageTotals(float(time_s), pipe.send_s(first, last, end, receiver), float(sync_s), float(params), float(acts),
-                       float(working), fix)
+                       float(working), fix, p2p_s, hidden_s)
 
 
 def stage_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], count: int, budget: float):
@@ -346,12 +371,14 @@ def interleaved_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, in
     chunks (`chunks`): stage i, holding chunks i, i + S, …, on submesh s in option h, one shape and mode for
     all its chunks; its latency is the sum of its chunks' (`combined`), inf when its memory does not fit its
     interleaved in-flight count. Only diagonal entries exist, so the DP's plans have exactly S stages, and
-    `stagedp.solve(t / v, extra, sizes, devices, v·B)` minimises sum t / v + (B − 1/v) max t + max sync,
-    the interleaved closed form (`schedules.iteration_time`). Returns the tables and the options per submesh."""
+    `stagedp.solve(t / v, extra, sizes, devices, v·B, rebate=-fill)` minimises
+    sum t / v + sum fill + (B − 1/v) max t + max sync, the interleaved closed form (`schedules.iteration_time`;
+    `fill`, the stage's point-to-point round trips when sends overlap compute, depends on its submesh and
+    layers only, so the DP stays exact). Returns the tables t, extra, fill and the options per submesh."""
     ranges = chunks(len(pipe.layering.groups), num_stages, v)
     options = _options(costs, submeshes)
     shape = (max(len(x) for x in options), 2, num_stages, num_stages, len(submeshes))
-    t, extra = np.full(shape, np.inf), np.zeros(shape)
+    t, extra, fill = np.full(shape, np.inf), np.zeros(shape), np.zeros(shape)
     held = [schedules.inflight(i, num_stages, count, "interleaved", v) for i in range(num_stages)]
     for s, sub in enumerate(submeshes):
         for h, (mesh, mode, r) in enumerate(options[s]):
@@ -362,10 +389,11 @@ def interleaved_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, in
                 mine = ranges[i::num_stages]
                 if not all(runnable[first:last + 1].all() for first, last in mine):
                     continue
-                sums = combined([totals(row, pipe, first, last, End(sub, mesh), columns=columns) for first, last in mine])
+                sums = combined([totals(row, pipe, first, last, End(sub, mesh), columns=columns, chunk=True)
+                                 for first, last in mine])
                 if sums.memory_bytes(held[i]) <= budget:
-                    t[h, 1, i, i, s], extra[h, 1, i, i, s] = sums.latency_s, sums.sync_s
-    return t, extra, options
+                    t[h, 1, i, i, s], extra[h, 1, i, i, s], fill[h, 1, i, i, s] = sums.latency_s, sums.sync_s, sums.p2p_s
+    return t, extra, fill, options
 
 
 def _corrections(row: Sequence[LayerCost | None], pipe: Pipeline, i: int, n: int, devices: int):

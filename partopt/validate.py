@@ -165,7 +165,7 @@ def mismatches(plan: Plan) -> list[tuple[str, float, float]]:
         return [*found, ("$.stages[0].weight_s", None, "a zero-bubble plan gives each stage's weight_s")]
     iteration = plan_iteration([s.stage_time_s for s in plan.stages], [s.forward_s for s in plan.stages],
                                [s.weight_s or 0.0 for s in plan.stages], [s.sync_time_s for s in plan.stages], B,
-                               plan.schedule, v)
+                               plan.schedule, v, [s.breakdown.get("send_p2p_s", 0.0) for s in plan.stages])
     if not close(plan.iteration_time_s, iteration):
         found.append(("$.iteration_time_s", plan.iteration_time_s, iteration))
     return found

@@ -69,19 +69,23 @@ def test_the_interleaved_table_is_the_accountant_entry_by_entry(priced):
     pipe = pipeline_of(GRAPH, CLUSTER, layering, count, True)
     row = costs[((1, 1), (1, 1), "none")][0]
     assert [inflight(i, S, count, "interleaved", v) for i in range(S)] == [2.5, 1.5]
-    probe = [combined([totals(row, pipe, a, b, End((1, 1), (1, 1))) for a, b in chunks(4, S, v)[i::S]]) for i in range(S)]
+    probe = [combined([totals(row, pipe, a, b, End((1, 1), (1, 1)), chunk=True) for a, b in chunks(4, S, v)[i::S]])
+             for i in range(S)]
     tight = (probe[0].memory_bytes(2.5) + probe[1].memory_bytes(1.5)) / 2
     assert probe[1].memory_bytes(1.5) <= tight < probe[0].memory_bytes(2.5)  # binds for stage 0 only
     for budget in (math.inf, tight):
-        t, extra, options = interleaved_table(pipe, costs, SUBMESHES, count, budget, S, v)
+        t, extra, fill, options = interleaved_table(pipe, costs, SUBMESHES, count, budget, S, v)
         for s, sub in enumerate(SUBMESHES):
             for h, (shape, mode, r) in enumerate(options[s]):
                 for i in range(S):
-                    sums = combined([totals(costs[(sub, shape, mode)][r], pipe, a, b, End(sub, shape))
+                    sums = combined([totals(costs[(sub, shape, mode)][r], pipe, a, b, End(sub, shape), chunk=True)
                                      for a, b in chunks(4, S, v)[i::S]])
                     fits = sums.memory_bytes(inflight(i, S, count, "interleaved", v)) <= budget
                     assert t[h, 1, i, i, s] == (sums.latency_s if fits else np.inf)
                     assert extra[h, 1, i, i, s] == (sums.sync_s if fits else 0.0)
+                    assert fill[h, 1, i, i, s] == (sums.p2p_s if fits else 0.0)
+                    # the fill is the same for every option of a stage: the DP's rebate keeps it exact
+                    assert fill[h, 1, i, i, s] in (0.0, fill[:, 1, i, i, s].max())
         assert np.isinf(t[:, :, 0, 1]).all() and np.isinf(t[:, 0]).all()  # only the diagonal, level 1
     assert np.isinf(interleaved_table(pipe, costs, SUBMESHES, count, tight, S, v)[0][0, 1, 0, 0, 0])
 
@@ -109,12 +113,13 @@ def brute_force(pipe, costs, count: int, budget: float, devices: int) -> float:
         for picked in itertools.product(choices, repeat=S):
             if sum(sub[0] * sub[1] for sub, _, _ in picked) != devices:
                 continue
-            sums = [combined([totals(costs[key][r], pipe, a, b, End(sub, key[1])) for a, b in chunks(L, S, v)[i::S]])
-                    for i, (sub, key, r) in enumerate(picked)]
+            sums = [combined([totals(costs[key][r], pipe, a, b, End(sub, key[1]), chunk=True)
+                              for a, b in chunks(L, S, v)[i::S]]) for i, (sub, key, r) in enumerate(picked)]
             if any(x.memory_bytes(inflight(i, S, count, "interleaved", v)) > budget for i, x in enumerate(sums)):
                 continue
             times = [x.latency_s for x in sums]
-            best = min(best, iteration_time(times, times, max(x.sync_s for x in sums), count, "interleaved", v))
+            best = min(best, iteration_time(times, times, max(x.sync_s for x in sums), count, "interleaved", v,
+                                            fill_s=sum(x.p2p_s for x in sums)))
     return best
 
 
@@ -225,7 +230,9 @@ def test_evaluate_prices_megatrons_interleaved_schedule_as_run(megatron_interlea
     assert [s.inflight_microbatches for s in plan.stages] == [2.5, 1.5, 2.5, 1.5]
     times = [plan.stages[i].stage_time_s + plan.stages[i + 2].stage_time_s for i in range(2)]
     sync = max(plan.stages[i].sync_time_s + plan.stages[i + 2].sync_time_s for i in range(2))
-    assert plan.iteration_time_s == pytest.approx(sum(times) / 2 + (8 - 1 / 2) * max(times) + sync, rel=1e-12)
+    fill = sum(s.breakdown["send_p2p_s"] for s in plan.stages[:3])  # every chunk but the last sends, overlapped
+    assert "send_p2p_s" not in plan.stages[3].breakdown and fill > 0
+    assert plan.iteration_time_s == pytest.approx(sum(times) / 2 + fill + (8 - 1 / 2) * max(times) + sync, rel=1e-12)
     for i, stage in enumerate(plan.stages):
         mine = plan.stages[i % 2::2]
         bd = [s.breakdown for s in mine]
