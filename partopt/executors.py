@@ -9,6 +9,7 @@ over a cluster of machines, each of which must have partopt installed.
 
 from __future__ import annotations
 
+import concurrent.futures.process
 import multiprocessing
 import os
 import signal
@@ -101,14 +102,22 @@ class LocalPool:
         if self.pool is None:
             return
         pool, self.pool = self.pool, None
-        # the pool's own process table: ProcessPoolExecutor.terminate_workers only arrives in Python 3.14
+        # the pool's own process table and manager thread: ProcessPoolExecutor.terminate_workers only arrives
+        # in Python 3.14
         processes = list((pool._processes or {}).values())
+        manager = pool._executor_manager_thread
         pool.shutdown(wait=wait, cancel_futures=True)
         if not wait:
             for process in processes:
                 process.terminate()
             for process in processes:
                 process.join()
+            if manager is not None:
+                # it ends once it sees its workers gone, closing its wake-up pipe, which the interpreter's exit
+                # hook may be writing to at that moment (checked, then sent: a traceback after a Ctrl-C under
+                # load); so it ends here, off that hook's list
+                manager.join(timeout=10)
+                concurrent.futures.process._threads_wakeups.pop(manager, None)
 
 
 _RAY_CONTEXT: dict = {}

@@ -82,6 +82,19 @@ def test_local_pool_runs_in_other_processes_and_close_without_wait_kills_them():
     assert workers and not any(_alive(pid) for pid in workers | pids)
 
 
+def test_close_without_wait_leaves_no_thread_for_the_exit_hook():
+    """The pool's manager thread has ended and is off the list the interpreter's exit hook wakes: that hook
+    writing to the pipe the ending thread closes was a traceback after a Ctrl-C under load."""
+    from concurrent.futures.process import _threads_wakeups
+
+    slow = executors.make_executor("local", sleepy, (60.0,), 2)
+    slow.map([(), ()])
+    manager = slow.pool._executor_manager_thread
+    assert manager in _threads_wakeups
+    slow.close(wait=False)
+    assert not manager.is_alive() and manager not in _threads_wakeups
+
+
 def test_unknown_kind_and_bad_worker_count_are_one_line_errors():
     with pytest.raises(PartoptError, match="unknown executor 'dask'"):
         executors.make_executor("dask", power_sum, (3,), 1)
