@@ -444,8 +444,9 @@ def _render_plan(plan: Plan) -> list[Table]:
 @click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), default="auto", show_default=True, is_flag=False,
               flag_value="full", help="Activation recomputation per stage: searched (auto), none, selective (the "
               "attention core) or full (each layer keeps only its input); --recompute alone means full.")
-@click.option("--no-overlap", is_flag=True, help="Price gradient reduction after the backward instead of overlapped "
-              "with it (docs/COSTMODEL.md §5b): every cost adds up, the model before overlap.")
+@click.option("--no-overlap", is_flag=True, help="Price every communication on the critical path: no gradient "
+              "reduction hidden by the backward, no weight gather prefetched under compute, no interleaved send "
+              "overlapped (docs/COSTMODEL.md §5b); every cost adds up, the model before overlap.")
 @click.option("--schedule", type=click.Choice(["auto", *SCHEDULES]), default="auto", show_default=True,
               help="Pipeline schedule: auto (the best the search plans: 1f1b and zero-bubble (ZB-H1) with free cuts, "
               "interleaved with Megatron's uniform chunks) or one of them (docs/COSTMODEL.md §5b; --search megatron "
@@ -555,8 +556,9 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
 @click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
-@click.option("--no-overlap", is_flag=True, help="Price gradient reduction after the backward instead of overlapped "
-              "with it (docs/COSTMODEL.md §5b): every cost adds up, the model before overlap.")
+@click.option("--no-overlap", is_flag=True, help="Price every communication on the critical path: no gradient "
+              "reduction hidden by the backward, no weight gather prefetched under compute, no interleaved send "
+              "overlapped (docs/COSTMODEL.md §5b); every cost adds up, the model before overlap.")
 @click.option("--profile", "profile_file", type=click.Path(),
               help="Measured op times and collective bandwidths (a partopt.profile file); the analytical model prices the rest.")
 @click.option("-o", "--output", type=click.Path(), help="Write the priced plan file here.")

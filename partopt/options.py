@@ -34,7 +34,8 @@ class Options:
     ray_address: str | None = None  # with executor ray: "auto", "HOST:PORT", or None (start a local instance)
     recompute: str = "auto"  # activation recomputation per stage: auto (searched) or one of intra.RECOMPUTE_MODES
     cost_model: costmodel.CostModel | None = None  # None: the analytical model (`costmodel.ANALYTICAL`)
-    overlap: bool = True  # gradient reductions overlap the backward (docs/COSTMODEL.md §5b); False: all costs add
+    overlap: bool = True  # gradient reductions overlap the backward, weight gathers and interleaved sends overlap
+    # compute (docs/COSTMODEL.md §5b); False: all costs add
     deadline_s: float | None = None  # wall seconds for the whole search: then the best plan found, marked stopped
     schedule: str = "auto"  # pipeline schedule: auto (the best of `schedules.SEARCHED`) or one of them
 
