@@ -219,23 +219,37 @@ def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | N
     # a sharded parameter gathered for its reader, inside the op: forward only (DTensor's autograd keeps the
     # gathered weight for the backward, where the plan prices FSDP's second gather; docs/FRONTENDS.md); an
     # experts module gathers each torch parameter once, its chunks together (`verify_torch_moe.expert_parallel`)
-    experts, gathered = expert_modules(plan), set()
+    experts, chunks, gathered = expert_modules(plan), _torch_params(stage), set()
     for op, info in stage.ops.items():
         for t, need in zip(op_inputs(info.explanation), info.inputs):
             if t not in stage.params:
                 continue
-            nbytes = _numel(plan, t) * FP32
-            whole = t.partition("[")[0]
-            if any(t.startswith(m + ".") for m in experts):
+            names = [t]
+            if _expert_of(t, experts) is not None:
+                whole = t.partition("[")[0]
                 if whole in gathered:
                     continue
                 gathered.add(whole)
-                nbytes = sum(_numel(plan, n) for n in stage.params if n.partition("[")[0] == whole) * FP32
+                names = chunks[whole]
+            nbytes = sum(_numel(plan, n) for n in names) * FP32
             result += planned_reshard(stage.params[t].placement, need, nbytes, mesh, module_of(op))
     for module, axes in (summed or {}).items():
         result = [c for c in result if not (c["module"] == module or c["module"].startswith(module + "."))]
         result += experts_sum_calls(plan, module, axes, mesh)
     return result + sync_calls(plan, stage, states or {}, experts)
+
+
+def _torch_params(stage: StagePlan) -> dict[str, list[str]]:
+    """The stage's parameters by torch parameter: a fused parameter's chunks (`name[k/n]`) together, in order."""
+    result: dict[str, list[str]] = defaultdict(list)
+    for name in stage.params:
+        result[name.partition("[")[0]].append(name)
+    return result
+
+
+def _expert_of(name: str, experts: Sequence[str]) -> str | None:
+    """The experts module (of `experts`) whose parameter `name` is, or None."""
+    return next((m for m in experts if name.startswith(m + ".")), None)
 
 
 def experts_sum_calls(plan: Plan, module: str, axes: tuple[int, ...], mesh: MeshShape) -> list[dict[str, Any]]:
@@ -277,11 +291,8 @@ def sync_calls(plan: Plan, stage: StagePlan, states: dict[str, Placement],
         for t, need in zip(op_inputs(info.explanation), info.inputs):
             if t in stage.params:
                 grads.setdefault(t, gradient_placement(need, info.axes))
-    whole: dict[str, list[str]] = defaultdict(list)
-    for name in stage.params:
-        whole[name.partition("[")[0]].append(name)
     result = []
-    for names in whole.values():
+    for names in _torch_params(stage).values():
         name = names[0]
         info = stage.params[name]
         if name not in grads:
@@ -291,7 +302,7 @@ def sync_calls(plan: Plan, stage: StagePlan, states: dict[str, Placement],
         state = states.get(name.partition("[")[0]) or optimizer_placement(t, tuple(stage.logical_mesh))[0]
         nbytes = sum(_numel(plan, n) for n in names) * FP32
         grad = grads[name]
-        module = next((m for m in experts if name.startswith(m + ".")), None)
+        module = _expert_of(name, experts)
         if module is not None and grad != info.placement:
             result += planned_reshard(grad, info.placement, nbytes, mesh, module, backward=True)
             grad = info.placement
