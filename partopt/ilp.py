@@ -11,11 +11,12 @@ Edge pairs are linearised over classes of equal rows/columns (Alpa's `e` variabl
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from partopt import solvers
+from partopt import minsum, solvers
 from partopt.errors import InfeasibleError, SolverError
 
 
@@ -457,11 +458,18 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
     kept = int(sum(a.sum() for a in alive))
     if reduce_first:
         reduced, remaining, steps = _eliminate(graph, alive)
-        every = [np.ones(len(c), dtype=bool) for c in reduced.costs]
-        model, var = build_model(reduced, every, None, _cheapest(reduced, every))  # no memory row: any choice fits
-        result = (_run(model, backend, time_limit_s, seed, None) if model.num_vars
-                  else solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend))
-        choice = _recover(graph, alive, remaining, _picks(every, var, result.values), steps)
+        began = time.perf_counter()
+        picked = minsum.solve(reduced.costs, reduced.edges)  # the rest eliminated too, when its tables are small
+        if picked is not None:
+            model = solvers.Model()
+            result = solvers.Result("optimal", [], 0.0, 0.0, time.perf_counter() - began, "elimination")
+        else:
+            every = [np.ones(len(c), dtype=bool) for c in reduced.costs]
+            model, var = build_model(reduced, every, None, _cheapest(reduced, every))  # no memory row: any choice fits
+            result = (_run(model, backend, time_limit_s, seed, None) if model.num_vars
+                      else solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend))
+            picked = _picks(every, var, result.values)
+        choice = _recover(graph, alive, remaining, picked, steps)
         relaxed = _solution(graph, choice, result, model, kept, total)
         if budget is None or graph.peak_memory(choice) <= budget:
             return replace(relaxed, free_bound=relaxed.lower_bound)

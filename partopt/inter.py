@@ -27,7 +27,7 @@ from partopt.options import DEFAULT_MAX_LAYERS, Options, microbatch_counts, rest
 from partopt.plan import Plan
 from partopt.pricing import Dropped, Expired, Job, Pricer, Stats, tighten
 from partopt.schedules import SEARCHED, inflight, interleaved_shapes
-from partopt.stages import Pipeline, StageSpec, chunks, interleaved_table, split_table, stage_table
+from partopt.stages import Pipeline, StageSpec, chunks, fits, interleaved_table, split_table, stage_table
 from partopt.units import fmt_bytes
 
 __all__ = ["DEFAULT_MAX_LAYERS", "Options", "microbatch_counts", "optimize"]
@@ -231,6 +231,9 @@ def _price_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_op
             free = space.best(pipe, costs, count, math.inf, stats)
         if best is not None and free is not None and (_lower(free), count) > best[:2]:
             return None, costs, list(modes[:m + 1])  # even with memory ignored this count loses
+        if m == 0 and free is not None and fits(pipe, costs, space.submeshes, free[3], free[0].stages, count, budget,
+                                                free[1], free[2]):
+            return free, costs, list(modes[:1])  # memory does not bind: the plan that ignores it fits
         found = space.best(pipe, costs, count, budget, stats)
         if not _binds(found, free):
             return found, costs, list(modes[:m + 1])  # memory does not bind: recomputing more only adds time

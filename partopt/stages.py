@@ -61,6 +61,8 @@ class Pipeline:
     graph: Graph | None = None  # the model at full batch: FLOP shares of forward and weight passes (`split_table`)
     # send_s by (first, last, end, receiver, cost model): the DP's tables ask for the same stages' sends many times
     _sends: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # a row of layer costs' stage sums by (table, id(row), mesh, …), see `_stage_sums` and `_chunk_sums`
+    _sums: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def link(self) -> Link:
@@ -326,31 +328,63 @@ def stage_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], c
     H = max(len(x) for x in options)
     t = np.full((H, L + 1, L, L, S), np.inf)
     extra = np.zeros((H, L + 1, L, L, S))
-    held = np.minimum(np.arange(1, L + 1), count)[:, None]  # microbatches held with k in flight, k = 1 … L
+    held = np.minimum(np.arange(1, L + 1), count)[:, None, None]  # microbatches held with k in flight, k = 1 … L
     for s, sub in enumerate(submeshes):
-        devices = min(sub[0] * sub[1], pipe.per_node)
-        ends: dict[tuple[int, int], tuple[np.ndarray, list[float]]] = {}
         for h, (shape, mode, r) in enumerate(options[s]):
-            row = costs[(sub, shape, mode)][r]
-            columns = _columns(row, pipe.layering)
-            if shape not in ends:  # a stage's sends depend on its mesh, not on its option's mode or row
-                end = End(sub, shape)
-                ends[shape] = (np.array([pipe.out_s(j, end) for j in range(L)]), [pipe.in_s(i, end) for i in range(L)])
-            outs, ins = ends[shape]
-            for i in range(L):
-                sends = outs[i:] + ins[i]  # the floats `send_s` adds
-                run = _running(columns, i, pipe.overlap)
-                n = int(np.argmax(np.isnan(run[:, 0]))) if np.isnan(run[:, 0]).any() else len(run)  # runnable ends
-                if n == 0:
-                    continue
-                time_s, sync_s, params, acts, working = (run[:n, c].copy() for c in range(5))
-                for lo, hi, fix in _corrections(row, pipe, i, n, devices):
-                    params[lo:hi] += fix.param_bytes
-                    sync_s[lo:hi] += _fix_sync(fix, pipe.overlap)
-                fits = params + held * acts + working <= budget  # [k, j − i]: a prefix in k, memory grows with it
-                t[h, 1:, i, i:i + n, s] = np.where(fits, time_s + sends[:n], np.inf)
-                extra[h, 1:, i, i:i + n, s] = np.where(fits, sync_s, 0.0)
+            latency, sync_s, params, acts, working = _stage_sums(pipe, costs[(sub, shape, mode)][r], sub, shape)
+            fits = params + held * acts + working <= budget  # [k, i, j]; false where the stage cannot run (NaN)
+            t[h, 1:, :, :, s] = np.where(fits, latency, np.inf)
+            extra[h, 1:, :, :, s] = np.where(fits, sync_s, 0.0)
     return t, extra, options
+
+
+def _stage_sums(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int, int], shape: tuple[int, int]) -> np.ndarray:
+    """[latency, sync, parameter bytes, kept activation bytes, working bytes] of every stage [i, j] of one option's
+    `row` on mesh (sub, shape), as [5, i, j] (NaN where j < i or the stage cannot run). Kept per row in `pipe`:
+    the DP asks for the same options' stages at every budget and memory rung."""
+    key = ("stage", id(row), sub, shape)
+    if key in pipe._sums:
+        return pipe._sums[key][1]
+    L = len(pipe.layering.groups)
+    devices = min(sub[0] * sub[1], pipe.per_node)
+    out = np.full((5, L, L), np.nan)
+    columns = _columns(row, pipe.layering)
+    end = End(sub, shape)
+    outs, ins = np.array([pipe.out_s(j, end) for j in range(L)]), [pipe.in_s(i, end) for i in range(L)]
+    for i in range(L):
+        sends = outs[i:] + ins[i]  # the floats `send_s` adds
+        run = _running(columns, i, pipe.overlap)
+        n = int(np.argmax(np.isnan(run[:, 0]))) if np.isnan(run[:, 0]).any() else len(run)  # runnable ends
+        if n == 0:
+            continue
+        time_s, sync_s, params, acts, working = (run[:n, c].copy() for c in range(5))
+        for lo, hi, fix in _corrections(row, pipe, i, n, devices):
+            params[lo:hi] += fix.param_bytes
+            sync_s[lo:hi] += _fix_sync(fix, pipe.overlap)
+        out[:, i, i:i + n] = time_s + sends[:n], sync_s, params, acts, working
+    pipe._sums[key] = (row, out)  # the entry holds the row: its id is not reused meanwhile
+    return out
+
+
+def fits(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], options: list[list[tuple]], stages: Sequence,
+         count: int, budget: float, schedule: str = "1f1b", v: int = 1) -> bool:
+    """Whether the stages of a stage DP's plan (`stagedp.StageChoice`s over `options`, as `stage_table` or, for the
+    interleaved schedule, `interleaved_table` gave them) fit `budget`, by the memory those tables check: a plan
+    found with memory ignored that fits is the best plan within the budget as well."""
+    for i, c in enumerate(stages):
+        sub = submeshes[c.submesh]
+        shape, mode, r = options[c.submesh][c.option]
+        row = costs[(sub, shape, mode)][r]
+        if schedule == "interleaved":
+            sums = _chunk_sums(pipe, row, sub, shape, len(stages), v)[i]
+            held = schedules.inflight(i, len(stages), count, "interleaved", v)
+            if sums is None or not sums.memory_bytes(held) <= budget:
+                return False
+        else:
+            _, _, params, acts, working = _stage_sums(pipe, row, sub, shape)[:, c.first, c.last]
+            if not params + min(c.inflight, count) * acts + working <= budget:
+                return False
+    return True
 
 
 def _options(costs: dict, submeshes: list[tuple[int, int]]) -> list[list[tuple]]:
@@ -375,25 +409,36 @@ def interleaved_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, in
     sum t / v + sum fill + (B − 1/v) max t + max sync, the interleaved closed form (`schedules.iteration_time`;
     `fill`, the stage's point-to-point round trips when sends overlap compute, depends on its submesh and
     layers only, so the DP stays exact). Returns the tables t, extra, fill and the options per submesh."""
-    ranges = chunks(len(pipe.layering.groups), num_stages, v)
     options = _options(costs, submeshes)
     shape = (max(len(x) for x in options), 2, num_stages, num_stages, len(submeshes))
     t, extra, fill = np.full(shape, np.inf), np.zeros(shape), np.zeros(shape)
     held = [schedules.inflight(i, num_stages, count, "interleaved", v) for i in range(num_stages)]
     for s, sub in enumerate(submeshes):
         for h, (mesh, mode, r) in enumerate(options[s]):
-            row = costs[(sub, mesh, mode)][r]
-            columns = _columns(row, pipe.layering)
-            runnable = ~np.isnan(columns[:, 0])
-            for i in range(num_stages):
-                mine = ranges[i::num_stages]
-                if not all(runnable[first:last + 1].all() for first, last in mine):
-                    continue
-                sums = combined([totals(row, pipe, first, last, End(sub, mesh), columns=columns, chunk=True)
-                                 for first, last in mine])
-                if sums.memory_bytes(held[i]) <= budget:
+            for i, sums in enumerate(_chunk_sums(pipe, costs[(sub, mesh, mode)][r], sub, mesh, num_stages, v)):
+                if sums is not None and sums.memory_bytes(held[i]) <= budget:
                     t[h, 1, i, i, s], extra[h, 1, i, i, s], fill[h, 1, i, i, s] = sums.latency_s, sums.sync_s, sums.p2p_s
     return t, extra, fill, options
+
+
+def _chunk_sums(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int, int], mesh: tuple[int, int],
+                num_stages: int, v: int) -> list[StageTotals | None]:
+    """Per interleaved stage i, the `combined` sums of its chunks (`chunks`) for one option's `row` on mesh
+    (sub, mesh), None where a chunk cannot run; kept per row in `pipe`, as `_stage_sums`."""
+    key = ("interleaved", id(row), sub, mesh, num_stages, v)
+    if key in pipe._sums:
+        return pipe._sums[key][1]
+    ranges = chunks(len(pipe.layering.groups), num_stages, v)
+    columns = _columns(row, pipe.layering)
+    runnable = ~np.isnan(columns[:, 0])
+    out: list[StageTotals | None] = []
+    for i in range(num_stages):
+        mine = ranges[i::num_stages]
+        out.append(combined([totals(row, pipe, first, last, End(sub, mesh), columns=columns, chunk=True)
+                             for first, last in mine])
+                   if all(runnable[first:last + 1].all() for first, last in mine) else None)
+    pipe._sums[key] = (row, out)
+    return out
 
 
 def _corrections(row: Sequence[LayerCost | None], pipe: Pipeline, i: int, n: int, devices: int):

@@ -84,3 +84,54 @@ def test_the_dp_table_is_the_stage_accountant_entry_by_entry():
                                 assert t[0, k, i, j, s] == np.inf
             if cap == tight:  # the budget binds: the whole model on one device holds two microbatches, not three
                 assert np.isinf(t[0, 3:, 0, L - 1, 0]).all() and np.isfinite(t[0, 1:3, 0, L - 1, 0]).all()
+
+
+def test_a_plan_that_ignores_memory_fits_exactly_when_its_entries_survive_the_budget():
+    """`stages.fits` (the search's shortcut: a memory-ignored plan that fits is the budget's best plan too) agrees
+    with the budgeted table entry by entry, for 1F1B and interleaved plans, at caps from loose to binding."""
+    import math
+
+    from partopt import costmodel, stagedp
+    from partopt.assemble import pipeline_of
+    from partopt.cluster import preset
+    from partopt.layering import build_layers
+    from partopt.models import gpt
+    from partopt.options import Options
+    from partopt.pricing import Job, Pricer, Stats
+    from partopt.stages import End, fits, interleaved_table, stage_table, totals
+
+    graph = gpt(hidden=64, layers=4, heads=4, seq=32, vocab=128, batch=8, name="tiny-gpt")
+    cluster = preset("p3.16xlarge", 1)
+    layering, count = build_layers(graph, None), 4
+    budget = costmodel.memory_budget(cluster.device)
+    submeshes = [(1, 1), (1, 2)]
+    sizes = [a * b for a, b in submeshes]
+    costs = {}
+    with Pricer(graph, Options(workers=1)) as pricer:
+        for sub in submeshes:
+            mesh = cluster.logical_mesh(sub, (1, sub[1]))
+            costs[(sub, (1, sub[1]), "none")] = [[pricer.one(Job(2, count, tuple(op.name for op in ops), mesh, "none",
+                                                                 budget), Stats()) for ops in layering.base]]
+    pipe = pipeline_of(graph, cluster, layering, count, True)
+    whole = totals(costs[((1, 1), (1, 1), "none")][0], pipe, 0, len(layering.groups) - 1, End((1, 1), (1, 1)))
+    verdicts, interleaved = set(), set()
+    for scale in (100.0, 1.0, 0.6, 0.4, 0.25):
+        cap = scale * (whole.param_bytes + count * whole.activation_bytes + whole.working_bytes)
+        t, extra, options = stage_table(pipe, costs, submeshes, count, math.inf)
+        free = stagedp.solve(t, extra, sizes, 2, count)
+        capped, capped_extra, _ = stage_table(pipe, costs, submeshes, count, cap)
+        survive = all(np.isfinite(capped[c.option, c.inflight, c.first, c.last, c.submesh]) for c in free.stages)
+        assert fits(pipe, costs, submeshes, options, free.stages, count, cap) == survive
+        if survive:
+            assert stagedp.solve(capped, capped_extra, sizes, 2, count).total == free.total
+        verdicts.add(survive)
+        S, v = 2, 2  # 2 stages of 2 chunks: each stage holds its interleaved in-flight count
+        t, extra, fill, options = interleaved_table(pipe, costs, submeshes, count, math.inf, S, v)
+        free = stagedp.solve(t / v, extra, sizes, 2, v * count, rebate=-fill)
+        if free is None:
+            continue
+        capped = interleaved_table(pipe, costs, submeshes, count, cap, S, v)[0]
+        survive = all(np.isfinite(capped[c.option, 1, i, i, c.submesh]) for i, c in enumerate(free.stages))
+        assert fits(pipe, costs, submeshes, options, free.stages, count, cap, "interleaved", v) == survive
+        interleaved.add(survive)
+    assert verdicts == {True, False} and interleaved == {True, False}  # the caps tried both fit and bind
