@@ -378,12 +378,12 @@ def _use_copies(use: Use, sources: list[Placement], required: list[Placement], g
     beside the source, forward; its gradient likewise, backward (the larger of the two, which
     never coexist). In-place collectives and local slices copy nothing (`reshard_copy_bytes`).
     """
-    copies = pair_table(lambda p, q: prices.copy_bytes(p, q, nbytes), sources, required)
+    copies = prices.copy_table(sources, required, nbytes)
     if use.param:
         return copies, copies
     if differentiable and use.gradient:
         targets = [as_gradient_target(o) for o in sources]
-        copies = np.maximum(copies, pair_table(lambda g, t: prices.copy_bytes(g, t, nbytes), grads, targets).T)
+        copies = np.maximum(copies, prices.copy_table(grads, targets, nbytes).T)
     return copies, np.zeros_like(copies)
 
 

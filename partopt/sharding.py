@@ -154,16 +154,48 @@ def is_mesh_all_to_all(src: Placement, dst: Placement, mesh: LogicalMesh) -> boo
     return not split & {p.dim for p in dst if isinstance(p, Shard)}
 
 
-def mesh_all_to_all_steps(src: Placement, nbytes: float, mesh: LogicalMesh,
-                          order: Sequence[int]) -> list[tuple[str, int, float]]:
+Divided = tuple[tuple[str, int, tuple[int, ...]], ...]  # steps whose buffer is the tensor's bytes / d1 / d2 …
+Template = tuple[bool, tuple[Divided, ...]]  # (take the dearer plan?, the candidate plans)
+
+
+def mesh_all_to_all_steps(src: Placement, mesh: LogicalMesh, order: Sequence[int]) -> Divided:
     """One all-to-all over the whole mesh as the bytes it puts on each axis's link, `order[0]` the link
     that carries the blocks for devices differing on both axes: each device holds S = nbytes / devices
     and sends S / devices to every other device, so (a-1)/a · S crosses axis a = order[0] (an
     all-to-all of S there) and (b-1)/(a·b) · S goes only along axis b (an all-to-all of S / a);
-    together (ab-1)/(ab) · S, the pairwise exchange over all a·b devices."""
-    local = nbytes / shards(src, mesh)
+    together (ab-1)/(ab) · S, the pairwise exchange over all a·b devices. Buffers as divisors of nbytes."""
+    local = shards(src, mesh)
     first, second = order
-    return [("all_to_all", first, local), ("all_to_all", second, local / mesh.shape[first])]
+    return (("all_to_all", first, (local,)), ("all_to_all", second, (local, mesh.shape[first])))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _reshard_template(src: Placement, dst: Placement, mesh: LogicalMesh) -> Template:
+    """`reshard_collectives` for any size: the candidate plans (one per order of the changing axes), each step's
+    buffer as the divisors of the tensor's bytes, and whether the dearer plan is taken (an all-to-all over the
+    whole mesh, `mesh_all_to_all_steps`) or the cheaper. The choice between them depends on the size."""
+    changing = [axis for axis, (s, d) in enumerate(zip(src, dst))
+                if axis_collective(s, d) is not None and mesh.shape[axis] > 1]
+    orders = [changing] if len(changing) < 2 else [changing, changing[::-1]]
+    if is_mesh_all_to_all(src, dst, mesh):
+        return True, tuple(mesh_all_to_all_steps(src, mesh, order) for order in orders)
+    return False, tuple(_in_order(src, dst, mesh, order) for order in orders)
+
+
+def _sized(template: Template, nbytes: float, mesh: LogicalMesh) -> tuple[Step, ...]:
+    """The steps of `template` for a tensor of `nbytes`: its plan priced cheapest (dearest for a mesh all-to-all)."""
+    dearer, plans = template
+    sized = []
+    for plan in plans:
+        steps = []
+        for kind, axis, divisors in plan:
+            size = nbytes
+            for d in divisors:
+                size = size / d
+            steps.append((kind, axis, size))
+        sized.append(tuple(steps))
+    pick = max if dearer else min
+    return pick(sized, key=lambda steps: collectives_time(steps, mesh))
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -171,26 +203,18 @@ def _reshard_steps(src: Placement, dst: Placement, nbytes: float, mesh: LogicalM
                    model: costmodel.CostModel) -> tuple[tuple[str, int, float], ...]:
     """`reshard_collectives`, memoised: a stage's cost graph asks for the same few (layouts, size)
     tens of thousands of times. The active cost model picks the cheaper order, so it is in the key."""
-    changing = [axis for axis, (s, d) in enumerate(zip(src, dst))
-                if axis_collective(s, d) is not None and mesh.shape[axis] > 1]
-    orders = [changing] if len(changing) < 2 else [changing, changing[::-1]]
-    if is_mesh_all_to_all(src, dst, mesh):
-        # the blocks for devices differing on both axes cross the slower link (a node's NIC): the dearer order
-        plans = [mesh_all_to_all_steps(src, nbytes, mesh, order) for order in orders]
-        return tuple(max(plans, key=lambda steps: collectives_time(steps, mesh)))
-    plans = [_in_order(src, dst, nbytes, mesh, order) for order in orders]
-    return tuple(min(plans, key=lambda steps: collectives_time(steps, mesh)))
+    return _sized(_reshard_template(src, dst, mesh), nbytes, mesh)
 
 
-def _in_order(src: Placement, dst: Placement, nbytes: float, mesh: LogicalMesh,
-              order: Sequence[int]) -> list[tuple[str, int, float]]:
-    """The steps of `reshard_collectives` taken axis by axis in `order`, each from the layout so far."""
+def _in_order(src: Placement, dst: Placement, mesh: LogicalMesh, order: Sequence[int]) -> Divided:
+    """The steps of `reshard_collectives` taken axis by axis in `order`, each from the layout so far
+    (its buffer divisor: `buffer_bytes`)."""
     now, steps = list(src), []
     for axis in order:
         kind = axis_collective(now[axis], dst[axis])
-        steps.append((kind, axis, buffer_bytes(kind, nbytes, tuple(now), mesh, axis)))
+        steps.append((kind, axis, (shards(tuple(now), mesh, skip_axis=None if kind == "all_to_all" else axis),)))
         now[axis] = R if kind in ("all_gather", "all_reduce") else dst[axis]
-    return steps
+    return tuple(steps)
 
 
 COPYING = ("all_gather", "all_to_all")  # collectives that write their result into a new buffer
@@ -233,6 +257,11 @@ class PairPrices:
         self.model = costmodel.active()
         self._steps: dict[tuple, tuple[Step, ...]] = {}
         self._seconds: dict[tuple, float] = {}
+        self._layouts: dict[tuple, tuple[np.ndarray, list[int]]] = {}
+        self._pair_kinds: dict[tuple[Placement, Placement], int] = {}
+        self._kind_ids: dict[tuple[Template, int], int] = {}
+        self._kinds: list[tuple[Template, int]] = []
+        self._sized: dict[tuple[int, float], tuple[Step, ...]] = {}
 
     @classmethod
     def on(cls, mesh: LogicalMesh) -> PairPrices:
@@ -267,15 +296,56 @@ class PairPrices:
         """`collectives_time(steps, mesh, bucketed)`, from memoised step times (same order, same sum)."""
         return sum(self.step_seconds(steps, bucketed))
 
-    def copy_bytes(self, src: Placement, dst: Placement, nbytes: float) -> float:
-        """`reshard_copy_bytes(src, dst, nbytes, mesh)`, from the memoised steps."""
-        copying = any(kind in COPYING for kind, _, _ in self.reshard(src, dst, nbytes))
-        return local_bytes(nbytes, dst, self.mesh) if copying else 0.0
+    def _layout(self, srcs: Sequence[Placement], dsts: Sequence[Placement]) -> tuple[np.ndarray, list[int]]:
+        """A resharding table's structure, the same for any size of the tensor: per pair (srcs[a], dsts[b]) the
+        index of its kind of resharding (`_reshard_template` and the destination's shards, `self._kinds`) among
+        the table's distinct ones, which are few, and those kinds. The microbatch counts of a search ask for the
+        same tables at other sizes: each then prices only those few."""
+        key = (tuple(srcs), tuple(dsts))
+        layout = self._layouts.get(key)
+        if layout is None:
+            src_values, src_index = _classes(srcs)
+            dst_values, dst_index = _classes(dsts)
+            ids = np.array([[self._kind(s, d) for d in dst_values] for s in src_values], dtype=int)
+            kinds, index = np.unique(ids, return_inverse=True)
+            layout = self._layouts[key] = (index.reshape(ids.shape)[np.ix_(src_index, dst_index)], kinds.tolist())
+        return layout
+
+    def _kind(self, src: Placement, dst: Placement) -> int:
+        """The index in `self._kinds` of the pair's (template, destination shards): all its prices read."""
+        kind = self._pair_kinds.get((src, dst))
+        if kind is None:
+            value = (_reshard_template(src, dst, self.mesh), shards(dst, self.mesh))
+            kind = self._pair_kinds[(src, dst)] = self._kind_ids.setdefault(value, len(self._kind_ids))
+            if kind == len(self._kinds):
+                self._kinds.append(value)
+        return kind
+
+    def _sized_steps(self, kind: int, nbytes: float) -> tuple[Step, ...]:
+        """The steps of resharding kind `kind` for a tensor of `nbytes` (`_sized`), memoised."""
+        key = (kind, nbytes)
+        steps = self._sized.get(key)
+        if steps is None:
+            steps = self._sized[key] = _sized(self._kinds[kind][0], nbytes, self.mesh)
+        return steps
 
     def reshard_seconds(self, srcs: Sequence[Placement], dsts: Sequence[Placement], nbytes: float) -> np.ndarray:
         """Seconds of the i-th resharding collective from srcs[a] to dsts[b], as [i, a, b]
-        (one row per mesh axis, 0 past the last collective)."""
-        return self.step_table(lambda s, d: self.reshard(s, d, nbytes), srcs, dsts, len(self.mesh.shape))
+        (one row per mesh axis, 0 past the last collective): each entry `step_seconds(reshard(...))`."""
+        index, kinds = self._layout(srcs, dsts)
+        depth = len(self.mesh.shape)
+        rows = []
+        for kind in kinds:
+            times = self.step_seconds(self._sized_steps(kind, nbytes))
+            rows.append(times + (0.0,) * (depth - len(times)))
+        return np.moveaxis(np.array(rows, dtype=float)[index], 2, 0)
+
+    def copy_table(self, srcs: Sequence[Placement], dsts: Sequence[Placement], nbytes: float) -> np.ndarray:
+        """`reshard_copy_bytes(srcs[a], dsts[b], nbytes, mesh)` for every pair, as [a, b]."""
+        index, kinds = self._layout(srcs, dsts)
+        copies = [nbytes / self._kinds[kind][1] if any(k in COPYING for k, _, _ in self._sized_steps(kind, nbytes))
+                  else 0.0 for kind in kinds]
+        return np.array(copies, dtype=float)[index]
 
     def step_table(self, steps: Callable[[Any, Any], Sequence[Step]], srcs: Sequence, dsts: Sequence,
                    depth: int, bucketed: bool = False) -> np.ndarray:
@@ -291,18 +361,20 @@ class PairPrices:
 _PAIR_PRICES: dict[tuple, PairPrices] = {}
 
 
+def _classes(values: Sequence, key: Callable[[Any], Any] | None = None) -> tuple[list, np.ndarray]:
+    """The first value of each distinct key (default: the value itself) and each value's class index."""
+    first: dict = {}
+    index = [first.setdefault(v if key is None else key(v), (len(first), v))[0] for v in values]
+    return [v for _, v in first.values()], np.array(index, dtype=int)
+
+
 def pair_table(price: Callable[[Any, Any], Any], srcs: Sequence, dsts: Sequence,
                src_key: Callable[[Any], Any] | None = None, dst_key: Callable[[Any], Any] | None = None) -> np.ndarray:
     """`price(s, d)` for every pair of choices, as [a, b, ...]: computed once per distinct pair of
     keys (default: the choices themselves; a key holds all that `price` reads of a choice) on the
     first choices having them, and spread by indexing (strategies share layouts: tables repeat)."""
-    def classes(values: Sequence, key: Callable | None) -> tuple[list, np.ndarray]:
-        first: dict = {}
-        index = [first.setdefault(v if key is None else key(v), (len(first), v))[0] for v in values]
-        return [v for _, v in first.values()], np.array(index, dtype=int)
-
-    src_values, src_index = classes(srcs, src_key)
-    dst_values, dst_index = classes(dsts, dst_key)
+    src_values, src_index = _classes(srcs, src_key)
+    dst_values, dst_index = _classes(dsts, dst_key)
     table = np.array([[price(s, d) for d in dst_values] for s in src_values], dtype=float)
     return table[np.ix_(src_index, dst_index)]
 
