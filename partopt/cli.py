@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich import box
@@ -24,13 +24,14 @@ from rich.table import Table
 from rich.text import Text
 
 from partopt import baselines, check, io, models, validate
-from partopt import sweep as sweep_module
 from partopt.cluster import AUTO_ALPA_NODES, PRESETS, SUBMESH_FAMILIES, Cluster, Link, preset
 from partopt.costmodel import training_flops
-from partopt.draw import draw
 from partopt.evaluate import evaluate as evaluate_plan, uniform
 from partopt.errors import InstanceError, PartoptError
 from partopt.explain import explain
+
+if TYPE_CHECKING:  # pragma: no cover
+    from partopt import sweep as sweep_module  # matplotlib: imported by the commands that draw, not at start-up
 from partopt.export import TARGETS, export
 from partopt.graph import OPTIMIZERS, Graph
 from partopt.inter import DEFAULT_MAX_LAYERS, optimize
@@ -645,6 +646,8 @@ def _fmt_days(seconds: float) -> str:
 def sweep_command(spec_file: str, output: str | None, plot_file: str | None, tokens: float | None) -> None:
     """Plan every model × cluster × node count (× varied option) of a sweep SPEC file and tabulate the best
     plans: throughput per GPU, memory, time to train and GPU-hours; a point with no plan says why."""
+    from partopt import sweep as sweep_module
+
     if output:
         io.check_output(output)
     if plot_file:
@@ -817,6 +820,8 @@ def _render_verification(out: Console, stage: dict[str, Any]) -> None:
               help="Model chunks per stage (v) of the interleaved schedule: 2 or more (default: the plan's).")
 def draw_command(plan_file: str, output: str, schedule: str | None, virtual_stages: int | None) -> None:
     """Draw PLAN's pipeline schedule of one iteration and its memory per stage."""
+    from partopt.draw import draw
+
     io.check_output(output)
     draw(validate.read_checked(plan_file), output, schedule, virtual_stages=virtual_stages)
     click.echo(f"wrote {output}")

@@ -11,12 +11,12 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from partopt import costmodel, intra
 from partopt.cluster import LogicalMesh
 from partopt.errors import InfeasibleError, SolverError
-from partopt.executors import Executor, make_executor
+from partopt.executors import Executor, LocalPool, make_executor
 from partopt.graph import Graph
 from partopt.sharding import op_strategies, param_strategies
 
@@ -190,7 +190,10 @@ class Pricer:
     Results are kept in `cache` under the graph, the pricing options and the job (by structure:
     layers that hash alike share one solve), so later calls given the same dict reuse them."""
 
-    MIN_OPS = 500  # below this many ops over all jobs, starting local worker processes costs more than it saves
+    # seconds of pricing in this process after which the local pool starts, in the background (`LocalPool.start`):
+    # a search that prices for less never starts processes; a longer one (GPT-1.3B's default: 7 s) runs its
+    # later jobs on the workers once one is up, the largest first
+    WARM_S = 0.5
 
     def __init__(self, graph: Graph, options, cache: dict | None = None, deadline: float = math.inf):
         self.graph, self.options = graph, options
@@ -199,6 +202,8 @@ class Pricer:
         self.hashes: dict[tuple, str] = {}
         self.workers = options.workers or len(os.sched_getaffinity(0))
         self.executor: Executor | None = None
+        self.local_s = 0.0  # seconds spent pricing in this process
+        self.booting = False  # the local pool was started in the background and no worker has been seen up yet
         self.cache = {} if cache is None else cache
         self.prefix = (graph.name, graph.structural_hash(), options.backend, options.time_limit_s, options.seed,
                        options.memory_reserve, options.data_parallel_only, options.stage_data_parallel,
@@ -225,14 +230,26 @@ class Pricer:
             self.executor.close(wait=kind is None)
 
     def _results(self, jobs: list[Job]) -> Iterable[Priced]:
+        """The jobs' results in order: on the executor once it is ready, else here (the same results either way)."""
         local = any(job.restriction is not None for job in jobs)  # restrictions are closures: not shipped
-        many = self.options.executor != "local" or (self.workers > 1 and sum(len(j.ops) for j in jobs) >= self.MIN_OPS)
-        if not local and self.executor is None and many:
+        wanted = self.options.executor != "local" or (self.workers > 1 and self.local_s >= self.WARM_S)
+        if not local and self.executor is None and wanted:
             self.executor = make_executor(self.options.executor, price_job, (self.graph, self.options), self.workers,
                                           self.options.ray_address)
-        if self.executor is not None and not local:
-            return self.executor.map(jobs)
-        return (_price_in(self.graph, self.options, job, self.views) for job in jobs)
+            if self.local_s > 0 and isinstance(self.executor, LocalPool):
+                self.executor.start()  # mid-search: this process goes on pricing until a worker is up
+                self.booting = True
+        if self.executor is None or local or (self.booting and not self.executor.ready()):
+            return self._here(jobs)
+        self.booting = False
+        return self.executor.map(jobs)
+
+    def _here(self, jobs: list[Job]) -> Iterator[Priced]:
+        for job in jobs:
+            began = time.perf_counter()
+            cost = _price_in(self.graph, self.options, job, self.views)
+            self.local_s += time.perf_counter() - began
+            yield cost
 
     def run(self, jobs: dict, stats: Stats, progress: Callable[[int], None] = lambda n: None) -> dict:
         """Results of `jobs` (key -> Job) by key, each recorded in `stats`. Jobs with one cache key
@@ -242,6 +259,8 @@ class Pricer:
         for key, ck in cache_keys.items():
             if ck not in self.cache:
                 solving.setdefault(ck, key)
+        # the largest first: workers that share the jobs then finish together (the results do not depend on it)
+        solving = dict(sorted(solving.items(), key=lambda item: -_size(jobs[item[1]])))
         done = 0
         for key, ck in cache_keys.items():
             if ck in self.cache:
@@ -265,6 +284,12 @@ class Pricer:
     def one(self, job: Job, stats: Stats) -> Priced:
         """The result of a single job."""
         return self.run({0: job}, stats)[0]
+
+
+def _size(job: Job) -> int:
+    """A job's size for ordering: its ops, times 10 per mesh axis that splits (each multiplies the strategies
+    of an op by about its dims, and the edge tables by their square)."""
+    return len(job.ops) * 10 ** sum(n > 1 for n in job.mesh.shape)
 
 
 def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: float, layers: int, count: int,

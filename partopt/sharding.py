@@ -447,11 +447,35 @@ def _input_placement(tensor: Tensor, axes: Sequence[str | None], rename: Mapping
     return tuple(placement)
 
 
+_STRATEGIES: dict[tuple, tuple[Strategy, ...]] = {}  # see `op_strategies`
+_STRATEGIES_KEPT = 1 << 14
+
+
 def op_strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None = None) -> list[Strategy]:
     """Every valid strategy of `op` on `mesh` (divisible splits only), in a stable order.
 
-    `force_dim` restricts the op to splitting that dim on every axis (data parallelism).
+    `force_dim` restricts the op to splitting that dim on every axis (data parallelism). Kept under the
+    op's signature (`_op_signature`): the repeated layers of a model, and the search, its plan's validation
+    and its check, ask for the same strategies again and again.
     """
+    key = (_op_signature(graph, op), mesh, force_dim, costmodel.active())
+    kept = _STRATEGIES.get(key)
+    if kept is None:
+        if len(_STRATEGIES) >= _STRATEGIES_KEPT:
+            _STRATEGIES.clear()
+        kept = _STRATEGIES[key] = tuple(_strategies(graph, op, mesh, force_dim))
+    return list(kept)
+
+
+def _op_signature(graph: Graph, op: Op) -> tuple:
+    """All that `_strategies` reads of an op: its kind and attributes, its tensors' dims, dtypes and roles,
+    and those dims' sizes, but no name of the op or its tensors (strategies name dims, never tensors)."""
+    tensors = tuple((graph.tensors[t].dims, graph.dtype_of(t), graph.tensors[t].role) for t in (*op.inputs, op.output))
+    return op.kind, repr(sorted(op.attrs.items())), tensors, tuple(graph.dims[d] for t in tensors for d in t[0])
+
+
+def _strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None) -> list[Strategy]:
+    """`op_strategies`, enumerated."""
     behaviour = graph.behaviours(op)
     out_tensor = graph.tensors[op.output]
     rename = opkinds.reshape_outer(op) if op.kind == "reshape" else {}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -157,3 +159,9 @@ def test_nodes_zero_is_refused():
 def test_nodes_on_a_graph_is_refused():
     path = str(ROOT / "instances" / "mlp-2layer.json")
     assert_one_error_line(run("inspect", path, "--nodes", "2"), path, "--nodes resizes a cluster")
+
+
+def test_the_cli_starts_without_matplotlib():
+    """matplotlib (0.3 s to import here) is loaded by the commands that draw, not by every `partopt` call."""
+    code = "import sys; from partopt.cli import main; print('matplotlib' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

@@ -9,7 +9,7 @@ from partopt.pricing import Pricer
 
 
 def test_one_and_two_workers_write_the_same_plan_file(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr(Pricer, "MIN_OPS", 0)  # two workers really run a pool, even for the tiny graph
+    monkeypatch.setattr(Pricer, "WARM_S", 0.0)  # two workers really run a pool, even for the tiny graph
     files = []
     for workers in (1, 2):
         path = tmp_path / f"plan-{workers}.json"

@@ -162,3 +162,48 @@ def test_ray_auto_without_a_running_cluster_is_one_line(monkeypatch):
     with pytest.raises(PartoptError, match="cannot start or reach the Ray cluster at auto") as info:
         executors.make_executor("ray", power_sum, (3,), 1, address="auto")
     assert "\n" not in info.value.line() and not ray.is_initialized()
+
+
+def test_a_pool_started_in_the_background_takes_jobs_once_a_worker_is_up():
+    pool = executors.LocalPool(sleepy, (0.0,), 2)
+    try:
+        began = time.perf_counter()
+        pool.start()
+        assert time.perf_counter() - began < 0.5  # returns before the workers have imported anything
+        deadline = time.perf_counter() + 60
+        while not pool.ready():
+            assert time.perf_counter() < deadline
+            time.sleep(0.05)
+        assert all(pid != os.getpid() for pid in pool.map([(), ()]))
+    finally:
+        pool.close()
+
+
+def test_a_search_moves_to_the_pool_midway_with_the_same_results(monkeypatch):
+    """Pricing that has run here for WARM_S starts the pool in the background and goes on here until a worker
+    is up; the results are those of pricing everything here."""
+    from partopt import intra
+    from partopt.cluster import preset
+    from partopt.models import gpt
+    from partopt.options import Options
+    from partopt.pricing import Job, Pricer, Stats
+
+    monkeypatch.setattr(Pricer, "WARM_S", 1e-9)
+    graph = gpt(hidden=64, layers=2, heads=4, seq=32, vocab=128, batch=8, name="tiny-gpt")
+    view = intra.with_batch(graph, 2)
+    ops = tuple(op.name for op in view.order if op.layer == 1)
+    meshes = [preset("p3.16xlarge", 1).logical_mesh(sub, shape) for sub, shape in
+              [((1, 2), (1, 2)), ((1, 2), (2, 1)), ((1, 4), (2, 2)), ((1, 4), (1, 4)), ((1, 8), (2, 4)), ((1, 8), (8, 1))]]
+    jobs = {m: Job(2, 4, ops, mesh, "none", None) for m, mesh in enumerate(meshes)}
+    with Pricer(graph, Options(workers=1)) as alone:
+        expected = {k: (v.time_s, v.sync_s) for k, v in alone.run(jobs, Stats()).items()}
+    seen_pool = False
+    with Pricer(graph, Options(workers=2)) as pricer:
+        deadline = time.perf_counter() + 60
+        while not seen_pool:
+            assert time.perf_counter() < deadline
+            pricer.cache.clear()  # price the same jobs again, here or on the workers
+            got = pricer.run(jobs, Stats())
+            assert {k: (v.time_s, v.sync_s) for k, v in got.items()} == expected
+            seen_pool = pricer.executor is not None and not pricer.booting
+    assert seen_pool

@@ -56,7 +56,7 @@ def test_a_measured_collective_bandwidth_prices_the_gradient_all_reduce():
 
 def test_the_model_reaches_the_ilp_workers(monkeypatch):
     """Layer ILPs solved in worker processes price with the caller's model, not the default."""
-    monkeypatch.setattr(Pricer, "MIN_OPS", 0)  # a pool even for this small graph
+    monkeypatch.setattr(Pricer, "WARM_S", 0.0)  # a pool even for this small graph
     graph = mlp(2, 64, 256)
     slow = Profiled({("einsum", ((64, 256), (256, 256), (64, 256)), "fp32"): 1.0})
     plan = optimize(graph, cluster(1), microbatches=1, workers=2, cost_model=slow)

@@ -270,7 +270,8 @@ def test_an_output_directory_is_checked_before_the_work(tiny, tmp_path, monkeypa
     import partopt.cli
     monkeypatch.setattr(partopt.cli, "optimize", lambda *a, **k: pytest.fail("solved before checking the output"))
     monkeypatch.setattr(partopt.cli, "evaluate_plan", lambda *a, **k: pytest.fail("priced before checking"))
-    monkeypatch.setattr(partopt.cli, "draw", lambda *a, **k: pytest.fail("drawn before checking the output"))
+    import partopt.draw
+    monkeypatch.setattr(partopt.draw, "draw", lambda *a, **k: pytest.fail("drawn before checking the output"))
     for command in (["solve", MLP, "--cluster", "p3.16xlarge", "-o"], ["generate", "gpt-350m", "-o"],
                     ["evaluate", tiny.graph_file, "--cluster", tiny.cluster_file, "--plan", tiny.plan_file, "-o"],
                     ["draw", tiny.plan_file, "-o"]):
