@@ -32,6 +32,7 @@ from partopt.sharding import SMALL_BYTES, MeshShape, Partial, Placement, R, Shar
     gradient_placement, reshard_collectives
 
 TOP_LEVEL = "(top level)"  # the loss, gradient synchronisation: outside every module
+MATMULS = ("linear", "matmul", "mm", "bmm", "addmm", "einsum")  # aten ops whose input gradient reads the weight
 BACKWARD = "(backward)"  # the backward's calls, compared over the stage
 FP32 = 4  # bytes per element: verify runs in fp32 whatever dtype the plan was priced in
 _INPUT = re.compile(r"(\S+) \[[^\]]*\]")
@@ -216,12 +217,14 @@ def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | N
                     done.add(("backward", module, t, leaving))
                     result += planned_reshard(grad, as_gradient_target(layouts[k]), nbytes, mesh, module, True)
                 grad = as_gradient_target(layouts[k])
-    # a sharded parameter gathered for its reader, inside the op: forward only (DTensor's autograd keeps the
-    # gathered weight for the backward, where the plan prices FSDP's second gather; docs/FRONTENDS.md); an
+    # a sharded parameter gathered for its reader, inside the op: in the forward, and for a matmul again in the
+    # backward, where its input's gradient reads the weight (DTensor's autograd keeps the op's operands as stored,
+    # not what its dispatch gathered: FSDP's second gather, which the plan prices too; docs/FRONTENDS.md); an
     # experts module gathers each torch parameter once, its chunks together (`verify_torch_moe.expert_parallel`)
     experts, chunks, gathered = expert_modules(plan), _torch_params(stage), set()
     for op, info in stage.ops.items():
-        for t, need in zip(op_inputs(info.explanation), info.inputs):
+        inputs = op_inputs(info.explanation)
+        for t, need in zip(inputs, info.inputs):
             if t not in stage.params:
                 continue
             names = [t]
@@ -233,6 +236,9 @@ def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | N
                 names = chunks[whole]
             nbytes = sum(_numel(plan, n) for n in names) * FP32
             result += planned_reshard(stage.params[t].placement, need, nbytes, mesh, module_of(op))
+            if (names == [t] and op.rpartition(".")[2] in MATMULS
+                    and any(plan.tensors[u]["role"] not in ("param", "input") for u in inputs if u != t)):
+                result += planned_reshard(stage.params[t].placement, need, nbytes, mesh, module_of(op), backward=True)
     for module, axes in (summed or {}).items():
         result = [c for c in result if not (c["module"] == module or c["module"].startswith(module + "."))]
         result += experts_sum_calls(plan, module, axes, mesh)

@@ -150,3 +150,23 @@ def test_experts_weights_placed_differently_are_refused(mixtral_plan):
     mixed = dataclasses.replace(mixed, stages=[dataclasses.replace(mixed.stages[0], params=params)])
     with pytest.raises(PartoptError, match="placed differently"):
         verify_plan(mixed, str(config))
+
+
+def test_the_default_plan_of_the_wider_mixtral_verifies_its_weights_gathered_again_in_the_backward(tmp_path):
+    """With its default pricing (gathers prefetched under compute) the wider Mixtral's plan stores q_proj and
+    o_proj split and computes them data parallel: DTensor's dispatch gathers each weight for the forward
+    matmul and again for its input's gradient (autograd keeps the weight as stored), as the plan prices; the
+    verifier predicts both gathers, 256 x 256 fp32 each, and loss, gradients and collectives match."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**MIXTRAL, "hidden_size": 256, "max_position_embeddings": 64}))
+    graph = from_hf_config(read_hf_config(path), batch=32, seq=64)
+    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    plan = optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(1, 2)])
+    stage = plan.stages[0]
+    split = [n for n in ("q_proj", "o_proj")
+             if any(isinstance(p, Shard) for p in stage.params[f"model.layers.0.self_attn.{n}.weight"].placement)]
+    assert split == ["q_proj", "o_proj"]  # the case this test is about
+    report = verify_plan(plan, str(path))
+    assert report.ok, report.lines()
+    again = [c for c in report.stages[0].planned if c["kind"] == "all_gather" and c["backward"]]
+    assert sorted(c["bytes"] for c in again) == [256 * 256 * 4] * 2
