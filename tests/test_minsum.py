@@ -52,14 +52,20 @@ def test_declines_when_the_tables_would_be_too_large():
     assert minsum.solve(costs, edges, max_entries=entries) is not None
 
 
-def test_ilp_solve_uses_it_for_the_rest_and_agrees_with_highs():
-    # every node of K5 has four neighbours: the exact pairwise elimination leaves all of it to the next step
-    rng = random.Random(7)
+def k5(seed: int) -> ilp.CostGraph:
+    """K5 with three strategies a node: every node has four neighbours, so the exact pairwise elimination
+    leaves all of it to the next step."""
+    rng = random.Random(seed)
     g = ilp.CostGraph()
     for i in range(5):
         g.add_node(f"n{i}", [rng.uniform(0, 1) for _ in range(3)])
     for u, v in itertools.combinations(range(5), 2):
         g.add_edge(u, v, [[rng.uniform(0, 1) for _ in range(3)] for _ in range(3)])
+    return g
+
+
+def test_ilp_solve_uses_it_for_the_rest_and_agrees_with_highs():
+    g = k5(7)
     solution = ilp.solve(g)
     assert solution.result.backend == "elimination" and solution.result.status == "optimal"
     assert solution.variables == 0  # no ILP was built
@@ -72,12 +78,7 @@ def test_ilp_solve_uses_it_for_the_rest_and_agrees_with_highs():
 
 def test_ilp_solve_falls_back_to_the_ilp_past_the_limit(monkeypatch):
     monkeypatch.setattr(minsum, "MAX_ENTRIES", 0)
-    rng = random.Random(8)
-    g = ilp.CostGraph()
-    for i in range(5):
-        g.add_node(f"n{i}", [rng.uniform(0, 1) for _ in range(3)])
-    for u, v in itertools.combinations(range(5), 2):
-        g.add_edge(u, v, [[rng.uniform(0, 1) for _ in range(3)] for _ in range(3)])
+    g = k5(8)
     solution = ilp.solve(g)
     assert solution.result.backend == "highs" and solution.variables > 0
     assert solution.objective == pytest.approx(min(g.total(list(c)) for c in itertools.product(range(3), repeat=5)),
