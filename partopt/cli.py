@@ -29,9 +29,6 @@ from partopt.costmodel import training_flops
 from partopt.evaluate import evaluate as evaluate_plan, uniform
 from partopt.errors import InstanceError, PartoptError
 from partopt.explain import explain
-
-if TYPE_CHECKING:  # pragma: no cover
-    from partopt import sweep as sweep_module  # matplotlib: imported by the commands that draw, not at start-up
 from partopt.export import TARGETS, export
 from partopt.graph import OPTIMIZERS, Graph
 from partopt.inter import DEFAULT_MAX_LAYERS, optimize
@@ -42,6 +39,9 @@ from partopt.profiled import read_profile
 from partopt.schedules import SCHEDULES
 from partopt.solvers import BACKENDS
 from partopt.units import fmt_bytes, fmt_scaled, fmt_seconds
+
+if TYPE_CHECKING:  # pragma: no cover
+    from partopt import sweep as sweep_module  # matplotlib: imported by the commands that draw, not at start-up
 
 RECOMPUTE_CHOICES = ("auto", *RECOMPUTE_MODES)
 EXIT_USER_ERROR = 2  # bad input: a file, a preset name or an impossible request

@@ -112,7 +112,12 @@ def buffer_bytes(kind: str, nbytes: float, src: Placement, mesh: LogicalMesh, ax
     tensor's bytes over the source's shards on the other axes); an all-to-all exchanges the
     device's local shard, so its buffer is also divided by this axis.
     """
-    return nbytes / shards(src, mesh, skip_axis=None if kind == "all_to_all" else axis)
+    return nbytes / buffer_divisor(kind, src, mesh, axis)
+
+
+def buffer_divisor(kind: str, src: Placement, mesh: LogicalMesh, axis: int) -> int:
+    """What `buffer_bytes` divides the tensor's bytes by."""
+    return shards(src, mesh, skip_axis=None if kind == "all_to_all" else axis)
 
 
 SMALL_BYTES = 256  # collectives this small (scalars, norm statistics) the verifiers list but do not compare
@@ -208,11 +213,11 @@ def _reshard_steps(src: Placement, dst: Placement, nbytes: float, mesh: LogicalM
 
 def _in_order(src: Placement, dst: Placement, mesh: LogicalMesh, order: Sequence[int]) -> Divided:
     """The steps of `reshard_collectives` taken axis by axis in `order`, each from the layout so far
-    (its buffer divisor: `buffer_bytes`)."""
+    (its buffer divisor: `buffer_divisor`)."""
     now, steps = list(src), []
     for axis in order:
         kind = axis_collective(now[axis], dst[axis])
-        steps.append((kind, axis, (shards(tuple(now), mesh, skip_axis=None if kind == "all_to_all" else axis),)))
+        steps.append((kind, axis, (buffer_divisor(kind, tuple(now), mesh, axis),)))
         now[axis] = R if kind in ("all_gather", "all_reduce") else dst[axis]
     return tuple(steps)
 
@@ -259,9 +264,9 @@ class PairPrices:
         self._seconds: dict[tuple, float] = {}
         self._layouts: dict[tuple, tuple[np.ndarray, list[int]]] = {}
         self._pair_kinds: dict[tuple[Placement, Placement], int] = {}
-        self._kind_ids: dict[tuple[Template, int], int] = {}
+        self._kind_ids: dict[tuple[Template, int], int] = {}  # a kind's index in `_kinds`
         self._kinds: list[tuple[Template, int]] = []
-        self._sized: dict[tuple[int, float], tuple[Step, ...]] = {}
+        self._steps_at: dict[tuple[int, float], tuple[Step, ...]] = {}
 
     @classmethod
     def on(cls, mesh: LogicalMesh) -> PairPrices:
@@ -316,17 +321,19 @@ class PairPrices:
         kind = self._pair_kinds.get((src, dst))
         if kind is None:
             value = (_reshard_template(src, dst, self.mesh), shards(dst, self.mesh))
-            kind = self._pair_kinds[(src, dst)] = self._kind_ids.setdefault(value, len(self._kind_ids))
-            if kind == len(self._kinds):
+            kind = self._kind_ids.get(value)
+            if kind is None:
+                kind = self._kind_ids[value] = len(self._kinds)
                 self._kinds.append(value)
+            self._pair_kinds[(src, dst)] = kind
         return kind
 
     def _sized_steps(self, kind: int, nbytes: float) -> tuple[Step, ...]:
         """The steps of resharding kind `kind` for a tensor of `nbytes` (`_sized`), memoised."""
         key = (kind, nbytes)
-        steps = self._sized.get(key)
+        steps = self._steps_at.get(key)
         if steps is None:
-            steps = self._sized[key] = _sized(self._kinds[kind][0], nbytes, self.mesh)
+            steps = self._steps_at[key] = _sized(self._kinds[kind][0], nbytes, self.mesh)
         return steps
 
     def reshard_seconds(self, srcs: Sequence[Placement], dsts: Sequence[Placement], nbytes: float) -> np.ndarray:

@@ -61,7 +61,8 @@ class Pipeline:
     graph: Graph | None = None  # the model at full batch: FLOP shares of forward and weight passes (`split_table`)
     # send_s by (first, last, end, receiver, cost model): the DP's tables ask for the same stages' sends many times
     _sends: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    # a row of layer costs' stage sums by (table, id(row), mesh, …), see `_stage_sums` and `_chunk_sums`
+    # a row of layer costs' stage sums by (table, id(row), mesh, …), see `_stage_sums` and `_chunk_sums`; an end's
+    # sends (`_end_sends`)
     _sums: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -349,8 +350,7 @@ def _stage_sums(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int,
     devices = min(sub[0] * sub[1], pipe.per_node)
     out = np.full((5, L, L), np.nan)
     columns = _columns(row, pipe.layering)
-    end = End(sub, shape)
-    outs, ins = np.array([pipe.out_s(j, end) for j in range(L)]), [pipe.in_s(i, end) for i in range(L)]
+    outs, ins = _end_sends(pipe, End(sub, shape))
     for i in range(L):
         sends = outs[i:] + ins[i]  # the floats `send_s` adds
         run = _running(columns, i, pipe.overlap)
@@ -364,6 +364,16 @@ def _stage_sums(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int,
         out[:, i, i:i + n] = time_s + sends[:n], sync_s, params, acts, working
     pipe._sums[key] = (row, out)  # the entry holds the row: its id is not reused meanwhile
     return out
+
+
+def _end_sends(pipe: Pipeline, end: End) -> tuple[np.ndarray, list[float]]:
+    """Per DP layer, an end's `out_s` (its last layer's) and `in_s` (its first's): a stage's sends depend on its
+    mesh, not on its option's mode or row, so they are kept per end in `pipe`."""
+    key = ("sends", end)
+    if key not in pipe._sums:
+        L = len(pipe.layering.groups)
+        pipe._sums[key] = (end, (np.array([pipe.out_s(j, end) for j in range(L)]), [pipe.in_s(i, end) for i in range(L)]))
+    return pipe._sums[key][1]
 
 
 def fits(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], options: list[list[tuple]], stages: Sequence,

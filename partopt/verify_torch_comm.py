@@ -227,8 +227,8 @@ def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | N
         for t, need in zip(inputs, info.inputs):
             if t not in stage.params:
                 continue
-            names = [t]
-            if _expert_of(t, experts) is not None:
+            names, expert = [t], _expert_of(t, experts)
+            if expert is not None:
                 whole = t.partition("[")[0]
                 if whole in gathered:
                     continue
@@ -236,7 +236,7 @@ def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | N
                 names = chunks[whole]
             nbytes = sum(_numel(plan, n) for n in names) * FP32
             result += planned_reshard(stage.params[t].placement, need, nbytes, mesh, module_of(op))
-            if (names == [t] and op.rpartition(".")[2] in MATMULS
+            if (expert is None and op.rpartition(".")[2] in MATMULS
                     and any(plan.tensors[u]["role"] not in ("param", "input") for u in inputs if u != t)):
                 result += planned_reshard(stage.params[t].placement, need, nbytes, mesh, module_of(op), backward=True)
     for module, axes in (summed or {}).items():
