@@ -139,3 +139,26 @@ def test_a_continuous_peak_is_the_largest_of_its_rows(backend):
     assert one.status == "optimal" and one.values[:2] == [0, 1] and one.objective == pytest.approx(-1.5)
     with pytest.raises(PartoptError):
         solvers.Model().add_continuous(math.inf)
+
+
+@pytest.mark.parametrize("backend", ["highs", "cpsat"])
+def test_a_memory_row_in_bytes_binds_to_the_byte(backend):
+    """The peak model above in GiB-sized bytes (items of 2 GiB, transients 3 and 5 GiB): at a cap of
+    9 GiB both fit with the peak at 5 GiB; one byte less and only b does. HiGHS solves such rows shrunk
+    (`solvers.Model.shrunk`): the byte must still bind, and the peak come back in bytes. (CBC, scaled or
+    not, calls the one-byte-short cap infeasible: its tolerances blur a byte of 9 GiB; 1 KiB short it is right.)"""
+    gib = 2.0**30
+
+    def model(cap: float) -> solvers.Model:
+        m = solvers.Model()
+        a, b = m.add_var(-1.0, "a"), m.add_var(-1.5, "b")
+        p = m.add_continuous(5 * gib, name="peak")
+        m.add_row([a, p], [3 * gib, -1.0], -math.inf, 0.0)
+        m.add_row([b, p], [5 * gib, -1.0], -math.inf, 0.0)
+        m.add_row([a, b, p], [2 * gib, 2 * gib, 1.0], -math.inf, cap)
+        return m
+
+    both = solvers.solve(model(9 * gib), backend)
+    assert both.status == "optimal" and both.values[:2] == [1, 1] and both.values[2] == pytest.approx(5 * gib, abs=1.0)
+    one = solvers.solve(model(9 * gib - 1), backend)
+    assert one.status == "optimal" and one.values[:2] == [0, 1] and one.objective == pytest.approx(-1.5)

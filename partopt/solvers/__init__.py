@@ -27,6 +27,12 @@ WORK_UNITS = {"highs": "branch-and-bound nodes", "cpsat": "deterministic seconds
 # deterministic second on that block on this loaded 2-core machine, so 20 binds before the 60 s clock.
 # scripts/bench_solver_limits.py, docs/benchmarks.md ("Deterministic solver limits").
 DEFAULT_WORK_LIMITS = {"highs": 1000, "cpsat": 20.0, "cbc": 1000}
+# rows and continuous columns larger than this reach the floating-point backends scaled down to about it
+# (`Model.shrunk`): memory rows in bytes (coefficients to 1e10) made HiGHS's dual simplex crawl, a capped
+# Llama-2 70B block ILP taking 80 s at 13 nodes against 7.5 s scaled (docs/benchmarks.md). A backend's
+# absolute feasibility tolerance (1e-6) then stands for about 1e-12 of a row's largest coefficient: under a
+# tenth of a byte of an 80 GB memory row, so rows of whole bytes stay exact
+MAGNITUDE = 2.0**20
 
 
 @dataclass
@@ -67,6 +73,27 @@ class Model:
     def value(self, x: list[float]) -> float:
         """Objective of an assignment, in the model's own (unscaled) units."""
         return math.fsum(c * v for c, v in zip(self.objective, x) if v)
+
+    def shrunk(self) -> tuple[Model, list[float]]:
+        """The same program with every continuous column and row whose magnitude exceeds MAGNITUDE scaled
+        down to about it by a power of two (exact in floating point), and each column's scale: a solution
+        x' of the shrunk model is x_j = x'_j · scale[j] of this one."""
+        scale = [1.0] * self.num_vars
+        for j, upper in self.continuous.items():
+            scale[j] = _shrink(upper)
+        rows = []
+        for index, coef, lo, hi in self.rows:
+            row = [c * scale[i] for i, c in zip(index, coef)] if self.continuous else coef
+            s = _shrink(max(map(abs, row), default=0.0))
+            rows.append((index, row, lo, hi) if s == 1.0 else (index, [c / s for c in row], lo / s, hi / s))
+        return Model([c * k for c, k in zip(self.objective, scale)], rows, self.names,
+                     {j: upper / scale[j] for j, upper in self.continuous.items()}, self.scale,
+                     {j: v / scale[j] for j, v in self.start.items()}), scale
+
+
+def _shrink(magnitude: float) -> float:
+    """The power of two that brings `magnitude` down to about MAGNITUDE (1 when it is no larger)."""
+    return 2.0 ** round(math.log2(magnitude / MAGNITUDE)) if magnitude > MAGNITUDE else 1.0
 
 
 @dataclass(frozen=True)

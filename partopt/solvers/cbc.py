@@ -17,8 +17,9 @@ def solve(model: Model, options: Options) -> Result:
         return _solve(model, options)
 
 
-def _solve(model: Model, options: Options) -> Result:
+def _solve(original: Model, options: Options) -> Result:
     start = time.perf_counter()
+    model, scale = original.shrunk()
     prob = pulp.LpProblem("partopt", pulp.LpMinimize)
     x = [pulp.LpVariable(f"x{i}", 0, model.continuous[i], cat="Continuous") if i in model.continuous
          else pulp.LpVariable(f"x{i}", cat="Binary") for i in range(model.num_vars)]
@@ -46,11 +47,12 @@ def _solve(model: Model, options: Options) -> Result:
     if pulp.LpStatus[prob.status] == "Infeasible":
         # CBC can write "Integer infeasible" when its clock ran out before any integer solution: no proof then
         return Result("timeout" if clock_ran_out else "infeasible", None, None, None, elapsed, "cbc")
-    values = [(v.value() or 0.0) if i in model.continuous else int(round(v.value() or 0)) for i, v in enumerate(x)]
+    values = [(v.value() or 0.0) * scale[i] if i in model.continuous else int(round(v.value() or 0))
+              for i, v in enumerate(x)]
     solution_ok = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
     if not solution_ok:
         return Result(stopped, None, None, None, elapsed, "cbc")
-    objective = model.value(values)
+    objective = original.value(values)
     optimal = prob.sol_status == pulp.LpSolutionOptimal
     # PuLP exposes neither CBC's dual bound nor its node count; without proof of optimality the bound is unknown.
     return Result("optimal" if optimal else stopped, values, objective,

@@ -27,8 +27,9 @@ def _new_highs() -> highspy.Highs:
         os.close(saved)
 
 
-def solve(model: Model, options: Options) -> Result:
+def solve(original: Model, options: Options) -> Result:
     start = time.perf_counter()
+    model, scale = original.shrunk()
     h = _new_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(options.time_limit_s))
@@ -76,7 +77,7 @@ def solve(model: Model, options: Options) -> Result:
     stopped = "timeout" if status == highspy.HighsModelStatus.kTimeLimit else "limit"
     if not has_solution:
         return Result(stopped, None, None, None, elapsed, "highs", nodes)
-    values = [v if j in model.continuous else int(round(v)) for j, v in enumerate(h.getSolution().col_value)]
-    objective = model.value(values)
+    values = [v * scale[j] if j in model.continuous else int(round(v)) for j, v in enumerate(h.getSolution().col_value)]
+    objective = original.value(values)
     bound = objective if optimal else min(objective, info.mip_dual_bound)
     return Result("optimal" if optimal else stopped, values, objective, bound, elapsed, "highs", nodes)
