@@ -369,11 +369,11 @@ def _stage_sums(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int,
 def _end_sends(pipe: Pipeline, end: End) -> tuple[np.ndarray, list[float]]:
     """Per DP layer, an end's `out_s` (its last layer's) and `in_s` (its first's): a stage's sends depend on its
     mesh, not on its option's mode or row, so they are kept per end in `pipe`."""
-    key = ("sends", end)
+    key = ("sends", end)  # a value, not an id like the rows' keys: the entry need not hold it
     if key not in pipe._sums:
         L = len(pipe.layering.groups)
-        pipe._sums[key] = (end, (np.array([pipe.out_s(j, end) for j in range(L)]), [pipe.in_s(i, end) for i in range(L)]))
-    return pipe._sums[key][1]
+        pipe._sums[key] = (np.array([pipe.out_s(j, end) for j in range(L)]), [pipe.in_s(i, end) for i in range(L)])
+    return pipe._sums[key]
 
 
 def fits(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], options: list[list[tuple]], stages: Sequence,
