@@ -19,7 +19,7 @@ from partopt.graph import Graph, Op
 from partopt.ops import NORM_KINDS
 from partopt.assemble import assemble
 from partopt.options import Options, microbatch_counts
-from partopt.pricing import Job, LayerCost, Pricer, Stats
+from partopt.pricing import Job, LayerCost, Pricer, Stats, ladder, rung
 from partopt.schedules import check_schedule, inflight
 from partopt.stages import StageSpec, chunks
 from partopt.layering import Layering, build_layers
@@ -114,28 +114,27 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
                              ("megatron", dp, tp, zero and dp > 1, sequence_parallel and tp > 1))
 
 
-LOOSER = (1.0, 1.5, 2.0, 3.0)  # caps tried for a layer, in units of its even share of the budget
-
-
 def _price_layers(pricer: Pricer, cluster: Cluster, layering: Layering, count: int, spec: StageSpec,
                   restriction: intra.Restriction, stats: Stats, budget: float | None = None) -> list[LayerCost | None]:
     """The stage's base layers priced on its mesh under `restriction` (others None: not in this stage).
 
-    With a `budget`, each of the stage's n layers is first solved within budget / n with the
-    stage's in-flight microbatches and 1/n of its transient peak (so that together they fit: the
-    stage holds one peak), then within looser caps (a small embedding leaves room to the blocks),
-    and without a cap only if all fail.
+    With a `budget`, the stage's n layers are fitted to it together on the search's ladder of caps
+    (`pricing.ladder` of the rung r = `pricing.rung(n)`): each layer within its even share budget / r
+    with the stage's in-flight microbatches and 1/r of its transient peak (so that together they
+    fit: the stage holds one peak), else within the first looser rung it fits (a small embedding
+    leaves room to the blocks), and without a cap only if all fail. These are the stage DP's rows
+    (`pricing.tighten`) where the DP's in-flight count is the stage's.
     """
     mb = pricer.graph.dims[pricer.graph.batch_dim] // count
     mesh = cluster.logical_mesh(spec.submesh, spec.shape)
     first, last = layering.groups[spec.first][0], layering.groups[spec.last][1]
+    rungs = ladder(rung(last - first + 1)) if budget is not None else []
     row: list[LayerCost | None] = [None] * len(layering.base)
     for b in range(first, last + 1):
         names = tuple(op.name for op in layering.base[b])
-        share = None if budget is None else budget / (last - first + 1)
-        for factor in (LOOSER if share else ()):  # the even share first, then looser caps
-            cost = pricer.one(Job(mb, count, names, mesh, spec.recompute, min(budget, factor * share),
-                                  spec.inflight, restriction, last - first + 1), stats)
+        for r in rungs:  # the even share first, then looser caps
+            cost = pricer.one(Job(mb, count, names, mesh, spec.recompute, budget / r, spec.inflight, restriction, r),
+                              stats)
             if isinstance(cost, LayerCost):
                 break
         else:  # the stage will not fit: the check in `price` says by how much

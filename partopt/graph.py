@@ -140,8 +140,9 @@ class Graph:
 
         Two subgraphs hash alike when they differ only in names: names are replaced by
         their order of first appearance; sizes, dtypes, roles, kinds, attributes, the batch
-        dim, the wiring and the optimizer (it sets parameter memory) all count (two identical
-        transformer blocks hash alike).
+        dim, the wiring, whether each output is read inside the ops and outside them (a layer
+        whose output leaves the graph is priced unlike one that hands it to the next) and the
+        optimizer (it sets parameter memory) all count (two identical transformer blocks hash alike).
         """
         ops = list(self.order if ops is None else ops)
         tensor_ids: dict[str, int] = {}
@@ -166,7 +167,13 @@ class Graph:
                 return tuple(attr(v) for v in value)
             return value
 
-        parts = [(op.kind, tuple(tensor(t) for t in op.inputs), tensor(op.output), attr(dict(op.attrs)))
+        inside = {op.name for op in ops}
+
+        def readers(op: Op) -> tuple[bool, bool]:  # read inside the ops, outside them: the ILP pairs or completes
+            names = [c.name for c in self.consumers[op.output]]  # an output by where it goes (`intra.build`)
+            return any(n in inside for n in names), any(n not in inside for n in names)
+
+        parts = [(op.kind, tuple(tensor(t) for t in op.inputs), tensor(op.output), readers(op), attr(dict(op.attrs)))
                  for op in ops]
         return hashlib.sha256(repr((self.optimizer, parts)).encode()).hexdigest()[:16]
 

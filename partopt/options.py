@@ -7,7 +7,7 @@ from typing import Sequence
 
 from partopt import costmodel, intra
 from partopt.errors import InfeasibleError, InstanceError
-from partopt.pricing import MEMORY_RUNGS
+from partopt.pricing import RUNGS
 from partopt.schedules import SCHEDULES, SEARCHED
 
 DEFAULT_MAX_LAYERS = 64  # every block up to 64 (GPT-39B: 48); more are grouped (docs/benchmarks.md)
@@ -100,7 +100,7 @@ def restrictions(options: Options, batch: int, layers: int, dp_layers: int, *, f
         found.append("logical meshes: the second axis within a node")
     elif not isinstance(options.logical_shapes, str):
         found.append("logical meshes: the given shapes only")
-    found.append(f"memory-lean layer options: caps budget / r, r in {', '.join(map(str, MEMORY_RUNGS))}, "
+    found.append(f"memory-lean layer options: caps budget / r, r in {', '.join(map(str, RUNGS))}, "
                  "priced where memory binds")
     if len(options.recompute_modes) > 1:
         found.append("recomputation: one mode per stage")

@@ -23,7 +23,9 @@ from partopt.sharding import op_strategies, param_strategies
 # a timeout (the wall clock) outranks a work limit: only the former depends on the machine's load
 STATUS_RANK = {"optimal": 0, "limit": 1, "timeout": 2}
 REDUCTIONS = ("all_reduce", "reduce_scatter")  # gradient collectives DDP/Megatron overlap with backward
-MEMORY_RUNGS = (2, 4, 8, 16, 32, 64)  # per-layer caps budget / r that a stage of about r layers needs
+# The one ladder of memory-lean caps budget / r, for the stage DP's rows (`tighten`) and `evaluate`'s fitted
+# stages alike: every stage length to 16, then steps of at most 1.25 (see `rung` and `ladder`)
+RUNGS = (*range(2, 17), 20, 24, 28, 32, 40, 48, 56, 64)
 
 
 @dataclass(frozen=True)
@@ -292,46 +294,64 @@ def _size(job: Job) -> int:
     return len(job.ops) * 10 ** sum(n > 1 for n in job.mesh.shape)
 
 
+def rung(n: int) -> int:
+    """The ladder's rung for a stage of `n` base layers: the smallest rung r ≥ n (n itself past the last rung)."""
+    return next((r for r in RUNGS if r >= n), n) if n > 1 else 1
+
+
+def ladder(r: int) -> list[int]:
+    """The rungs a layer of a stage of rung `r` tries, tightest first: its even share budget / r, then each looser
+    rung down to 1 (the budget itself). The first it fits is its leanest option: a narrow layer's unused share is
+    room for a wide one (a small embedding beside the blocks)."""
+    return [r, *(x for x in reversed(RUNGS) if x < r), 1] if r > 1 else [1]
+
+
 def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: float, layers: int, count: int,
             bound: Callable[[], float], pricer: Pricer, stats: Stats, work: list[float] | None = None,
             devices: int = 0, overlap: bool = False) -> None:
-    """Add memory-leaner options: re-price layers whose optimum overflows budget / r, r = 2, 4, …
+    """Add memory-leaner options: one row of layer costs per rung r of the ladder (`RUNGS`) where a layer overflows it.
 
-    Each layer's ILP alone sees only its own memory; a stage of r such layers needs each to fit
-    about budget / r, with the in-flight microbatches of a stage that leads about layers / r
-    stages (the most it could have), and 1/r of its transient peak (the stage holds one). A layer whose optimum already fits the tighter cap keeps it
-    (the same ILP with a tighter, non-binding constraint has the same optimum), so small models
-    cost nothing. The cap of rung r serves stages of more than r / 2 layers (smaller ones fit the
-    rung before); a mesh on which every such stage costs more than `bound()` (the iteration time of
-    the best plan known — another count's, or this count's with the rows added so far: asked again
-    at each rung; see `longest_stage`) is not refined at that rung or beyond; with `work` (per layer, see `longest_stage`) a stage must also leave the rest of
-    the model room to run under `bound` on the other of the cluster's `devices`; `overlap`: gradient
-    reductions hide behind the backward (see `longest_stage`).
+    Each layer's ILP alone sees only its own memory; a stage of r such layers needs each to fit its
+    even share budget / r, with the in-flight microbatches of a stage that leads about layers / r
+    stages (the most it could have), and 1/r of its transient peak (the stage holds one). A layer
+    whose optimum already fits the tighter cap keeps it (the same ILP with a tighter, non-binding
+    constraint has the same optimum), so small models cost nothing; one that cannot fit it keeps its
+    leanest option, the tightest rung it fitted, and is not refined further (as `evaluate` fits a
+    stage's layers: the first rung of `ladder` each fits). Rung r serves stages longer than the rung
+    before it (shorter ones fit that rung); a mesh on which every such stage costs more than
+    `bound()` (the iteration time of the best plan known — another count's, or this count's with the
+    rows added so far; see `longest_stage`) is not refined at that rung or beyond; with `work` (per
+    layer, see `longest_stage`) a stage must also leave the rest of the model room to run under
+    `bound` on the other of the cluster's `devices`; `overlap`: gradient reductions hide behind the
+    backward (see `longest_stage`).
     `costs[option]` is the list of rows of layer costs of one (submesh, shape, mode) option and
-    `jobs[(layer key, option)]` its unconstrained job; each option gets one more row per cap at
+    `jobs[(layer key, option)]` its unconstrained job; each option gets one more row per rung at
     which any of its layers changed.
     """
     last = dict(priced)
     stuck = {key for key, cost in last.items() if cost is None}
-    for r in MEMORY_RUNGS:
-        if r > layers:
-            break
-        limit = bound()
-        longest = {option: longest_stage(objectives(rows[0], count), count, limit, work,
-                                         devices - option[0][0] * option[0][1], overlap) for option, rows in costs.items()}
+    before = 1
+    for r in (r for r in RUNGS if r <= layers):
         cap = budget / r
-        for key in jobs:  # no ILP where the cap is below the leanest assignment, or serves no stage that can win
-            if key not in stuck and (_charged(last[key].sharding.least_memory_bytes, last[key].sharding.least_transient_bytes,
-                                              r) > cap or longest[key[1]] <= r // 2):
-                stuck.add(key)
         inflight = min(count, math.ceil(layers / r))  # stages of r layers are the first of about layers / r
-        tight = {key: _with_cap(job, cap, inflight, r) for key, job in jobs.items()
-                 if key not in stuck and _charged(last[key].param_bytes + inflight * last[key].activation_bytes
-                                                  + last[key].working_bytes, last[key].sharding.breakdown.transient_bytes,
-                                                  r) > cap}
-        if not tight:
-            break
-        for key, cost in pricer.run(tight, stats).items():
+        for key in jobs:  # no ILP where the cap is below the leanest assignment
+            if key not in stuck and _charged(last[key].sharding.least_memory_bytes,
+                                             last[key].sharding.least_transient_bytes, r) > cap:
+                stuck.add(key)
+        tight = [key for key in jobs if key not in stuck and _charged(
+            last[key].param_bytes + inflight * last[key].activation_bytes + last[key].working_bytes,
+            last[key].sharding.breakdown.transient_bytes, r) > cap]
+        if tight:  # nor where the rung serves no stage that can win
+            limit = bound()
+            longest = {option: longest_stage(objectives(costs[option][0], count), count, limit, work,
+                                             devices - option[0][0] * option[0][1], overlap)
+                       for option in {key[1] for key in tight}}
+            stuck |= {key for key in tight if longest[key[1]] <= before}
+            tight = [key for key in tight if key not in stuck]
+        before = r
+        if not tight:  # a tighter rung may still bind: fewer microbatches in flight do not offset a smaller cap
+            continue
+        for key, cost in pricer.run({key: _with_cap(jobs[key], cap, inflight, r) for key in tight}, stats).items():
             if not isinstance(cost, LayerCost):
                 stuck.add(key)  # cannot fit this cap: keep its leanest option, stop refining it
             else:

@@ -116,7 +116,7 @@ def test_hash_of_two_identical_layers_inside_one_graph():
     layers = []
     tensors = {"x": (["b", "h"], "input")}
     prev = "x"
-    for i in range(3):
+    for i in range(4):
         tensors |= {f"l{i}.w": (["h", "h2"], "param"), f"l{i}.v": (["h2", "h"], "param"),
                     f"l{i}.m": (["b", "h2"],), f"l{i}.o": (["b", "h"],)}
         layers += [(f"l{i}.up", "einsum", [prev, f"l{i}.w"], f"l{i}.m"), (f"l{i}.down", "einsum", [f"l{i}.m", f"l{i}.v"], f"l{i}.o")]
@@ -125,6 +125,8 @@ def test_hash_of_two_identical_layers_inside_one_graph():
     ops = g.order
     assert g.structural_hash(ops[2:4]) == g.structural_hash(ops[4:6])
     assert g.structural_hash(ops[0:2]) != g.structural_hash(ops[2:4])  # layer 0 reads the input x, not an activation
+    # the last layer's output leaves the graph, unread: its ILP cannot pair it with its input as the others do
+    assert g.structural_hash(ops[6:8]) != g.structural_hash(ops[4:6])
 
 
 # ---------------------------------------------------------------- FLOPs
