@@ -101,7 +101,7 @@ def restrictions(options: Options, batch: int, layers: int, dp_layers: int, *, f
     elif not isinstance(options.logical_shapes, str):
         found.append("logical meshes: the given shapes only")
     found.append(f"memory-lean layer options: caps budget / r, r in {', '.join(map(str, RUNGS))}, "
-                 "priced where memory binds")
+                 "priced where memory binds, each for the stage lengths it serves (from the rung before to r)")
     if len(options.recompute_modes) > 1:
         found.append("recomputation: one mode per stage")
     if "interleaved" in options.schedules:

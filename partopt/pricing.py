@@ -7,6 +7,7 @@ memory-lean options. Jobs run in this process, or on a pool of worker processes 
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -317,13 +318,15 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
     whose optimum already fits the tighter cap keeps it (the same ILP with a tighter, non-binding
     constraint has the same optimum), so small models cost nothing; one that cannot fit it keeps its
     leanest option, the tightest rung it fitted, and is not refined further (as `evaluate` fits a
-    stage's layers: the first rung of `ladder` each fits). Rung r serves stages longer than the rung
-    before it (shorter ones fit that rung); a mesh on which every such stage costs more than
-    `bound()` (the iteration time of the best plan known — another count's, or this count's with the
-    rows added so far; see `longest_stage`) is not refined at that rung or beyond; with `work` (per
-    layer, see `longest_stage`) a stage must also leave the rest of the model room to run under
-    `bound` on the other of the cluster's `devices`; `overlap`: gradient reductions hide behind the
-    backward (see `longest_stage`).
+    stage's layers: the first rung of `ladder` each fits). Rung r serves the stages longer than the
+    rung before it and at most r long (shorter ones fit that rung; the last rung priced holds all the
+    layers); a mesh on which no stage of those lengths costs under `bound()` (the iteration time of
+    the best plan known — another count's, or this count's with the rows added so far; see
+    `stage_lengths`) is not refined at that rung, nor at any later one when no longer stage can; with
+    `work` (per layer, see `stage_lengths`) a stage must also leave the rest of the model room to run
+    under `bound` on the other of the cluster's `devices` (a stage on the whole cluster holds every
+    layer, so only the last rung is priced for it); `overlap`: gradient reductions hide behind the
+    backward (see `stage_lengths`).
     `costs[option]` is the list of rows of layer costs of one (submesh, shape, mode) option and
     `jobs[(layer key, option)]` its unconstrained job; each option gets one more row per rung at
     which any of its layers changed.
@@ -331,7 +334,7 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
     last = dict(priced)
     stuck = {key for key, cost in last.items() if cost is None}
     before = 1
-    for r in (r for r in RUNGS if r <= layers):
+    for r in (r for r in RUNGS if r <= rung(layers)):
         cap = budget / r
         inflight = min(count, math.ceil(layers / r))  # stages of r layers are the first of about layers / r
         for key in jobs:  # no ILP where the cap is below the leanest assignment
@@ -343,11 +346,11 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
             last[key].sharding.breakdown.transient_bytes, r) > cap]
         if tight:  # nor where the rung serves no stage that can win
             limit = bound()
-            longest = {option: longest_stage(objectives(costs[option][0], count), count, limit, work,
+            lengths = {option: stage_lengths(objectives(costs[option][0], count), count, limit, work,
                                              devices - option[0][0] * option[0][1], overlap)
                        for option in {key[1] for key in tight}}
-            stuck |= {key for key in tight if longest[key[1]] <= before}
-            tight = [key for key in tight if key not in stuck]
+            stuck |= {key for key in tight if max(lengths[key[1]], default=0) <= before}  # nor at any later rung
+            tight = [key for key in tight if key not in stuck and any(before < n <= r for n in lengths[key[1]])]
         before = r
         if not tight:  # a tighter rung may still bind: fewer microbatches in flight do not offset a smaller cap
             continue
@@ -378,7 +381,14 @@ def objectives(row: list[LayerCost | None], count: int) -> list[float | None]:
 
 def longest_stage(costs: list[float | None], count: int, limit: float, work: list[float] | None = None,
                   spare: int = 0, overlap: bool = False) -> int:
-    """The most consecutive base layers a stage on this mesh can hold and still cost under `limit`.
+    """The most consecutive base layers a stage on this mesh can hold and still cost under `limit` (0: none;
+    see `stage_lengths`)."""
+    return max(stage_lengths(costs, count, limit, work, spare, overlap), default=0)
+
+
+def stage_lengths(costs: list[float | None], count: int, limit: float, work: list[float] | None = None,
+                  spare: int = 0, overlap: bool = False) -> set[int]:
+    """How many consecutive base layers a stage on this mesh can hold and still cost under `limit`: every such length.
 
     A plan's iteration time is at least B · t + sync of each of its stages (B microbatches, t its
     latency, sync its per-iteration work), and no option of a layer on a mesh costs less than its
@@ -389,26 +399,30 @@ def longest_stage(costs: list[float | None], count: int, limit: float, work: lis
     With `work` (each layer's device-seconds per microbatch, a lower bound: `bounds.roofline_work`),
     the layers outside the stage must also run under `limit` on the `spare` devices it leaves:
     their iteration is at least B · (their work) / spare, and with no device spare there must be
-    no layer outside. A longer run ending at the same layer leaves less outside, so checking the
-    longest run under `limit` at each end suffices.
+    no layer outside. At each last layer the runs under `limit` start at `start` or later and those
+    leaving the rest room start at `room` or earlier (a longer run leaves less outside), so the lengths
+    are the runs from `start` to `room`.
     """
     whole = sum(work) if work is not None else 0.0
+    before = [0.0, *itertools.accumulate(work)] if work is not None else []  # work of the layers before each
     paid = 1.0 - 1.0 / count if overlap else 1.0  # the share of a stage's count · time + sync surely paid
-    longest, start, total, inside = 0, 0, 0.0, 0.0
+    lengths: set[int] = set()
+    start, total, room = 0, 0.0, -1
     for end, cost in enumerate(costs):
         if cost is None:  # cannot run on this mesh at all: no stage spans it
-            start, total, inside = end + 1, 0.0, 0.0
+            start, total = end + 1, 0.0
             continue
         total += cost
-        inside += work[end] if work is not None else 0.0
         while paid * total >= limit and start <= end:
             total -= costs[start]
-            inside -= work[start] if work is not None else 0.0
             start += 1
-        if work is not None and start <= end:  # what the stage leaves out must run under the limit elsewhere
-            if spare == 0 and (start > 0 or end < len(costs) - 1):
-                continue
-            if spare > 0 and count * (whole - inside) / spare >= limit:
-                continue
-        longest = max(longest, end - start + 1)
-    return longest
+        if work is None:
+            room = end
+        elif spare == 0:  # what the stage leaves out must run under the limit elsewhere: here, nothing
+            room = 0 if end == len(costs) - 1 else -1
+        else:
+            while room < end and count * (whole - (before[end + 1] - before[room + 1])) / spare < limit:
+                room += 1
+        if start <= min(room, end):
+            lengths.update(range(end - min(room, end) + 1, end - start + 2))
+    return lengths

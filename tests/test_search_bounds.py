@@ -16,7 +16,7 @@ from partopt.graph import Graph, Op, Tensor
 from partopt.bounds import footprints, least_rerun_s, op_work, roofline_work
 from partopt.inter import optimize
 from partopt.layering import build_layers
-from partopt.pricing import longest_stage
+from partopt.pricing import longest_stage, stage_lengths
 from partopt.sharding import forward_share
 from test_ilp import brute_force, random_graph
 from test_intra import mlp_gelu
@@ -138,6 +138,32 @@ def test_longest_stage_leaves_the_rest_of_the_model_room():
     # the count multiplies the rest's work: B = 2 makes it 2 · 8 / 2 = 8 ≥ 7
     assert longest_stage(costs, 2, 7.0, heavy, spare=2) == 0
     assert longest_stage(costs, 1, 7.0) == 2  # without work: today's rule
+
+
+def test_stage_lengths_are_the_runs_that_cost_under_the_limit_and_leave_the_rest_room():
+    """Every run of layers counted by brute force on small rows: a run is a length when it costs under the limit
+    and the layers outside it run under the limit on the spare devices (none outside when none spare)."""
+    rng = random.Random(20261202)
+    for _ in range(300):
+        n = rng.randint(1, 7)
+        costs = [None if rng.random() < 0.15 else float(rng.randint(1, 6)) for _ in range(n)]
+        work = [float(rng.randint(1, 6)) for _ in range(n)]
+        limit, count, spare = float(rng.randint(1, 25)), rng.randint(1, 3), rng.randint(0, 3)
+        expected = set()
+        for first in range(n):
+            for last in range(first, n):
+                run = costs[first:last + 1]
+                if None in run or sum(run) >= limit:
+                    continue
+                outside = sum(work) - sum(work[first:last + 1])
+                fits = (first == 0 and last == n - 1) if spare == 0 else count * outside / spare < limit
+                if fits:
+                    expected.add(last - first + 1)
+        assert stage_lengths(costs, count, limit, work, spare) == expected
+        assert longest_stage(costs, count, limit, work, spare) == max(expected, default=0)
+        free = {last - first + 1 for first in range(n) for last in range(first, n)
+                if None not in costs[first:last + 1] and sum(costs[first:last + 1]) < limit}
+        assert stage_lengths(costs, count, limit) == free  # without work, the cost alone
 
 
 def test_the_free_bound_is_the_optimum_with_memory_ignored():
