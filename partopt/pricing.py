@@ -333,7 +333,7 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
     """
     last = dict(priced)
     stuck = {key for key, cost in last.items() if cost is None}
-    before = 1
+    before, limit = 1, None  # limit: bound() since the rows last changed (asked again only when they have)
     for r in (r for r in RUNGS if r <= rung(layers)):
         cap = budget / r
         inflight = min(count, math.ceil(layers / r))  # stages of r layers are the first of about layers / r
@@ -345,7 +345,7 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
             last[key].param_bytes + inflight * last[key].activation_bytes + last[key].working_bytes,
             last[key].sharding.breakdown.transient_bytes, r) > cap]
         if tight:  # nor where the rung serves no stage that can win
-            limit = bound()
+            limit = bound() if limit is None else limit
             lengths = {option: stage_lengths(objectives(costs[option][0], count), count, limit, work,
                                              devices - option[0][0] * option[0][1], overlap)
                        for option in {key[1] for key in tight}}
@@ -363,6 +363,7 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
             row = [last[(k, option)] for k in layer_keys]
             if any(new is not old for new, old in zip(row, rows[-1])):
                 rows.append(row)
+                limit = None
 
 
 def _with_cap(job: Job, cap: float, inflight: int, share: int) -> Job:
