@@ -424,6 +424,6 @@ def stage_lengths(costs: list[float | None], count: int, limit: float, work: lis
         else:
             while room < end and count * (whole - (before[end + 1] - before[room + 1])) / spare < limit:
                 room += 1
-        if start <= min(room, end):
-            lengths.update(range(end - min(room, end) + 1, end - start + 2))
+        if start <= room:  # room ≤ end in every branch
+            lengths.update(range(end - room + 1, end - start + 2))
     return lengths
