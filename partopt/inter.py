@@ -280,20 +280,21 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     found = []
     table = stage_table(pipe, costs, submeshes, count, budget) if {"1f1b", "zero-bubble"} & set(schedules) else None
     if "1f1b" in schedules:
-        t, extra, options_of = table
-        found.append((stagedp.solve(t, extra, sizes, devices, count), "1f1b", 1, options_of))
+        entries, options_of = table
+        found.append((stagedp.solve(entries, None, sizes, devices, count), "1f1b", 1, options_of))
     if "interleaved" in schedules:
         for S, v in interleaved_shapes(len(pipe.layering.groups), count, devices):
             t, extra, fill, options_of = interleaved_table(pipe, costs, submeshes, count, budget, S, v)
             found.append((stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill), "interleaved", v,
                           options_of))
     if "zero-bubble" in schedules:  # only a plan faster than the others found counts (ties keep them)
-        t, extra, options_of = table
+        entries, options_of = table
         done = [f[0] for f in found if f[0] is not None]
         cutoff = min((r.total for r in done), default=math.inf)
         hint = len(min(done, key=lambda r: r.total).stages) if done else None
-        found.append((stagedp.zero_bubble(t, extra, split_table(pipe, t, options_of), sizes, devices, count, cutoff,
-                                          stagedp.zero_bubble_limit(t, devices), hint), "zero-bubble", 1, options_of))
+        found.append((stagedp.zero_bubble(entries, split_table(pipe, entries, options_of), sizes, devices, count,
+                                          cutoff, stagedp.zero_bubble_limit(entries.latency, devices), hint),
+                      "zero-bubble", 1, options_of))
     found = [f for f in found if f[0] is not None]
     stats.dp_rounds += sum(f[0].rounds for f in found)
     floor = min(f[0].total if f[0].floor is None else f[0].floor for f in found) if found else math.inf

@@ -5,7 +5,9 @@ per-microbatch latency of a stage of layers i..j on submesh shape s run in its o
 logical mesh shape) when k stages (itself included) run from it to the end of the pipeline — k
 sets its 1F1B in-flight microbatches and so its memory; infeasible entries are inf.
 `extra[h, k, i, j, s]` is the stage's per-iteration work (gradient synchronisation, optimizer
-step), which stages do in parallel on their own devices. The DP minimises
+step), which stages do in parallel on their own devices. The planner's tables repeat each entry at every
+level its memory fits, so it hands them over as `Entries` (latency, sync and deepest level per entry),
+which the DP collapses over options one level at a time without building t. The DP minimises
 
     sum_i t_i + (B - 1) * max_i t_i + max_i extra_i
 
@@ -58,7 +60,8 @@ ZERO_BUBBLE_WORK = 1.5e10
 
 
 def zero_bubble_limit(t: np.ndarray, devices: int) -> int:
-    """The inner DPs `zero_bubble` may run on table `t` ([h, k, i, j, s]) over `devices`: ZERO_BUBBLE_WORK's share."""
+    """The inner DPs `zero_bubble` may run on a table `t` ([..., i, j, s]: `Entries.latency`) over `devices`:
+    ZERO_BUBBLE_WORK's share."""
     return max(1, int(ZERO_BUBBLE_WORK / (t.shape[-2] ** 2 * devices * t.shape[-1])))
 
 
@@ -78,6 +81,38 @@ class DPResult:
     max_latency: float
     rounds: int  # inner DPs run (relaxed and full, per t_max value evaluated per bound)
     floor: float | None = None  # a search stopped at its work limit: a lower bound on the optimum (None: exact)
+
+
+@dataclass(frozen=True)
+class Entries:
+    """A stage table whose memory binds through the in-flight depth alone, as `stages.stage_table` makes it: entry
+    [h, i, j, s] runs in `latency` with per-iteration `sync` at every level k ≤ `depth` and not above. It stands for
+    the dense t[h, k, i, j, s] and extra of k = 0 … L (`dense`) without building them: those repeat each entry at
+    every level, a table of options × layers³ × submeshes (Llama-2 70B on 64 A100s: 0.9 GB each)."""
+
+    latency: np.ndarray  # [h, i, j, s]; inf where the entry runs at no depth
+    sync: np.ndarray  # [h, i, j, s]
+    depth: np.ndarray  # [h, i, j, s]: the deepest level the entry fits, 0 … L (L: every level)
+
+    @property
+    def layers(self) -> int:
+        return self.latency.shape[1]
+
+    def dense(self) -> tuple[np.ndarray, np.ndarray]:
+        """The t[h, k, i, j, s] and extra[h, k, i, j, s] it stands for (level 0 unused)."""
+        k = np.arange(self.layers + 1)[None, :, None, None, None]
+        fits = (k >= 1) & (k <= self.depth[:, None])
+        return np.where(fits, self.latency[:, None], INF), np.where(fits, self.sync[:, None], 0.0)
+
+    def levels(self, deepest: int) -> int:
+        """`_levels` of the dense tables: one more than the deepest depth short of `deepest` (1 when none is)."""
+        short = self.depth[(self.depth >= 1) & (self.depth < deepest)]
+        return int(short.max()) + 1 if short.size else 1
+
+    def held(self, level: int, depth: int, admitted: np.ndarray | bool = True) -> Entries:
+        """The entries that fit `level`, and are `admitted`, each set to fit every level up to `depth` instead."""
+        keep = (self.depth >= level) & admitted
+        return Entries(np.where(keep, self.latency, INF), np.where(keep, self.sync, 0.0), np.where(keep, depth, 0))
 
 
 def _levels(deepest: int, *tables: np.ndarray) -> int:
@@ -243,35 +278,81 @@ def _fastest(t: np.ndarray, extra: np.ndarray, bound: float,
     return table, option, low
 
 
-def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, microbatches: int,
+def _fastest_entries(entries: Entries, bound: float, top: int,
+                     summed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """`_fastest` of the dense tables `entries` stands for, levels 0 … `top` (level `top`: "top or deeper").
+
+    Each option goes to the one level where it stops fitting (its depth, at most `top`), then each level takes
+    the best of the levels below it (an option fitting a deeper level fits this one): options × layers² ×
+    submeshes plus levels × layers² × submeshes, not their product. Ties keep the first option, as `_fastest`."""
+    H, L, _, S = entries.latency.shape
+    table = np.full((top + 1, L, L, S), INF)
+    option = np.zeros((top + 1, L, L, S), dtype=np.int32)
+    low = None if summed is None else np.full((top + 1, L, L, S), INF)
+    for h in range(H):
+        i, j, s = np.nonzero((entries.sync[h] <= bound) & (entries.depth[h] >= 1))
+        k = np.minimum(entries.depth[h][i, j, s], top)
+        latency = entries.latency[h][i, j, s]
+        better = latency < table[k, i, j, s]
+        table[k[better], i[better], j[better], s[better]] = latency[better]
+        option[k[better], i[better], j[better], s[better]] = h
+        if low is not None:
+            low[k, i, j, s] = np.minimum(low[k, i, j, s], summed[h][i, j, s])
+    for k in range(top - 1, 0, -1):
+        deeper = (table[k + 1] < table[k]) | ((table[k + 1] == table[k]) & (option[k + 1] < option[k]))
+        table[k] = np.where(deeper, table[k + 1], table[k])
+        option[k] = np.where(deeper, option[k + 1], option[k])
+        if low is not None:
+            np.minimum(low[k], low[k + 1], out=low[k])
+    return table, option, low
+
+
+def solve(t: np.ndarray | Entries, extra: np.ndarray | None, sizes: list[int], devices: int, microbatches: int,
           rebate: np.ndarray | None = None, cutoff: float = INF, count: int | None = None) -> DPResult | None:
     """The optimal stages, or None when no plan fits (every entry infeasible or devices not tiled).
 
-    `t` and `extra` are indexed [h, k, i, j, s] (or [k, i, j, s] for entries with one option).
-    `rebate` (broadcast to t): subtracted from each entry in the sum, not in the max (`zero_bubble`'s
-    bound); the total then is sum (t - rebate) + (B - 1) max t + max extra, exact when t - rebate grows
-    with t (`_fastest`), else a lower bound. `cutoff`: a plan is exact only when it
+    `t` and `extra` are indexed [h, k, i, j, s] (or [k, i, j, s] for entries with one option); or `t` is
+    `Entries` (and `extra` None), the same DP without the dense tables.
+    `rebate` (broadcast to t; to `Entries.latency`): subtracted from each entry in the sum, not in the max
+    (`zero_bubble`'s bound); the total then is sum (t - rebate) + (B - 1) max t + max extra, exact when t - rebate
+    grows with t (`_fastest`), else a lower bound. `cutoff`: a plan is exact only when it
     costs less; otherwise the result costs at least `cutoff` (the caller discards it). `count`: plans of
     exactly that many stages (the entries at levels above it should be inf).
     """
-    if t.ndim == 4:
-        t, extra = t[None], extra[None]
-        rebate = None if rebate is None else np.asarray(rebate)[None]
-    summed = None if rebate is None else t - rebate
-    deepest = min(t.shape[2], devices, t.shape[1] - 1)
-    k0 = _levels(deepest, t, extra, *(() if summed is None else (summed,)))
+    if isinstance(t, Entries):
+        summed = None if rebate is None else t.latency - rebate
+        deepest = min(t.layers, devices)
+        k0 = t.levels(deepest)
+        levels = np.unique(t.sync[t.depth >= 1])
+    else:
+        if t.ndim == 4:
+            t, extra = t[None], extra[None]
+            rebate = None if rebate is None else np.asarray(rebate)[None]
+        summed = None if rebate is None else t - rebate
+        deepest = min(t.shape[2], devices, t.shape[1] - 1)
+        k0 = _levels(deepest, t, extra, *(() if summed is None else (summed,)))
     if count is not None:  # level `count` must be its own (the top level means "that many or more")
         if count > deepest:
             return None
         k0 = max(k0, count)
-    t, extra = t[:, :k0 + 1], extra[:, :k0 + 1]
-    summed = None if summed is None else summed[:, :k0 + 1]
-    levels = np.unique(np.concatenate([np.unique(e[np.isfinite(x)]) for x, e in zip(t, extra)]))
+    if not isinstance(t, Entries):
+        t, extra = t[:, :k0 + 1], extra[:, :k0 + 1]
+        summed = None if summed is None else summed[:, :k0 + 1]
+        levels = np.unique(np.concatenate([np.unique(e[np.isfinite(x)]) for x, e in zip(t, extra)]))
+
+    def fastest(bound: float):
+        return _fastest_entries(t, bound, k0, summed) if isinstance(t, Entries) else _fastest(t, extra, bound, summed)
+
+    def sync_of(c: StageChoice) -> float:
+        if isinstance(t, Entries):
+            return float(t.sync[c.option, c.first, c.last, c.submesh])
+        return float(extra[c.option, min(c.inflight, k0), c.first, c.last, c.submesh])
+
     best: DPResult | None = None
     rounds = 0
     bound = INF
     while True:
-        table, option, low = _fastest(t, extra, bound, summed)
+        table, option, low = fastest(bound)
         found = _pipeline(table, sizes, devices, microbatches, min(cutoff, best.total if best else INF), low, count)
         if found is None:
             break
@@ -281,7 +362,7 @@ def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, micr
             break  # tighter bounds only raise the pipeline part
         n = len(picked)
         stages = [StageChoice(i, j, s, n - p, int(option[k, i, j, s])) for p, (i, j, s, k) in enumerate(picked)]
-        sync = max(float(extra[c.option, min(c.inflight, k0), c.first, c.last, c.submesh]) for c in stages)
+        sync = max(sync_of(c) for c in stages)
         if best is None or pipeline + sync < best.total - 1e-15:
             max_latency = max(float(table[min(c.inflight, k0), c.first, c.last, c.submesh]) for c in stages)
             best = DPResult(pipeline + sync, stages, max_latency, rounds)
@@ -292,14 +373,14 @@ def solve(t: np.ndarray, extra: np.ndarray, sizes: list[int], devices: int, micr
     return None if best is None else DPResult(best.total, best.stages, best.max_latency, rounds)
 
 
-def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list[int], devices: int,
+def zero_bubble(entries: Entries, omega: np.ndarray, sizes: list[int], devices: int,
                 microbatches: int, cutoff: float = INF, limit: int | None = None,
                 hint: int | None = None) -> DPResult | None:
     """The least ZB-H1 iteration (`schedules.iteration_time`) over cuts, submeshes and options, or None when
     no plan fits or none costs less than `cutoff`.
 
-    `t`, `extra` as for `solve`, from `stages.stage_table` (level k: the entry's memory fits min(k, B)
-    microbatches); `omega[h, i, j, s]` the entry's min(w, f, t - f - w) as plan assembly splits its latency
+    `entries` from `stages.stage_table` (level k: the entry's memory fits min(k, B) microbatches); `omega[h, i,
+    j, s]` the entry's min(w, f, t - f - w) as plan assembly splits its latency
     (`stages.split_table`; any finite number where it cannot run). A plan of S stages costs F - c(S) min_i omega_i, F its 1F1B total and c(S) =
     S + min(S, B) - 2, and holds min(S, B) on every stage. Exact (docs/COSTMODEL.md §5b): per stage count
     S, its level min(S, B) entries and a fixed c, branch and bound over a threshold on min omega
@@ -312,47 +393,40 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
     reach below it). Deterministic: a count of DPs, not seconds. `hint`: a stage count to search first and
     outwards from (the caller's 1F1B plan's): where the best plans likely are, for a search that may stop.
     """
-    if t.ndim == 4:
-        t, extra, omega = t[None], extra[None], omega[None]
-    deepest = min(t.shape[2], devices, t.shape[1] - 1)
+    L = entries.layers
+    deepest = min(L, devices)
     state = {"best": None, "total": cutoff, "rounds": 0, "floor": INF, "limit": INF if limit is None else limit}
 
-    def levels(count: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """The table and sync of plans of `count` stages (levels 1..count, then one empty level), and c(count)."""
+    def levels(count: int) -> tuple[Entries, int]:
+        """The entries of plans of `count` stages (those fitting min(count, B), at levels 1..count), and c(count)."""
         held = min(count, microbatches)
-        depth = count + 2 if count < deepest else count + 1
-        table = np.full((t.shape[0], depth, *t.shape[2:]), INF)
-        sync = np.zeros_like(table)
-        table[:, 1:count + 1] = t[:, held:held + 1]
-        sync[:, 1:count + 1] = extra[:, held:held + 1]
-        return table, sync, count + held - 2
+        return entries.held(held, count), count + held - 2
 
     def largest_share(counts: range) -> float:
         """The largest c(S) / 3S over `counts`: the rebate share a bound over those stage counts may take."""
         return max((k + min(k, microbatches) - 2) / (3 * k) for k in counts)
 
-    def bound(table: np.ndarray, sync: np.ndarray, share: float, count: int | None) -> DPResult | None:
+    def bound(table: Entries, share: float, count: int | None) -> DPResult | None:
         """omega_i <= t_i / 3 (three parts of t_i) and min_i t_i <= sum t / S: every plan of S stages costs at
         least sum t (1 - c(S) / 3S) + (B - 1) max t + max sync, one DP with `share` c / 3S of t rebated in the sum
         (of exactly `count` stages when given). None: no plan costs less than the best."""
-        rebate = np.where(np.isfinite(table), table * share, 0.0) if share > 0 else None
-        found = solve(table, sync, sizes, devices, microbatches, rebate, state["total"], count)
+        rebate = np.where(np.isfinite(table.latency), table.latency * share, 0.0) if share > 0 else None
+        found = solve(table, None, sizes, devices, microbatches, rebate, state["total"], count)
         if found is not None:
             state["rounds"] += found.rounds
         return None if found is None or found.total >= state["total"] else found
 
-    def bound_from(count: int, table: np.ndarray, sync: np.ndarray) -> DPResult | None:
-        """The bound for `count` stages or more at once (`table`, `sync`: `levels(count)`): level `count` as the
-        top level ("or more"), the largest share beyond it (entries fitting min(S, B) include theirs)."""
-        return bound(table[:, :count + 1], sync[:, :count + 1], largest_share(range(count, deepest + 1)), count)
+    def bound_from(count: int) -> DPResult | None:
+        """The bound for `count` stages or more at once: the entries fitting min(count, B) at every level, level
+        `count` as the top ("or more"), the largest share beyond it (entries fitting min(S, B) include theirs)."""
+        return bound(entries.held(min(count, microbatches), L), largest_share(range(count, deepest + 1)), count)
 
     def bound_below(count: int) -> DPResult | None:
         """The bound for `count` stages or fewer in one DP: each entry at its least latency and sync over depths
         (what fits any count), any number of stages, the largest share for S <= count."""
-        least = t[:, 1:].min(axis=1, keepdims=True)
-        table = np.concatenate([np.full_like(least, INF), least], axis=1)
-        sync = np.concatenate([np.zeros_like(least), extra[:, 1:].min(axis=1, keepdims=True)], axis=1)
-        return bound(table, sync, largest_share(range(1, count + 1)), None)
+        least = Entries(entries.latency, np.where(entries.depth >= L, entries.sync, 0.0),
+                        np.where(entries.depth >= 1, L, 0))
+        return bound(least, largest_share(range(1, count + 1)), None)
 
     # the stage counts from `hint` outwards (ascending without one): the likeliest first, so that a search
     # stopped at its limit has tried them; from the hint up, one bound drops every larger count at once
@@ -365,19 +439,18 @@ def zero_bubble(t: np.ndarray, extra: np.ndarray, omega: np.ndarray, sizes: list
         if _spent(state):  # stopped: bound what is left, one DP a side
             left = [k for k in order[n:] if k <= ceiling]
             above, below = [k for k in left if k >= start], [k for k in left if k < start]
-            for rest in (bound_from(min(above), *levels(min(above))[:2]) if above else None,
+            for rest in (bound_from(min(above)) if above else None,
                          bound_below(max(below)) if below else None):
                 if rest is not None:
                     state["floor"] = min(state["floor"], rest.total)
             break
-        table, sync, c = levels(count)
-        if start <= count < deepest and largest_share(range(count, deepest + 1)) > 0 \
-                and bound_from(count, table, sync) is None:
+        table, c = levels(count)
+        if start <= count < deepest and largest_share(range(count, deepest + 1)) > 0 and bound_from(count) is None:
             ceiling = count - 1
             continue
-        alone = bound(table, sync, c / (3 * count), count)
+        alone = bound(table, c / (3 * count), count)
         if alone is not None:
-            _threshold(table, sync, omega, c, count, sizes, devices, microbatches, state, alone.total)
+            _threshold(table, omega, c, count, sizes, devices, microbatches, state, alone.total)
     best, floor = state["best"], state["floor"]
     if best is None:  # stopped before any plan beat the cutoff: no stages, and how far below it one may be
         return DPResult(INF, [], INF, state["rounds"], floor) if floor < cutoff else None
@@ -389,7 +462,7 @@ def _spent(state: dict) -> bool:
     return state["rounds"] >= state["limit"] and state["total"] < INF
 
 
-def _threshold(table: np.ndarray, sync: np.ndarray, omega: np.ndarray, c: int, count: int, sizes: list[int],
+def _threshold(table: Entries, omega: np.ndarray, c: int, count: int, sizes: list[int],
                devices: int, microbatches: int, state: dict, least: float = -INF) -> None:
     """The least F - c min omega over plans of exactly `count` stages on `table`, kept in `state` when best.
 
@@ -399,23 +472,23 @@ def _threshold(table: np.ndarray, sync: np.ndarray, omega: np.ndarray, c: int, c
     so the stretch with the least bound is split first and any reaching the best plan is dropped (as the
     t_max branch and bound of `_pipeline`, mirrored). Past `state["limit"]` DPs it stops, its least open
     bound (at least `least`, a bound on every plan of `count` stages) kept in `state["floor"]`."""
-    thetas = np.unique(omega[np.isfinite(table[:, count])])
+    thetas = np.unique(omega[np.isfinite(table.latency)])
     open_: list[tuple[float, int, int, float]] = []  # (lower bound, lo, hi, g at or below thetas[lo])
 
     def evaluate(x: int, hi: int) -> tuple[float, int] | None:
         """g(thetas[x]) and the index of its plan's min omega, keeping the plan if best; None when no plan has
         min omega >= thetas[x] costing less than the best plus c thetas[hi] (then no θ in [x, hi] wins)."""
-        admitted = np.where(omega[:, None] >= thetas[x], table, INF)
-        found = solve(admitted, sync, sizes, devices, microbatches, None, state["total"] + c * float(thetas[hi]), count)
+        admitted = table.held(1, count, omega >= thetas[x])
+        found = solve(admitted, None, sizes, devices, microbatches, None, state["total"] + c * float(thetas[hi]), count)
         if found is None:
             return None
         state["rounds"] += found.rounds
-        entries = [(x.option, count, x.first, x.last, x.submesh) for x in found.stages]
-        least = min(float(omega[e[0], e[2], e[3], e[4]]) for e in entries)
+        picked = [(x.option, x.first, x.last, x.submesh) for x in found.stages]
+        least = min(float(omega[e]) for e in picked)
         if found.total >= state["total"] + c * float(thetas[hi]):
             return None
-        times = [float(table[e]) for e in entries]
-        total = sum(times) + (microbatches - 1) * max(times) - c * least + max(float(sync[e]) for e in entries)
+        times = [float(table.latency[e]) for e in picked]
+        total = sum(times) + (microbatches - 1) * max(times) - c * least + max(float(table.sync[e]) for e in picked)
         if total < state["total"] - 1e-15:
             stages = [StageChoice(s.first, s.last, s.submesh, count, s.option) for s in found.stages]
             state["best"], state["total"] = DPResult(total, stages, found.max_latency, 0), total

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from partopt import costmodel, intra, schedules
+from partopt import costmodel, intra, schedules, stagedp
 from partopt.cluster import Cluster, Link
 from partopt.graph import Graph, Op
 from partopt.layering import Layering
@@ -205,13 +205,13 @@ def split(latency: np.ndarray | float, forward: np.ndarray | float, weight: np.n
     return forward_s, np.minimum(latency * weight, latency - forward_s)
 
 
-def split_table(pipe: Pipeline, t: np.ndarray, options: list[list[tuple]]) -> np.ndarray:
-    """omega[h, i, j, s] = min(w, f, t - f - w) of every entry of `stage_table`'s t (its latency t at
-    level 1, split as plan assembly does, `split`): what ZB-H1 hides per drain slot
-    (`schedules.iteration_time`); 0 where the entry cannot run."""
+def split_table(pipe: Pipeline, t: stagedp.Entries, options: list[list[tuple]]) -> np.ndarray:
+    """omega[h, i, j, s] = min(w, f, t - f - w) of every entry of `stage_table`'s table (its latency t split as
+    plan assembly does, `split`): what ZB-H1 hides per drain slot (`schedules.iteration_time`); 0 where the entry
+    cannot run."""
     graph, layering = pipe.graph, pipe.layering
     L = len(layering.groups)
-    omega = np.zeros((t.shape[0], L, L, t.shape[-1]))
+    omega = np.zeros(t.latency.shape)
     shares: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for s, choices in enumerate(options):
         for h, (_, mode, _) in enumerate(choices):
@@ -225,7 +225,7 @@ def split_table(pipe: Pipeline, t: np.ndarray, options: list[list[tuple]]) -> np
                 ranged = np.triu(np.moveaxis(sums[None, :, :] - before[:, None, :], 2, 0))  # [column, i, j ≥ i]
                 executed = np.maximum(ranged[1], 1e-300)
                 shares[mode] = (ranged[0] / executed, ranged[2] / executed)
-            latency = t[h, 1, :, :, s]
+            latency = t.latency[h, :, :, s]
             runs = np.isfinite(latency)
             forward, weight = split(np.where(runs, latency, 0.0), *shares[mode])
             hidden = np.minimum(np.minimum(weight, forward), np.where(runs, latency, 0.0) - forward - weight)
@@ -316,27 +316,43 @@ def totals(row: Sequence[LayerCost | None], pipe: Pipeline, first: int, last: in
                        float(working), fix, p2p_s, hidden_s)
 
 
-def stage_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], count: int, budget: float):
-    """t[h, k, i, j, s] and extra[h, k, i, j, s] for the stage DP (`stagedp.solve`): the latency and
-    per-iteration sync of DP layers [i, j] as one stage on submesh s with option h, inf when its
-    memory does not fit k in-flight microbatches (1F1B holds min(k, count)). Option h of submesh s
-    is a logical shape and recomputation mode with one row of layer costs
-    (`costs[(submesh, shape, mode)]`: a list of rows, see `pricing.tighten`).
-    Returns the tables and, per submesh, its (shape, mode, row index) options in order.
+def stage_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], count: int,
+                budget: float) -> tuple[stagedp.Entries, list[list[tuple]]]:
+    """The stage DP's table (`stagedp.Entries`, for `stagedp.solve` and `zero_bubble`): per option h, DP layers
+    [i, j] as one stage on submesh s, its latency, per-iteration sync and the most in-flight levels k its memory
+    fits (1F1B holds min(k, count) microbatches; 0: it cannot run). Option h of submesh s is a logical shape and
+    recomputation mode with one row of layer costs (`costs[(submesh, shape, mode)]`: a list of rows, see
+    `pricing.tighten`). Returns the table and, per submesh, its (shape, mode, row index) options in order.
     """
     L, S = len(pipe.layering.groups), len(submeshes)
     options = _options(costs, submeshes)
     H = max(len(x) for x in options)
-    t = np.full((H, L + 1, L, L, S), np.inf)
-    extra = np.zeros((H, L + 1, L, L, S))
-    held = np.minimum(np.arange(1, L + 1), count)[:, None, None]  # microbatches held with k in flight, k = 1 … L
+    latency = np.full((H, L, L, S), np.inf)
+    sync = np.zeros((H, L, L, S))
+    depth = np.zeros((H, L, L, S), dtype=np.int64)
     for s, sub in enumerate(submeshes):
         for h, (shape, mode, r) in enumerate(options[s]):
-            latency, sync_s, params, acts, working = _stage_sums(pipe, costs[(sub, shape, mode)][r], sub, shape)
-            fits = params + held * acts + working <= budget  # [k, i, j]; false where the stage cannot run (NaN)
-            t[h, 1:, :, :, s] = np.where(fits, latency, np.inf)
-            extra[h, 1:, :, :, s] = np.where(fits, sync_s, 0.0)
-    return t, extra, options
+            stage_s, sync_s, params, acts, working = _stage_sums(pipe, costs[(sub, shape, mode)][r], sub, shape)
+            deepest = _depth(params, acts, working, budget, count, L)
+            latency[h, :, :, s] = np.where(deepest >= 1, stage_s, np.inf)
+            sync[h, :, :, s] = np.where(deepest >= 1, sync_s, 0.0)
+            depth[h, :, :, s] = deepest
+    return stagedp.Entries(latency, sync, depth), options
+
+
+def _depth(params: np.ndarray, acts: np.ndarray, working: np.ndarray, budget: float, count: int,
+           levels: int) -> np.ndarray:
+    """The most levels k ≤ `levels` whose params + min(k, count) · acts + working fits `budget` (0: none, or NaN)."""
+    def fits(k: np.ndarray) -> np.ndarray:
+        return params + np.minimum(k, count) * acts + working <= budget  # false where NaN
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        guess = np.where(acts > 0, np.floor((budget - params - working) / acts),
+                         np.where(params + working <= budget, levels, 0))
+    k = np.clip(np.nan_to_num(guess, nan=0.0, posinf=levels, neginf=0.0), 0, levels).astype(np.int64)
+    k = np.where((k < levels) & fits(k + 1), k + 1, k)  # the division may round either way: one step each
+    k = np.where((k >= 1) & ~fits(np.maximum(k, 1)), k - 1, k)
+    return np.where((k >= min(count, levels)) & fits(np.full_like(k, count)), levels, k)
 
 
 def _stage_sums(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int, int], shape: tuple[int, int]) -> np.ndarray:

@@ -239,3 +239,31 @@ def test_no_plan_when_the_feasible_sizes_cannot_tile_the_devices():
     t[0, 1, 0, 0, 1] = 1.0  # sizes (1, 2): only the 2-device submesh runs the layer
     assert brute_force(t, np.zeros_like(t), [1, 2], 3, 4) is None
     assert stagedp.solve(t, np.zeros_like(t), [1, 2], 3, 4) is None
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_entries_plan_as_the_dense_tables_they_stand_for(seed):
+    """`Entries` (a latency, sync and deepest fitting level per entry) give the DP the plan, option by option, that
+    the dense t[h, k, i, j, s] they stand for give it: the same total and stages (ties keep the first option),
+    with and without a rebate, and for an exact stage count."""
+    rng = np.random.default_rng(seed)
+    H, L, sizes = int(rng.integers(1, 4)), int(rng.integers(1, 6)), [1, 2, 4]
+    devices = int(rng.integers(1, 8))
+    shape = (H, L, L, len(sizes))
+    depth = np.where(np.triu(np.ones((L, L), bool))[None, :, :, None], rng.integers(0, L + 1, shape), 0)
+    latency = np.where(depth >= 1, np.round(rng.uniform(1, 4, shape)), np.inf)  # rounded: options tie
+    sync = np.where(depth >= 1, np.round(rng.uniform(0, 2, shape)), 0.0)
+    entries = stagedp.Entries(latency, sync, depth)
+    t, extra = entries.dense()
+    assert entries.levels(min(L, devices)) == stagedp._levels(min(L, devices), t, extra)
+    rebate = np.where(np.isfinite(latency), latency / 4, 0.0)
+    for B in (1, 3, 16):
+        for count in (None, *range(1, min(L, devices) + 1)):
+            for cut in (None, rebate):
+                got = stagedp.solve(entries, None, sizes, devices, B, cut, count=count)
+                dense = None if count is not None and count > t.shape[1] - 1 else stagedp.solve(
+                    np.where(np.arange(L + 1)[None, :, None, None, None] <= (count or L), t, np.inf), extra, sizes,
+                    devices, B, None if cut is None else cut[:, None], count=count)
+                assert (got is None) == (dense is None)
+                if got is not None:
+                    assert (got.total, got.stages, got.max_latency) == (dense.total, dense.stages, dense.max_latency)

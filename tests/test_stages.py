@@ -71,7 +71,7 @@ def test_the_dp_table_is_the_stage_accountant_entry_by_entry():
         probe = totals(rows[(1, 1)], pipe, 0, len(layering.groups) - 1, End((1, 1), (1, 1)))
         tight = probe.param_bytes + 2.5 * probe.activation_bytes + probe.working_bytes  # whole model: k ≤ 2 fit
         for cap in (budget, tight):
-            t, extra, _ = stage_table(pipe, costs, submeshes, count, cap)
+            t, extra = stage_table(pipe, costs, submeshes, count, cap)[0].dense()
             L = len(layering.groups)
             for s, sub in enumerate(submeshes):
                 for i in range(L):
@@ -117,13 +117,13 @@ def test_a_plan_that_ignores_memory_fits_exactly_when_its_entries_survive_the_bu
     verdicts, interleaved = set(), set()
     for scale in (100.0, 1.0, 0.6, 0.4, 0.25):
         cap = scale * (whole.param_bytes + count * whole.activation_bytes + whole.working_bytes)
-        t, extra, options = stage_table(pipe, costs, submeshes, count, math.inf)
-        free = stagedp.solve(t, extra, sizes, 2, count)
-        capped, capped_extra, _ = stage_table(pipe, costs, submeshes, count, cap)
-        survive = all(np.isfinite(capped[c.option, c.inflight, c.first, c.last, c.submesh]) for c in free.stages)
+        entries, options = stage_table(pipe, costs, submeshes, count, math.inf)
+        free = stagedp.solve(entries, None, sizes, 2, count)
+        capped = stage_table(pipe, costs, submeshes, count, cap)[0]
+        survive = all(capped.depth[c.option, c.first, c.last, c.submesh] >= c.inflight for c in free.stages)
         assert fits(pipe, costs, submeshes, options, free.stages, count, cap) == survive
         if survive:
-            assert stagedp.solve(capped, capped_extra, sizes, 2, count).total == free.total
+            assert stagedp.solve(capped, None, sizes, 2, count).total == free.total
         verdicts.add(survive)
         S, v = 2, 2  # 2 stages of 2 chunks: each stage holds its interleaved in-flight count
         t, extra, fill, options = interleaved_table(pipe, costs, submeshes, count, math.inf, S, v)

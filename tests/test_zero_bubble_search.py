@@ -67,21 +67,21 @@ def brute_table(t, extra, omega, sizes, devices, B) -> float:
     return best
 
 
+def every_depth(latency: np.ndarray) -> stagedp.Entries:
+    """Entries that fit every in-flight depth, with no sync."""
+    return stagedp.Entries(latency, np.zeros_like(latency), np.where(np.isfinite(latency), latency.shape[1], 0))
+
+
 def random_table(rng, L: int, H: int, sizes: list[int]):
-    """A stage table as `stages.stage_table` makes them: a latency per (option, layers, submesh), finite at the
-    levels k (held min(k, B)) below a random memory cap; an omega within [0, t/3]; a sync per entry."""
+    """A stage table as `stages.stage_table` makes them (and the dense tables it stands for): a latency per
+    (option, layers, submesh), finite at the levels k up to a random depth; an omega within [0, t/3]; a sync."""
     S = len(sizes)
     latency = rng.uniform(0.5, 3.0, (H, L, L, S)) * (1 + np.arange(L)[None, None, :, None])
-    cap = rng.integers(1, L + 2, (H, L, L, S))  # fits held microbatches < cap
-    t = np.full((H, L + 1, L, L, S), np.inf)
-    extra = np.zeros_like(t)
+    depth = np.where(np.triu(np.ones((L, L), bool))[None, :, :, None], rng.integers(0, L + 1, (H, L, L, S)), 0)
     sync = rng.uniform(0.0, 2.0, (H, L, L, S))
-    for k in range(1, L + 1):
-        fits = (k < cap) & np.triu(np.ones((L, L), bool))[None, :, :, None]
-        t[:, k] = np.where(fits, latency, np.inf)
-        extra[:, k] = np.where(fits, sync, 0.0)
     omega = np.round(rng.uniform(0.0, 1.0 / 3.0, (H, L, L, S)) * latency, 1)  # rounded: ties between thresholds
-    return t, extra, omega
+    entries = stagedp.Entries(np.where(depth >= 1, latency, np.inf), np.where(depth >= 1, sync, 0.0), depth)
+    return entries, *entries.dense(), omega
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -92,9 +92,9 @@ def test_the_threshold_dp_equals_brute_force_on_random_tables(seed):
     for _ in range(12):
         L, H, sizes = int(rng.integers(2, 5)), int(rng.integers(1, 3)), [1, 2]
         devices, B = int(rng.integers(1, 5)), int(rng.integers(1, 6))
-        t, extra, omega = random_table(rng, L, H, sizes)
+        entries, t, extra, omega = random_table(rng, L, H, sizes)
         expected = brute_table(t, extra, omega, sizes, devices, B)
-        found = stagedp.zero_bubble(t, extra, omega, sizes, devices, B)
+        found = stagedp.zero_bubble(entries, omega, sizes, devices, B)
         assert (found is None) == math.isinf(expected)
         if found is None:
             continue
@@ -109,8 +109,8 @@ def test_the_threshold_dp_equals_brute_force_on_random_tables(seed):
                 + max(extra[c.option, held, c.first, c.last, c.submesh] for c in found.stages))
         assert cost == pytest.approx(found.total, rel=1e-12)
         # a cutoff below the optimum finds nothing; above it, the same optimum
-        assert stagedp.zero_bubble(t, extra, omega, sizes, devices, B, cutoff=expected * (1 - 1e-9)) is None
-        assert stagedp.zero_bubble(t, extra, omega, sizes, devices, B, cutoff=expected * 1.01).total == found.total
+        assert stagedp.zero_bubble(entries, omega, sizes, devices, B, cutoff=expected * (1 - 1e-9)) is None
+        assert stagedp.zero_bubble(entries, omega, sizes, devices, B, cutoff=expected * 1.01).total == found.total
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -123,14 +123,14 @@ def test_a_search_stopped_at_its_work_limit_brackets_the_optimum(seed):
     for _ in range(12):
         L, H, sizes = int(rng.integers(3, 5)), int(rng.integers(1, 3)), [1, 2]
         devices, B = int(rng.integers(2, 5)), int(rng.integers(2, 6))
-        t, extra, omega = random_table(rng, L, H, sizes)
+        entries, t, extra, omega = random_table(rng, L, H, sizes)
         expected = brute_table(t, extra, omega, sizes, devices, B)
         if math.isinf(expected):
             continue
-        onef1b = stagedp.solve(t, extra, sizes, devices, B)
+        onef1b = stagedp.solve(entries, None, sizes, devices, B)
         for cutoff in (math.inf, onef1b.total if onef1b else math.inf):
             for limit, hint in itertools.product((None, 0, 1, 3, 10), (None, 1, 2, 3)):
-                found = stagedp.zero_bubble(t, extra, omega, sizes, devices, B, cutoff, limit, hint)
+                found = stagedp.zero_bubble(entries, omega, sizes, devices, B, cutoff, limit, hint)
                 best = min(expected, cutoff)  # what an exact search returns: its plan, or the cutoff's
                 returned = cutoff if found is None or not found.stages else found.total
                 assert best <= returned * (1 + 1e-12)  # never cheaper than the optimum
@@ -149,13 +149,13 @@ def test_the_dp_objective_is_the_simulated_time_on_uniform_layers():
     the paper's bubble (S − 1)(F + B − W) = 6: 54, against 1F1B's (S + B − 1) · 6 = 66; the uneven cut
     1-2-2-3 would cost 24 + 7 · 9 − 6 · 1 = 81."""
     L, B = 8, 8
-    t = np.full((1, L + 1, L, L, 1), np.inf)
+    t = np.full((1, L, L, 1), np.inf)
     omega = np.zeros((1, L, L, 1))
     for i, j in itertools.product(range(L), range(L)):
         if j >= i:
-            t[0, 1:, i, j, 0] = 3.0 * (j - i + 1)
+            t[0, i, j, 0] = 3.0 * (j - i + 1)
             omega[0, i, j, 0] = 1.0 * (j - i + 1)
-    found = stagedp.zero_bubble(t, np.zeros_like(t), omega, [1], 4, B)
+    found = stagedp.zero_bubble(every_depth(t), omega, [1], 4, B)
     assert [(c.first, c.last) for c in found.stages] == [(0, 1), (2, 3), (4, 5), (6, 7)]
     stages = [StageTimes(2.0, 4.0, weight_s=2.0)] * 4
     assert found.total == 54.0 == closed_form(stages, B, "zero-bubble") == simulate(stages, B, "zero-bubble").iteration_time_s
@@ -170,14 +170,14 @@ def test_the_dp_objective_bounds_the_simulated_time_on_uneven_layers(seed):
     rng = np.random.default_rng(seed)
     L, devices = 6, 3
     f = rng.uniform(0.5, 2.0, L)
-    t = np.full((1, L + 1, L, L, 1), np.inf)
+    t = np.full((1, L, L, 1), np.inf)
     omega = np.zeros((1, L, L, 1))
     for i, j in itertools.product(range(L), range(L)):
         if j >= i:
-            t[0, 1:, i, j, 0] = 3.0 * f[i:j + 1].sum()
+            t[0, i, j, 0] = 3.0 * f[i:j + 1].sum()
             omega[0, i, j, 0] = f[i:j + 1].sum()
     for B in (1, 2, 3, 8):
-        found = stagedp.zero_bubble(t, np.zeros_like(t), omega, [1], devices, B)
+        found = stagedp.zero_bubble(every_depth(t), omega, [1], devices, B)
         stages = [StageTimes(f[c.first:c.last + 1].sum(), 2 * f[c.first:c.last + 1].sum(),
                              weight_s=f[c.first:c.last + 1].sum()) for c in found.stages]
         assert found.total == pytest.approx(closed_form(stages, B, "zero-bubble"), rel=1e-12)
@@ -215,15 +215,15 @@ def stage_split(layering, first: int, last: int, mode: str, latency: float) -> t
 def test_omega_is_the_plan_assemblys_split_entry_by_entry(priced):
     layering, count, costs = priced
     pipe = pipeline_of(GRAPH, CLUSTER, layering, count, True)
-    t, _, options = stage_table(pipe, costs, SUBMESHES, count, math.inf)
-    omega = split_table(pipe, t, options)
+    entries, options = stage_table(pipe, costs, SUBMESHES, count, math.inf)
+    omega = split_table(pipe, entries, options)
     L = len(layering.groups)
     for s, sub in enumerate(SUBMESHES):
         for h, (shape, mode, r) in enumerate(options[s]):
             for i, j in itertools.combinations_with_replacement(range(L), 2):
                 latency = totals(costs[(sub, shape, mode)][r], pipe, i, j, End(sub, shape)).latency_s
                 f, w = stage_split(layering, i, j, mode, latency)
-                assert t[h, 1, i, j, s] == latency
+                assert entries.latency[h, i, j, s] == latency
                 assert omega[h, i, j, s] == pytest.approx(min(w, f, latency - f - w), rel=1e-12)
                 assert 0 < omega[h, i, j, s] < latency / 3 + 1e-18  # three shares of one latency
 
