@@ -307,6 +307,14 @@ def _fastest_entries(entries: Entries, bound: float, top: int,
     return table, option, low
 
 
+def _top(k0: int, deepest: int, count: int | None) -> int | None:
+    """The DP's levels for plans of exactly `count` stages (any count when None): level `count` must be its own, as
+    the top level means "that many or more"; None when `count` is beyond `deepest`."""
+    if count is None:
+        return k0
+    return None if count > deepest else max(k0, count)
+
+
 def solve(t: np.ndarray | Entries, extra: np.ndarray | None, sizes: list[int], devices: int, microbatches: int,
           rebate: np.ndarray | None = None, cutoff: float = INF, count: int | None = None) -> DPResult | None:
     """The optimal stages, or None when no plan fits (every entry infeasible or devices not tiled).
@@ -320,33 +328,37 @@ def solve(t: np.ndarray | Entries, extra: np.ndarray | None, sizes: list[int], d
     exactly that many stages (the entries at levels above it should be inf).
     """
     if isinstance(t, Entries):
-        summed = None if rebate is None else t.latency - rebate
-        deepest = min(t.layers, devices)
-        k0 = t.levels(deepest)
-        levels = np.unique(t.sync[t.depth >= 1])
+        entries = t
+        summed = None if rebate is None else entries.latency - rebate
+        deepest = min(entries.layers, devices)
+        k0 = _top(entries.levels(deepest), deepest, count)
+        if k0 is None:
+            return None
+        levels = np.unique(entries.sync[entries.depth >= 1])
+
+        def fastest(bound: float):
+            return _fastest_entries(entries, bound, k0, summed)
+
+        def sync_of(c: StageChoice) -> float:
+            return float(entries.sync[c.option, c.first, c.last, c.submesh])
     else:
         if t.ndim == 4:
             t, extra = t[None], extra[None]
             rebate = None if rebate is None else np.asarray(rebate)[None]
         summed = None if rebate is None else t - rebate
         deepest = min(t.shape[2], devices, t.shape[1] - 1)
-        k0 = _levels(deepest, t, extra, *(() if summed is None else (summed,)))
-    if count is not None:  # level `count` must be its own (the top level means "that many or more")
-        if count > deepest:
+        k0 = _top(_levels(deepest, t, extra, *(() if summed is None else (summed,))), deepest, count)
+        if k0 is None:
             return None
-        k0 = max(k0, count)
-    if not isinstance(t, Entries):
         t, extra = t[:, :k0 + 1], extra[:, :k0 + 1]
         summed = None if summed is None else summed[:, :k0 + 1]
         levels = np.unique(np.concatenate([np.unique(e[np.isfinite(x)]) for x, e in zip(t, extra)]))
 
-    def fastest(bound: float):
-        return _fastest_entries(t, bound, k0, summed) if isinstance(t, Entries) else _fastest(t, extra, bound, summed)
+        def fastest(bound: float):
+            return _fastest(t, extra, bound, summed)
 
-    def sync_of(c: StageChoice) -> float:
-        if isinstance(t, Entries):
-            return float(t.sync[c.option, c.first, c.last, c.submesh])
-        return float(extra[c.option, min(c.inflight, k0), c.first, c.last, c.submesh])
+        def sync_of(c: StageChoice) -> float:
+            return float(extra[c.option, min(c.inflight, k0), c.first, c.last, c.submesh])
 
     best: DPResult | None = None
     rounds = 0

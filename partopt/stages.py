@@ -343,7 +343,7 @@ def stage_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], c
 def _depth(params: np.ndarray, acts: np.ndarray, working: np.ndarray, budget: float, count: int,
            levels: int) -> np.ndarray:
     """The most levels k ≤ `levels` whose params + min(k, count) · acts + working fits `budget` (0: none, or NaN)."""
-    def fits(k: np.ndarray) -> np.ndarray:
+    def fits(k: np.ndarray | int) -> np.ndarray:
         return params + np.minimum(k, count) * acts + working <= budget  # false where NaN
 
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -352,7 +352,7 @@ def _depth(params: np.ndarray, acts: np.ndarray, working: np.ndarray, budget: fl
     k = np.clip(np.nan_to_num(guess, nan=0.0, posinf=levels, neginf=0.0), 0, levels).astype(np.int64)
     k = np.where((k < levels) & fits(k + 1), k + 1, k)  # the division may round either way: one step each
     k = np.where((k >= 1) & ~fits(np.maximum(k, 1)), k - 1, k)
-    return np.where((k >= min(count, levels)) & fits(np.full_like(k, count)), levels, k)
+    return np.where(fits(count), levels, k)  # holding `count` fits: so does every level
 
 
 def _stage_sums(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int, int], shape: tuple[int, int]) -> np.ndarray:

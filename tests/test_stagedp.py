@@ -261,9 +261,8 @@ def test_entries_plan_as_the_dense_tables_they_stand_for(seed):
         for count in (None, *range(1, min(L, devices) + 1)):
             for cut in (None, rebate):
                 got = stagedp.solve(entries, None, sizes, devices, B, cut, count=count)
-                dense = None if count is not None and count > t.shape[1] - 1 else stagedp.solve(
-                    np.where(np.arange(L + 1)[None, :, None, None, None] <= (count or L), t, np.inf), extra, sizes,
-                    devices, B, None if cut is None else cut[:, None], count=count)
+                dense = stagedp.solve(np.where(np.arange(L + 1)[None, :, None, None, None] <= (count or L), t, np.inf),
+                                      extra, sizes, devices, B, None if cut is None else cut[:, None], count=count)
                 assert (got is None) == (dense is None)
                 if got is not None:
                     assert (got.total, got.stages, got.max_latency) == (dense.total, dense.stages, dense.max_latency)
