@@ -422,7 +422,9 @@ def _recover(graph: CostGraph, alive: list[np.ndarray], remaining: list[int], pi
 
 
 def _run(model: solvers.Model, backend: str, time_limit_s: float, seed: int, budget: float | None) -> solvers.Result:
-    result = solvers.solve(model, backend, time_limit_s, seed)
+    """The solver's answer (an error when it has none). With no memory row (`budget` None) the program is a
+    pairwise min-sum, whose LP relaxation is often integral: it is tried first (`solvers.solve`)."""
+    result = solvers.solve(model, backend, time_limit_s, seed, relaxation_first=budget is None)
     if result.values is None:
         if result.status == "infeasible":
             raise InfeasibleError(f"no strategy assignment fits the memory budget of {budget:.4g} bytes",

@@ -12,6 +12,7 @@ import numpy as np
 from partopt.solvers import Model, Options, Result
 
 MAX_NODES = 2**31 - 1  # HiGHS's integer options are 32-bit; this is its "no limit"
+INTEGRALITY_TOLERANCE = 1e-6  # HiGHS's mip_feasibility_tolerance: how far from 0 or 1 its MIP accepts a 0-1 value
 
 
 def _new_highs() -> highspy.Highs:
@@ -27,9 +28,8 @@ def _new_highs() -> highspy.Highs:
         os.close(saved)
 
 
-def solve(original: Model, options: Options) -> Result:
-    start = time.perf_counter()
-    model, scale = original.shrunk()
+def _load(model: Model, options: Options, relaxed: bool) -> highspy.Highs:
+    """A Highs instance holding `model` (its 0-1 columns continuous in [0, 1] when `relaxed`), options set."""
     h = _new_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(options.time_limit_s))
@@ -49,7 +49,8 @@ def solve(original: Model, options: Options) -> Result:
         col_upper[j], kinds[j] = bound, highspy.HighsVarType.kContinuous
     h.addVars(n, np.zeros(n), col_upper)
     h.changeColsCost(n, np.arange(n, dtype=np.int32), np.asarray(model.objective, dtype=float))
-    h.changeColsIntegrality(n, np.arange(n, dtype=np.int32), kinds)
+    if not relaxed:
+        h.changeColsIntegrality(n, np.arange(n, dtype=np.int32), kinds)
     if model.rows:
         starts, index, value, lower, upper = [], [], [], [], []
         for idx, coef, lo, hi in model.rows:
@@ -61,6 +62,36 @@ def solve(original: Model, options: Options) -> Result:
         h.addRows(len(model.rows), np.asarray(lower), np.asarray(upper), len(index),
                   np.asarray(starts, dtype=np.int32), np.asarray(index, dtype=np.int32),
                   np.asarray(value, dtype=float))
+    return h
+
+
+def _integral_relaxation(original: Model, model: Model, scale: list[float], options: Options,
+                         start: float) -> Result | None:
+    """The optimum of `model`'s LP relaxation when every 0-1 column comes out 0 or 1 (within the MIP's own
+    integrality tolerance): then it is the program's optimum too, proven by its own bound. None otherwise."""
+    h = _load(model, options, relaxed=True)
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    x = np.asarray(h.getSolution().col_value)
+    binary = np.ones(model.num_vars, dtype=bool)
+    binary[list(model.continuous)] = False
+    if np.any(np.abs(x[binary] - np.round(x[binary])) > INTEGRALITY_TOLERANCE):
+        return None
+    values = [v * scale[j] if j in model.continuous else int(round(v)) for j, v in enumerate(x)]
+    objective = original.value(values)
+    bound = min(objective, h.getInfo().objective_function_value)
+    return Result("optimal", values, objective, bound, time.perf_counter() - start, "highs", 0.0)
+
+
+def solve(original: Model, options: Options) -> Result:
+    start = time.perf_counter()
+    model, scale = original.shrunk()
+    if options.relaxation_first:
+        found = _integral_relaxation(original, model, scale, options, start)
+        if found is not None:
+            return found
+    h = _load(model, options, relaxed=False)
     if model.start:
         index = np.fromiter(model.start, dtype=np.int32)
         h.setSolution(len(index), index, np.fromiter(model.start.values(), dtype=float))
