@@ -62,7 +62,7 @@ def test_a_chain_relaxes_to_its_integral_optimum(paths):
         g.add_node(f"n{i}", [rng.uniform(0, 1) for _ in range(3)])
     for i in range(5):
         g.add_edge(i, i + 1, [[rng.uniform(0, 1) for _ in range(3)] for _ in range(3)])
-    model, var = model_of(g)
+    model, _ = model_of(g)
     result = solvers.solve(model, "highs", relaxation_first=True)
     assert paths == [True]
     assert result.status == "optimal" and result.work == 0

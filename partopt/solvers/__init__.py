@@ -146,8 +146,8 @@ def solve(model: Model, backend: str = "highs", time_limit_s: float = 60.0, seed
 
     `relaxation_first` (HiGHS; the other backends ignore it): solve the LP relaxation first and return its
     solution, proven optimal, when every 0-1 variable comes out integral; else the program as usual. Worth it
-    where the relaxation is usually tight: a pairwise min-sum with no memory row (`ilp.solve`) is on GPT blocks,
-    where its LP takes a tenth of the MIP's root (docs/benchmarks.md, "LP relaxation first")."""
+    where the relaxation is usually tight, as it is for the pairwise min-sums with no memory row that `ilp.solve`
+    leaves of GPT blocks: their LP takes a tenth of the MIP's root (docs/benchmarks.md, "LP relaxation first")."""
     table = _backends()
     if backend not in table:
         raise PartoptError(f"unknown solver backend {backend!r}", "solver", f"use one of {list(BACKENDS)}")

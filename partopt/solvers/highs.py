@@ -78,10 +78,15 @@ def _integral_relaxation(original: Model, model: Model, scale: list[float], opti
     binary[list(model.continuous)] = False
     if np.any(np.abs(x[binary] - np.round(x[binary])) > INTEGRALITY_TOLERANCE):
         return None
-    values = [v * scale[j] if j in model.continuous else int(round(v)) for j, v in enumerate(x)]
+    values = _values(x, model, scale)
     objective = original.value(values)
     bound = min(objective, h.getInfo().objective_function_value)
     return Result("optimal", values, objective, bound, time.perf_counter() - start, "highs", 0.0)
+
+
+def _values(x, model: Model, scale: list[float]) -> list[float]:
+    """A solution of the shrunk `model` in the original's units: continuous columns scaled back, 0-1 ones rounded."""
+    return [v * scale[j] if j in model.continuous else int(round(v)) for j, v in enumerate(x)]
 
 
 def solve(original: Model, options: Options) -> Result:
@@ -108,7 +113,7 @@ def solve(original: Model, options: Options) -> Result:
     stopped = "timeout" if status == highspy.HighsModelStatus.kTimeLimit else "limit"
     if not has_solution:
         return Result(stopped, None, None, None, elapsed, "highs", nodes)
-    values = [v * scale[j] if j in model.continuous else int(round(v)) for j, v in enumerate(h.getSolution().col_value)]
+    values = _values(h.getSolution().col_value, model, scale)
     objective = original.value(values)
     bound = objective if optimal else min(objective, info.mip_dual_bound)
     return Result("optimal" if optimal else stopped, values, objective, bound, elapsed, "highs", nodes)
