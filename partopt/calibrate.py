@@ -122,6 +122,7 @@ class Point:
     microbatches: int | None  # None: pp
     recompute: str
     zero: bool
+    sequence_parallel: bool  # every norm split along its sequence over the tensor-parallel axis (Megatron's flag)
     overlap: bool
     schedule: str  # the pipeline schedule as run (`schedules.SCHEDULES`) ...
     virtual_stages: int  # ... with this many model chunks per stage (interleaved)
@@ -186,7 +187,8 @@ def points_from_dict(data: Any, where: str = "", base: Path = Path(".")) -> Poin
             label=p["label"], source=p["source"], graph=_model(p["model"], base, f"{at}.model"),
             preset=cluster["preset"], nodes=cluster["nodes"], devices_per_node=cluster.get("devices_per_node"),
             tp=plan["tp"], pp=plan["pp"], dp=plan["dp"], microbatches=plan.get("microbatches"),
-            recompute=plan.get("recompute", "auto"), zero=plan.get("zero", False), overlap=plan.get("overlap", True),
+            recompute=plan.get("recompute", "auto"), zero=plan.get("zero", False),
+            sequence_parallel=plan.get("sequence_parallel", False), overlap=plan.get("overlap", True),
             schedule=plan.get("schedule", "1f1b"), virtual_stages=plan.get("virtual_stages", 1),
             iteration_s=measured.get("iteration_s"), tflops_per_gpu=measured.get("tflops_per_gpu"),
             flops=measured.get("flops", "executed"), where=at))
@@ -222,7 +224,8 @@ def ratio(point: Point, cluster: Cluster) -> float:
     """Predicted / measured throughput of `point` on `cluster` (its plan priced by `evaluate.uniform`)."""
     try:
         plan = uniform(point.graph, cluster, point.tp, point.pp, point.dp, point.microbatches,
-                       zero=point.zero, recompute=point.recompute, overlap=point.overlap,
+                       zero=point.zero, sequence_parallel=point.sequence_parallel, recompute=point.recompute,
+                       overlap=point.overlap,
                        schedule=point.schedule, virtual_stages=point.virtual_stages)
     except PartoptError as err:
         raise type(err)(err.cause, f"{point.where} ({point.label}): {err.where}" if err.where else point.where,

@@ -123,24 +123,52 @@ def _price_layers(pricer: Pricer, cluster: Cluster, layering: Layering, count: i
     with the stage's in-flight microbatches and 1/r of its transient peak (so that together they
     fit: the stage holds one peak), else within the first looser rung it fits (a small embedding
     leaves room to the blocks), and without a cap only if all fail. These are the stage DP's rows
-    (`pricing.tighten`) where the DP's in-flight count is the stage's.
+    (`pricing.tighten`) where the DP's in-flight count is the stage's. Should the layers past their
+    even share overflow the stage together, each is refitted within what the others leave.
     """
     mb = pricer.graph.dims[pricer.graph.batch_dim] // count
     mesh = cluster.logical_mesh(spec.submesh, spec.shape)
     first, last = layering.groups[spec.first][0], layering.groups[spec.last][1]
     rungs = ladder(rung(last - first + 1)) if budget is not None else []
     row: list[LayerCost | None] = [None] * len(layering.base)
+    loose: list[int] = []  # layers past their even share
     for b in range(first, last + 1):
         names = tuple(op.name for op in layering.base[b])
+        even = False
         for r in rungs:  # the even share first, then looser caps
             cost = pricer.one(Job(mb, count, names, mesh, spec.recompute, budget / r, spec.inflight, restriction, r),
                               stats)
             if isinstance(cost, LayerCost):
+                even = r == rungs[0]
                 break
         else:  # the stage will not fit: the check in `price` says by how much
             cost = pricer.one(Job(mb, count, names, mesh, spec.recompute, None, 1, restriction), stats)
+        if budget is not None and not even:
+            loose.append(b)
         row[b] = cost
+    if loose and _stage_bytes(row, spec.inflight) > budget:
+        # layers past their even share overflow together (a block beside an embedding, each given the whole
+        # budget): cap them at what the others leave, shared evenly, each with its whole working set, so that
+        # the stage fits whenever they do; a layer that does not fit keeps its rung and `price` reports it
+        others = sum(_charged(c, spec.inflight) for b, c in enumerate(row) if c is not None and b not in loose)
+        cap = (budget - others) / len(loose)
+        for b in loose if cap > 0 else []:
+            cost = pricer.one(Job(mb, count, tuple(op.name for op in layering.base[b]), mesh, spec.recompute, cap,
+                                  spec.inflight, restriction), stats)
+            if isinstance(cost, LayerCost):
+                row[b] = cost
     return row
+
+
+def _charged(cost: LayerCost, inflight: int) -> float:
+    """A layer's memory per device with `inflight` microbatches kept and its whole working set."""
+    return cost.param_bytes + inflight * cost.activation_bytes + cost.working_bytes
+
+
+def _stage_bytes(row: list[LayerCost | None], inflight: int) -> float:
+    """A stage's memory per device from its layers' costs: each one's state and kept activations, one working set."""
+    costs = [c for c in row if c is not None]
+    return sum(c.param_bytes + inflight * c.activation_bytes for c in costs) + max(c.working_bytes for c in costs)
 
 
 def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs: list[StageSpec],

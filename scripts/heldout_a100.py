@@ -125,8 +125,12 @@ def _unfitted(cluster: Cluster) -> list[tuple[str, float, float | None, str]]:
     points = calibrate.read_points(UNFITTED)
     rows = []
     for point in points.points:
-        ratio = calibrate.ratio(point, calibrate.point_cluster(point, cluster))
         assert point.tflops_per_gpu is not None
+        try:
+            ratio = calibrate.ratio(point, calibrate.point_cluster(point, cluster))
+        except PartoptError as err:
+            rows.append((point.label, point.tflops_per_gpu, None, f"not priced: {err.cause}"))
+            continue
         rows.append((point.label, point.tflops_per_gpu, point.tflops_per_gpu * ratio, ""))
     return rows
 
@@ -149,7 +153,7 @@ def main(cluster_file: str | None, tables: tuple[str, ...]) -> None:
     if "2" in tables:
         _table(f"Held out: {SOURCE}, Table 2 (ZeRO-3 vs PTD-P), never fitted", _runs(TABLE_2, cluster), console)
     if "unfitted" in tables:
-        _table("Kept out of the fit (tensor parallelism across nodes): " + UNFITTED.name, _unfitted(cluster), console)
+        _table("Kept out of the fit (plans the model cannot represent): " + UNFITTED.name, _unfitted(cluster), console)
     console.print(f"{time.perf_counter() - start:.0f} s (a shared 2-core machine)")
 
 

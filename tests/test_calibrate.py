@@ -257,6 +257,25 @@ def test_a_point_is_priced_with_the_schedule_it_ran():
     assert calibrate.ratio(two, base) == pytest.approx(1.0 / times["interleaved"], rel=1e-12)
 
 
+def test_a_point_is_priced_with_sequence_parallelism_when_it_ran_so():
+    """A point's `sequence_parallel` reaches `evaluate.uniform`: on tp 2 the forced sequence split of
+    every norm prices differently from the ILP's free choice, and each point gets its own."""
+    plan = {"tp": 2, "pp": 1, "dp": 1, "microbatches": 1, "recompute": "none"}
+    cluster_entry = {"preset": "p3.16xlarge", "nodes": 1, "devices_per_node": 2}
+    points = calibrate.points_from_dict(_file(*[
+        {"label": label, "source": SOURCE, "model": _gpt(256, 4), "cluster": cluster_entry,
+         "plan": {**plan, **extra}, "measured": {"iteration_s": 1.0}}
+        for label, extra in (("free", {}), ("sp", {"sequence_parallel": True}))]))
+    free, sp = points.points
+    assert (free.sequence_parallel, sp.sequence_parallel) == (False, True)
+    base = calibrate.point_cluster(free, preset("p3.16xlarge"))
+    times = {on: uniform(free.graph, base, 2, 1, 1, 1, recompute="none", sequence_parallel=on).iteration_time_s
+             for on in (False, True)}
+    assert abs(times[True] / times[False] - 1) > 1e-3  # the layouts differ on this plan
+    assert calibrate.ratio(free, base) == pytest.approx(1.0 / times[False], rel=1e-12)
+    assert calibrate.ratio(sp, base) == pytest.approx(1.0 / times[True], rel=1e-12)
+
+
 def _point(**changes) -> dict:
     point = {"label": "p", "source": SOURCE, "model": _gpt(64, 2),
              "cluster": {"preset": "p3.16xlarge", "nodes": 1, "devices_per_node": 1},

@@ -8,8 +8,10 @@ from partopt import costmodel
 from partopt.cluster import preset
 from partopt.errors import InfeasibleError
 from partopt.evaluate import price as price_plan
+from partopt.evaluate import uniform
 from partopt.inter import Options, optimize
 from partopt.layering import build_layers
+from partopt.models.gpt import gpt as gpt_model
 from partopt.pricing import RUNGS, Job, ladder, price, rung
 from partopt.stages import StageSpec
 
@@ -71,3 +73,19 @@ def test_the_dp_prices_a_stage_as_evaluate_does_where_memory_does_not_bind():
         alone = price_plan(graph, cluster, layering, 1, [StageSpec(0, 5, (1, 4), shape, 1, "none")], None,
                            Options(layers=None, **SETTINGS))
         assert plan.iteration_time_s == pytest.approx(alone.iteration_time_s, rel=1e-12)
+
+
+def test_evaluate_refits_the_layers_that_took_a_looser_rung_when_together_they_overflow():
+    """SC'21 Fig. 13's 162B at tp 2 × pp 32 (one block per stage; stage 0 adds the embedding): the block
+    fits no cap tighter than the whole budget, and there it chose replicated weights that leave no room
+    for the embedding beside it (78.5 GiB against 72). The layers past their even share are refitted to
+    what the others leave, so the plan fits: its stage 0 holds at least its sharded parameter state by
+    hand (16 bytes per parameter of the embedding and one block, over tp) and at most the budget."""
+    h, vocab = 20480, 51200
+    graph = gpt_model(hidden=h, layers=32, heads=128, seq=2048, vocab=vocab, batch=128)
+    cluster = preset("dgx-a100", 8)
+    plan = uniform(graph, cluster, 2, 32, 1, 128, recompute="full", overlap=False)
+    budget = costmodel.memory_budget(cluster.device, Options(layers=None).memory_reserve)
+    stage = plan.stages[0]
+    assert stage.breakdown["param_bytes"] >= 16 * (vocab * h + 12 * h * h) / 2 * (1 - 1e-3)
+    assert max(s.memory_bytes for s in plan.stages) <= budget

@@ -46,7 +46,9 @@ def test_gpt_closed_form_reproduces_the_measured_point():
     by_hand = 96 * 32 * 1024 * 32 * 2560**2 * (1 + 1024 / (6 * 2560) + 51200 / (16 * 32 * 2560))
     assert flops == pytest.approx(by_hand, rel=1e-12)
     assert flops / 2.464 / 8 / 1e12 == pytest.approx(37.01, abs=0.01)
-    assert alpa.gpt_flops(32, 1024, 32, 2560, 51200, recompute=False) == pytest.approx(0.75 * flops)
+    # without recomputation (Korthikanti et al. 2022's model FLOPs): 72 · B s l h² (1 + s/6h + V/12lh)
+    model = 72 * 32 * 1024 * 32 * 2560**2 * (1 + 1024 / (6 * 2560) + 51200 / (12 * 32 * 2560))
+    assert alpa.gpt_flops(32, 1024, 32, 2560, 51200, recompute=False) == pytest.approx(model, rel=1e-12)
 
 
 def test_tflops_per_gpu_gpt_uses_the_96_form_of_the_graph():

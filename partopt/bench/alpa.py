@@ -158,9 +158,11 @@ def with_efficiency(cluster: Cluster, matmul: float, memory: float) -> Cluster:
 # ---------------------------------------------------------------- the throughput metric
 
 def gpt_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool = True) -> float:
-    """FLOPs of one GPT training iteration by Megatron's closed form (REFERENCE §2), 96 with recompute, else 72."""
-    factor = 96 if recompute else 72
-    return factor * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    """FLOPs of one GPT training iteration by Megatron's closed form (REFERENCE §2), 96 with recompute; else
+    72, the model FLOPs of Korthikanti et al. 2022's MFU: the blocks lose their recomputed forward (a quarter),
+    the logits (6·B·s·h·V, never recomputed) stay."""
+    blocks = 24 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden))
+    return (4 if recompute else 3) * blocks + 6 * batch * seq * hidden * vocab
 
 
 def gpt_shape(graph: Graph) -> tuple[int, int, int, int, int]:
