@@ -150,7 +150,7 @@ def _price_layers(pricer: Pricer, cluster: Cluster, layering: Layering, count: i
         # layers past their even share overflow together (a block beside an embedding, each given the whole
         # budget): cap them at what the others leave, shared evenly, each with its whole working set, so that
         # the stage fits whenever they do; a layer that does not fit keeps its rung and `price` reports it
-        others = sum(_charged(c, spec.inflight) for b, c in enumerate(row) if c is not None and b not in loose)
+        others = sum(c.memory_bytes(spec.inflight) for b, c in enumerate(row) if c is not None and b not in loose)
         cap = (budget - others) / len(loose)
         for b in loose if cap > 0 else []:
             cost = pricer.one(Job(mb, count, tuple(op.name for op in layering.base[b]), mesh, spec.recompute, cap,
@@ -158,11 +158,6 @@ def _price_layers(pricer: Pricer, cluster: Cluster, layering: Layering, count: i
             if isinstance(cost, LayerCost):
                 row[b] = cost
     return row
-
-
-def _charged(cost: LayerCost, inflight: int) -> float:
-    """A layer's memory per device with `inflight` microbatches kept and its whole working set."""
-    return cost.param_bytes + inflight * cost.activation_bytes + cost.working_bytes
 
 
 def _stage_bytes(row: list[LayerCost | None], inflight: int) -> float:

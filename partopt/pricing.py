@@ -50,10 +50,9 @@ class LayerCost:
         return cls(b.per_microbatch_s, b.per_iteration_s, b.param_bytes, b.activation_bytes, b.working_bytes, sharding,
                    reduce, b.backward_compute_s + b.recompute_s, b.compute_s - b.backward_compute_s)
 
-    @property
-    def memory_bytes(self) -> float:
-        """Per device with one microbatch in flight."""
-        return self.param_bytes + self.activation_bytes + self.working_bytes
+    def memory_bytes(self, inflight: float = 1) -> float:
+        """Per device with `inflight` microbatches kept and its whole working set."""
+        return self.param_bytes + inflight * self.activation_bytes + self.working_bytes
 
 
 @dataclass(frozen=True)
@@ -342,8 +341,7 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
                                              last[key].sharding.least_transient_bytes, r) > cap:
                 stuck.add(key)
         tight = [key for key in jobs if key not in stuck and _charged(
-            last[key].param_bytes + inflight * last[key].activation_bytes + last[key].working_bytes,
-            last[key].sharding.breakdown.transient_bytes, r) > cap]
+            last[key].memory_bytes(inflight), last[key].sharding.breakdown.transient_bytes, r) > cap]
         if tight:  # nor where the rung serves no stage that can win
             limit = bound() if limit is None else limit
             lengths = {option: stage_lengths(objectives(costs[option][0], count), count, limit, work,
