@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from partopt import baselines, check, io, models, validate
-from partopt.cluster import AUTO_ALPA_NODES, PRESETS, SUBMESH_FAMILIES, Cluster, Link, preset
+from partopt.cluster import AUTO_ALPA_NODES, PRESETS, SUBMESH_FAMILIES, Cluster, Link, preset, preset_calibration
 from partopt.costmodel import training_flops
 from partopt.evaluate import evaluate as evaluate_plan, uniform
 from partopt.errors import InstanceError, PartoptError
@@ -177,8 +177,19 @@ def graph_facts(graph: Graph) -> dict[str, Any]:
     }
 
 
-def cluster_facts(cluster: Cluster) -> dict[str, Any]:
-    """What `inspect` reports about a cluster, in SI units (FLOP/s, bytes, bytes/s, seconds)."""
+def calibration_facts(calibration: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Where a cluster's fitted values come from (a `calibration` record, docs/FORMAT.md): the points
+    file, the values, and the leave-one-out |error| over its points; None: nothing was fitted."""
+    if calibration is None:
+        return None
+    loo = [abs(e["loo_error"]) for e in calibration["errors"] if e["loo_error"] is not None]
+    return {"points": calibration["points"], "fitted": calibration["fitted"], "measured_runs": len(calibration["errors"]),
+            "loo_error_median": statistics.median(loo) if loo else None, "loo_error_max": max(loo, default=None)}
+
+
+def cluster_facts(cluster: Cluster, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What `inspect` reports about a cluster, in SI units (FLOP/s, bytes, bytes/s, seconds), with the
+    provenance of its fitted values (`calibration_facts`) when it has any."""
     device, n = cluster.device, cluster.num_devices
 
     def link(l: Link) -> dict[str, Any]:
@@ -199,6 +210,7 @@ def cluster_facts(cluster: Cluster) -> dict[str, Any]:
         "memory_efficiency": device.memory_efficiency,
         "intra_node": link(cluster.intra_node),
         "inter_node": {**link(cluster.inter_node), "shared_by_node": cluster.inter_node.shared_by_node},
+        "calibration": calibration_facts(calibration),
     }
 
 
@@ -247,7 +259,17 @@ def _render_cluster(f: dict[str, Any]) -> list[Table]:
         ("intra-node link", link(f["intra_node"])),
         ("inter-node link", link(f["inter_node"])),
         ("inter-node NIC", nic),
+        ("calibration", _calibration_text(f["calibration"])),
     ])]
+
+
+def _calibration_text(c: dict[str, Any] | None) -> str:
+    if c is None:
+        return "none recorded: placeholder or hand-set efficiencies (`partopt calibrate` fits them, docs/COSTMODEL.md §7)"
+    text = f"{', '.join(c['fitted'])} fitted to {c['measured_runs']} measured runs ({c['points']})"
+    if c["loo_error_median"] is not None:
+        text += f"; leave-one-out |error| median {c['loo_error_median']:.1%}, max {c['loo_error_max']:.1%}"
+    return text
 
 
 @main.command()
@@ -259,7 +281,11 @@ def inspect(source: str, nodes: int | None, as_json: bool) -> None:
     instance = load_instance(source, nodes)
     if isinstance(instance, Cluster):
         warn(validate.cluster_warnings(instance))
-    facts = graph_facts(instance) if isinstance(instance, Graph) else cluster_facts(instance)
+    if isinstance(instance, Graph):
+        facts = graph_facts(instance)
+    else:
+        facts = cluster_facts(instance, io.load_json(source).get("calibration") if Path(source).exists()
+                              else preset_calibration(source))
     if as_json:
         print_json(facts)
         return

@@ -7,6 +7,7 @@ explains the logical-mesh placement rule and how groups share a node's NIC.
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -226,15 +227,10 @@ INFINIBAND_LATENCY_S = 10e-6
 ETHERNET_LATENCY_S = 20e-6
 ICI_LATENCY_S = 5e-6
 
-V100_MATMUL_EFFICIENCY = 0.525
-V100_MEMORY_EFFICIENCY = 0.550
-
 _PRESETS: dict[str, Cluster] = {
     "p3.16xlarge": Cluster(
         name="p3.16xlarge", nodes=8, devices_per_node=8,
-        # efficiencies fitted once to measured V100 points (docs/COSTMODEL.md §7, scripts/calibrate_v100.py)
-        device=Device("V100-SXM2-16GB", {"fp16": 125 * TERA, "fp32": 15.7 * TERA}, 16 * GIB, 900 * GB,
-                      matmul_efficiency=V100_MATMUL_EFFICIENCY, memory_efficiency=V100_MEMORY_EFFICIENCY),
+        device=Device("V100-SXM2-16GB", {"fp16": 125 * TERA, "fp32": 15.7 * TERA}, 16 * GIB, 900 * GB),
         intra_node=Link(150 * GB, NVLINK_LATENCY_S),
         inter_node=Link(3.125 * GB, ETHERNET_LATENCY_S, shared_by_node=True)),
     "dgx-a100": Cluster(
@@ -261,6 +257,13 @@ PRESETS: tuple[str, ...] = tuple(_PRESETS)
 def preset_file(name: str) -> Traversable:
     """Where the package keeps preset `name`'s data file (fitted values, `partopt calibrate -o`)."""
     return resources.files("partopt").joinpath("presets", f"{name}.json")
+
+
+def preset_calibration(name: str) -> dict[str, Any] | None:
+    """The provenance in preset `name`'s data file (its `calibration`: points file, fitted values, each
+    point's errors; docs/FORMAT.md), None when the preset has no data file."""
+    path = preset_file(name)
+    return json.loads(path.read_text()).get("calibration") if path.is_file() else None
 
 
 def nominal_preset(name: str) -> Cluster:

@@ -95,7 +95,9 @@ def markdown(results, ablations, found, command: str, wall_s: float, efficiency:
            ("Each cell is partopt's predicted per-GPU TFLOP/s under its cost model, with the paper's reported "
            "figure in parentheses (REFERENCE.md §3). Every family runs with activation recomputation, as Alpa's "
            "suites did, and its recomputed forward counts: GPT by Megatron's closed form with 96 (as the paper "
-           "does), MoE and Wide-ResNet by the FLOPs the plan executes. \"error vs Alpa\" is partopt / Alpa − 1. Baselines: Megatron-LM is the "
+           "does), MoE and Wide-ResNet by the FLOPs the plan executes. \"error vs Alpa\" is partopt / Alpa − 1; \"(in-sample)\" marks a case "
+           "that is a calibration point of the V100 efficiencies in use (docs/COSTMODEL.md §7): its error was "
+           "fitted, not predicted, and the medians say what they are without those rows. Baselines: Megatron-LM is the "
            "best uniform (tp, pp, dp, microbatches) grid point; DeepSpeed is one data-parallel stage with ZeRO; "
            "PP-DP a pipeline of plain data-parallel stages. OOM: the paper's run ran out of memory; \"no plan\": "
             "the planner returned no plan (out of memory, or the error shown in the plans table). partopt's "
@@ -107,15 +109,13 @@ def markdown(results, ablations, found, command: str, wall_s: float, efficiency:
         if not any(r.case.model == model for r in results):
             continue
         sub = [r for r in results if r.case.model == model]
-        med = harness.median_error(sub)
         out += [f"### {MODEL_TITLES[model]}", "", markdown_table(*report.results_rows(model, results)), "",
-                f"Median |error| of partopt vs Alpa: {'—' if med is None else f'{med:.1%}'}.", "",
+                report.median_sentence("Median |error| of partopt vs Alpa", sub), "",
                 markdown_table(*report.plan_rows(model, results)), ""]
         differences = [(r.case.gpus, report.plan_difference(r)) for r in sub]
         if any(d for _, d in differences):
             out += ["partopt's plan against Alpa's: " + "; ".join(f"**{g} GPUs** {d}" for g, d in differences if d) + ".", ""]
-    med = harness.median_error(results)
-    out += [f"Median |error| over all rows: {'—' if med is None else f'{med:.1%}'}.", "", "### Checks", ""]
+    out += [report.median_sentence("Median |error| over all rows", results), "", "### Checks", ""]
     out += [f"* **{'PASS' if c.passed else 'FAIL'}** {c.name} — {c.detail}" for c in found]
     if ablations:
         out += ["", "### Inter-op ablation", "",
@@ -167,8 +167,7 @@ def main(quick: bool, models: str, max_gpus: int, ablation: bool, write: bool,
         if any(r.case.model == model for r in results):
             console.print(rich_table(f"{MODEL_TITLES[model]}: per-GPU TFLOP/s, predicted (paper)", *report.results_rows(model, results)))
             console.print(rich_table(f"{MODEL_TITLES[model]}: plans", *report.plan_rows(model, results)))
-            med = harness.median_error([r for r in results if r.case.model == model])
-            console.print(f"median |error| vs Alpa: {'—' if med is None else f'{med:.1%}'}")
+            console.print(report.median_sentence("median |error| vs Alpa", [r for r in results if r.case.model == model]))
     if ablations:
         console.print(rich_table("Inter-op ablation: per-GPU TFLOP/s, predicted (paper)", *report.ablation_rows(ablations)))
     for c in found:

@@ -124,6 +124,21 @@ def test_nodes_resizes_a_preset_and_a_cluster_file(tmp_path):
     assert (facts["nodes"], facts["devices"], facts["memory_bytes_total"]) == (3, 24, 24 * 80 * 2**30)
 
 
+def test_inspect_says_where_a_clusters_efficiencies_come_from():
+    facts = json.loads(run("inspect", "dgx-a100", "--json").stdout)["calibration"]
+    assert facts["measured_runs"] == 17 and facts["points"] == "partopt/bench/points/dgx-a100.json"
+    assert facts["fitted"] == {"matmul_efficiency": preset("dgx-a100").device.matmul_efficiency}
+    # the fit's own report (docs/COSTMODEL.md §7): leave-one-out median 8.8 %, max 24.5 % (MT-NLG, 3360 GPUs)
+    assert facts["loo_error_median"] == pytest.approx(0.088, abs=5e-4)
+    assert facts["loo_error_max"] == pytest.approx(0.245, abs=5e-4)
+    assert "fitted to 17 measured runs" in run("inspect", "dgx-a100").stdout
+    # a cluster file carries its record with it; a preset without a data file has none
+    assert json.loads(run("inspect", str(ROOT / "instances/clusters/p3.16xlarge.json"), "--json").stdout)[
+        "calibration"]["measured_runs"] == 4
+    assert json.loads(run("inspect", "dgx-h100", "--json").stdout)["calibration"] is None
+    assert "none recorded" in run("inspect", "dgx-h100").stdout
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_inspect_every_preset(name):
     result = run("inspect", name)

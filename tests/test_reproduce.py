@@ -1,18 +1,17 @@
 """Tests of partopt.bench and scripts/reproduce_alpa.py: the paper's metric by hand, the cases
-against REFERENCE.md §3, the checks' logic, the calibration fit, and a small end-to-end slice."""
+against REFERENCE.md §3, the checks' logic, and a small end-to-end slice."""
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
-import math
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from partopt import intra
-from partopt.bench import alpa, calibrate, harness, report
+from partopt.bench import alpa, harness, report
 from partopt.cli import main
 from partopt.errors import InfeasibleError, InstanceError
 from partopt.inter import Options
@@ -150,29 +149,25 @@ def test_checks_moe_and_wresnet_claims():
     assert harness.median_error([moe, wres]) == pytest.approx((abs(45 / 45.36 - 1) + 0.0) / 2)  # median of two
 
 
-# ---------------------------------------------------------------- calibration
+# ---------------------------------------------------------------- in-sample rows
 
-def test_fit_recovers_known_efficiencies():
-    # a synthetic device: time ∝ a/matmul + b/memory per point, truth (0.5, 0.8) reproduces every figure
-    points = calibrate.CALIBRATION_POINTS
-    weights = {p.label: (0.9 - 0.2 * i, 0.1 + 0.2 * i) for i, p in enumerate(points)}
-
-    def predict(point, matmul, memory):
-        a, b = weights[point.label]
-        truth = a / 0.5 + b / 0.8
-        return point.reported * truth / (a / matmul + b / memory)
-
-    fit = calibrate.fit_efficiencies(predict, points, [0.3, 0.4, 0.5, 0.6], [0.6, 0.7, 0.8, 0.9])
-    assert (fit.matmul_efficiency, fit.memory_efficiency) == (0.5, 0.8)
-    assert fit.rms_log_error == pytest.approx(0.0, abs=1e-12)
-    assert fit.evaluated == 16
-    two_stage = calibrate.calibrate(points, predict, (0.3, 0.9), (0.5, 1.0), coarse=0.1, fine=0.05)
-    assert two_stage.matmul_efficiency == pytest.approx(0.5) and two_stage.memory_efficiency == pytest.approx(0.8)
-    assert two_stage.evaluated == 7 * 6 + 3 * 3  # coarse grid, then ±0.05 in steps of 0.05
+def test_the_in_sample_cases_are_the_v100_points_alpa_measured_on_one_gpu():
+    # partopt/bench/points/p3.16xlarge.json: Alpa's three one-GPU cases of Figure 7, and GPT-2.6B at
+    # batch 32 (not a case: the case runs batch 1024)
+    assert alpa.calibration_cases() == {("gpt-350m", 1), ("moe-380m", 1), ("wresnet-250m", 1)}
+    assert [(c.instance, c.gpus) for c in alpa.cases() if c.in_sample] == [
+        ("gpt-350m", 1), ("moe-380m", 1), ("wresnet-250m", 1)]
 
 
-def test_residual_log_error():
-    assert calibrate.Residual("x", 40.0, 40.0 * math.e).log_error == pytest.approx(1.0)
+def test_in_sample_rows_are_marked_and_left_out_of_the_out_of_sample_median():
+    fitted = _result("gpt", 1, {"partopt": 45.07 * 1.5, "inter_only": 1.0, "intra_only": 1.0, "megatron": 1.0})
+    near = _result("gpt", 2, {"partopt": 57.92 * 1.1, "inter_only": 1.0, "intra_only": 1.0, "megatron": 1.0})
+    far = _result("gpt", 4, {"partopt": 58.21 * 0.7, "inter_only": 1.0, "intra_only": 1.0, "megatron": 1.0})
+    _, rows = report.results_rows("gpt", [fitted, near, far])
+    assert [row[-3] for row in rows] == ["+50.0% (in-sample)", "+10.0%", "-30.0%"]
+    sentence = report.median_sentence("Median", [fitted, near, far])
+    assert sentence == "Median: 30.0%; out of sample (the 2 rows that are not calibration points): 20.0%."
+    assert report.median_sentence("Median", [near, far]) == "Median: 20.0%."
 
 
 # ---------------------------------------------------------------- end to end: `--quick` (GPT on 1-8 GPUs)

@@ -7,13 +7,16 @@ Nothing here prints; the graphs come from `partopt.models`, so an installed pack
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import resources
 
 from partopt import baselines
 from partopt import models as zoo
-from partopt.cluster import Cluster, preset
+from partopt.cluster import Cluster, preset, preset_calibration
 from partopt.errors import InstanceError
 from partopt.graph import Graph
 from partopt.inter import optimize
@@ -109,6 +112,24 @@ class Case:
     @property
     def planners(self) -> tuple[str, ...]:
         return ("partopt", "inter_only", "intra_only", BASELINE[self.model])
+
+    @property
+    def in_sample(self) -> bool:
+        """Whether this case is a calibration point of the V100 preset in use: its error is then fitted, not predicted."""
+        return (self.instance, self.gpus) in calibration_cases()
+
+
+@functools.cache
+def calibration_cases() -> frozenset[tuple[str, int]]:
+    """(instance, GPUs) of the points the V100 preset's data file was fitted to (docs/COSTMODEL.md §7) that
+    are a case: the case's model, unchanged, on as many GPUs. None without a data file."""
+    calibration = preset_calibration(MACHINE)
+    if calibration is None:
+        return frozenset()
+    fitted = {e["label"] for e in calibration["errors"]}
+    points = json.loads(resources.files("partopt").parent.joinpath(calibration["points"]).read_text())["points"]
+    return frozenset((p["model"]["preset"], p["plan"]["tp"] * p["plan"]["pp"] * p["plan"]["dp"])
+                     for p in points if p["label"] in fitted and "preset" in p["model"] and not p["model"].get("args"))
 
 
 def cases(models: Sequence[str] = MODELS, max_gpus: int = 64) -> list[Case]:

@@ -4,10 +4,11 @@ where partopt's plan differs from the paper's, and the writer of a marked sectio
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from partopt.bench.alpa import ABLATION_METHODS, ABLATION_TITLES, BASELINE, PLANNER_TITLES, format_meshes, summarize
-from partopt.bench.harness import AblationResult, CaseResult, fmt_tflops
+from partopt.bench.harness import AblationResult, CaseResult, fmt_tflops, median_error
 
 
 def _cell(result: CaseResult, planner: str) -> str:
@@ -28,10 +29,24 @@ def results_rows(model: str, results: list[CaseResult]) -> tuple[list[str], list
     for r in results:
         if r.case.model != model:
             continue
-        error = "—" if r.error is None else f"{r.error:+.1%}"
+        error = "—" if r.error is None else f"{r.error:+.1%}" + (" (in-sample)" if r.case.in_sample else "")
         rows.append([str(r.case.gpus), r.case.instance] + [_cell(r, p) for p in planners]
                     + [error, f"{r.cells['partopt'].seconds:.1f}", f"{sum(c.seconds for c in r.cells.values()):.1f}"])
     return header, rows
+
+
+def median_sentence(lead: str, results: Sequence[CaseResult]) -> str:
+    """'<lead>: 9.9%.', with the median over the out-of-sample rows beside it when some rows are calibration points."""
+    def fmt(value: float | None) -> str:
+        return "—" if value is None else f"{value:.1%}"
+
+    sentence = f"{lead}: {fmt(median_error(results))}"
+    fitted = [r for r in results if r.case.in_sample and r.error is not None]
+    if fitted:
+        rest = [r for r in results if not r.case.in_sample]
+        sentence += (f"; out of sample (the {len(rest)} rows that are not calibration points): "
+                     f"{fmt(median_error(rest))}")
+    return sentence + "."
 
 
 def plan_rows(model: str, results: list[CaseResult]) -> tuple[list[str], list[list[str]]]:
