@@ -10,7 +10,7 @@ its output's gradient sum passes on to its input's sum, renamed, Partial or not.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,7 +23,6 @@ from partopt.sharding import (
     R,
     Shard,
     Step,
-    Strategy,
     as_gradient_target,
     gradient_placement,
     reshard_collectives,
@@ -146,13 +145,13 @@ def _source_of(graph: Graph, flow: Flow) -> str:
     return graph.producers[flow.tensor].inputs[0]
 
 
-def keys(flow: Flow) -> tuple[Callable | None, Callable | None]:
-    """What `collectives` reads of a flow's source and destination choices (None: all of it), for `sharding.pair_table`."""
-    if flow.kind == "contribute":
-        return lambda s: gradient_placement(s.inputs[flow.slot], s.axes), None
-    if flow.kind == "relay":
-        return None, None
-    return None, lambda d: d.output
+def plain_ends(flow: Flow, srcs: Sequence, dsts: Sequence) -> tuple[list[Placement], list[Placement]]:
+    """A contribution's or a sink's gradient, which is one plain resharding: the placement it leaves each
+    source choice in, and the one each destination choice needs it in (`collectives`)."""
+    if flow.kind == "contribute":  # from the consumer's gradient to the sum node's choice
+        return [gradient_placement(s.inputs[flow.slot], s.axes) for s in srcs], list(dsts)
+    assert flow.kind == "sink", flow.kind
+    return list(srcs), [as_gradient_target(d.output) for d in dsts]  # from the sum to its producer
 
 
 def collectives(graph: Graph, flow: Flow, src, dst, mesh: LogicalMesh, prices: PairPrices | None = None) -> list[Step]:
@@ -161,11 +160,8 @@ def collectives(graph: Graph, flow: Flow, src, dst, mesh: LogicalMesh, prices: P
     def reshard(a: Placement, b: Placement, nbytes: float) -> list[Step]:
         return list(prices.reshard(a, b, nbytes)) if prices is not None else reshard_collectives(a, b, nbytes, mesh)
 
-    if flow.kind == "contribute":
-        s: Strategy = src
-        grad = gradient_placement(s.inputs[flow.slot], s.axes)
-        return reshard(grad, dst, graph.nbytes(flow.tensor))
     if flow.kind == "relay":
         steps, relabelled = _relabel(graph, flow, src, mesh)
         return steps + reshard(relabelled, dst, graph.nbytes(_source_of(graph, flow)))
-    return reshard(src, as_gradient_target(dst.output), graph.nbytes(flow.tensor))
+    (a,), (b,) = plain_ends(flow, [src], [dst])
+    return reshard(a, b, graph.nbytes(flow.tensor))

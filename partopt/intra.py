@@ -318,19 +318,15 @@ def _use_tables(model_graph: Graph, use: Use, src_list: list, dst_list: list[Str
 
 def _flow_table(graph: Graph, flow: gradients.Flow, src_list: list, dst_list: list, prices: PairPrices) -> np.ndarray:
     """Seconds of one gradient flow for every pair of its ends' choices (`gradients.collectives`).
-    A contribution or a sink is a plain resharding of the tensor: its table is kept like a use's."""
-    src_key, dst_key = gradients.keys(flow)
-
-    def compute() -> tuple[np.ndarray, ...]:
-        return (pair_table(lambda a, b: prices.seconds(gradients.collectives(graph, flow, a, b, prices.mesh, prices)),
-                           src_list, dst_list, src_key, dst_key),)
-
+    A contribution or a sink is a plain resharding of the tensor: priced by `PairPrices.reshard_seconds`
+    (summed collective by collective, the same floats) and kept like a use's table."""
     if flow.kind == "relay":  # renames dims: not worth keeping (reshapes are few)
-        return compute()[0]
-    sources = tuple(src_list if src_key is None else map(src_key, src_list))
-    targets = tuple(dst_list if dst_key is None else map(dst_key, dst_list))
-    key = ("flow", flow.kind, graph.nbytes(flow.tensor), sources, targets, prices.mesh, prices.model)
-    return _kept_tables(key, compute)[0]
+        return pair_table(lambda a, b: prices.seconds(gradients.collectives(graph, flow, a, b, prices.mesh, prices)),
+                          src_list, dst_list)
+    sources, targets = gradients.plain_ends(flow, src_list, dst_list)
+    nbytes = graph.nbytes(flow.tensor)
+    key = ("flow", nbytes, tuple(sources), tuple(targets), prices.mesh, prices.model)
+    return _kept_tables(key, lambda: (sum(prices.reshard_seconds(sources, targets, nbytes)),))[0]
 
 
 def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list[Placement], grads: list[Placement],
@@ -348,10 +344,11 @@ def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list
         else:
             whole = functools.reduce(np.add, gather, np.zeros((len(sources), len(required))))
             per_microbatch = [exposed(whole, np.asarray(c)[None, :]) for c in cover]
-        if differentiable:
-            per_iteration = list(prices.step_table(
-                lambda p, g: param_sync_collectives(g, p, nbytes, prices.mesh), src_list, grads,
-                2 * len(prices.mesh.shape), bucketed=True))
+        if differentiable:  # the same for every microbatch count: kept apart from the use's tables
+            per_iteration = list(_kept_tables(("sync", nbytes, tuple(src_list), tuple(grads), prices.mesh, prices.model),
+                                              lambda: (prices.step_table(
+                                                  lambda p, g: param_sync_collectives(g, p, nbytes, prices.mesh),
+                                                  src_list, grads, 2 * len(prices.mesh.shape), bucketed=True),))[0])
     else:
         backward: list[np.ndarray] = []
         if differentiable and use.gradient:
