@@ -263,6 +263,11 @@ def _render_cluster(f: dict[str, Any]) -> list[Table]:
     ])]
 
 
+def calibration_record(source: str) -> dict[str, Any] | None:
+    """The `calibration` record behind a cluster SOURCE (`load_instance`'s): its file's, else its preset's data file's."""
+    return io.load_json(source).get("calibration") if Path(source).exists() else preset_calibration(source)
+
+
 def _calibration_text(c: dict[str, Any] | None) -> str:
     if c is None:
         return "none recorded: placeholder or hand-set efficiencies (`partopt calibrate` fits them, docs/COSTMODEL.md §7)"
@@ -284,8 +289,7 @@ def inspect(source: str, nodes: int | None, as_json: bool) -> None:
     if isinstance(instance, Graph):
         facts = graph_facts(instance)
     else:
-        facts = cluster_facts(instance, io.load_json(source).get("calibration") if Path(source).exists()
-                              else preset_calibration(source))
+        facts = cluster_facts(instance, calibration_record(source))
     if as_json:
         print_json(facts)
         return
@@ -403,7 +407,8 @@ def import_hf(config: str, output: str, batch: int, seq: int, name: str | None, 
 
 # ---------------------------------------------------------------- solve
 
-def _render_plan(plan: Plan) -> list[Table]:
+def _render_plan(plan: Plan, calibration: dict[str, Any] | None) -> list[Table]:
+    """The stage table and the totals; `calibration`: the cluster's record, which says how far to trust the times."""
     stages = Table(title=f"Plan for {plan.graph} on {plan.cluster} ({plan.nodes} × {plan.devices_per_node})",
                    box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False)
     for column in ("stage", "layers", "submesh", "mesh", "devices", "recompute", "µbatch", "sync", "memory",
@@ -423,6 +428,7 @@ def _render_plan(plan: Plan) -> list[Table]:
         ("throughput", f"{plan.throughput['samples_per_s']:.4g} samples/s, "
                        f"{plan.throughput['tflops_per_device']:.3g} TFLOP/s per device"),
         ("peak memory per device", fmt_bytes(plan.memory_peak_bytes)),
+        ("efficiencies", _calibration_text(calibration_facts(calibration))),
         ("columns", "µbatch: a microbatch's forward + backward (sends included); sync: gradients and optimizer "
                     "per iteration; memory: per device, with its in-flight microbatches"),
         ("solver", f"{plan.solver['backend']}: {plan.solver['status']}, gap {plan.solver['gap']:.2g}, "
@@ -527,7 +533,7 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
         click.echo("error: the solved plan does not re-derive (a bug in partopt: please report it); nothing written",
                    err=True)
         raise SystemExit(EXIT_INCONSISTENT)
-    _emit(plan, output, as_json)
+    _emit(plan, output, as_json, cluster_source)
 
 
 def _graph_and_cluster(graph_file: str, cluster_source: str, nodes: int | None) -> tuple[Graph, Cluster]:
@@ -539,7 +545,7 @@ def _graph_and_cluster(graph_file: str, cluster_source: str, nodes: int | None) 
     return graph, cluster
 
 
-def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
+def _emit(plan: Plan, output: str | None, as_json: bool, cluster_source: str) -> None:
     """Write the plan file if asked, then print it as JSON or as the stage table and totals."""
     warn(validate.plan_warnings(plan))
     if output:
@@ -548,7 +554,7 @@ def _emit(plan: Plan, output: str | None, as_json: bool) -> None:
         click.echo(plan_text(plan), nl=False)
         return
     out = console()
-    for table in _render_plan(plan):
+    for table in _render_plan(plan, calibration_record(cluster_source)):
         out.print(table)
     if output:
         out.print(f"plan written to {output}")
@@ -627,7 +633,7 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
         schedule = schedule or ("interleaved" if (virtual_stages or 1) > 1 else "1f1b")
         plan = uniform(graph, cluster, tp, pp, dp, microbatches, zero, sequence_parallel, schedule, virtual_stages or 1,
                        recompute=recompute or "auto", overlap=not no_overlap, **options)
-    _emit(plan, output, as_json)
+    _emit(plan, output, as_json, cluster_source)
 
 
 # ---------------------------------------------------------------- sweep

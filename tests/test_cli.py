@@ -139,6 +139,17 @@ def test_inspect_says_where_a_clusters_efficiencies_come_from():
     assert "none recorded" in run("inspect", "dgx-h100").stdout
 
 
+def test_solve_and_evaluate_say_how_far_the_predicted_times_are_calibrated(tmp_path):
+    mlp = str(ROOT / "instances" / "mlp-2layer.json")
+    fitted = run("solve", mlp, "--cluster", "p3.16xlarge", "--nodes", "1")
+    assert fitted.exit_code == 0
+    assert "fitted to 4 measured runs" in fitted.stdout and "leave-one-out |error| median 16.4%" in fitted.stdout
+    io.write_cluster(preset("p3.16xlarge"), tmp_path / "p3.json")  # the same machine, written without its record
+    bare = run("evaluate", mlp, "--cluster", str(tmp_path / "p3.json"), "--nodes", "1", "--tp", "1", "--pp", "1",
+               "--dp", "8")
+    assert bare.exit_code == 0 and "none recorded" in bare.stdout
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_inspect_every_preset(name):
     result = run("inspect", name)
