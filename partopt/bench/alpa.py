@@ -122,7 +122,7 @@ class Case:
 @functools.cache
 def calibration_cases() -> frozenset[tuple[str, int]]:
     """(instance, GPUs) of the points the V100 preset's data file was fitted to (docs/COSTMODEL.md §7) that
-    are a case: the case's model, unchanged, on as many GPUs. None without a data file."""
+    are a case: the case's model, unchanged, on as many GPUs; empty without a data file."""
     calibration = preset_calibration(MACHINE)
     if calibration is None:
         return frozenset()
