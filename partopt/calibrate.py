@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from partopt import io, models
 from partopt.cluster import MICRO, PRESETS, Cluster, Link, cluster_to_dict, nominal_preset, preset
 from partopt.errors import InstanceError, PartoptError
 from partopt.evaluate import uniform
+from partopt.executors import make_executor
 from partopt.graph import Graph
 
 POINTS_FORMAT = "partopt.points"
@@ -220,12 +223,13 @@ def point_cluster(point: Point, base: Cluster) -> Cluster:
     return cluster
 
 
-def ratio(point: Point, cluster: Cluster) -> float:
-    """Predicted / measured throughput of `point` on `cluster` (its plan priced by `evaluate.uniform`)."""
+def ratio(point: Point, cluster: Cluster, workers: int | None = None) -> float:
+    """Predicted / measured throughput of `point` on `cluster` (its plan priced by `evaluate.uniform`, its
+    layer ILPs on `workers` processes: default as `optimize`'s)."""
     try:
         plan = uniform(point.graph, cluster, point.tp, point.pp, point.dp, point.microbatches,
                        zero=point.zero, sequence_parallel=point.sequence_parallel, recompute=point.recompute,
-                       overlap=point.overlap,
+                       overlap=point.overlap, workers=workers,
                        schedule=point.schedule, virtual_stages=point.virtual_stages)
     except PartoptError as err:
         raise type(err)(err.cause, f"{point.where} ({point.label}): {err.where}" if err.where else point.where,
@@ -277,14 +281,28 @@ class Calibration:
                        for r in self.results]}}
 
 
-class _Problem:
-    """The residuals log(predicted / measured) of `points` as a function of z = log(parameters)."""
+def _log_residual(points: Sequence[Point], job: tuple[int, Cluster]) -> float:
+    """log(predicted / measured) of point `job[0]` on `job[1]`, the preset with trial values: an executor's
+    job (`partopt.executors`), whose layer ILPs stay in its process."""
+    i, base = job
+    return math.log(ratio(points[i], point_cluster(points[i], base), workers=1))
 
-    def __init__(self, points: Sequence[Point], name: str, names: Sequence[str]):
+
+class _Problem:
+    """The residuals log(predicted / measured) of `points` as a function of z = log(parameters), the points
+    priced `workers` at a time (each in its own process; 1: here)."""
+
+    def __init__(self, points: Sequence[Point], name: str, names: Sequence[str], workers: int | None = None):
         self.points, self.names = points, list(names)
         self.base, self.nominal = preset(name), nominal_preset(name)
         self.at_most_one = np.array([PARAMETERS[n].at_most_one for n in names])
         self.cache: dict[tuple[bytes, int], float] = {}  # (z, point) -> residual: fits share their starts
+        workers = workers or len(os.sched_getaffinity(0))
+        self.executor = make_executor("local", _log_residual, (tuple(points),), min(workers, len(points)))
+
+    def close(self) -> None:
+        """Stop the processes pricing the points."""
+        self.executor.close()
 
     @property
     def evaluations(self) -> int:
@@ -294,24 +312,27 @@ class _Problem:
     def cluster(self, z: np.ndarray) -> Cluster:
         return with_values(self.base, self.nominal, dict(zip(self.names, np.exp(z).tolist())))
 
+    def _price(self, zs: Sequence[np.ndarray], rows: Sequence[int]) -> None:
+        """Price every point of `rows` at every z of `zs` not priced yet, all at once on the executor."""
+        jobs = [(z, i) for z in zs for i in rows if (z.tobytes(), i) not in self.cache]
+        clusters = {z.tobytes(): self.cluster(z) for z, _ in jobs}
+        for (z, i), residual in zip(jobs, self.executor.map([(i, clusters[z.tobytes()]) for z, i in jobs])):
+            self.cache[z.tobytes(), i] = residual
+
     def residuals(self, z: np.ndarray, rows: Sequence[int] | None = None) -> np.ndarray:
         chosen = range(len(self.points)) if rows is None else rows
-        missing = [i for i in chosen if (z.tobytes(), i) not in self.cache]
-        if missing:
-            base = self.cluster(z)
-            for i in missing:
-                point = self.points[i]
-                self.cache[z.tobytes(), i] = math.log(ratio(point, point_cluster(point, base)))
+        self._price([z], chosen)
         return np.array([self.cache[z.tobytes(), i] for i in chosen])
 
     def jacobian(self, z: np.ndarray, r: np.ndarray, rows: Sequence[int] | None = None) -> np.ndarray:
-        columns = []
+        shifted = []
         for j in range(len(z)):
             step = -JACOBIAN_STEP if self.at_most_one[j] and z[j] + JACOBIAN_STEP > 0 else JACOBIAN_STEP
             dz = np.zeros_like(z)
             dz[j] = step
-            columns.append((self.residuals(z + dz, rows) - r) / step)
-        return np.array(columns).T
+            shifted.append((z + dz, step))
+        self._price([zj for zj, _ in shifted], range(len(self.points)) if rows is None else rows)
+        return np.array([(self.residuals(zj, rows) - r) / step for zj, step in shifted]).T
 
     def project(self, z: np.ndarray) -> np.ndarray:
         """Fractions stay ≤ 1 (z ≤ 0)."""
@@ -371,12 +392,13 @@ def _start(problem: _Problem, names: Sequence[str]) -> np.ndarray:
     return np.log([values[n] or PARAMETERS[n].start_if_zero for n in names])
 
 
-def identifiable(points: Sequence[Point], name: str, candidates: Sequence[str] = tuple(PARAMETERS)) -> tuple[str, ...]:
+def identifiable(points: Sequence[Point], name: str, candidates: Sequence[str] = tuple(PARAMETERS),
+                 workers: int | None = None) -> tuple[str, ...]:
     """The parameters of `candidates` the points identify, chosen greedily in order at the preset's values:
     each is kept when the points (and every leave-one-out subset) still tell all kept ones apart."""
-    problem = _Problem(points, name, candidates)
-    z = _start(problem, candidates)
-    jac = problem.jacobian(z, problem.residuals(z))
+    with closing(_Problem(points, name, candidates, workers)) as problem:
+        z = _start(problem, candidates)
+        jac = problem.jacobian(z, problem.residuals(z))
     kept: list[int] = []
     for j in range(len(candidates)):
         if _identified(jac[:, kept + [j]]):
@@ -404,14 +426,17 @@ def _check(points: Sequence[Point], parameters: Sequence[str], where: str) -> No
 
 
 def fit(points: Points | Sequence[Point], name: str, parameters: Sequence[str] | None = None,
-        leave_one_out: bool = True, start: Mapping[str, float] | None = None, where: str | None = None) -> Calibration:
+        leave_one_out: bool = True, start: Mapping[str, float] | None = None, where: str | None = None,
+        workers: int | None = None) -> Calibration:
     """Fit preset `name`'s parameters to the points by least squares on log error.
 
     `parameters` (else the points file's "fit", else `identifiable`) are fitted from the preset's
     values (or `start`); the others keep the preset's. Each point gets its error with the fitted
     values and, with `leave_one_out`, its error when fitted without it (starting from the fitted
     optimum). InstanceError when the points do not identify a parameter asked for; `where` names
-    where `parameters` came from (default: the points file's "fit", or "fit")."""
+    where `parameters` came from (default: the points file's "fit", or "fit"). The points are
+    priced `workers` at a time, each in its own process (default: one per core; 1: in this
+    process); the result does not depend on it."""
     if isinstance(points, Points):
         if parameters is None:
             where, parameters = where or f"{points.name}: $.fit", points.fit
@@ -419,9 +444,14 @@ def fit(points: Points | Sequence[Point], name: str, parameters: Sequence[str] |
     where = where or "fit"
     points = list(points)
     _check_presets(points, name)
-    parameters = tuple(parameters if parameters is not None else identifiable(points, name))
+    parameters = tuple(parameters if parameters is not None else identifiable(points, name, workers=workers))
     _check(points, parameters, where)
-    problem = _Problem(points, name, parameters)
+    with closing(_Problem(points, name, parameters, workers)) as problem:
+        return _fit(problem, points, name, parameters, leave_one_out, start, where)
+
+
+def _fit(problem: _Problem, points: list[Point], name: str, parameters: tuple[str, ...], leave_one_out: bool,
+         start: Mapping[str, float] | None, where: str) -> Calibration:
     z0 = _start(problem, parameters)
     if start:
         z0 = np.log([start.get(n, math.exp(z)) for n, z in zip(parameters, z0)])

@@ -895,7 +895,10 @@ def _percent(x: float | None) -> str:
 @click.option("-o", "--output", type=click.Path(),
               help="Write the preset's data file here: a cluster file with the fitted values and their provenance "
               "(partopt/presets/<preset>.json in the package makes it the preset).")
-def calibrate_command(points_file: str, preset_name: str, fit_names: str | None, output: str | None) -> None:
+@click.option("--workers", type=click.IntRange(min=1),
+              help="Processes pricing the points at once, each its own ILPs (default: one per core).")
+def calibrate_command(points_file: str, preset_name: str, fit_names: str | None, output: str | None,
+                      workers: int | None) -> None:
     """Fit a preset's physical parameters to the measured runs of POINTS (least squares on log error),
     printing each point's fitted and leave-one-out error (docs/COSTMODEL.md §7)."""
     from partopt import calibrate  # numpy-heavy fitting, needed by this command only
@@ -905,7 +908,8 @@ def calibrate_command(points_file: str, preset_name: str, fit_names: str | None,
     points = calibrate.read_points(points_file)
     names = None if fit_names is None else [n.strip() for n in fit_names.split(",") if n.strip()]
     with console(stderr=True).status(f"fitting {preset_name} to {len(points.points)} points …"):
-        result = calibrate.fit(points, preset_name, names, where="--fit" if names is not None else None)
+        result = calibrate.fit(points, preset_name, names, where="--fit" if names is not None else None,
+                               workers=workers)
     out = console()
     params = Table(title=f"{preset_name}: parameters", title_justify="left")
     for column in ("parameter", "unit", "start", "value", "", "meaning"):

@@ -128,6 +128,13 @@ def test_fit_recovers_the_curve_and_its_maximum():
         assert result.values[name] == pytest.approx(value, rel=1e-3), name
 
 
+def test_the_fit_does_not_depend_on_how_many_processes_price_the_points():
+    points = _generated(TWO, FOUR)
+    here = calibrate.fit(points, "p3.16xlarge", list(TWO), workers=1)
+    pooled = calibrate.fit(points, "p3.16xlarge", list(TWO), workers=2)
+    assert pooled == here  # every value, error, leave-one-out error and the count of predictions, to the bit
+
+
 def test_only_identified_parameters_are_fitted():
     one_gpu = _generated(TRUE, SHAPES[:3])
     chosen = calibrate.identifiable(list(one_gpu.points), "p3.16xlarge")
@@ -147,8 +154,8 @@ def test_leave_one_out_by_hand(monkeypatch):
     wants = {"a": 0.5, "b": 0.6, "c": 0.75}
     shapes = [(label, _gpt(64, 2), 1, 1, 1, 1) for label in wants]
     points = calibrate.points_from_dict(_points_dict(shapes, [1.0] * 3))
-    monkeypatch.setattr(calibrate, "ratio", lambda point, c: c.device.matmul_efficiency / wants[point.label])
-    result = calibrate.fit(points, "p3.16xlarge", ["matmul_efficiency"])
+    monkeypatch.setattr(calibrate, "ratio", lambda point, c, **_: c.device.matmul_efficiency / wants[point.label])
+    result = calibrate.fit(points, "p3.16xlarge", ["matmul_efficiency"], workers=1)  # here: the patch holds
     assert result.values["matmul_efficiency"] == pytest.approx((0.5 * 0.6 * 0.75) ** (1 / 3), abs=1e-6)
     by_label = {r.label: r for r in result.results}
     assert by_label["a"].loo_error == pytest.approx(math.sqrt(0.6 * 0.75) / 0.5 - 1, abs=1e-6)
@@ -161,8 +168,8 @@ def test_leave_one_out_by_hand(monkeypatch):
 def test_fractions_stay_at_most_one(monkeypatch):
     wants = {"a": 1.5, "b": 2.0}  # the points ask for more than peak
     points = calibrate.points_from_dict(_points_dict([(k, _gpt(64, 2), 1, 1, 1, 1) for k in wants], [1.0, 1.0]))
-    monkeypatch.setattr(calibrate, "ratio", lambda point, c: c.device.matmul_efficiency / wants[point.label])
-    result = calibrate.fit(points, "p3.16xlarge", ["matmul_efficiency"])
+    monkeypatch.setattr(calibrate, "ratio", lambda point, c, **_: c.device.matmul_efficiency / wants[point.label])
+    result = calibrate.fit(points, "p3.16xlarge", ["matmul_efficiency"], workers=1)
     assert result.values["matmul_efficiency"] == 1.0
 
 
@@ -204,11 +211,11 @@ def _run(*args: str):
 def test_command_prints_errors_and_writes_the_file(tmp_path, monkeypatch):
     wants = {"a": 0.5, "b": 0.6, "c": 0.75}  # as in test_leave_one_out_by_hand
     points = _points_dict([(k, _gpt(64, 2), 1, 1, 1, 1) for k in wants], [1.0] * 3)
-    monkeypatch.setattr(calibrate, "ratio", lambda point, c: c.device.matmul_efficiency / wants[point.label])
+    monkeypatch.setattr(calibrate, "ratio", lambda point, c, **_: c.device.matmul_efficiency / wants[point.label])
     path = tmp_path / "points.json"
     path.write_text(json.dumps({**points, "fit": ["matmul_efficiency"]}))
     out = tmp_path / "fitted.json"
-    result = _run("calibrate", str(path), "--preset", "p3.16xlarge", "-o", str(out))
+    result = _run("calibrate", str(path), "--preset", "p3.16xlarge", "-o", str(out), "--workers", "1")  # the patch holds here
     assert result.exit_code == 0, result.output
     fitted = (0.5 * 0.6 * 0.75) ** (1 / 3)
     assert f"{fitted / 0.5 - 1:+.1%}" in result.output  # point a's fitted error
@@ -225,15 +232,17 @@ def test_fit_on_the_command_line_overrides_the_files(tmp_path, monkeypatch):
     --fit as the place."""
     wants = {"a": 0.5, "b": 0.6, "c": 0.75}
     points = _points_dict([(k, _gpt(64, 2), 1, 1, 1, 1) for k in wants], [1.0] * 3)
-    monkeypatch.setattr(calibrate, "ratio", lambda point, c: c.device.matmul_efficiency / wants[point.label])
+    monkeypatch.setattr(calibrate, "ratio", lambda point, c, **_: c.device.matmul_efficiency / wants[point.label])
     path = tmp_path / "points.json"
     path.write_text(json.dumps({**points, "fit": ["memory_efficiency"]}))
     out = tmp_path / "fitted.json"
-    result = _run("calibrate", str(path), "--preset", "p3.16xlarge", "--fit", "matmul_efficiency", "-o", str(out))
+    result = _run("calibrate", str(path), "--preset", "p3.16xlarge", "--fit", "matmul_efficiency", "-o", str(out),
+                  "--workers", "1")
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["calibration"]["fitted"] == {
         "matmul_efficiency": pytest.approx((0.5 * 0.6 * 0.75) ** (1 / 3), abs=1e-6)}
-    result = _run("calibrate", str(path), "--preset", "p3.16xlarge", "--fit", "matmul_efficiency,warp_speed")
+    result = _run("calibrate", str(path), "--preset", "p3.16xlarge", "--fit", "matmul_efficiency,warp_speed",
+                  "--workers", "1")
     assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
     assert "--fit" in result.stderr and "unknown calibration parameter 'warp_speed'" in result.stderr
 
