@@ -15,7 +15,6 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -290,7 +289,8 @@ def _log_residual(points: Sequence[Point], job: tuple[int, Cluster]) -> float:
 
 class _Problem:
     """The residuals log(predicted / measured) of `points` as a function of z = log(parameters), the points
-    priced `workers` at a time (each in its own process; 1: here)."""
+    priced `workers` at a time (each in its own process; 1: here). A context manager: leaving it stops
+    those processes, waiting for running points only when nothing went wrong (Ctrl-C does not wait)."""
 
     def __init__(self, points: Sequence[Point], name: str, names: Sequence[str], workers: int | None = None):
         self.points, self.names = points, list(names)
@@ -300,9 +300,11 @@ class _Problem:
         workers = workers or len(os.sched_getaffinity(0))
         self.executor = make_executor("local", _log_residual, (tuple(points),), min(workers, len(points)))
 
-    def close(self) -> None:
-        """Stop the processes pricing the points."""
-        self.executor.close()
+    def __enter__(self) -> "_Problem":
+        return self
+
+    def __exit__(self, kind: type | None, *_: object) -> None:
+        self.executor.close(wait=kind is None)
 
     @property
     def evaluations(self) -> int:
@@ -396,7 +398,7 @@ def identifiable(points: Sequence[Point], name: str, candidates: Sequence[str] =
                  workers: int | None = None) -> tuple[str, ...]:
     """The parameters of `candidates` the points identify, chosen greedily in order at the preset's values:
     each is kept when the points (and every leave-one-out subset) still tell all kept ones apart."""
-    with closing(_Problem(points, name, candidates, workers)) as problem:
+    with _Problem(points, name, candidates, workers) as problem:
         z = _start(problem, candidates)
         jac = problem.jacobian(z, problem.residuals(z))
     kept: list[int] = []
@@ -446,7 +448,7 @@ def fit(points: Points | Sequence[Point], name: str, parameters: Sequence[str] |
     _check_presets(points, name)
     parameters = tuple(parameters if parameters is not None else identifiable(points, name, workers=workers))
     _check(points, parameters, where)
-    with closing(_Problem(points, name, parameters, workers)) as problem:
+    with _Problem(points, name, parameters, workers) as problem:
         return _fit(problem, points, name, parameters, leave_one_out, start, where)
 
 

@@ -4,9 +4,11 @@ file, and bad points files as one line with exit code 2."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +135,18 @@ def test_the_fit_does_not_depend_on_how_many_processes_price_the_points():
     here = calibrate.fit(points, "p3.16xlarge", list(TWO), workers=1)
     pooled = calibrate.fit(points, "p3.16xlarge", list(TWO), workers=2)
     assert pooled == here  # every value, error, leave-one-out error and the count of predictions, to the bit
+
+
+def test_leaving_a_fit_by_ctrl_c_does_not_wait_for_the_points_being_priced():
+    points = calibrate.points_from_dict(_points_dict([("a", _gpt(64, 2), 1, 1, 1, 1)], [1.0])).points
+    waits = []
+    for interrupt in (False, True):
+        with contextlib.suppress(KeyboardInterrupt):
+            with calibrate._Problem(points, "p3.16xlarge", ["matmul_efficiency"], workers=1) as problem:
+                problem.executor = SimpleNamespace(close=lambda wait: waits.append(wait))
+                if interrupt:
+                    raise KeyboardInterrupt
+    assert waits == [True, False]
 
 
 def test_only_identified_parameters_are_fitted():
