@@ -314,17 +314,18 @@ class _Problem:
     def cluster(self, z: np.ndarray) -> Cluster:
         return with_values(self.base, self.nominal, dict(zip(self.names, np.exp(z).tolist())))
 
-    def _price(self, zs: Sequence[np.ndarray], rows: Sequence[int]) -> None:
-        """Price every point of `rows` at every z of `zs` not priced yet, all at once on the executor."""
-        jobs = [(z, i) for z in zs for i in rows if (z.tobytes(), i) not in self.cache]
-        clusters = {z.tobytes(): self.cluster(z) for z, _ in jobs}
+    def _price(self, zs: Sequence[np.ndarray], rows: Sequence[int] | None) -> list[int]:
+        """Price every point of `rows` (all when None) at every z of `zs` not priced yet, all at once on the
+        executor; the rows."""
+        chosen = list(range(len(self.points)) if rows is None else rows)
+        jobs = [(z, i) for z in zs for i in chosen if (z.tobytes(), i) not in self.cache]
+        clusters = {key: self.cluster(z) for key, z in {z.tobytes(): z for z, _ in jobs}.items()}  # once per z
         for (z, i), residual in zip(jobs, self.executor.map([(i, clusters[z.tobytes()]) for z, i in jobs])):
             self.cache[z.tobytes(), i] = residual
+        return chosen
 
     def residuals(self, z: np.ndarray, rows: Sequence[int] | None = None) -> np.ndarray:
-        chosen = range(len(self.points)) if rows is None else rows
-        self._price([z], chosen)
-        return np.array([self.cache[z.tobytes(), i] for i in chosen])
+        return np.array([self.cache[z.tobytes(), i] for i in self._price([z], rows)])
 
     def jacobian(self, z: np.ndarray, r: np.ndarray, rows: Sequence[int] | None = None) -> np.ndarray:
         shifted = []
@@ -333,7 +334,7 @@ class _Problem:
             dz = np.zeros_like(z)
             dz[j] = step
             shifted.append((z + dz, step))
-        self._price([zj for zj, _ in shifted], range(len(self.points)) if rows is None else rows)
+        self._price([zj for zj, _ in shifted], rows)
         return np.array([(self.residuals(zj, rows) - r) / step for zj, step in shifted]).T
 
     def project(self, z: np.ndarray) -> np.ndarray:

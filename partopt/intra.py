@@ -345,10 +345,12 @@ def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list
             whole = functools.reduce(np.add, gather, np.zeros((len(sources), len(required))))
             per_microbatch = [exposed(whole, np.asarray(c)[None, :]) for c in cover]
         if differentiable:  # the same for every microbatch count: kept apart from the use's tables
-            per_iteration = list(_kept_tables(("sync", nbytes, tuple(src_list), tuple(grads), prices.mesh, prices.model),
-                                              lambda: (prices.step_table(
-                                                  lambda p, g: param_sync_collectives(g, p, nbytes, prices.mesh),
-                                                  src_list, grads, 2 * len(prices.mesh.shape), bucketed=True),))[0])
+            def sync() -> tuple[np.ndarray, ...]:
+                return (prices.step_table(lambda p, g: param_sync_collectives(g, p, nbytes, prices.mesh),
+                                          src_list, grads, 2 * len(prices.mesh.shape), bucketed=True),)
+
+            key = ("sync", nbytes, tuple(src_list), tuple(grads), prices.mesh, prices.model)
+            per_iteration = list(_kept_tables(key, sync)[0])
     else:
         backward: list[np.ndarray] = []
         if differentiable and use.gradient:
