@@ -16,11 +16,11 @@ from partopt.graph import Graph, Op
 from partopt.layering import Layering
 from partopt.plan import OpStrategy, ParamPlacement, Plan, StagePlan, tensor_table
 from partopt.pricing import LayerCost, Stats
-from partopt.sharding import Shard
+from partopt.sharding import Shard, forward_executed
 from partopt.shared import shared_params
 from partopt.schedules import plan_iteration
-from partopt.stages import (End, Pipeline, StageSpec, boundary_bytes, combined, recomputed_flops, split, totals,
-                            training_flops, weight_flops)
+from partopt.stages import (End, Pipeline, StageSpec, boundary_bytes, combined, executed_flops, recomputed_flops, split,
+                            totals, training_flops, weight_flops)
 
 
 def place(cluster: Cluster, submeshes: list[tuple[int, int]]) -> list[list[int]]:
@@ -130,9 +130,9 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
                 else:
                     sync[kind] = sync.get(kind, 0.0) + delta
         stage_ops = [op for j in range(spec.first, spec.last + 1) for op in layering.ops(j)]
-        forward_flops = sum(graph.flops(op) for op in stage_ops)
+        forward_flops = sum(forward_executed(graph, op) for op in stage_ops)
         rerun = recomputed_flops(graph, layering.base[first:last + 1], spec.recompute)
-        executed = training_flops(graph, stage_ops) + rerun
+        executed = executed_flops(graph, stage_ops) + rerun
         recomputed += rerun
         forward_s, weight_s = split(sums.latency_s, forward_flops / max(executed, 1e-300),
                                     weight_flops(graph, stage_ops) / max(executed, 1e-300))
@@ -163,7 +163,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
                                [s.weight_s for s in stages], [s.sync_time_s for s in stages], count, schedule,
                                virtual_stages, [s.breakdown.get("send_p2p_s", 0.0) for s in stages])
     flops = training_flops(graph)
-    executed = flops + recomputed
+    executed = executed_flops(graph) + recomputed
     tensors = tensor_table(intra.with_batch(graph, mb))
     return Plan(
         graph=graph.name, cluster=cluster.name, nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,

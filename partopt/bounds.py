@@ -16,7 +16,7 @@ from partopt import costmodel, intra
 from partopt.cluster import Device
 from partopt.graph import Graph, Op
 from partopt.ops import is_matmul
-from partopt.sharding import forward_share
+from partopt.sharding import executed_flops, forward_share, kept_bytes
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,7 @@ def op_work(g_mb: Graph, op: Op, device: Device) -> float:
     if op.kind == "reshape":
         return 0.0
     moved = sum(g_mb.nbytes(t) for t in op.inputs) + g_mb.nbytes(op.output)
-    flops = costmodel.training_flops(g_mb.flops(op), is_matmul(op))
-    return costmodel.compute_time(flops, 2 * moved, device, g_mb.dtype_of(op.output), is_matmul(op))
+    return costmodel.compute_time(executed_flops(g_mb, op), 2 * moved, device, g_mb.compute_dtype(op), is_matmul(op))
 
 
 def roofline_work(g_mb: Graph, base: list[list[Op]], device: Device) -> list[float] | None:
@@ -60,12 +59,12 @@ def footprints(g_mb: Graph, base: list[list[Op]], modes: Sequence[str], device: 
             also_kept = intra.kept_recomputed(g_mb, ops, rerun)
             kept = working = rerun_s = 0.0
             for op in ops:
-                size = g_mb.nbytes(op.output)
+                size = kept_bytes(g_mb, op)
                 if op.name not in rerun or op.name in also_kept:
                     kept += size
                 if op.name in rerun:
                     working += size
-                    rerun_s += op_work(g_mb, op, device) * forward_share(is_matmul(op))
+                    rerun_s += op_work(g_mb, op, device) * forward_share(op)
             per_mode.append(Footprint(kept, working, rerun_s))
         out.append(per_mode)
     return out

@@ -30,10 +30,11 @@ from partopt.evaluate import evaluate as evaluate_plan, uniform
 from partopt.errors import InstanceError, PartoptError
 from partopt.explain import explain
 from partopt.export import TARGETS, export
-from partopt.graph import OPTIMIZERS, Graph
+from partopt.graph import MATMUL_DTYPES, OPTIMIZERS, Graph
 from partopt.inter import DEFAULT_MAX_LAYERS, optimize
 from partopt.intra import RECOMPUTE_MODES
 from partopt.ops import KINDS, is_matmul
+from partopt.models.transformer import ATTENTION_KERNELS
 from partopt.plan import Plan, plan_text, read_plan, write_plan
 from partopt.profiled import read_profile
 from partopt.schedules import SCHEDULES
@@ -323,6 +324,12 @@ def inspect(source: str, nodes: int | None, as_json: bool) -> None:
 @click.option("--dtype", help="Element type (default per model: fp16, bf16 for llama, fp32 for wresnet).")
 @click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)),
               help="How the parameters are trained (default per model: adam; adafactor for moe; sgd for wresnet).")
+@click.option("--attention-kernel", type=click.Choice(list(ATTENTION_KERNELS)),
+              help="Attention as scores, softmax and context ops (math, the default) or one fused FlashAttention op "
+              "(flash) (gpt, llama, bert, moe).")
+@click.option("--matmul-dtype", type=click.Choice(list(MATMUL_DTYPES)),
+              help="Run the GEMMs at this precision over the --dtype tensors (fp8 with bf16: FP8 training as "
+              "Transformer Engine runs it; default: each op at its tensors' dtype).")
 def generate(model: str, output: str, **params: Any) -> None:
     """Write the graph of MODEL to a file: a generator (gpt, llama, bert, moe, moe-layer, wresnet) with
     its sizes, or a named model of the corpus (gpt-39b, moe-70b, …) whose sizes the options override."""

@@ -20,7 +20,9 @@ COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "a
 _RING_FACTOR: Mapping[str, float] = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
 
 VECTOR_DTYPE = "fp32"  # non-matmul arithmetic is priced at the device's fp32 (vector-unit / CUDA-core) peak
-BACKWARD_FACTOR: Mapping[str, float] = {"matmul": 2.0, "other": 1.0}  # backward FLOPs / forward FLOPs
+# Backward FLOPs / forward FLOPs. A matmul's backward is two GEMMs of its forward's size; fused
+# attention's is five against its forward's two (it recomputes the scores: q·k, then dv, dp, dq, dk).
+BACKWARD_FACTOR: Mapping[str, float] = {"matmul": 2.0, "attention": 2.5, "other": 1.0}
 
 # Optimizer state in bytes per parameter, (16-bit weights, fp32 weights): a 16-bit model keeps an
 # fp32 master copy (4) beside the optimizer's own fp32 buffers. Adam: m and v (8); SGD with
@@ -111,7 +113,8 @@ def matmul_efficiency(flops: float, device: Device) -> float:
 
 
 def training_flops(forward_flops: float, matmul: bool) -> float:
-    """FLOPs of forward plus backward: ×3 for matmuls (two backward GEMMs), ×2 for the rest."""
+    """FLOPs of forward plus backward as the model defines them: ×3 for matmuls (two backward GEMMs), ×2
+    for the rest. What kernels run may differ (`sharding.executed_flops`: fused attention)."""
     return forward_flops * (1.0 + BACKWARD_FACTOR["matmul" if matmul else "other"])
 
 

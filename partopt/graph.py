@@ -22,6 +22,7 @@ ROLES: tuple[str, ...] = ("input", "param", "activation", "output")
 DTYPE_BYTES: Mapping[str, int] = {
     "fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int32": 4, "int64": 8, "bool": 1,
 }
+MATMUL_DTYPES: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")  # what `Graph.matmul_dtype` may name
 OPTIMIZERS: tuple[str, ...] = ("adam", "sgd", "adafactor")  # their state bytes: costmodel.OPTIMIZER_STATE
 
 
@@ -58,6 +59,7 @@ class Graph:
     batch_dim: str | None = None
     dtype: str = "fp16"
     optimizer: str = "adam"  # how the parameters are trained; sets their state bytes (costmodel.OPTIMIZER_STATE)
+    matmul_dtype: str | None = None  # the precision GEMMs run at when not their tensors' (FP8 training)
 
     def __post_init__(self) -> None:
         self.dims = dict(self.dims)
@@ -110,6 +112,15 @@ class Graph:
     def dtype_of(self, tensor: str) -> str:
         return self.tensors[tensor].dtype or self.dtype
 
+    def compute_dtype(self, op: Op) -> str:
+        """The precision `op` computes at: its output's dtype, except that a GEMM runs at `matmul_dtype`
+        when the graph sets one (FP8 training as Transformer Engine runs it: tensors in 16 bits, each
+        GEMM's inputs cast to fp8). Fused attention keeps its tensors' precision (TE's `fp8_dpa` is off
+        by default)."""
+        if self.matmul_dtype is not None and opkinds.is_matmul(op) and op.kind != "attention":
+            return self.matmul_dtype
+        return self.dtype_of(op.output)
+
     def numel(self, tensor: str) -> int:
         return math.prod(self.dims[d] for d in self.tensors[tensor].dims)
 
@@ -141,8 +152,8 @@ class Graph:
         Two subgraphs hash alike when they differ only in names: names are replaced by
         their order of first appearance; sizes, dtypes, roles, kinds, attributes, the batch
         dim, the wiring, whether each output is read inside the ops and outside them (a layer
-        whose output leaves the graph is priced unlike one that hands it to the next) and the
-        optimizer (it sets parameter memory) all count (two identical transformer blocks hash alike).
+        whose output leaves the graph is priced unlike one that hands it to the next), the
+        optimizer (it sets parameter memory) and the GEMM precision all count (two identical transformer blocks hash alike).
         """
         ops = list(self.order if ops is None else ops)
         tensor_ids: dict[str, int] = {}
@@ -175,7 +186,7 @@ class Graph:
 
         parts = [(op.kind, tuple(tensor(t) for t in op.inputs), tensor(op.output), readers(op), attr(dict(op.attrs)))
                  for op in ops]
-        return hashlib.sha256(repr((self.optimizer, parts)).encode()).hexdigest()[:16]
+        return hashlib.sha256(repr((self.optimizer, self.matmul_dtype, parts)).encode()).hexdigest()[:16]
 
     def subgraph_ops(self, layers: Sequence[int | None]) -> list[Op]:
         """Ops whose layer tag is in `layers`, in topological order."""
@@ -204,6 +215,8 @@ def _validate(g: Graph) -> None:
     """Check every rule of DESIGN §2; raise InstanceError at the first broken one."""
     if g.dtype not in DTYPE_BYTES:
         _fail("dtype", f"unknown dtype {g.dtype!r}", f"use one of {sorted(DTYPE_BYTES)}")
+    if g.matmul_dtype is not None and g.matmul_dtype not in MATMUL_DTYPES:
+        _fail("matmul_dtype", f"unknown GEMM precision {g.matmul_dtype!r}", f"use one of {list(MATMUL_DTYPES)} or omit it")
     if g.optimizer not in OPTIMIZERS:
         _fail("optimizer", f"unknown optimizer {g.optimizer!r}", f"use one of {list(OPTIMIZERS)}")
     for name, size in g.dims.items():

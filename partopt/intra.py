@@ -21,7 +21,6 @@ from partopt import costmodel, gradients, ilp
 from partopt.cluster import LogicalMesh
 from partopt.errors import InfeasibleError
 from partopt.graph import Graph, Op
-from partopt.ops import is_matmul
 from partopt.units import fmt_bytes, fmt_seconds
 from partopt.sharding import (
     PairPrices, ParamStrategy, Placement, Strategy, as_gradient_target, collectives_time, fmt, forward_share,
@@ -290,7 +289,7 @@ def prefetch_cover(graph: Graph, op: Op, strategies: Sequence[Strategy]) -> Cove
     """Per strategy of `op`, the (forward, backward) compute each gather of its weights hides under when
     prefetched (docs/COSTMODEL.md §5b): the op's compute split by `forward_share`, shared equally by its weights."""
     weights = sum(graph.tensors[t].role == "param" for t in op.inputs)
-    share = forward_share(is_matmul(op))
+    share = forward_share(op)
     return (tuple(s.compute_s * share / weights for s in strategies),
             tuple(s.compute_s * (1.0 - share) / weights for s in strategies))
 
@@ -729,7 +728,7 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
             if op.name in model.recompute:
                 breakdown.recompute_s += collectives_time(forward, mesh)
         breakdown.compute_s += s.compute_s
-        breakdown.backward_compute_s += s.compute_s * (1.0 - forward_share(is_matmul(op)))
+        breakdown.backward_compute_s += s.compute_s * (1.0 - forward_share(op))
         for kind, t in s.comm.items():
             breakdown.comm_s[kind] += t
         if op.name in model.recompute:

@@ -309,6 +309,8 @@ def graph_to_dict(graph: Graph) -> dict:
     data: dict[str, Any] = {"format": GRAPH_FORMAT, "version": VERSION, "name": graph.name, "dtype": graph.dtype}
     if graph.optimizer != "adam":
         data["optimizer"] = graph.optimizer
+    if graph.matmul_dtype is not None:
+        data["matmul_dtype"] = graph.matmul_dtype
     if graph.batch_dim is not None:
         data["batch_dim"] = graph.batch_dim
     data["dims"] = dict(graph.dims)
@@ -328,7 +330,7 @@ def graph_from_dict(data: Any, where: str = "") -> Graph:
            for o in data["ops"]]
     try:
         return Graph(data["name"], data["dims"], tensors, ops,
-                     **{k: data[k] for k in ("batch_dim", "dtype", "optimizer") if k in data})
+                     **{k: data[k] for k in ("batch_dim", "dtype", "optimizer", "matmul_dtype") if k in data})
     except InstanceError as err:
         raise InstanceError(err.cause, at(where, f"$.{err.where}" if err.where else "$"), err.hint) from None
 

@@ -27,7 +27,7 @@ class Behaviour(str, Enum):
 
 KINDS = (
     "einsum", "elementwise", "softmax", "layernorm", "rmsnorm", "reduce",
-    "embedding", "cross_entropy", "conv2d", "pool", "reshape", "opaque",
+    "embedding", "cross_entropy", "conv2d", "pool", "reshape", "opaque", "attention",
 )
 
 NORM_KINDS = ("layernorm", "rmsnorm")  # what Megatron's sequence parallelism splits along the sequence
@@ -167,6 +167,27 @@ def _check_reshape(op: "Op", graph: "Graph") -> None:
              "dims outside the split/merge must pass through unchanged")
 
 
+def attention_dims(op: "Op", graph: "Graph") -> tuple[str, str, str]:
+    """(query-key head dim, value head dim, key positions) of a fused attention op: the last dims of
+    q and v, and the one dim of k absent from q (`t`)."""
+    q, k, v = (_dims(graph, t) for t in op.inputs)
+    return q[-1], v[-1], next(d for d in k if d not in q)
+
+
+def _check_attention(op: "Op", graph: "Graph") -> None:
+    _require(len(op.inputs) == 3, f"attention takes (q, k, v), got {len(op.inputs)} inputs")
+    q, k, v = (_dims(graph, t) for t in op.inputs)
+    _require(all(len(x) >= 2 for x in (q, k, v)), "q, k and v need a position dim and a head dim (last)")
+    _require(q[-1] == k[-1], f"q and k must end with the same head dim, got {q[-1]!r} and {k[-1]!r}")
+    keys = [d for d in k if d not in q]
+    _require(len(keys) == 1, f"k must have exactly one dim (the key positions) absent from q, found {keys}")
+    _require(set(k[:-1]) == set(v[:-1]), "k and v must share every dim but the last (the head dims)")
+    expected = (set(q) - {q[-1]}) | {v[-1]}
+    _require(set(_dims(graph, op.output)) == expected,
+             f"output dims must be q's with v's head dim last in place of q's, {sorted(expected)}")
+    _require(isinstance(op.attrs.get("causal", False), bool), "causal must be true or false")
+
+
 def _check_opaque(op: "Op", graph: "Graph") -> None:
     flops = op.attrs.get("flops", 0)
     _require(isinstance(flops, int) and not isinstance(flops, bool) and flops >= 0,
@@ -186,6 +207,7 @@ CHECKS: Mapping[str, Callable[["Op", "Graph"], None]] = {
     "pool": _check_pool,
     "reshape": _check_reshape,
     "opaque": _check_opaque,
+    "attention": _check_attention,
 }
 
 
@@ -220,6 +242,10 @@ def behaviours(op: "Op", graph: "Graph") -> dict[str, Behaviour]:
         result[o[1]] = Behaviour.PARALLEL
         if kind == "conv2d":
             result[x[1]] = Behaviour.CONTRACTED
+        return result
+    if kind == "attention":  # one kernel per (batch, head, query block) row: every key, whole heads
+        result = {d: Behaviour.PARALLEL if d in out else Behaviour.WINDOWED for d in dims}
+        result.update(dict.fromkeys(attention_dims(op, graph), Behaviour.WINDOWED))
         return result
     if kind == "reshape":
         # Only dims that pass through unchanged, and the outermost part of a split/merge,
@@ -257,6 +283,10 @@ def forward_flops(op: "Op", graph: "Graph") -> int:
     if kind == "einsum":
         work = _prod(graph, op_dims(op, graph))
         return 2 * work if len(op.inputs) >= 2 else work
+    if kind == "attention":  # the scores q·k and the context p·v, two GEMMs over (rows × keys)
+        qk, value, keys = attention_dims(op, graph)
+        rows = _prod(graph, [d for d in _dims(graph, op.output) if d != value]) * graph.dims[keys]
+        return 2 * rows * (graph.dims[qk] + graph.dims[value])
     if kind == "conv2d":
         x, w = _dims(graph, op.inputs[0]), _dims(graph, op.inputs[1])
         return 2 * _prod(graph, _dims(graph, op.output)) * _prod(graph, (x[1], w[2], w[3]))
@@ -275,5 +305,5 @@ def forward_flops(op: "Op", graph: "Graph") -> int:
 
 
 def is_matmul(op: "Op") -> bool:
-    """Ops whose FLOPs are tensor-core matrix multiplies (einsum with ≥ 2 inputs, conv2d)."""
-    return (op.kind == "einsum" and len(op.inputs) >= 2) or op.kind == "conv2d"
+    """Ops whose FLOPs are tensor-core matrix multiplies (einsum with ≥ 2 inputs, conv2d, fused attention)."""
+    return (op.kind == "einsum" and len(op.inputs) >= 2) or op.kind in ("conv2d", "attention")

@@ -476,9 +476,11 @@ def op_strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None
 
 def _op_signature(graph: Graph, op: Op) -> tuple:
     """All that `_strategies` reads of an op: its kind and attributes, its tensors' dims, dtypes and roles,
-    and those dims' sizes, but no name of the op or its tensors (strategies name dims, never tensors)."""
+    those dims' sizes and its compute precision, but no name of the op or its tensors (strategies name
+    dims, never tensors)."""
     tensors = tuple((graph.tensors[t].dims, graph.dtype_of(t), graph.tensors[t].role) for t in (*op.inputs, op.output))
-    return op.kind, repr(sorted(op.attrs.items())), tensors, tuple(graph.dims[d] for t in tensors for d in t[0])
+    return (op.kind, repr(sorted(op.attrs.items())), tensors, tuple(graph.dims[d] for t in tensors for d in t[0]),
+            graph.compute_dtype(op))
 
 
 def _strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None) -> list[Strategy]:
@@ -486,9 +488,10 @@ def _strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None) 
     behaviour = graph.behaviours(op)
     out_tensor = graph.tensors[op.output]
     rename = opkinds.reshape_outer(op) if op.kind == "reshape" else {}
-    dtype = graph.dtype_of(op.output)
+    dtype = graph.compute_dtype(op)
     matmul = opkinds.is_matmul(op)
-    flops = costmodel.training_flops(graph.flops(op), matmul)
+    flops = executed_flops(graph, op)
+    share = forward_share(op)
     model = costmodel.active()
     strategies = []
     for axes in itertools.product(*_axis_choices(graph, op, mesh, force_dim)):
@@ -522,15 +525,40 @@ def _strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None) 
             op.kind, shapes, dtype, flops / split, 2 * moved, mesh.device, matmul)
         strategies.append(Strategy(
             axes=tuple(axes), inputs=inputs, output=output_t, compute_s=compute, comm=comm,
-            memory_bytes=local_bytes(graph.nbytes(op.output), output_t, mesh),
-            forward_s=compute * forward_share(matmul) + sum(comm.values()) / 2))
+            memory_bytes=local_bytes(kept_bytes(graph, op), output_t, mesh),
+            forward_s=compute * share + sum(comm.values()) / 2))
     return strategies
 
 
-def forward_share(matmul: bool) -> float:
-    """The forward pass's share of an op's training compute time: the FLOP split of
-    `costmodel.training_flops` (1/3 for matmuls, 1/2 for the rest) applied to the whole roofline."""
-    return 1.0 / (1.0 + costmodel.BACKWARD_FACTOR["matmul" if matmul else "other"])
+def _flop_kind(op: Op) -> str:
+    """The key of `costmodel.BACKWARD_FACTOR` an op's backward follows."""
+    return "attention" if op.kind == "attention" else "matmul" if opkinds.is_matmul(op) else "other"
+
+
+def forward_executed(graph: Graph, op: Op) -> float:
+    """Forward FLOPs the op's kernel runs: its FLOPs, but a causal fused attention skips the masked half."""
+    return graph.flops(op) * (0.5 if op.kind == "attention" and op.attrs.get("causal") else 1.0)
+
+
+def executed_flops(graph: Graph, op: Op) -> float:
+    """Forward + backward FLOPs the op's kernels run (docs/COSTMODEL.md §2): `costmodel.training_flops`,
+    except fused attention, whose backward recomputes the scores (2.5× its forward) and whose causal
+    kernel skips the masked half of both passes."""
+    return forward_executed(graph, op) * (1.0 + costmodel.BACKWARD_FACTOR[_flop_kind(op)])
+
+
+def kept_bytes(graph: Graph, op: Op) -> float:
+    """Bytes an op keeps for its backward (whole batch): its output; fused attention adds each query row's
+    fp32 log-sum-exp, from which its backward recomputes the scores (the value head dim is never split)."""
+    if op.kind != "attention":
+        return graph.nbytes(op.output)
+    return graph.nbytes(op.output) + STATS_BYTES * graph.numel(op.output) / graph.dims[opkinds.attention_dims(op, graph)[1]]
+
+
+def forward_share(op: Op) -> float:
+    """The forward pass's share of an op's training compute time: the FLOP split of `executed_flops`
+    (1/3 for matmuls, 1/3.5 for fused attention, 1/2 for the rest) applied to the whole roofline."""
+    return 1.0 / (1.0 + costmodel.BACKWARD_FACTOR[_flop_kind(op)])
 
 
 def _split(axes: Sequence[str | None], mesh: LogicalMesh, besides: str | None = None) -> int:

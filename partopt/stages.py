@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from partopt import costmodel, intra, schedules, stagedp
+from partopt import costmodel, intra, schedules, sharding, stagedp
 from partopt.cluster import Cluster, Link
 from partopt.graph import Graph, Op
 from partopt.layering import Layering
@@ -182,12 +182,18 @@ def training_flops(graph: Graph, ops: Sequence[Op] | None = None) -> float:
     return sum(costmodel.training_flops(graph.flops(op), is_matmul(op)) for op in (graph.ops if ops is None else ops))
 
 
+def executed_flops(graph: Graph, ops: Sequence[Op] | None = None) -> float:
+    """Forward + backward FLOPs the kernels of `ops` (default: the whole graph) run, recomputation aside:
+    `training_flops` but for fused attention (`sharding.executed_flops`)."""
+    return sum(sharding.executed_flops(graph, op) for op in (graph.ops if ops is None else ops))
+
+
 def recomputed_flops(graph: Graph, units: Sequence[Sequence[Op]], mode: str) -> float:
     """Forward FLOPs that recomputation `mode` runs again in these base layers (priced one by one)."""
     total = 0.0
     for ops in units:
         rerun = intra.recomputed_ops(graph, ops, mode)
-        total += sum(graph.flops(op) for op in ops if op.name in rerun)
+        total += sum(sharding.forward_executed(graph, op) for op in ops if op.name in rerun)
     return total
 
 
@@ -216,8 +222,8 @@ def split_table(pipe: Pipeline, t: stagedp.Entries, options: list[list[tuple]]) 
     for s, choices in enumerate(options):
         for h, (_, mode, _) in enumerate(choices):
             if mode not in shares:
-                columns = np.array([(sum(graph.flops(op) for op in layering.ops(g)),
-                                     training_flops(graph, layering.ops(g))
+                columns = np.array([(sum(sharding.forward_executed(graph, op) for op in layering.ops(g)),
+                                     executed_flops(graph, layering.ops(g))
                                      + recomputed_flops(graph, layering.base[a:b + 1], mode),
                                      weight_flops(graph, layering.ops(g))) for g, (a, b) in enumerate(layering.groups)])
                 sums = np.cumsum(columns, axis=0)

@@ -6,11 +6,12 @@ named model of Alpa's benchmark suite (REFERENCE §3) or of the other corpus ent
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable, Mapping
 
 from partopt.errors import InstanceError
-from partopt.graph import Graph
+from partopt.graph import MATMUL_DTYPES, Graph
 from partopt.models.flops import FlopSplit, flop_split
 from partopt.models.gpt import bert, gpt, llama
 from partopt.models.moe import expert_capacity, moe, moe_layer
@@ -78,19 +79,24 @@ def parameters(model: str) -> Mapping[str, inspect.Parameter]:
     return inspect.signature(MODELS[model]).parameters
 
 
-def generate(model: str, **params: Any) -> Graph:
-    """Build generator `model` with `params`; unknown models, unknown or missing parameters are
-    InstanceErrors that list what is accepted."""
+def generate(model: str, matmul_dtype: str | None = None, **params: Any) -> Graph:
+    """Build generator `model` with `params`, its GEMMs at `matmul_dtype` when given (`Graph.matmul_dtype`,
+    for any model: FP8 training is a choice of the runtime, not of the architecture); unknown models,
+    unknown or missing parameters are InstanceErrors that list what is accepted."""
     accepted = parameters(model)
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise InstanceError(f"model {model!r} takes no parameter {', '.join(unknown)}", "generate",
-                            f"{model} takes: {', '.join(accepted)}")
+                            f"{model} takes: {', '.join(accepted)}, matmul_dtype")
     missing = [p for p, spec in accepted.items() if spec.default is inspect.Parameter.empty and p not in params]
     if missing:
         raise InstanceError(f"model {model!r} needs {', '.join(missing)}", "generate",
                             f"give {', '.join(missing)}")
-    return MODELS[model](**params)
+    if matmul_dtype is not None and matmul_dtype not in MATMUL_DTYPES:
+        raise InstanceError(f"unknown GEMM precision {matmul_dtype!r}", "generate(matmul_dtype=...)",
+                            f"use one of {list(MATMUL_DTYPES)}")
+    graph = MODELS[model](**params)
+    return graph if matmul_dtype is None else dataclasses.replace(graph, matmul_dtype=matmul_dtype)
 
 
 def preset(name: str, **overrides: Any) -> Graph:

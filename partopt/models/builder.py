@@ -29,6 +29,12 @@ def require_divisible(model: str, what: str, value: int, divisor_name: str, divi
                             f"choose sizes so that {divisor_name} divides {what}")
 
 
+def require_choice(model: str, name: str, value: object, choices: Sequence[str]) -> None:
+    """Raise InstanceError unless `value` is one of `choices` (a generator's named options)."""
+    if value not in choices:
+        raise InstanceError(f"unknown {name} {value!r}", f"{model}({name}=...)", f"use one of {list(choices)}")
+
+
 class GraphBuilder:
     """Collects dims, tensors and ops; hands back a validated Graph."""
 

@@ -9,28 +9,32 @@ from __future__ import annotations
 from functools import partial
 
 from partopt.graph import Graph
-from partopt.models.builder import GraphBuilder, require_divisible, require_positive
-from partopt.models.transformer import attention, block, decoder, gelu_mlp, swiglu_mlp, tokens_dims
+from partopt.models.builder import GraphBuilder, require_choice, require_divisible, require_positive
+from partopt.models.transformer import ATTENTION_KERNELS, attention, block, decoder, gelu_mlp, swiglu_mlp, tokens_dims
 
 
 def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, batch: int,
-        dtype: str = "fp16", tied: bool = True, optimizer: str = "adam", name: str | None = None) -> Graph:
-    """GPT-3 / Megatron-LM decoder: learned positions, pre-LayerNorm blocks with biases, 4h MLP.
+        dtype: str = "fp16", tied: bool = True, optimizer: str = "adam", attention_kernel: str = "math",
+        name: str | None = None) -> Graph:
+    """GPT-3 / Megatron-LM decoder: learned positions, pre-LayerNorm blocks with biases, 4h MLP;
+    `attention_kernel` "math" (scores, softmax, context) or "flash" (one fused causal op).
 
     Parameters: 12·l·h² + 13·l·h + (V + s)·h + 2h (the final LayerNorm), + V·h when untied.
     """
     require_positive("gpt", hidden=hidden, layers=layers, heads=heads, seq=seq, vocab=vocab, batch=batch)
     require_divisible("gpt", "hidden", hidden, "heads", heads)
+    require_choice("gpt", "attention_kernel", attention_kernel, ATTENTION_KERNELS)
     b = GraphBuilder(name or f"gpt-h{hidden}-l{layers}", dtype, "b",
                      dict(b=batch, s=seq, t=seq, h=hidden, n=heads, d=hidden // heads, f=4 * hidden, v=vocab), optimizer)
-    attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False)
+    attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False, kernel=attention_kernel)
     return decoder(b, layers, "layernorm", attn, lambda k: gelu_mlp, positions=True, tied=tied)
 
 
 def llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, seq: int, vocab: int, batch: int,
-          dtype: str = "bf16", optimizer: str = "adam", name: str | None = None) -> Graph:
+          dtype: str = "bf16", optimizer: str = "adam", attention_kernel: str = "math",
+          name: str | None = None) -> Graph:
     """Llama decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, no biases,
-    untied head.
+    untied head; `attention_kernel` as gpt's.
 
     Query heads are dims (g, r): `g` = kv_heads groups of `r` = heads / kv_heads query heads that
     share one key/value head. Parameters: l·(2h² + 2h·g·d + 3h·f + 2h) + 2V·h + h.
@@ -39,25 +43,29 @@ def llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, seq: in
                      seq=seq, vocab=vocab, batch=batch)
     require_divisible("llama", "hidden", hidden, "heads", heads)
     require_divisible("llama", "heads", heads, "kv_heads", kv_heads)
+    require_choice("llama", "attention_kernel", attention_kernel, ATTENTION_KERNELS)
     b = GraphBuilder(name or f"llama-h{hidden}-l{layers}", dtype, "b",
                      dict(b=batch, s=seq, t=seq, h=hidden, g=kv_heads, r=heads // kv_heads,
                           d=hidden // heads, f=ffn, v=vocab), optimizer)
-    attn = partial(attention, q_heads=("g", "r"), kv_heads=("g",), bias=False, rotary=True)
+    attn = partial(attention, q_heads=("g", "r"), kv_heads=("g",), bias=False, rotary=True, kernel=attention_kernel)
     return decoder(b, layers, "rmsnorm", attn, lambda k: swiglu_mlp, positions=False, tied=False)
 
 
 def bert(hidden: int, layers: int, heads: int, seq: int, batch: int, dtype: str = "fp16",
-         optimizer: str = "adam", name: str | None = None) -> Graph:
+         optimizer: str = "adam", attention_kernel: str = "math", name: str | None = None) -> Graph:
     """A stack of BERT encoder layers (post-LayerNorm, biases, 4h gelu MLP) from an input
-    x[b,s,h] to an output y[b,s,h]; no embeddings or loss (the intra-op test pattern).
+    x[b,s,h] to an output y[b,s,h]; no embeddings or loss (the intra-op test pattern); attention
+    unmasked, `attention_kernel` as gpt's.
 
     Parameters: l·(12h² + 13h).
     """
     require_positive("bert", hidden=hidden, layers=layers, heads=heads, seq=seq, batch=batch)
     require_divisible("bert", "hidden", hidden, "heads", heads)
+    require_choice("bert", "attention_kernel", attention_kernel, ATTENTION_KERNELS)
     b = GraphBuilder(name or f"bert-h{hidden}-l{layers}", dtype, "b",
                      dict(b=batch, s=seq, t=seq, h=hidden, n=heads, d=hidden // heads, f=4 * hidden), optimizer)
-    attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False)
+    attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False, kernel=attention_kernel,
+                   causal=False)
     x = b.input("x", tokens_dims(b, "h"))
     for k in range(layers):
         with b.scope(f"l{k}", k):

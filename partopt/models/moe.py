@@ -10,8 +10,8 @@ from functools import partial
 
 from partopt.errors import InstanceError
 from partopt.graph import Graph
-from partopt.models.builder import GraphBuilder, require_divisible, require_positive
-from partopt.models.transformer import attention, decoder, gelu_mlp, tokens_dims
+from partopt.models.builder import GraphBuilder, require_choice, require_divisible, require_positive
+from partopt.models.transformer import ATTENTION_KERNELS, attention, decoder, gelu_mlp, tokens_dims
 
 
 def expert_capacity(group_size: int, experts: int) -> int:
@@ -62,10 +62,10 @@ def moe_ffn(b: GraphBuilder, x: str) -> str:
 
 def moe(hidden: int, layers: int, heads: int, experts: int, seq: int, vocab: int, batch: int,
         group_size: int = 2048, dtype: str = "fp16", ffn: int | None = None, optimizer: str = "adafactor",
-        name: str | None = None) -> Graph:
+        attention_kernel: str = "math", name: str | None = None) -> Graph:
     """GShard MoE language model: GPT blocks whose MLP is replaced by top-2 experts in every
     odd-numbered block (1, 3, …); feed-forward width `ffn` (default 8·hidden, as Alpa's suite);
-    trained with Adafactor by default, as GShard and Alpa's MoE benchmark were.
+    trained with Adafactor by default, as GShard and Alpa's MoE benchmark were; `attention_kernel` as gpt's.
 
     Parameters: ⌈l/2⌉ dense blocks of 4h² + 2hf + 9h + f, ⌊l/2⌋ MoE blocks of
     4h² + 8h + h·e + 2·e·h·f, plus (V + s)·h + 2h (tied embedding, positions, final LayerNorm).
@@ -74,10 +74,11 @@ def moe(hidden: int, layers: int, heads: int, experts: int, seq: int, vocab: int
     require_positive("moe", hidden=hidden, layers=layers, heads=heads, experts=experts, seq=seq, vocab=vocab,
                      batch=batch, group_size=group_size, ffn=ffn)
     require_divisible("moe", "hidden", hidden, "heads", heads)
+    require_choice("moe", "attention_kernel", attention_kernel, ATTENTION_KERNELS)
     b = GraphBuilder(name or f"moe-h{hidden}-l{layers}-e{experts}", dtype, "b",
                      dict(b=batch, s=seq, t=seq, h=hidden, n=heads, d=hidden // heads, f=ffn, v=vocab), optimizer)
     _moe_dims(b, "moe", batch, seq, experts, group_size)
-    attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False)
+    attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False, kernel=attention_kernel)
     return decoder(b, layers, "layernorm", attn, lambda k: moe_ffn if k % 2 else gelu_mlp, positions=True, tied=True)
 
 

@@ -28,13 +28,18 @@ def norm(b: GraphBuilder, name: str, x: str, kind: str) -> str:
     return b.op(kind, name, [x, *params], b.dims_of(x))
 
 
+ATTENTION_KERNELS = ("math", "flash")
+
+
 def attention(b: GraphBuilder, x: str, q_heads: Sequence[str], kv_heads: Sequence[str],
-              bias: bool, rotary: bool) -> str:
+              bias: bool, rotary: bool, kernel: str = "math", causal: bool = True) -> str:
     """Self-attention on normalised x[b,s,h]: per-head Q over `s`, K and V over `t`.
 
     `q_heads` are the query-head dims (("n",) for MHA, ("g", "r") for grouped-query attention),
-    `kv_heads` the key/value-head dims (("n",) or ("g",)). The 1/sqrt(d) scale and the mask
-    (causal in decoders) belong to the softmax, as in Megatron's fused kernel: no separate ops.
+    `kv_heads` the key/value-head dims (("n",) or ("g",)). `kernel` "math": the scores, their softmax
+    and the context as three ops (the 1/sqrt(d) scale and the mask belong to the softmax, as in
+    Megatron's fused softmax kernel); "flash": one fused `attention` op (FlashAttention: the scores
+    never reach memory), `causal` in decoders.
     """
     q = b.linear("q", x, ("h", *q_heads, "d"), tokens_dims(b, *q_heads, "d"), bias)
     x_t = b.op("reshape", "x_t", [x], (b.batch_dim, "t", "h"), merge={"t": ["s"]})
@@ -44,6 +49,9 @@ def attention(b: GraphBuilder, x: str, q_heads: Sequence[str], kv_heads: Sequenc
     if rotary:
         q = b.op("elementwise", "q_rope", [q], b.dims_of(q), fn="rotary")
         k = b.op("elementwise", "k_rope", [k], kv_dims, fn="rotary")
+    if kernel == "flash":
+        context = b.op("attention", "attention", [q, k, v], tokens_dims(b, *q_heads, "d"), causal=causal)
+        return b.linear("proj", context, (*q_heads, "d", "h"), tokens_dims(b, "h"), bias)
     score_dims = (b.batch_dim, *q_heads, "s", "t")
     scores = b.op("einsum", "scores", [q, k], score_dims)
     probs = b.op("softmax", "probs", [scores], score_dims, axes=["t"])

@@ -1,0 +1,91 @@
+"""GEMM precision apart from storage (`Graph.matmul_dtype`): FP8 training as Transformer Engine runs it.
+
+TE's fp8 Linear casts its 16-bit inputs to fp8 and runs the GEMM on the fp8 tensor cores; every
+tensor the graph names stays in 16 bits, and fused attention stays in bf16 (`fp8_dpa` off by
+default). Hand checks: a GEMM's roofline at the fp8 peak over 2-byte tensors, everything else
+exactly as in the bf16 graph.
+"""
+
+import dataclasses
+import json
+
+import pytest
+
+from partopt import costmodel, io, models
+from partopt.cluster import preset
+from partopt.errors import InstanceError
+from partopt.graph import Graph, Op, Tensor
+from partopt.sharding import op_strategies
+
+ARGS = dict(hidden=256, layers=1, heads=8, kv_heads=2, ffn=512, seq=512, vocab=1000, batch=4,
+            attention_kernel="flash")
+
+
+def fp8_and_bf16() -> tuple[Graph, Graph]:
+    return models.generate("llama", matmul_dtype="fp8", **ARGS), models.generate("llama", **ARGS)
+
+
+def one_device(graph: Graph, op: Op):
+    (strategy,) = op_strategies(graph, op, preset("dgx-h100", 1).logical_mesh((1, 1), (1, 1)))
+    return strategy
+
+
+def the(graph: Graph, suffix: str) -> Op:
+    return next(op for op in graph.ops if op.name.endswith(suffix))
+
+
+def test_gemms_compute_at_the_matmul_dtype_and_the_rest_at_their_tensors():
+    fp8, bf16 = fp8_and_bf16()
+    assert fp8.matmul_dtype == "fp8" and bf16.matmul_dtype is None
+    kinds = {op.kind: fp8.compute_dtype(op) for op in fp8.ops}
+    assert kinds["einsum"] == "fp8"  # the projections (the elementwise einsums with one input stay bf16)
+    assert kinds["attention"] == "bf16" and kinds["rmsnorm"] == "bf16"
+    assert all(fp8.nbytes(t) == bf16.nbytes(t) for t in fp8.tensors)  # storage unchanged: 16 bits
+    assert {bf16.compute_dtype(op) for op in bf16.ops} == {"bf16"}
+
+
+def test_a_projection_runs_at_the_fp8_peak_over_two_byte_tensors():
+    fp8, bf16 = fp8_and_bf16()
+    name = next(op.name for op in fp8.ops if op.kind == "einsum" and len(op.inputs) == 2
+                and fp8.tensors[op.inputs[1]].role == "param")
+    op = fp8.op_index[name]
+    device = preset("dgx-h100", 1).device
+    flops = 3 * fp8.flops(op)  # forward, dX and dW
+    moved = 2 * sum(bf16.nbytes(t) for t in (*op.inputs, op.output))  # forward and backward, 2 bytes
+    for graph, peak in ((fp8, 1979e12), (bf16, 989e12)):
+        rate = peak * costmodel.matmul_efficiency(flops, device)
+        by_hand = max(flops / rate, moved / (device.memory_bandwidth * device.memory_efficiency))
+        assert one_device(graph, op).compute_s == pytest.approx(by_hand)
+    assert one_device(fp8, op).memory_bytes == one_device(bf16, op).memory_bytes
+
+
+def test_attention_and_elementwise_ops_price_as_in_the_bf16_graph():
+    fp8, bf16 = fp8_and_bf16()
+    for op in fp8.ops:
+        if fp8.compute_dtype(op) == "bf16":
+            assert one_device(fp8, op).compute_s == one_device(bf16, op).compute_s, op.name
+
+
+def test_the_matmul_dtype_survives_a_file_and_changes_the_structural_hash(tmp_path):
+    fp8, bf16 = fp8_and_bf16()
+    path = tmp_path / "g.json"
+    io.write_graph(fp8, path)
+    assert json.loads(path.read_text())["matmul_dtype"] == "fp8"
+    back = io.read_graph(path)
+    assert back.matmul_dtype == "fp8" and back.structural_hash() == fp8.structural_hash()
+    assert fp8.structural_hash() != bf16.structural_hash()  # the layer caches must not mix them
+
+
+def test_an_unknown_matmul_dtype_is_refused_where_it_is_given(tmp_path):
+    with pytest.raises(InstanceError) as err:
+        models.generate("llama", matmul_dtype="fp4", **ARGS)
+    assert "fp4" in err.value.cause and "fp8" in err.value.hint
+    with pytest.raises(InstanceError) as err:
+        dataclasses.replace(models.generate("llama", **ARGS), matmul_dtype="int32")
+    assert err.value.where == "matmul_dtype"
+    data = io.graph_to_dict(Graph("g", {"m": 2}, {"x": Tensor("x", ("m",), "input")}, []))
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({**data, "matmul_dtype": "fp4"}))
+    with pytest.raises(InstanceError) as err:
+        io.read_graph(path)
+    assert "bad.json" in err.value.where and "matmul_dtype" in err.value.where
