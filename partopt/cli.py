@@ -208,6 +208,7 @@ def cluster_facts(cluster: Cluster, calibration: dict[str, Any] | None = None) -
         "memory_bytes_total": device.memory_bytes * n,
         "memory_bandwidth_bytes_per_s": device.memory_bandwidth,
         "matmul_efficiency": device.matmul_efficiency,
+        "fp8_matmul_efficiency": device.large_gemm_efficiency("fp8"),
         "memory_efficiency": device.memory_efficiency,
         "intra_node": link(cluster.intra_node),
         "inter_node": {**link(cluster.inter_node), "shared_by_node": cluster.inter_node.shared_by_node},
@@ -256,7 +257,10 @@ def _render_cluster(f: dict[str, Any]) -> list[Table]:
         ("memory", f"{fmt_bytes(f['memory_bytes_per_device'])} per device, "
                    f"{fmt_bytes(f['memory_bytes_total'])} total"),
         ("HBM bandwidth", f"{f['memory_bandwidth_bytes_per_s'] / 1e9:.4g} GB/s per device"),
-        ("efficiency", f"matmul {f['matmul_efficiency']:.0%} of peak, memory {f['memory_efficiency']:.0%} of HBM"),
+        ("efficiency", f"matmul {f['matmul_efficiency']:.0%} of peak"
+                       + (f" ({f['fp8_matmul_efficiency']:.0%} in fp8)"
+                          if f["fp8_matmul_efficiency"] != f["matmul_efficiency"] else "")
+                       + f", memory {f['memory_efficiency']:.0%} of HBM"),
         ("intra-node link", link(f["intra_node"])),
         ("inter-node link", link(f["inter_node"])),
         ("inter-node NIC", nic),
@@ -386,12 +390,17 @@ def import_onnx(source: str, output: str, opaque: bool, name: str | None) -> Non
 @click.option("--dtype", help="Element type of the graph (default: the parameters').")
 @click.option("--loss", is_flag=True, help="Add a cross entropy of the output against labels shaped like the first input.")
 @click.option("--opaque", is_flag=True, help="Keep ops with no mapping as opaque ops (never sharded).")
-def import_torch(source: str, output: str, name: str | None, dtype: str | None, loss: bool, opaque: bool) -> None:
+@click.option("--attention-kernel", type=click.Choice(list(ATTENTION_KERNELS)), default="math", show_default=True,
+              help="Each scaled_dot_product_attention as scores, softmax and context ops (math) or one fused "
+              "attention op (flash: what PyTorch runs on GPUs when no mask forbids it; docs/COSTMODEL.md §3).")
+def import_torch(source: str, output: str, name: str | None, dtype: str | None, loss: bool, opaque: bool,
+                 attention_kernel: str) -> None:
     """Import SOURCE (pkg.mod:make or file.py:make, returning (module, example_inputs), called on the meta device)."""
     from partopt.frontends.torch import from_module, load_source
 
     module, inputs = load_source(source)
-    _wrote(from_module(module, inputs, name=name, dtype=dtype, loss=loss, opaque=opaque), output)
+    _wrote(from_module(module, inputs, name=name, dtype=dtype, loss=loss, opaque=opaque,
+                       attention_kernel=attention_kernel), output)
 
 
 @import_group.command("hf")
@@ -402,14 +411,19 @@ def import_torch(source: str, output: str, name: str | None, dtype: str | None, 
 @click.option("--name", help="Name of the graph (default: the config's model_type).")
 @click.option("--dtype", help="Element type of the graph (default: the parameters', fp32 from a config).")
 @click.option("--opaque", is_flag=True, help="Keep ops with no mapping as opaque ops (never sharded).")
-def import_hf(config: str, output: str, batch: int, seq: int, name: str | None, dtype: str | None, opaque: bool) -> None:
+@click.option("--attention-kernel", type=click.Choice(list(ATTENTION_KERNELS)), default="math", show_default=True,
+              help="Each scaled_dot_product_attention as scores, softmax and context ops (math) or one fused "
+              "attention op (flash: what PyTorch runs on GPUs when no mask forbids it; docs/COSTMODEL.md §3).")
+def import_hf(config: str, output: str, batch: int, seq: int, name: str | None, dtype: str | None, opaque: bool,
+              attention_kernel: str) -> None:
     """Import a Hugging Face causal LM from its CONFIG.json (no weights, nothing downloaded) with its loss."""
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from partopt.frontends.torch import from_hf_config, read_hf_config
 
-    _wrote(from_hf_config(read_hf_config(config), batch=batch, seq=seq, dtype=dtype, name=name, opaque=opaque), output)
+    _wrote(from_hf_config(read_hf_config(config), batch=batch, seq=seq, dtype=dtype, name=name, opaque=opaque,
+                          attention_kernel=attention_kernel), output)
 
 
 # ---------------------------------------------------------------- solve

@@ -64,6 +64,7 @@ class Device:
     matmul_efficiency: float = 0.75  # fraction of peak a large GEMM reaches (placeholder, see COSTMODEL.md)
     memory_efficiency: float = 0.8  # fraction of HBM bandwidth streaming ops reach (placeholder)
     matmul_half_flops: float = 0.0  # GEMM size (FLOPs per call) reaching half of matmul_efficiency; 0: no curve
+    fp8_matmul_efficiency: float | None = None  # fraction of the fp8 peak a large fp8 GEMM reaches; None: as 16-bit
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
@@ -79,8 +80,18 @@ class Device:
                "a fraction of peak, e.g. 0.75")
         _check(_fraction_ok(self.memory_efficiency), f"{who}: memory_efficiency {self.memory_efficiency} is not in (0, 1]",
                "a fraction of HBM bandwidth, e.g. 0.8")
+        _check(self.fp8_matmul_efficiency is None or _fraction_ok(self.fp8_matmul_efficiency),
+               f"{who}: fp8_matmul_efficiency {self.fp8_matmul_efficiency} is not in (0, 1]",
+               "a fraction of the fp8 peak, e.g. 0.6, or omit it to use matmul_efficiency")
         _check(self.matmul_half_flops >= 0, f"{who}: matmul_half_flops {self.matmul_half_flops} is negative",
                "give the GEMM size in FLOPs at which matmuls reach half their efficiency, or 0 for none")
+
+    def large_gemm_efficiency(self, dtype: str) -> float:
+        """Fraction of peak(`dtype`) a large GEMM reaches: `fp8_matmul_efficiency` for fp8 when set (fp8
+        GEMMs reach less of their doubled peak than 16-bit ones of theirs), else `matmul_efficiency`."""
+        if dtype == "fp8" and self.fp8_matmul_efficiency is not None:
+            return self.fp8_matmul_efficiency
+        return self.matmul_efficiency
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`, falling back along PEAK_FALLBACK (fp16 <-> bf16, int8/fp8 -> 16-bit, -> fp32)."""
@@ -310,7 +321,8 @@ def cluster_from_dict(data: dict[str, Any], where: str = "") -> Cluster:
             memory_bandwidth=dev["memory_bandwidth_gbps"] * GB,
             matmul_efficiency=dev.get("matmul_efficiency", Device.matmul_efficiency),
             memory_efficiency=dev.get("memory_efficiency", Device.memory_efficiency),
-            matmul_half_flops=dev.get("matmul_half_gflop", 0.0) * GIGA)
+            matmul_half_flops=dev.get("matmul_half_gflop", 0.0) * GIGA,
+            fp8_matmul_efficiency=dev.get("fp8_matmul_efficiency"))
     links = {}
     for key, default_latency in (("intra_node", NVLINK_LATENCY_S), ("inter_node", INFINIBAND_LATENCY_S)):
         link = data[key]
@@ -349,6 +361,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             "memory_efficiency": dev.memory_efficiency,
             # written only when set, so that files of devices without a curve stay as they were
             **({"matmul_half_gflop": _num(dev.matmul_half_flops / GIGA)} if dev.matmul_half_flops else {}),
+            **({"fp8_matmul_efficiency": dev.fp8_matmul_efficiency} if dev.fp8_matmul_efficiency is not None else {}),
         },
         "intra_node": link(cluster.intra_node),
         "inter_node": link(cluster.inter_node),

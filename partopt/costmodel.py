@@ -92,24 +92,26 @@ def p2p_time(nbytes: float, link: Link) -> float:
 def compute_time(flops: float, nbytes: float, device: Device, dtype: str, matmul: bool) -> float:
     """Roofline seconds: max(FLOPs / (peak · eff), bytes / (HBM bw · mem eff)).
 
-    Matmuls run at peak(dtype) × `matmul_efficiency(flops, device)`; other arithmetic at the fp32
+    Matmuls run at peak(dtype) × `matmul_efficiency(flops, device, dtype)`; other arithmetic at the fp32
     (vector) peak, unscaled.
     """
     _check_nonnegative("flops", flops)
     _check_nonnegative("nbytes", nbytes)
-    rate = device.peak(dtype) * matmul_efficiency(flops, device) if matmul else device.peak(VECTOR_DTYPE)
+    rate = device.peak(dtype) * matmul_efficiency(flops, device, dtype) if matmul else device.peak(VECTOR_DTYPE)
     return max(flops / rate if flops else 0.0, nbytes / (device.memory_bandwidth * device.memory_efficiency))
 
 
-def matmul_efficiency(flops: float, device: Device) -> float:
-    """Fraction of peak a GEMM of `flops` (one call on one device) reaches: eff_max · F / (F + F_half).
+def matmul_efficiency(flops: float, device: Device, dtype: str = "bf16") -> float:
+    """Fraction of peak(`dtype`) a GEMM of `flops` (one call on one device) reaches: eff_max · F / (F + F_half).
 
     Small GEMMs (tensor parallelism makes them small) fill the tensor cores less; the curve rises
-    monotonically to `device.matmul_efficiency` and is half of it at `device.matmul_half_flops`.
-    A device without a curve (F_half = 0) runs every GEMM at `matmul_efficiency` exactly."""
+    monotonically to eff_max = `device.large_gemm_efficiency(dtype)` (`matmul_efficiency`, or
+    `fp8_matmul_efficiency` for fp8 GEMMs) and is half of it at `device.matmul_half_flops`.
+    A device without a curve (F_half = 0) runs every GEMM at eff_max exactly."""
+    top = device.large_gemm_efficiency(dtype)
     if device.matmul_half_flops == 0.0:
-        return device.matmul_efficiency
-    return device.matmul_efficiency * flops / (flops + device.matmul_half_flops)
+        return top
+    return top * flops / (flops + device.matmul_half_flops)
 
 
 def training_flops(forward_flops: float, matmul: bool) -> float:

@@ -360,3 +360,8 @@ def test_not_json_and_missing_file(tmp_path):
     for path in (bad, tmp_path / "missing.json"):
         result = _run("calibrate", str(path), "--preset", "p3.16xlarge")
         assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_the_points_schema_accepts_every_parameter_and_nothing_else():
+    schema = json.loads((ROOT / "partopt" / "schemas" / "points.schema.json").read_text())
+    assert set(schema["properties"]["fit"]["items"]["enum"]) == set(calibrate.PARAMETERS)

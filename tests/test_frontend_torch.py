@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from partopt import io, models
 from partopt.cli import main
 from partopt.cluster import preset
+from partopt.errors import PartoptError
 from partopt.costmodel import training_flops
 from partopt.frontends.torch import FrontendError, _Atoms, from_hf_config, from_module
 from partopt.inter import optimize
@@ -253,6 +254,32 @@ def test_imported_gpt2_plans_like_the_generator():
     assert imported.num_params == generated.num_params
     assert imported.forward_flops == generated.forward_flops  # fused c_attn became q, k, v projections
     assert _iteration(imported) == pytest.approx(_iteration(generated), rel=0.02)
+
+
+def test_flash_import_is_one_causal_attention_op_per_layer_as_the_flash_generator_writes():
+    config = llama_config(hidden_size=256, intermediate_size=512, vocab_size=1000, max_position_embeddings=128)
+    imported = from_hf_config(config, batch=8, seq=128, dtype="fp16", attention_kernel="flash")
+    generated = models.llama(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, seq=128, vocab=1000, batch=8,
+                             dtype="fp16", attention_kernel="flash")
+    fused = [op for op in imported.ops if op.kind == "attention"]
+    assert len(fused) == 2 and all(op.attrs == {"causal": True} for op in fused)  # HF calls sdpa with is_causal
+    assert not [op for op in imported.ops if op.kind == "softmax"]
+    assert [sorted(imported.dims[d] for d in imported.tensors[t].dims) for t in (*fused[0].inputs, fused[0].output)] == [
+        sorted(generated.dims[d] for d in generated.tensors[t].dims) for t in (*the_attention(generated).inputs,
+                                                                               the_attention(generated).output)]
+    math = from_hf_config(config, batch=8, seq=128, dtype="fp16")  # the same GEMMs, less the softmax's arithmetic
+    assert imported.forward_flops == math.forward_flops - sum(math.flops(op) for op in math.ops if op.kind == "softmax")
+    assert _iteration(imported) == pytest.approx(_iteration(generated), rel=0.02)
+
+
+def the_attention(graph):
+    return next(op for op in graph.ops if op.kind == "attention")
+
+
+def test_an_unknown_attention_kernel_is_refused_before_tracing():
+    with pytest.raises(PartoptError) as err:
+        from_hf_config(llama_config(), batch=4, seq=16, attention_kernel="xformers")
+    assert "xformers" in err.value.cause and "flash" in err.value.hint
 
 
 # ---------------------------------------------------------------- errors

@@ -21,6 +21,7 @@ CHEAP_POINTS = {
     "p3.16xlarge": ["GPT-350M, 1 GPU", "MoE-380M, 1 GPU", "Wide-ResNet-250M, 1 GPU"],
     "dgx-a100": ["22B, 8 GPUs, tp 8 × pp 1 × dp 1, batch 4, sequence parallel + selective recomputation",
                  "22B, 8 GPUs, tp 8 × pp 1 × dp 1, batch 4, full recomputation"],
+    "dgx-h100": ["NeMo Llama3 8B FP8, 8 GPUs, FSDP (dp 8, ZeRO)"],
 }
 
 
@@ -29,7 +30,7 @@ def _data(name: str) -> dict:
 
 
 def test_the_calibrated_devices_ship_their_data_files():
-    assert {"p3.16xlarge", "dgx-a100"} <= set(SHIPPED)
+    assert {"p3.16xlarge", "dgx-a100", "dgx-h100"} <= set(SHIPPED)
 
 
 @pytest.mark.parametrize("name", SHIPPED)

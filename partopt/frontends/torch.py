@@ -23,6 +23,8 @@ from networkx.utils import UnionFind
 
 from partopt.errors import PartoptError
 from partopt.graph import Graph, Op, Tensor
+from partopt.models.builder import require_choice
+from partopt.models.transformer import ATTENTION_KERNELS
 
 TORCH_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "int64", "int32": "int32",
                 "int8": "int8", "bool": "bool"}
@@ -152,10 +154,13 @@ class _AtomRef(tuple):
 class _Importer:
     """Walks an ExportedProgram's graph once, building tensors and ops over atoms."""
 
-    def __init__(self, module: Any, program: Any, dtype: str | None, opaque: bool):
+    def __init__(self, module: Any, program: Any, dtype: str | None, opaque: bool, attention_kernel: str = "math",
+                 causal_mask: bool = False):
         self.module = module
         self.program = program
         self.opaque = opaque
+        self.attention_kernel = attention_kernel  # what scaled_dot_product_attention becomes
+        self.causal_mask = causal_mask  # a mask given to it is the causal one
         self.atoms = _Atoms()
         self.vals: dict[str, _Val] = {}
         self.tensors: dict[str, tuple[list[Axis], str, str | None]] = {}  # name -> (axes, role, dtype)
@@ -600,7 +605,8 @@ class _Importer:
     op__softmax = op_softmax
 
     def op_scaled_dot_product_attention(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
-        """Scores einsum, softmax over the key positions, context einsum (as partopt's generators build it)."""
+        """Scores einsum, softmax over the key positions, context einsum, or with the flash kernel one
+        fused `attention` op, causal when the call says `is_causal` (as partopt's generators build them)."""
         q, k, v = (self.real(x) for x in args[:3])
         nb = len(q.shape) - 3
         for i in range(nb):
@@ -621,12 +627,17 @@ class _Importer:
             old = _AtomRef(a for a, _ in self.expand_axis(k.axes[-2]))
             k, v = (self.emit("reshape", [x], [*x.axes[:-2], t, x.axes[-1]], x.shape, f"{label}_t",
                               merge={_AtomRef(a for a, _ in t): old}) for x, label in ((k, "key"), (v, "value")))
+        shape = _shape(node.meta["val"])
+        if self.attention_kernel == "flash":
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            causal = bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False)) or \
+                (mask is not None and self.causal_mask)
+            return self.emit("attention", [q, k, v], [*q.axes[:-1], v.axes[-1]], shape, "attention", causal=causal)
         scores_shape = (*q.shape[:-1], k.shape[-2])
         scores_axes = [*q.axes[:-1], k.axes[-2]]
         scores = self.emit("einsum", [q, k], scores_axes, scores_shape, "scores")
         probs = self.emit("softmax", [scores], scores_axes, scores_shape, "probs",
                           axes=_AtomRef(a for a, _ in self.expand_axis(k.axes[-2])))
-        shape = _shape(node.meta["val"])
         return self.emit("einsum", [probs, v], [*q.axes[:-1], v.axes[-1]], shape, "context")
 
     # ------------------------------------------------------------ mixture of experts
@@ -1025,7 +1036,8 @@ def _layers(module: Any, paths: Sequence[str]) -> list[int | None]:
 # ---------------------------------------------------------------- entry points
 
 def from_module(module: Any, example_inputs: Sequence[Any], *, name: str | None = None, dtype: str | None = None,
-                loss: bool = False, opaque: bool = False) -> Graph:
+                loss: bool = False, opaque: bool = False, attention_kernel: str = "math",
+                causal_mask: bool = False) -> Graph:
     """The Graph of `module` called on `example_inputs` (build both on the meta device: no memory).
 
     Parameters keep their FQNs (tied ones appear once, under the first), layers come from
@@ -1033,9 +1045,15 @@ def from_module(module: Any, example_inputs: Sequence[Any], *, name: str | None 
     parameters'; `loss` adds a cross entropy of the (single) output against integer `labels`
     shaped like the first input. Experts modules (3-D gate_up_proj/down_proj) run as one op while
     traced and become the expert-parallel form (torch_moe). An op with no mapping is a
-    FrontendError naming it and its module, or with `opaque` an unsharded opaque op.
+    FrontendError naming it and its module, or with `opaque` an unsharded opaque op. Each
+    scaled_dot_product_attention becomes the math path's three ops (`attention_kernel` "math") or one
+    fused `attention` op ("flash": what PyTorch runs on GPUs when no mask forbids it), causal when
+    called with `is_causal`, or with a mask when `causal_mask` says the masks are causal ones (a
+    causal LM's: its masked-out half is skipped as a causal kernel skips it).
     """
     import torch
+
+    require_choice("torch", "attention_kernel", attention_kernel, ATTENTION_KERNELS)
 
     from partopt.frontends.torch_moe import experts_as_one_op
 
@@ -1048,7 +1066,7 @@ def from_module(module: Any, example_inputs: Sequence[Any], *, name: str | None 
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FrontendError(f"torch.export failed: {first}", type(module).__name__,
                             "make the module exportable (torch.export docs), with static shapes") from None
-    importer = _Importer(module, program, dtype, opaque)
+    importer = _Importer(module, program, dtype, opaque, attention_kernel, causal_mask)
     importer.run()
     outputs = importer.outputs()
     out_names = [v.tensor for v in outputs]
@@ -1081,9 +1099,10 @@ def read_hf_config(path: str | Path) -> Any:
 
 
 def from_hf_config(config: Any, *, batch: int, seq: int, dtype: str | None = None, name: str | None = None,
-                   opaque: bool = False) -> Graph:
+                   opaque: bool = False, attention_kernel: str = "math") -> Graph:
     """The training graph (with its cross-entropy loss) of AutoModelForCausalLM.from_config(config),
-    built on the meta device and traced on token ids of shape [batch, seq]."""
+    built on the meta device and traced on token ids of shape [batch, seq]; attention as `from_module`'s,
+    its masks causal (a causal LM's, with no padding)."""
     import torch
 
     where = f"config ({getattr(config, 'model_type', '?')})"
@@ -1092,7 +1111,7 @@ def from_hf_config(config: Any, *, batch: int, seq: int, dtype: str | None = Non
     model = _hf_model(config, where)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     return from_module(model, (ids,), name=name or getattr(config, "model_type", "hf"), dtype=dtype, loss=True,
-                       opaque=opaque)
+                       opaque=opaque, attention_kernel=attention_kernel, causal_mask=True)
 
 
 def _hf_model(config: Any, where: str) -> Any:
