@@ -166,7 +166,14 @@ def training(plan: Plan) -> dict[str, Any]:
             "recompute": [recomputation(s) for s in plan.stages],
             "overlap_grad_reduce": bool(plan.options.get("overlap", False)),
             "optimizer_state_sharded": any(info.zero_axes for s in plan.stages for info in s.params.values()),
-            "sequence_parallel": [i for i, s in enumerate(plan.stages) if _sequence_split(plan, i, s)]}
+            "sequence_parallel": [i for i, s in enumerate(plan.stages) if _sequence_split(plan, i, s)],
+            "fused_attention": fused_attention(plan)}
+
+
+def fused_attention(plan: Plan) -> bool:
+    """Whether the plan priced fused (flash) attention: its `attention` ops keep no scores in memory,
+    so the runtime must run a fused kernel for the plan's memory and time to hold."""
+    return any(o.kind == "attention" for s in plan.stages for o in s.ops.values())
 
 
 # ---------------------------------------------------------------- JAX
@@ -563,7 +570,8 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
             "first_stage_layers": first, "last_stage_layers": last,
             "sequence_parallel": roles[0].sequence_parallel and tp > 1,
             "distributed_optimizer": zero, "recompute": recomputation(plan.stages[0]),
-            "overlap_grad_reduce": bool(plan.options.get("overlap", False))}
+            "overlap_grad_reduce": bool(plan.options.get("overlap", False)),
+            "attention_backend": "flash" if fused_attention(plan) else None}
 
 
 def _span(ids: Sequence[int]) -> str:
@@ -591,6 +599,8 @@ def to_megatron(plan: Plan) -> list[str]:
         args.append("--use-distributed-optimizer")
     if c["overlap_grad_reduce"]:
         args.append("--overlap-grad-reduce")
+    if c["attention_backend"]:
+        args += ["--attention-backend", c["attention_backend"]]
     if c["recompute"]:
         r = c["recompute"]
         args += ["--recompute-granularity", r["granularity"]]

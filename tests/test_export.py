@@ -343,6 +343,18 @@ def test_data_parallel_only_solves_export_as_pure_data_parallelism():
 
 # ---------------------------------------------------------------- exports carry what the plan's prices assume
 
+def test_a_plan_of_fused_attention_asks_the_runtime_for_it():
+    cluster = preset("p3.16xlarge", 1)
+    flash = optimize(gpt(**SMALL_GPT, attention_kernel="flash"), cluster, microbatches=2, layers=2,
+                     data_parallel_only=True)
+    math = optimize(gpt(**SMALL_GPT), cluster, microbatches=2, layers=2, data_parallel_only=True)
+    assert ex.training(flash)["fused_attention"] and not ex.training(math)["fused_attention"]
+    args = ex.to_megatron(flash)
+    assert args[args.index("--attention-backend") + 1] == "flash"
+    assert "--attention-backend" not in ex.to_megatron(math)  # the math path: Megatron-LM's own choice
+    assert json.loads(ex.export(flash, "jax"))["training"]["fused_attention"] is True
+
+
 def megatron_settings(args: list[str], devices: int) -> dict:
     """What Megatron-LM would run, read back from its arguments alone (flags: present or not)."""
     values = {a: b for a, b in zip(args, args[1:]) if a.startswith("--") and not b.startswith("--")}
