@@ -390,9 +390,9 @@ def import_onnx(source: str, output: str, opaque: bool, name: str | None) -> Non
 @click.option("--dtype", help="Element type of the graph (default: the parameters').")
 @click.option("--loss", is_flag=True, help="Add a cross entropy of the output against labels shaped like the first input.")
 @click.option("--opaque", is_flag=True, help="Keep ops with no mapping as opaque ops (never sharded).")
-@click.option("--attention-kernel", type=click.Choice(list(ATTENTION_KERNELS)), default="math", show_default=True,
-              help="Each scaled_dot_product_attention as scores, softmax and context ops (math) or one fused "
-              "attention op (flash: what PyTorch runs on GPUs when no mask forbids it; docs/COSTMODEL.md §3).")
+@click.option("--attention-kernel", type=click.Choice(list(ATTENTION_KERNELS)), default="flash", show_default=True,
+              help="Each scaled_dot_product_attention as one fused attention op (flash: the kernel PyTorch runs "
+              "on GPUs; docs/COSTMODEL.md §3) or as scores, softmax and context ops (math).")
 def import_torch(source: str, output: str, name: str | None, dtype: str | None, loss: bool, opaque: bool,
                  attention_kernel: str) -> None:
     """Import SOURCE (pkg.mod:make or file.py:make, returning (module, example_inputs), called on the meta device)."""
@@ -411,9 +411,9 @@ def import_torch(source: str, output: str, name: str | None, dtype: str | None, 
 @click.option("--name", help="Name of the graph (default: the config's model_type).")
 @click.option("--dtype", help="Element type of the graph (default: the parameters', fp32 from a config).")
 @click.option("--opaque", is_flag=True, help="Keep ops with no mapping as opaque ops (never sharded).")
-@click.option("--attention-kernel", type=click.Choice(list(ATTENTION_KERNELS)), default="math", show_default=True,
-              help="Each scaled_dot_product_attention as scores, softmax and context ops (math) or one fused "
-              "attention op (flash: what PyTorch runs on GPUs when no mask forbids it; docs/COSTMODEL.md §3).")
+@click.option("--attention-kernel", type=click.Choice(list(ATTENTION_KERNELS)), default="flash", show_default=True,
+              help="Each scaled_dot_product_attention as one fused attention op (flash: the kernel PyTorch runs "
+              "on GPUs; docs/COSTMODEL.md §3) or as scores, softmax and context ops (math).")
 def import_hf(config: str, output: str, batch: int, seq: int, name: str | None, dtype: str | None, opaque: bool,
               attention_kernel: str) -> None:
     """Import a Hugging Face causal LM from its CONFIG.json (no weights, nothing downloaded) with its loss."""

@@ -1,5 +1,6 @@
 """Time `partopt.frontends.torch.from_hf_config` on full-size Hugging Face configs (meta device,
-median of 3 runs) and check each import against partopt's generator of the same shape."""
+median of 3 runs) and check each import against partopt's generator of the same shape (attention fused,
+the import's default)."""
 
 from __future__ import annotations
 
@@ -18,20 +19,23 @@ CASES = {
     # name: (config, import sizes, the generator's graph of the same model)
     "gpt2-124m": (lambda: GPT2Config(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024),
                   dict(batch=8, seq=1024, dtype="fp16"),
-                  lambda: gpt(hidden=768, layers=12, heads=12, seq=1024, vocab=50257, batch=8)),
+                  lambda: gpt(hidden=768, layers=12, heads=12, seq=1024, vocab=50257, batch=8, attention_kernel="flash")),
     "gpt2-1.5b": (lambda: GPT2Config(n_embd=1600, n_layer=48, n_head=25, vocab_size=50257, n_positions=1024),
                   dict(batch=8, seq=1024, dtype="fp16"),
-                  lambda: gpt(hidden=1600, layers=48, heads=25, seq=1024, vocab=50257, batch=8)),
+                  lambda: gpt(hidden=1600, layers=48, heads=25, seq=1024, vocab=50257, batch=8,
+                                      attention_kernel="flash")),
     "llama-2-7b": (lambda: LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                                        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
                                        max_position_embeddings=4096),
                    dict(batch=8, seq=4096, dtype="bf16"),
-                   lambda: llama(hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008, seq=4096, vocab=32000, batch=8)),
+                   lambda: llama(hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008, seq=4096, vocab=32000, batch=8,
+                                 attention_kernel="flash")),
     "llama-2-70b": (lambda: LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                                         num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
                                         max_position_embeddings=4096),
                     dict(batch=8, seq=4096, dtype="bf16"),
-                    lambda: llama(hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, seq=4096, vocab=32000, batch=8)),
+                    lambda: llama(hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, seq=4096, vocab=32000, batch=8,
+                                  attention_kernel="flash")),
 }
 
 

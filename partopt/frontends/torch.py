@@ -1036,7 +1036,7 @@ def _layers(module: Any, paths: Sequence[str]) -> list[int | None]:
 # ---------------------------------------------------------------- entry points
 
 def from_module(module: Any, example_inputs: Sequence[Any], *, name: str | None = None, dtype: str | None = None,
-                loss: bool = False, opaque: bool = False, attention_kernel: str = "math",
+                loss: bool = False, opaque: bool = False, attention_kernel: str = "flash",
                 causal_mask: bool = False) -> Graph:
     """The Graph of `module` called on `example_inputs` (build both on the meta device: no memory).
 
@@ -1046,8 +1046,9 @@ def from_module(module: Any, example_inputs: Sequence[Any], *, name: str | None 
     shaped like the first input. Experts modules (3-D gate_up_proj/down_proj) run as one op while
     traced and become the expert-parallel form (torch_moe). An op with no mapping is a
     FrontendError naming it and its module, or with `opaque` an unsharded opaque op. Each
-    scaled_dot_product_attention becomes the math path's three ops (`attention_kernel` "math") or one
-    fused `attention` op ("flash": what PyTorch runs on GPUs when no mask forbids it), causal when
+    scaled_dot_product_attention becomes one fused `attention` op (`attention_kernel` "flash", the
+    default: on a GPU PyTorch runs it as a fused kernel, FlashAttention or its memory-efficient one) or
+    the math path's three ops ("math": scores, softmax, context, each in memory), causal when
     called with `is_causal`, or with a mask when `causal_mask` says the masks are causal ones (a
     causal LM's: its masked-out half is skipped as a causal kernel skips it).
     """
@@ -1099,7 +1100,7 @@ def read_hf_config(path: str | Path) -> Any:
 
 
 def from_hf_config(config: Any, *, batch: int, seq: int, dtype: str | None = None, name: str | None = None,
-                   opaque: bool = False, attention_kernel: str = "math") -> Graph:
+                   opaque: bool = False, attention_kernel: str = "flash") -> Graph:
     """The training graph (with its cross-entropy loss) of AutoModelForCausalLM.from_config(config),
     built on the meta device and traced on token ids of shape [batch, seq]; attention as `from_module`'s,
     its masks causal (a causal LM's, with no padding)."""
