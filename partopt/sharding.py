@@ -541,7 +541,7 @@ def forward_executed(graph: Graph, op: Op) -> float:
 
 
 def executed_flops(graph: Graph, op: Op) -> float:
-    """Forward + backward FLOPs the op's kernels run (docs/COSTMODEL.md §2): `costmodel.training_flops`,
+    """Forward + backward FLOPs the op's kernels run (docs/COSTMODEL.md §3): `costmodel.training_flops`,
     except fused attention, whose backward recomputes the scores (2.5× its forward) and whose causal
     kernel skips the masked half of both passes."""
     return forward_executed(graph, op) * (1.0 + costmodel.BACKWARD_FACTOR[_flop_kind(op)])

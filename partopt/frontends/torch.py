@@ -154,8 +154,8 @@ class _AtomRef(tuple):
 class _Importer:
     """Walks an ExportedProgram's graph once, building tensors and ops over atoms."""
 
-    def __init__(self, module: Any, program: Any, dtype: str | None, opaque: bool, attention_kernel: str = "math",
-                 causal_mask: bool = False):
+    def __init__(self, module: Any, program: Any, dtype: str | None, opaque: bool, attention_kernel: str,
+                 causal_mask: bool):
         self.module = module
         self.program = program
         self.opaque = opaque
@@ -605,8 +605,9 @@ class _Importer:
     op__softmax = op_softmax
 
     def op_scaled_dot_product_attention(self, node: Any, args: list[Any], kwargs: dict) -> _Val:
-        """Scores einsum, softmax over the key positions, context einsum, or with the flash kernel one
-        fused `attention` op, causal when the call says `is_causal` (as partopt's generators build them)."""
+        """One fused `attention` op with the flash kernel, causal when the call says `is_causal` or passes a
+        mask `causal_mask` vouches for; else the scores einsum, softmax over the key positions and context
+        einsum (as partopt's generators build them)."""
         q, k, v = (self.real(x) for x in args[:3])
         nb = len(q.shape) - 3
         for i in range(nb):
