@@ -25,22 +25,59 @@ from partopt.graph import Graph, Op, Tensor
 from partopt.ops import Behaviour
 
 
-@dataclass(frozen=True)
-class Shard:
-    dim: str
+class _Interned:
+    """An immutable value of which equal instances are one object, so that it hashes and compares by identity, in
+    C. Placements key the resharding tables, looked up hundreds of thousands of times per search: a frozen
+    dataclass's generated `__hash__` and `__eq__` run Python code on every lookup."""
+
+    __slots__ = ()
+    _made: dict = {}
+
+    def __new__(cls, *fields):
+        key = (cls, *fields)
+        made = _Interned._made.get(key)
+        if made is None:
+            made = _Interned._made[key] = object.__new__(cls)
+            for name, value in zip(cls.__slots__, fields):
+                object.__setattr__(made, name, value)
+        return made
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __reduce__(self):  # unpickled (a worker's results) through `__new__`: the same interned object
+        return type(self), tuple(getattr(self, name) for name in self.__slots__)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)!r}' for n in self.__slots__)})"
+
+
+class Shard(_Interned):
+    """Split along the tensor dim `dim` over one mesh axis (DTensor's `Shard`)."""
+
+    __slots__ = ("dim",)
+
+    def __new__(cls, dim: str) -> Shard:
+        return super().__new__(cls, dim)
 
     def __str__(self) -> str:
         return f"S({self.dim})"
 
 
-@dataclass(frozen=True)
-class Replicate:
+class Replicate(_Interned):
+    """A full copy on every device of the axis."""
+
+    __slots__ = ()
+
     def __str__(self) -> str:
         return "R"
 
 
-@dataclass(frozen=True)
-class Partial:
+class Partial(_Interned):
+    """A partial sum on every device of the axis, awaiting a reduction."""
+
+    __slots__ = ()
+
     def __str__(self) -> str:
         return "P"
 

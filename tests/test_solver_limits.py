@@ -162,3 +162,18 @@ def test_a_memory_row_in_bytes_binds_to_the_byte(backend):
     assert both.status == "optimal" and both.values[:2] == [1, 1] and both.values[2] == pytest.approx(5 * gib, abs=1.0)
     one = solvers.solve(model(9 * gib - 1), backend)
     assert one.status == "optimal" and one.values[:2] == [0, 1] and one.objective == pytest.approx(-1.5)
+
+
+def test_a_highs_solve_imports_no_other_backend():
+    """Each backend's library is imported when first used: a HiGHS solve (the default, run by every spawned
+    pricing worker) loads neither OR-Tools nor PuLP, which cost about half a second per process."""
+    script = ("import sys\nfrom partopt import solvers\nm = solvers.Model()\nm.add_var(-1.0)\n"
+              "assert solvers.solve(m, 'highs').status == 'optimal'\n"
+              "print(sorted(k for k in ('ortools', 'pulp') if k in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_an_unknown_backend_is_named():
+    with pytest.raises(PartoptError, match="unknown solver backend 'gurobi'"):
+        solvers.solve(knapsack(), "gurobi")

@@ -12,6 +12,7 @@ incumbent, if it has one (a model's `start` is one), with the best bound and gap
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -130,13 +131,15 @@ class Options:
     relaxation_first: bool = False  # HiGHS: solve the LP relaxation first, and stop there when it is integral
 
 
-def _backends() -> dict[str, Callable[[Model, Options], Result]]:
-    from partopt.solvers import cbc, cpsat, highs
-
-    return {"cpsat": cpsat.solve, "highs": highs.solve, "cbc": cbc.solve}
-
-
 BACKENDS = ("cpsat", "highs", "cbc")
+
+
+def _backend(name: str) -> Callable[[Model, Options], Result]:
+    """The named backend's `solve`, its module imported on first use: OR-Tools alone takes about 0.5 s to
+    import, paid by every process of a solve (the planner and each spawned worker) that never runs CP-SAT."""
+    if name not in BACKENDS:
+        raise PartoptError(f"unknown solver backend {name!r}", "solver", f"use one of {list(BACKENDS)}")
+    return importlib.import_module(f"partopt.solvers.{name}").solve
 
 
 def solve(model: Model, backend: str = "highs", time_limit_s: float = 60.0, seed: int = 0,
@@ -148,14 +151,12 @@ def solve(model: Model, backend: str = "highs", time_limit_s: float = 60.0, seed
     solution, proven optimal, when every 0-1 variable comes out integral; else the program as usual. Worth it
     where the relaxation is usually tight, as it is for the pairwise min-sums with no memory row that `ilp.solve`
     leaves of GPT blocks: their LP takes a tenth of the MIP's root (docs/benchmarks.md, "LP relaxation first")."""
-    table = _backends()
-    if backend not in table:
-        raise PartoptError(f"unknown solver backend {backend!r}", "solver", f"use one of {list(BACKENDS)}")
+    run = _backend(backend)
     if time_limit_s <= 0:
         raise PartoptError(f"time limit must be positive, got {time_limit_s}", "time limit")
     work = DEFAULT_WORK_LIMITS[backend] if work_limit is None else work_limit
     if not work >= 0:
         raise PartoptError(f"work limit must be non-negative, got {work_limit}", "work limit",
                            f"give {WORK_UNITS[backend]}, or math.inf for none")
-    return table[backend](model, Options(time_limit_s=time_limit_s, seed=seed, work_limit=work,
+    return run(model, Options(time_limit_s=time_limit_s, seed=seed, work_limit=work,
                                          relaxation_first=relaxation_first))
