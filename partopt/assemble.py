@@ -185,4 +185,5 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
                  "intra_only": options.intra_only, "inter_only": options.inter_only,
                  "data_parallel_only": options.data_parallel_only, "stage_data_parallel": options.stage_data_parallel,
                  "recompute": options.recompute, "schedule": options.schedule, "overlap": options.overlap, "cost_model": (options.cost_model or costmodel.ANALYTICAL).key},
-        schedule=schedule, virtual_stages=virtual_stages, batch_dim=graph.batch_dim, tensors=tensors)
+        schedule=schedule, virtual_stages=virtual_stages, batch_dim=graph.batch_dim, tensors=tensors,
+        matmul_dtype=graph.matmul_dtype)

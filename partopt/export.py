@@ -167,7 +167,7 @@ def training(plan: Plan) -> dict[str, Any]:
             "overlap_grad_reduce": bool(plan.options.get("overlap", False)),
             "optimizer_state_sharded": any(info.zero_axes for s in plan.stages for info in s.params.values()),
             "sequence_parallel": [i for i, s in enumerate(plan.stages) if _sequence_split(plan, i, s)],
-            "fused_attention": fused_attention(plan)}
+            "fused_attention": fused_attention(plan), "matmul_dtype": plan.matmul_dtype}
 
 
 def fused_attention(plan: Plan) -> bool:
@@ -571,7 +571,9 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
             "sequence_parallel": roles[0].sequence_parallel and tp > 1,
             "distributed_optimizer": zero, "recompute": recomputation(plan.stages[0]),
             "overlap_grad_reduce": bool(plan.options.get("overlap", False)),
-            "attention_backend": "flash" if fused_attention(plan) else None}
+            "attention_backend": "flash" if fused_attention(plan) else None,
+            # Transformer Engine's FP8 GEMMs: E4M3 forward, E5M2 gradients (Megatron's and NeMo's usual recipe)
+            "fp8_format": "hybrid" if plan.matmul_dtype == "fp8" else None}
 
 
 def _span(ids: Sequence[int]) -> str:
@@ -601,6 +603,8 @@ def to_megatron(plan: Plan) -> list[str]:
         args.append("--overlap-grad-reduce")
     if c["attention_backend"]:
         args += ["--attention-backend", c["attention_backend"]]
+    if c["fp8_format"]:
+        args += ["--fp8-format", c["fp8_format"]]
     if c["recompute"]:
         r = c["recompute"]
         args += ["--recompute-granularity", r["granularity"]]

@@ -80,6 +80,7 @@ class Plan:
     options: dict[str, Any] = field(default_factory=dict)
     batch_dim: str | None = None
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"dims", "shape" (one microbatch), "role"}
+    matmul_dtype: str | None = None  # the GEMM precision priced (`Graph.matmul_dtype`); None: each op at its tensors'
 
 
 def _merged(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -206,11 +206,19 @@ def _check_target(plan: Plan, graph: Graph, cluster: Cluster, where: str) -> Non
     if plan.batch_dim != graph.batch_dim or graph.batch_dim is None:
         raise InstanceError(f"the plan splits batch dim {plan.batch_dim!r}, the graph's is {graph.batch_dim!r}",
                             at(where, "$.batch_dim"), "re-solve the plan for this graph")
+    if plan.matmul_dtype != graph.matmul_dtype:
+        raise InstanceError(f"the plan priced GEMMs at {_gemm_precision(plan.matmul_dtype)}, the graph runs them at "
+                            f"{_gemm_precision(graph.matmul_dtype)}", at(where, "$.matmul_dtype"),
+                            "re-solve the plan for this graph")
     batch = graph.dims[graph.batch_dim]
     if plan.num_microbatches * plan.microbatch_size != batch:
         raise InstanceError(f"{plan.num_microbatches} microbatches of {plan.microbatch_size} samples are not the graph's "
                             f"batch of {batch}", at(where, "$.num_microbatches"),
                             "make num_microbatches × microbatch_size equal the batch")
+
+
+def _gemm_precision(matmul_dtype: str | None) -> str:
+    return matmul_dtype or "their tensors' dtype"
 
 
 def _check_tensors(plan: Plan, g_mb: Graph, where: str) -> None:

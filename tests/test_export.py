@@ -355,6 +355,22 @@ def test_a_plan_of_fused_attention_asks_the_runtime_for_it():
     assert json.loads(ex.export(flash, "jax"))["training"]["fused_attention"] is True
 
 
+
+def test_a_plan_of_fp8_gemms_asks_megatron_for_them():
+    """A plan priced with FP8 GEMMs (`matmul_dtype`) holds only if the runtime runs them: Megatron-LM gets
+    Transformer Engine's FP8 recipe; a plan at its tensors' precision gets no FP8 flag."""
+    cluster = preset("dgx-h100", 1)
+    graph = gpt(**SMALL_GPT)
+    fp8 = optimize(dataclasses.replace(graph, matmul_dtype="fp8"), cluster, microbatches=2, layers=2,
+                   data_parallel_only=True)
+    plain = optimize(graph, cluster, microbatches=2, layers=2, data_parallel_only=True)
+    assert (fp8.matmul_dtype, plain.matmul_dtype) == ("fp8", None)
+    assert ex.training(fp8)["matmul_dtype"] == "fp8" and ex.training(plain)["matmul_dtype"] is None
+    args = ex.to_megatron(fp8)
+    assert args[args.index("--fp8-format") + 1] == "hybrid"
+    assert "--fp8-format" not in ex.to_megatron(plain)
+    assert plan_from_dict(plan_to_dict(fp8)).matmul_dtype == "fp8"  # the file keeps it
+
 def megatron_settings(args: list[str], devices: int) -> dict:
     """What Megatron-LM would run, read back from its arguments alone (flags: present or not)."""
     values = {a: b for a, b in zip(args, args[1:]) if a.startswith("--") and not b.startswith("--")}

@@ -211,6 +211,13 @@ def test_a_split_of_a_foreign_dim_is_illegal(tiny, tmp_path):
                    f"$.stages[0].ops['{name}'].axes: op {name} cannot split ['zz', None] on mesh [2, 1]")
 
 
+
+def test_a_plan_priced_at_another_gemm_precision_is_refused(tiny, tmp_path):
+    """FP8 GEMMs double the peak: a plan priced so does not hold for the same model at 16 bits, and back."""
+    fp8 = mutated(tiny, tmp_path, lambda d: d.__setitem__("matmul_dtype", "fp8"))
+    one_error_line(run("check", fp8, "--graph", tiny.graph_file, "--cluster", tiny.cluster_file),
+                   "$.matmul_dtype: the plan priced GEMMs at fp8, the graph runs them at their tensors' dtype")
+
 def test_a_split_that_does_not_divide_its_dim_is_illegal(tiny):
     cluster = preset("p3.16xlarge", 1)
     plan = optimize(tiny.graph, cluster, microbatches=1, intra_only=True, logical_shapes=[(8, 1)], workers=1)
