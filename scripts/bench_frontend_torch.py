@@ -23,7 +23,7 @@ CASES = {
     "gpt2-1.5b": (lambda: GPT2Config(n_embd=1600, n_layer=48, n_head=25, vocab_size=50257, n_positions=1024),
                   dict(batch=8, seq=1024, dtype="fp16"),
                   lambda: gpt(hidden=1600, layers=48, heads=25, seq=1024, vocab=50257, batch=8,
-                                      attention_kernel="flash")),
+                              attention_kernel="flash")),
     "llama-2-7b": (lambda: LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                                        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
                                        max_position_embeddings=4096),

@@ -355,7 +355,6 @@ def test_a_plan_of_fused_attention_asks_the_runtime_for_it():
     assert json.loads(ex.export(flash, "jax"))["training"]["fused_attention"] is True
 
 
-
 def test_a_plan_of_fp8_gemms_asks_megatron_for_them():
     """A plan priced with FP8 GEMMs (`matmul_dtype`) holds only if the runtime runs them: Megatron-LM gets
     Transformer Engine's FP8 recipe; a plan at its tensors' precision gets no FP8 flag."""
@@ -370,6 +369,7 @@ def test_a_plan_of_fp8_gemms_asks_megatron_for_them():
     assert args[args.index("--fp8-format") + 1] == "hybrid"
     assert "--fp8-format" not in ex.to_megatron(plain)
     assert plan_from_dict(plan_to_dict(fp8)).matmul_dtype == "fp8"  # the file keeps it
+
 
 def megatron_settings(args: list[str], devices: int) -> dict:
     """What Megatron-LM would run, read back from its arguments alone (flags: present or not)."""

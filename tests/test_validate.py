@@ -17,6 +17,7 @@ from partopt import io, validate
 from partopt.cli import main
 from partopt.cluster import preset
 from partopt.errors import InstanceError
+from partopt.graph import MATMUL_DTYPES
 from partopt.inter import optimize
 from partopt.plan import plan_from_dict, plan_to_dict
 
@@ -211,12 +212,20 @@ def test_a_split_of_a_foreign_dim_is_illegal(tiny, tmp_path):
                    f"$.stages[0].ops['{name}'].axes: op {name} cannot split ['zz', None] on mesh [2, 1]")
 
 
-
 def test_a_plan_priced_at_another_gemm_precision_is_refused(tiny, tmp_path):
     """FP8 GEMMs double the peak: a plan priced so does not hold for the same model at 16 bits, and back."""
     fp8 = mutated(tiny, tmp_path, lambda d: d.__setitem__("matmul_dtype", "fp8"))
     one_error_line(run("check", fp8, "--graph", tiny.graph_file, "--cluster", tiny.cluster_file),
                    "$.matmul_dtype: the plan priced GEMMs at fp8, the graph runs them at their tensors' dtype")
+
+
+def test_the_graph_and_plan_schemas_name_the_gemm_precisions_the_graph_accepts():
+    """The schemas are JSON and list the precisions by hand: they must stay `graph.MATMUL_DTYPES`."""
+    schemas = Path(__file__).resolve().parent.parent / "partopt" / "schemas"
+    graph = json.loads((schemas / "graph.schema.json").read_text())["properties"]["matmul_dtype"]["enum"]
+    plan = json.loads((schemas / "plan.schema.json").read_text())["properties"]["matmul_dtype"]["enum"]
+    assert graph == list(MATMUL_DTYPES) and plan == [None, *MATMUL_DTYPES]
+
 
 def test_a_split_that_does_not_divide_its_dim_is_illegal(tiny):
     cluster = preset("p3.16xlarge", 1)

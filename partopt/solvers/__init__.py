@@ -158,5 +158,4 @@ def solve(model: Model, backend: str = "highs", time_limit_s: float = 60.0, seed
     if not work >= 0:
         raise PartoptError(f"work limit must be non-negative, got {work_limit}", "work limit",
                            f"give {WORK_UNITS[backend]}, or math.inf for none")
-    return run(model, Options(time_limit_s=time_limit_s, seed=seed, work_limit=work,
-                                         relaxation_first=relaxation_first))
+    return run(model, Options(time_limit_s=time_limit_s, seed=seed, work_limit=work, relaxation_first=relaxation_first))
