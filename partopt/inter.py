@@ -145,32 +145,59 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
         rerun = bounds.least_rerun_s(bounds.footprints(view, base[count], options.recompute_modes, cluster.device), room)
         lower[count] = count * (sum(work[count]) + rerun) / cluster.num_devices if work[count] is not None else (
             0.0 if rerun < math.inf else math.inf)
-    # counts that cannot fit skipped; the most microbatches first: the smallest microbatches need least memory,
-    # so they are the cheapest to price (memory seldom binds) and give the incumbent that lets bounds skip the rest
-    candidates = [c for c in sorted(views, reverse=True) if lower[c] < math.inf]
+    # counts that cannot fit skipped. Two passes: first each count's fastest options with memory ignored, the least
+    # lower bound first (uncapped ILPs cost alike at every count; a count whose memory-free plan fits is done, and
+    # the fitting plans found early let the bounds skip the counts that cannot win); then the counts whose memory
+    # binds, the most microbatches first: their small microbatches need least memory, so they are the cheapest to
+    # refine and give the incumbent that lets the bounds skip the rest
+    candidates = sorted((c for c in views if lower[c] < math.inf), key=lambda c: (lower[c], -c))
     if not candidates:
         raise _no_plan(graph, cluster, budget)
-    unfinished, stopped = list(candidates), None
+    left = {c: lower[c] for c in candidates}  # the counts not finished, by their lower bounds
+    stopped = None
     floor = math.inf  # the least floor of a stage DP stopped at its work limit
     deadline = start + options.deadline_s if options.deadline_s is not None else math.inf
+
+    def finish(count: int, found, costs: dict, modes: list[str]) -> None:
+        nonlocal best, floor
+        if found is not None and found[0].floor is not None:
+            floor = min(floor, found[0].floor)
+        stats.counts.append(count)
+        stats.recompute_modes[count] = modes
+        del left[count]
+        if found is not None and (best is None or found[0].total < best[0] - 1e-15 or (
+                abs(found[0].total - best[0]) <= 1e-15 and count < best[1])):  # ties: the fewest microbatches
+            best = (found[0].total, count, *_stages_of(found, costs, count, space))
+
+    def loses(count: int) -> bool:  # its lower bound already loses: no more ILPs for it
+        return best is not None and (left[count], count) > best[:2]
+
     try:
         with Pricer(graph, options, cache, deadline) as pricer:
+            binding = []
             for n, count in enumerate(candidates):
-                if best is not None and (lower[count], count) > best[:2]:
-                    unfinished.remove(count)
-                    continue  # its lower bound already loses: no ILP needed
+                if loses(count):
+                    del left[count]
+                    continue
                 if time.perf_counter() > deadline:
                     raise Expired
-                found, costs, modes = _price_count(space, pricer, count, views[count], base[count], work[count], best,
-                                                   stats, lambda jobs: tally.running(jobs, len(candidates) - n))
-                if found is not None and found[0].floor is not None:
-                    floor = min(floor, found[0].floor)
-                stats.counts.append(count)
-                stats.recompute_modes[count] = modes
-                unfinished.remove(count)
-                if found is not None and (best is None or found[0].total < best[0] - 1e-15 or (
-                        abs(found[0].total - best[0]) <= 1e-15 and count < best[1])):  # ties: the fewest microbatches
-                    best = (found[0].total, count, *_stages_of(found, costs, count, space))
+                state = _open_count(space, pricer, count, views[count], base[count], work[count], stats,
+                                    lambda jobs: tally.running(jobs, len(candidates) - n))
+                if state.free is not None:
+                    left[count] = max(left[count], _lower(state.free))
+                if state.found is not None or loses(count):
+                    finish(count, state.found, state.costs, state.modes[:1])
+                else:
+                    binding.append(state)
+            for n, state in enumerate(sorted(binding, key=lambda s: -s.count)):
+                if loses(state.count):
+                    finish(state.count, None, state.costs, state.modes[:1])
+                    continue
+                if time.perf_counter() > deadline:
+                    raise Expired
+                found, modes = _close_count(space, pricer, state, best, stats,
+                                            lambda jobs: tally.running(jobs, len(binding) - n))
+                finish(state.count, found, state.costs, modes)
     except (Expired, KeyboardInterrupt) as err:
         stopped = "deadline" if isinstance(err, Expired) else "interrupted"
         if best is None:
@@ -188,67 +215,100 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     if floor < total:  # a zero-bubble search stopped at its work limit: how much better a plan could be
         plan.solver.update(lower_bound_s=floor, bound_gap=(total - floor) / total)
     if stopped:  # the counts not finished could still win, down to their lower bounds
-        bound = min([total, floor, *(lower[c] for c in unfinished)])
+        bound = min([total, floor, *left.values()])
         plan.solver.update(stopped=stopped, lower_bound_s=bound, bound_gap=(total - bound) / total)
     return plan
 
 
-def _price_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops: list[list[Op]],
-                 work: list[float] | None, best: tuple | None, stats: Stats,
-                 running: Callable[[int], Callable[[int], None]]):
-    """The best plan with `count` microbatches (`g_mb`: the microbatch view; `base_ops`: its base layers'
-    ops; `work`: their roofline work), or None when none fits or it cannot beat `best`; with the layer costs priced
-    (one option per (submesh, logical shape, recomputation mode): a list of rows of layer costs) and
-    the recomputation modes tried.
+@dataclass
+class _Count:
+    """One microbatch count part-way through its pricing (`_open_count`, then `_close_count`)."""
 
-    Each mode's uncapped layer optima first, the next mode only while memory binds and only on
-    meshes where it may win (`_may_win`); when memory binds under every mode, memory-lean caps
-    (`pricing.tighten`), the most recomputing mode's first."""
-    options, budget = space.options, space.budget
+    count: int
+    pipe: Pipeline
+    hashes: list[str]  # per base layer: its structural hash (the pricing cache's key)
+    names: list[tuple[str, ...]]  # per base layer: its ops
+    modes: list[str]  # the recomputation modes that differ, least recomputing first
+    costs: dict  # (submesh, shape, mode) -> rows of layer costs
+    lean: list  # per mode priced: what `pricing.tighten` refines when memory binds
+    work: list[float] | None  # per base layer: its roofline work (`bounds.roofline_work`)
+    free: tuple | None = None  # the plan of the modes priced with memory ignored (of `_best_schedule`); None: none yet
+    found: tuple | None = None  # the count's best plan, once known to be it
+
+
+def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops: list[list[Op]],
+                work: list[float] | None, stats: Stats, running: Callable[[int], Callable[[int], None]]) -> _Count:
+    """Price `count` (`g_mb`: its microbatch view; `base_ops`: its base layers' ops; `work`: their roofline
+    work) as far as its fastest options go: the least recomputing mode's layer optima on every mesh, and the
+    stage DP's plan of them with memory ignored. When that plan fits, it is the count's best (`found`)."""
+    options = space.options
     mb = space.graph.dims[space.graph.batch_dim] // count
     pricer.views[mb] = g_mb
     pipe = pipeline_of(space.graph, space.cluster, space.layering, count, options.overlap)
-    hashes = [g_mb.structural_hash(ops) for ops in base_ops]
-    names = [tuple(op.name for op in ops) for ops in base_ops]
-    modes = _distinct_modes(g_mb, base_ops, options.recompute_modes)
-    incumbent = best[0] if best else math.inf
-    costs: dict = {}
-    found = free = None
+    state = _Count(count, pipe, [g_mb.structural_hash(ops) for ops in base_ops],
+                   [tuple(op.name for op in ops) for ops in base_ops],
+                   _distinct_modes(g_mb, base_ops, options.recompute_modes), {}, [], work)
+    _price_mode(space, pricer, state, list(space.meshes), state.modes[0], stats, running)
+    state.free = free = space.best(pipe, state.costs, count, math.inf, stats)
+    if free is not None and fits(pipe, state.costs, space.submeshes, free[3], free[0].stages, count, space.budget,
+                                 free[1], free[2]):
+        state.found = free  # memory does not bind: the plan that ignores it fits
+    return state
+
+
+def _price_mode(space: _Space, pricer: Pricer, state: _Count, keys: list[tuple], mode: str, stats: Stats,
+                running: Callable[[int], Callable[[int], None]]) -> None:
+    """Price every base layer of `state`'s count on the meshes `keys` under `mode`, uncapped (within the budget)."""
+    mb = space.graph.dims[space.graph.batch_dim] // state.count
+    layers = range(len(state.hashes))
+    jobs = {(state.hashes[b], (*key, mode)): Job(mb, state.count, state.names[b], space.meshes[key], mode, space.budget)
+            for key in keys for b in layers}
+    priced = {key: None if isinstance(cost, Dropped) else cost  # counted in stats; no option here
+              for key, cost in pricer.run(jobs, stats, running(len(jobs))).items()}
+    rows_of = {(*key, mode): [[priced[(state.hashes[b], (*key, mode))] for b in layers]] for key in keys}
+    state.costs.update(rows_of)
+    state.lean.append((rows_of, priced, jobs))
+
+
+def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | None, stats: Stats,
+                 running: Callable[[int], Callable[[int], None]]):
+    """The best plan of a count whose memory-free plan does not fit (`_open_count`), or None when none fits or
+    it cannot beat `best`; with the recomputation modes tried (`running(jobs)`: a progress callback).
+
+    The plan that fits with the fastest options first; the next mode only while memory binds and only on
+    meshes where it may win (`_may_win`); when memory binds under every mode, memory-lean caps
+    (`pricing.tighten`), the most recomputing mode's first."""
+    options, budget = space.options, space.budget
+    count, pipe, costs, modes = state.count, state.pipe, state.costs, state.modes
+    incumbent, work = best[0] if best else math.inf, state.work
+    found = space.best(pipe, costs, count, budget, stats)
+    if not _binds(found, state.free):
+        return found, modes[:1]  # memory does not bind: recomputing more only adds time
     keys = list(space.meshes)
-    lean = []  # per mode priced: what `tighten` refines when memory binds
-    for m, mode in enumerate(modes):
+    for m in range(1, len(modes)):
         limit = min(incumbent, found[0].total if found else math.inf)
-        keys = [key for key in keys if m == 0 or _may_win(costs[(*key, modes[m - 1])][0], key, count, limit, work,
-                                                          space.cluster, options.overlap)]
-        jobs = {(hashes[b], (*key, mode)): Job(mb, count, names[b], space.meshes[key], mode, budget)
-                for key in keys for b in range(len(base_ops))}
-        priced = {key: None if isinstance(cost, Dropped) else cost  # counted in stats; no option here
-                  for key, cost in pricer.run(jobs, stats, running(len(jobs))).items()}
-        rows_of = {(*key, mode): [[priced[(hashes[b], (*key, mode))] for b in range(len(base_ops))]] for key in keys}
-        costs.update(rows_of)
-        lean.append((rows_of, priced, jobs))
-        if free is None:  # the first mode's plan with memory ignored: what leaner options could recover
-            free = space.best(pipe, costs, count, math.inf, stats)
-        if best is not None and free is not None and (_lower(free), count) > best[:2]:
-            return None, costs, list(modes[:m + 1])  # even with memory ignored this count loses
-        if m == 0 and free is not None and fits(pipe, costs, space.submeshes, free[3], free[0].stages, count, budget,
-                                                free[1], free[2]):
-            return free, costs, list(modes[:1])  # memory does not bind: the plan that ignores it fits
+        keys = [key for key in keys if _may_win(costs[(*key, modes[m - 1])][0], key, count, limit, work,
+                                                space.cluster, options.overlap)]
+        _price_mode(space, pricer, state, keys, modes[m], stats, running)
+        if state.free is None:  # no plan ran on the modes before: what this one's fastest options could do
+            state.free = space.best(pipe, costs, count, math.inf, stats)
+        if state.free is not None and best is not None and (_lower(state.free), count) > best[:2]:
+            return None, modes[:m + 1]  # even with memory ignored this count loses
         found = space.best(pipe, costs, count, budget, stats)
-        if not _binds(found, free):
-            return found, costs, list(modes[:m + 1])  # memory does not bind: recomputing more only adds time
+        if not _binds(found, state.free):
+            return found, modes[:m + 1]  # memory does not bind: recomputing more only adds time
 
     def bound() -> float:  # the best plan so far, this count's with the caps priced yet (one schedule's: cheaper)
         now = space.best(pipe, costs, count, budget, stats, options.schedules[:1])
         return min(incumbent, now[0].total if now else math.inf)
 
-    for rows_of, priced, jobs in reversed(lean):  # memory binds under every mode
-        tighten(rows_of, priced, jobs, hashes, budget, len(base_ops), count, bound, pricer, stats, work,
+    for rows_of, priced, jobs in reversed(state.lean):  # memory binds under every mode
+        tighten(rows_of, priced, jobs, state.hashes, budget, len(state.hashes), count, bound, pricer, stats, work,
                 space.cluster.num_devices, options.overlap)
         found = space.best(pipe, costs, count, budget, stats)
-        if not _binds(found, free):
+        if not _binds(found, state.free):
             break
-    return found, costs, list(modes)
+    return found, modes
 
 
 def _stages_of(found, costs: dict, count: int, space: _Space) -> tuple[list[StageSpec], list, str, int]:

@@ -19,7 +19,7 @@ from partopt.layering import build_layers
 from partopt.pricing import longest_stage, stage_lengths
 from partopt.sharding import forward_share
 from test_ilp import brute_force, random_graph
-from test_intra import mlp_gelu
+from test_intra import mlp, mlp_gelu
 from test_recompute import best_forced, block_graph, tight_cluster
 
 B, H = 8, 64
@@ -212,3 +212,24 @@ def test_an_overlapped_plan_pays_at_least_its_stages_share_the_bound_assumes(cou
             assert plan.iteration_time_s >= (1 - 1 / count) * additive * (1 - 1e-12)
         if data_parallel:
             assert plan.stages[0].breakdown["overlapped_s"] > 0  # the case the bound is for
+
+
+def test_counts_whose_bound_exceeds_the_plan_are_never_priced_when_memory_does_not_bind():
+    """Memory-free plans are priced the least roofline bound first, so when every count fits, a count
+    whose bound (count · work / devices, `roofline_work`) exceeds the plan's iteration is skipped unpriced;
+    the plan is the best of the counts priced, each solved alone."""
+    graph, cluster = mlp(8, 512, 1024), preset("p3.16xlarge", 1)
+    plan = optimize(graph, cluster, workers=1)
+    priced = plan.solver["microbatch_counts"]
+    assert all(modes == ["none"] for modes in plan.solver["recompute_modes"].values())  # memory never bound
+    base = build_layers(graph, 64).base
+    bound = {}
+    for count in (2**e for e in range(10)):
+        view = intra.with_batch(graph, 512 // count)
+        bound[count] = count * sum(roofline_work(view, [[view.op_index[op.name] for op in ops] for ops in base],
+                                                 cluster.device)) / cluster.num_devices
+    skipped = set(bound) - set(priced)
+    assert skipped and all(bound[c] > plan.iteration_time_s for c in skipped)
+    assert all(bound[c] <= plan.iteration_time_s for c in priced)
+    alone = {c: optimize(graph, cluster, microbatches=c, workers=1).iteration_time_s for c in priced}
+    assert plan.iteration_time_s == pytest.approx(min(alone.values()), rel=1e-12)
