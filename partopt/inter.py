@@ -145,11 +145,12 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
         rerun = bounds.least_rerun_s(bounds.footprints(view, base[count], options.recompute_modes, cluster.device), room)
         lower[count] = count * (sum(work[count]) + rerun) / cluster.num_devices if work[count] is not None else (
             0.0 if rerun < math.inf else math.inf)
-    # counts that cannot fit skipped. Two passes: first each count's fastest options with memory ignored, the least
-    # lower bound first (uncapped ILPs cost alike at every count; a count whose memory-free plan fits is done, and
-    # the fitting plans found early let the bounds skip the counts that cannot win); then the counts whose memory
-    # binds, the most microbatches first: their small microbatches need least memory, so they are the cheapest to
-    # refine and give the incumbent that lets the bounds skip the rest
+    # counts that cannot fit skipped; each is opened (its fastest options, memory ignored: `_open_count`), the
+    # least bound first, and closed (`_close_count`) only when its memory binds. Uncapped ILPs cost alike at every
+    # count, and the plans that fit found early let the bounds skip counts before any of their ILPs run. A count
+    # whose memory binds waits, bounded by its memory-free plan too; once no unopened count has a lower bound,
+    # the waiting count with the most microbatches is closed first: small microbatches need least memory, so it
+    # is the cheapest to refine and gives the incumbent that lets the bounds skip the rest
     candidates = sorted((c for c in views if lower[c] < math.inf), key=lambda c: (lower[c], -c))
     if not candidates:
         raise _no_plan(graph, cluster, budget)
@@ -174,29 +175,33 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
 
     try:
         with Pricer(graph, options, cache, deadline) as pricer:
-            binding = []
-            for n, count in enumerate(candidates):
-                if loses(count):
-                    del left[count]
-                    continue
+            unopened, waiting = list(candidates), {}  # waiting: count -> its opened state
+            while unopened or waiting:
+                for count in [c for c in (*unopened, *waiting) if loses(c)]:
+                    if count in waiting:
+                        finish(count, None, waiting[count].costs, waiting[count].modes[:1])
+                        del waiting[count]
+                    else:
+                        del left[count]
+                        unopened.remove(count)
+                if not unopened and not waiting:
+                    break
                 if time.perf_counter() > deadline:
                     raise Expired
-                state = _open_count(space, pricer, count, views[count], base[count], work[count], stats,
-                                    lambda jobs: tally.running(jobs, len(candidates) - n))
-                if state.free is not None:
-                    left[count] = max(left[count], _lower(state.free))
-                if state.found is not None or loses(count):
-                    finish(count, state.found, state.costs, state.modes[:1])
-                else:
-                    binding.append(state)
-            for n, state in enumerate(sorted(binding, key=lambda s: -s.count)):
-                if loses(state.count):
-                    finish(state.count, None, state.costs, state.modes[:1])
+                if unopened and (not waiting or left[unopened[0]] <= min(left[c] for c in waiting)):
+                    count = unopened.pop(0)
+                    state = _open_count(space, pricer, count, views[count], base[count], work[count], stats,
+                                        lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
+                    if state.free is not None:
+                        left[count] = max(left[count], _lower(state.free))
+                    if state.found is not None:
+                        finish(count, state.found, state.costs, state.modes[:1])
+                    else:
+                        waiting[count] = state
                     continue
-                if time.perf_counter() > deadline:
-                    raise Expired
+                state = waiting.pop(max(waiting))
                 found, modes = _close_count(space, pricer, state, best, stats,
-                                            lambda jobs: tally.running(jobs, len(binding) - n))
+                                            lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
                 finish(state.count, found, state.costs, modes)
     except (Expired, KeyboardInterrupt) as err:
         stopped = "deadline" if isinstance(err, Expired) else "interrupted"
