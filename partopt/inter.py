@@ -175,7 +175,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
 
     try:
         with Pricer(graph, options, cache, deadline) as pricer:
-            unopened, waiting = list(candidates), {}  # waiting: count -> its opened state
+            unopened, waiting, opened = list(candidates), {}, []  # waiting: count -> its opened state
             while unopened or waiting:
                 for count in [c for c in (*unopened, *waiting) if loses(c)]:
                     if count in waiting:
@@ -190,8 +190,13 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     raise Expired
                 if unopened and (not waiting or left[unopened[0]] <= min(left[c] for c in waiting)):
                     count = unopened.pop(0)
-                    state = _open_count(space, pricer, count, views[count], base[count], work[count], stats,
+                    state = _open_count(space, pricer, count, views[count], base[count], work[count],
+                                        best[0] if best else math.inf, opened, stats,
                                         lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
+                    if state is None:  # no mesh may win
+                        del left[count]
+                        continue
+                    opened.append(state)
                     if state.free is not None:
                         left[count] = max(left[count], _lower(state.free))
                     if state.found is not None:
@@ -237,23 +242,37 @@ class _Count:
     costs: dict  # (submesh, shape, mode) -> rows of layer costs
     lean: list  # per mode priced: what `pricing.tighten` refines when memory binds
     work: list[float] | None  # per base layer: its roofline work (`bounds.roofline_work`)
+    keys: list[tuple]  # the meshes (submesh, logical shape) where a stage may win, the others skipped unpriced
     free: tuple | None = None  # the plan of the modes priced with memory ignored (of `_best_schedule`); None: none yet
     found: tuple | None = None  # the count's best plan, once known to be it
 
 
 def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops: list[list[Op]],
-                work: list[float] | None, stats: Stats, running: Callable[[int], Callable[[int], None]]) -> _Count:
+                work: list[float] | None, limit: float, opened: list[_Count], stats: Stats,
+                running: Callable[[int], Callable[[int], None]]) -> _Count | None:
     """Price `count` (`g_mb`: its microbatch view; `base_ops`: its base layers' ops; `work`: their roofline
-    work) as far as its fastest options go: the least recomputing mode's layer optima on every mesh, and the
-    stage DP's plan of them with memory ignored. When that plan fits, it is the count's best (`found`)."""
+    work) as far as its fastest options go: the least recomputing mode's layer optima on every mesh where a
+    stage may still belong to a plan under `limit` (bounded by the counts `opened` that divide this one,
+    `_floors`), and the stage DP's plan of them with memory ignored. When that plan fits, it is the count's
+    best (`found`); None when no mesh may win."""
     options = space.options
     mb = space.graph.dims[space.graph.batch_dim] // count
     pricer.views[mb] = g_mb
+    keys = list(space.meshes)
+    if limit < math.inf:
+        divisors = [d for d in opened if count % d.count == 0]
+        keys = [key for key in keys if _may_win(
+            [max(f) for f in zip(*(_floors(d.costs[(*key, d.modes[0])][0], d.count, count, work, key[0][0] * key[0][1])
+                                   for d in divisors if (*key, d.modes[0]) in d.costs),
+                                 _floors([None] * len(base_ops), count, count, work, key[0][0] * key[0][1]))],
+            key, count, limit, work, space.cluster, options.overlap)]
+        if not keys:
+            return None
     pipe = pipeline_of(space.graph, space.cluster, space.layering, count, options.overlap)
     state = _Count(count, pipe, [g_mb.structural_hash(ops) for ops in base_ops],
                    [tuple(op.name for op in ops) for ops in base_ops],
-                   _distinct_modes(g_mb, base_ops, options.recompute_modes), {}, [], work)
-    _price_mode(space, pricer, state, list(space.meshes), state.modes[0], stats, running)
+                   _distinct_modes(g_mb, base_ops, options.recompute_modes), {}, [], work, keys)
+    _price_mode(space, pricer, state, keys, state.modes[0], stats, running)
     state.free = free = space.best(pipe, state.costs, count, math.inf, stats)
     if free is not None and fits(pipe, state.costs, space.submeshes, free[3], free[0].stages, count, space.budget,
                                  free[1], free[2]):
@@ -289,11 +308,12 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
     found = space.best(pipe, costs, count, budget, stats)
     if not _binds(found, state.free):
         return found, modes[:1]  # memory does not bind: recomputing more only adds time
-    keys = list(space.meshes)
+    keys = state.keys
     for m in range(1, len(modes)):
         limit = min(incumbent, found[0].total if found else math.inf)
-        keys = [key for key in keys if _may_win(costs[(*key, modes[m - 1])][0], key, count, limit, work,
-                                                space.cluster, options.overlap)]
+        keys = [key for key in keys if _may_win(_floors(costs[(*key, modes[m - 1])][0], count, count, work,
+                                                        key[0][0] * key[0][1]),
+                                                key, count, limit, work, space.cluster, options.overlap)]
         _price_mode(space, pricer, state, keys, modes[m], stats, running)
         if state.free is None:  # no plan ran on the modes before: what this one's fastest options could do
             state.free = space.best(pipe, costs, count, math.inf, stats)
@@ -370,21 +390,32 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     return (replace(best[0], floor=floor if floor < best[0].total else None), *best[1:])
 
 
-def _may_win(leaner_than: list, key: tuple, count: int, limit: float, work: list[float] | None,
-             cluster: Cluster, overlap: bool) -> bool:
-    """Whether a stage on mesh `key` = (submesh, shape) under a mode that recomputes more than the one
-    priced in `leaner_than` (its layers' costs there) could belong to a plan under `limit`.
+def _floors(row: list, priced: int, count: int, work: list[float] | None, devices: int) -> list[float]:
+    """Lower bounds on each layer's count · time + sync on a mesh of `devices`, at `count` microbatches under any
+    mode that recomputes at least as much as the one of `row` (its layers' costs there, priced at `priced`
+    microbatches: `count` itself or a divisor of it; `work`: the layers' roofline work at `count`).
 
-    Recomputing more never makes a strategy faster, so each layer costs at least the optimum it had
-    with memory ignored (`ilp.Solution.free_bound`; the priced cost itself may have been held back by
-    the memory budget, which recomputing relaxes); a layer that did not fit at all is bounded by its
-    roofline work alone. `pricing.longest_stage` then bounds the stages."""
-    devices = key[0][0] * key[0][1]
-    costs = []
-    for b, cost in enumerate(leaner_than):
+    Recomputing more never makes a strategy faster, and memory only removes strategies, so a layer costs at
+    least the optimum it had with memory ignored (`ilp.Solution.free_bound`, per microbatch). With k times
+    the microbatches, each strategy's per-microbatch time is at least 1/k of what it was: its FLOPs, bytes and
+    collective volumes split k ways, a smaller GEMM runs no more efficiently (`costmodel.matmul_efficiency`
+    rises with FLOPs) and latencies stay; its per-iteration work is the same, and every strategy of the
+    smaller microbatch is one of the larger's. So count · time + sync does not fall. No layer costs less than
+    its roofline work either, the only bound of a layer that fitted no option of the mesh."""
+    floors = []
+    for b, cost in enumerate(row):
         free = cost.sharding.solution.free_bound if cost is not None else None
-        costs.append(count * free if free is not None else (count * work[b] / devices if work is not None else 0.0))
-    return pricing.longest_stage(costs, count, limit, work, cluster.num_devices - devices, overlap) > 0
+        floor = count * work[b] / devices if work is not None else 0.0
+        floors.append(max(floor, priced * free) if free is not None else floor)
+    return floors
+
+
+def _may_win(floors: list[float], key: tuple, count: int, limit: float, work: list[float] | None,
+             cluster: Cluster, overlap: bool) -> bool:
+    """Whether a stage on mesh `key` = (submesh, shape) whose layers cost at least `floors` (`_floors`) could
+    belong to a plan under `limit` (`pricing.longest_stage`)."""
+    devices = key[0][0] * key[0][1]
+    return pricing.longest_stage(floors, count, limit, work, cluster.num_devices - devices, overlap) > 0
 
 
 def _binds(found, free) -> bool:

@@ -233,3 +233,29 @@ def test_counts_whose_bound_exceeds_the_plan_are_never_priced_when_memory_does_n
     assert all(bound[c] <= plan.iteration_time_s for c in priced)
     alone = {c: optimize(graph, cluster, microbatches=c, workers=1).iteration_time_s for c in priced}
     assert plan.iteration_time_s == pytest.approx(min(alone.values()), rel=1e-12)
+
+
+def test_a_layer_costs_no_less_with_more_microbatches():
+    """`inter._floors`' claim, on real layer ILPs: at k times the microbatches a layer's optimum count · time + sync
+    on a mesh is at least the optimum with memory ignored it had at the count it divides (per strategy the
+    per-microbatch time falls at most k-fold and the per-iteration work stays)."""
+    from partopt.inter import _floors
+    from partopt.options import Options
+    from partopt.pricing import Job, objectives, price
+    graph, cluster = block_graph(layers=1, batch=64), preset("p3.16xlarge", 1)
+    base = build_layers(graph, 64).base
+    checked = 0
+    for submesh in [(1, 2), (1, 8)]:
+        for shape in cluster.logical_shapes(submesh):
+            mesh = cluster.logical_mesh(submesh, shape)
+            for ops in base:
+                names = tuple(op.name for op in ops)
+                row = {}
+                for count in (1, 2, 8):
+                    view = intra.with_batch(graph, 64 // count)
+                    row[count] = price(view, Job(64 // count, count, names, mesh, "none", None), Options())
+                for more in (2, 8):
+                    floor = _floors([row[1]], 1, more, None, submesh[0] * submesh[1])[0]
+                    assert objectives([row[more]], more)[0] >= floor * (1 - 1e-12)
+                    checked += floor < objectives([row[more]], more)[0] * (1 - 1e-6)  # not a tie: latencies stay
+    assert checked >= 6
