@@ -12,12 +12,12 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 from partopt import costmodel, intra
 from partopt.cluster import LogicalMesh
 from partopt.errors import InfeasibleError, SolverError
-from partopt.executors import Executor, LocalPool, make_executor
+from partopt.executors import Executor, make_executor
 from partopt.graph import Graph
 from partopt.sharding import op_strategies, param_strategies
 
@@ -193,8 +193,8 @@ class Pricer:
     layers that hash alike share one solve), so later calls given the same dict reuse them."""
 
     # seconds of pricing in this process after which the local pool starts, in the background (`LocalPool.start`):
-    # a search that prices for less never starts processes; a longer one (GPT-1.3B's default: 7 s) runs its
-    # later jobs on the workers once one is up, the largest first
+    # a search that prices for less never starts processes; a longer one (GPT-1.3B's default: 4 s) runs its
+    # later jobs on the workers once one is up, from the job after which one is seen up (mid-call too)
     WARM_S = 0.5
 
     def __init__(self, graph: Graph, options, cache: dict | None = None, deadline: float = math.inf):
@@ -231,20 +231,27 @@ class Pricer:
         if self.executor is not None:  # interrupted: do not wait for running ILPs
             self.executor.close(wait=kind is None)
 
-    def _results(self, jobs: list[Job]) -> Iterable[Priced]:
-        """The jobs' results in order: on the executor once it is ready, else here (the same results either way)."""
-        local = any(job.restriction is not None for job in jobs)  # restrictions are closures: not shipped
-        wanted = self.options.executor != "local" or (self.workers > 1 and self.local_s >= self.WARM_S)
-        if not local and self.executor is None and wanted:
+    def _results(self, jobs: list[Job]) -> Iterator[Priced]:
+        """The jobs' results in order: on the executor once it is ready, else here (the same results either way).
+        The local pool starts in the background once this process has priced for WARM_S; the jobs after that
+        run here until a worker is up, and the rest of them on the pool, within one call as across calls."""
+        if any(job.restriction is not None for job in jobs):  # restrictions are closures: not shipped
+            yield from self._here(jobs)
+            return
+        if self.options.executor != "local" and self.executor is None:
             self.executor = make_executor(self.options.executor, price_job, (self.graph, self.options), self.workers,
                                           self.options.ray_address)
-            if self.local_s > 0 and isinstance(self.executor, LocalPool):
-                self.executor.start()  # mid-search: this process goes on pricing until a worker is up
-                self.booting = True
-        if self.executor is None or local or (self.booting and not self.executor.ready()):
-            return self._here(jobs)
-        self.booting = False
-        return self.executor.map(jobs)
+        for n, job in enumerate(jobs):
+            if self.executor is None and self.workers > 1 and self.local_s >= self.WARM_S:
+                self.executor = make_executor("local", price_job, (self.graph, self.options), self.workers)
+                if self.local_s > 0:  # mid-search: this process goes on pricing until a worker is up
+                    self.executor.start()
+                    self.booting = True
+            if self.executor is not None and (not self.booting or self.executor.ready()):
+                self.booting = False
+                yield from self.executor.map(jobs[n:])
+                return
+            yield from self._here([job])
 
     def _here(self, jobs: list[Job]) -> Iterator[Priced]:
         for job in jobs:
