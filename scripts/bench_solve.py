@@ -7,12 +7,14 @@ memory of that process and its ILP workers every 0.2 s and reports the peak of t
     python scripts/bench_solve.py --case gpt-39b-64
     python scripts/bench_solve.py --case gpt-1.3b-8-auto --repeat 3   # the median of three runs (issue 16's measure)
     python scripts/bench_solve.py --compare gpt-1.3b-b128   # the default against forced modes and Megatron's grid
+    python scripts/bench_solve.py --compare gpt-1t-b512 --in-process   # the same, one process, one layer cache
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import signal
 import statistics
 import subprocess
@@ -147,6 +149,50 @@ def compare(names: list[str], timeout_s: float) -> None:
     Console().print(table)
 
 
+def compare_in_process(names: list[str]) -> None:
+    """`compare` with every run in this process and one cache of layer solutions: each forced run reuses the
+    ILPs of the runs before it (the plans are the same as cold runs'; only planning times differ)."""
+    from partopt import baselines, io, models
+    from partopt.cluster import preset
+    from partopt.inter import optimize
+
+    table = Table(title="partopt: the default against one mode forced and Megatron's grid (one process, one cache)")
+    for column in ("case", "flags", "iteration", "TFLOP/s/dev", "stages", "B", "planning", "ILPs",
+                   "peak RSS (this process)", "default no slower"):
+        table.add_column(column, justify="left" if column in ("case", "flags") else "right")
+    for name in names:
+        source, cluster_args = COMPARED[name]
+        if source.startswith("generate:"):
+            words = source.split(":", 1)[1].split()
+            params = {words[i].lstrip("-").replace("-", "_"): words[i + 1] for i in range(1, len(words), 2)}
+            graph = models.generate(words[0], **{k: v if k == "name" else int(v) for k, v in params.items()})
+        else:
+            graph = io.read_graph(str(ROOT / source))
+        args = dict(zip(cluster_args[::2], cluster_args[1::2]))
+        cluster = preset(args["--cluster"], int(args["--nodes"]))
+        cache, default = {}, None
+        for flags in FORCED:
+            options = {flag.lstrip("-"): value for flag, value in zip(flags[::2], flags[1::2])}
+            start = time.perf_counter()
+            if options.pop("search", None) == "megatron":
+                plan = baselines.megatron(graph, cluster)
+            else:
+                plan = optimize(graph, cluster, cache=cache, **options)
+            wall = time.perf_counter() - start
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # this process, GiB (Linux: KiB)
+            r = {"case": name, "flags": flags, "wall_s": wall, "iteration_s": plan.iteration_time_s,
+                 "stages": len(plan.stages), "microbatches": plan.num_microbatches, "ilps": plan.solver.get("ilps"),
+                 "schedule": plan.schedule, "tflops": plan.throughput["tflops_per_device"], "peak_gib": peak}
+            print(json.dumps(r, default=str), file=sys.stderr, flush=True)
+            if not flags:
+                default = plan.iteration_time_s
+            verdict = "" if not flags else ("yes" if default <= plan.iteration_time_s * (1 + 1e-9) else "NO")
+            table.add_row(name, " ".join(flags) or "(defaults)", f"{plan.iteration_time_s:.3f} s",
+                          f"{r['tflops']:.1f}", str(r["stages"]), str(r["microbatches"]), f"{wall:.0f} s",
+                          str(r["ilps"]), f"{peak:.2f} GiB", verdict)
+    Console().print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", choices=[c.name for c in CASES], help="run only these cases")
@@ -154,9 +200,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="run each case this many times; report the median wall")
     parser.add_argument("--compare", action="append", choices=list(COMPARED),
                         help="instead: this case's default plan against each mode forced and Megatron's grid")
+    parser.add_argument("--in-process", action="store_true",
+                        help="with --compare: every run in this process, sharing one cache of layer solutions")
     args = parser.parse_args()
     if args.compare:
-        compare(args.compare, args.timeout)
+        if args.in_process:
+            compare_in_process(args.compare)
+        else:
+            compare(args.compare, args.timeout)
         return
     cases = [c for c in CASES if not args.case or c.name in args.case]
     table = Table(title="partopt solve: planning time (median of --repeat runs) and peak memory")
