@@ -193,9 +193,11 @@ class Pricer:
     layers that hash alike share one solve), so later calls given the same dict reuse them."""
 
     # seconds of pricing in this process after which the local pool starts, in the background (`LocalPool.start`):
-    # a search that prices for less never starts processes; a longer one (GPT-1.3B's default: 4 s) runs its
-    # later jobs on the workers once one is up, from the job after which one is seen up (mid-call too)
-    WARM_S = 0.5
+    # a search that prices for less never starts processes; a longer one runs its later jobs on the workers once
+    # one is up, from the job after which one is seen up (mid-call too). A worker's start and its cold caches cost
+    # about what it saves on a few seconds of pricing: GPT-1.3B's default (4.8 s of pricing) took a median 7.3 s
+    # in one process and 8.5 s with a pool started at 0.5 s (docs/benchmarks.md), so only longer searches start one
+    WARM_S = 5.0
 
     def __init__(self, graph: Graph, options, cache: dict | None = None, deadline: float = math.inf):
         self.graph, self.options = graph, options
