@@ -196,8 +196,8 @@ class Pricer:
     # a search that prices for less never starts processes; a longer one runs its later jobs on the workers once
     # one is up, from the job after which one is seen up (mid-call too). A worker's start and its cold caches cost
     # about what it saves on a few seconds of pricing: GPT-1.3B's default (4.8 s of pricing) took a median 7.3 s
-    # in one process and 8.5 s with a pool started at 0.5 s (docs/benchmarks.md), so only longer searches start one
-    WARM_S = 5.0
+    # in one process and 8.5 s with a pool started at 0.5 s, and pricing may take twice as long on a loaded machine
+    WARM_S = 10.0
 
     def __init__(self, graph: Graph, options, cache: dict | None = None, deadline: float = math.inf):
         self.graph, self.options = graph, options
