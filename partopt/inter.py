@@ -261,11 +261,8 @@ def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops
     keys = list(space.meshes)
     if limit < math.inf:
         divisors = [d for d in opened if count % d.count == 0]
-        keys = [key for key in keys if _may_win(
-            [max(f) for f in zip(*(_floors(d.costs[(*key, d.modes[0])][0], d.count, count, work, key[0][0] * key[0][1])
-                                   for d in divisors if (*key, d.modes[0]) in d.costs),
-                                 _floors([None] * len(base_ops), count, count, work, key[0][0] * key[0][1]))],
-            key, count, limit, work, space.cluster, options.overlap)]
+        keys = [key for key in keys if _may_win(_divisor_floors(key, count, len(base_ops), work, divisors), key, count,
+                                                limit, work, space.cluster, options.overlap)]
         if not keys:
             return None
     pipe = pipeline_of(space.graph, space.cluster, space.layering, count, options.overlap)
@@ -408,6 +405,17 @@ def _floors(row: list, priced: int, count: int, work: list[float] | None, device
         floor = count * work[b] / devices if work is not None else 0.0
         floors.append(max(floor, priced * free) if free is not None else floor)
     return floors
+
+
+def _divisor_floors(key: tuple, count: int, layers: int, work: list[float] | None,
+                    divisors: list[_Count]) -> list[float]:
+    """Per layer, the best lower bound on its count · time + sync on mesh `key` at `count` microbatches that its
+    roofline work and the counts `divisors` (opened, each dividing `count`) give (`_floors`)."""
+    devices = key[0][0] * key[0][1]
+    rows = [_floors([None] * layers, count, count, work, devices)]
+    rows += [_floors(d.costs[(*key, d.modes[0])][0], d.count, count, work, devices)
+             for d in divisors if (*key, d.modes[0]) in d.costs]
+    return [max(column) for column in zip(*rows)]
 
 
 def _may_win(floors: list[float], key: tuple, count: int, limit: float, work: list[float] | None,
