@@ -82,15 +82,18 @@ def _tree_rss_kb(pid: int) -> int:
     return total
 
 
+def graph_file(source: str, name: str, workdir: Path) -> str:
+    """The graph file of a case: its instance file, or one `partopt generate` writes from "generate:<args>"."""
+    if not source.startswith("generate:"):
+        return str(ROOT / source)
+    path = str(workdir / f"{name}.json")
+    subprocess.run(["partopt", "generate", *source.split(":", 1)[1].split(), "-o", path], check=True,
+                   capture_output=True)
+    return path
+
+
 def run(case: Case, workdir: Path, timeout_s: float) -> dict:
-    graph = case.graph
-    if graph.startswith("generate:"):
-        graph = str(workdir / f"{case.name}.json")
-        subprocess.run(["partopt", "generate", *case.graph.split(":", 1)[1].split(), "-o", graph],
-                       check=True, capture_output=True)
-    else:
-        graph = str(ROOT / graph)
-    command = ["partopt", "solve", graph, *case.args, "--json"]
+    command = ["partopt", "solve", graph_file(case.graph, case.name, workdir), *case.args, "--json"]
     out_path, err_path = workdir / f"{case.name}.out", workdir / f"{case.name}.err"
     start = time.perf_counter()
     with open(out_path, "w") as out_file, open(err_path, "w") as err_file:  # files, not pipes: nothing blocks
@@ -152,7 +155,7 @@ def compare(names: list[str], timeout_s: float) -> None:
 def compare_in_process(names: list[str]) -> None:
     """`compare` with every run in this process and one cache of layer solutions: each forced run reuses the
     ILPs of the runs before it (the plans are the same as cold runs'; only planning times differ)."""
-    from partopt import baselines, io, models
+    from partopt import baselines, io
     from partopt.cluster import preset
     from partopt.inter import optimize
 
@@ -162,12 +165,8 @@ def compare_in_process(names: list[str]) -> None:
         table.add_column(column, justify="left" if column in ("case", "flags") else "right")
     for name in names:
         source, cluster_args = COMPARED[name]
-        if source.startswith("generate:"):
-            words = source.split(":", 1)[1].split()
-            params = {words[i].lstrip("-").replace("-", "_"): words[i + 1] for i in range(1, len(words), 2)}
-            graph = models.generate(words[0], **{k: v if k == "name" else int(v) for k, v in params.items()})
-        else:
-            graph = io.read_graph(str(ROOT / source))
+        with tempfile.TemporaryDirectory() as tmp:
+            graph = io.read_graph(graph_file(source, name, Path(tmp)))
         args = dict(zip(cluster_args[::2], cluster_args[1::2]))
         cluster = preset(args["--cluster"], int(args["--nodes"]))
         cache, default = {}, None
