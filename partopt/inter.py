@@ -175,7 +175,8 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
 
     try:
         with Pricer(graph, options, cache, deadline) as pricer:
-            unopened, waiting, opened = list(candidates), {}, []  # waiting: count -> its opened state
+            unopened, waiting = list(candidates), {}  # waiting: count -> its opened state
+            fastest = {}  # count opened -> per mesh priced, its layers' fastest costs (what bounds its multiples)
             while unopened or waiting:
                 for count in [c for c in (*unopened, *waiting) if loses(c)]:
                     if count in waiting:
@@ -191,12 +192,12 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                 if unopened and (not waiting or left[unopened[0]] <= min(left[c] for c in waiting)):
                     count = unopened.pop(0)
                     state = _open_count(space, pricer, count, views[count], base[count], work[count],
-                                        best[0] if best else math.inf, opened, stats,
+                                        best[0] if best else math.inf, fastest, stats,
                                         lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
                     if state is None:  # no mesh may win
                         del left[count]
                         continue
-                    opened.append(state)
+                    fastest[count] = {key: state.costs[(*key, state.modes[0])][0] for key in state.keys}
                     if state.free is not None:
                         left[count] = max(left[count], _lower(state.free))
                     if state.found is not None:
@@ -248,19 +249,19 @@ class _Count:
 
 
 def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops: list[list[Op]],
-                work: list[float] | None, limit: float, opened: list[_Count], stats: Stats,
+                work: list[float] | None, limit: float, fastest: dict[int, dict], stats: Stats,
                 running: Callable[[int], Callable[[int], None]]) -> _Count | None:
     """Price `count` (`g_mb`: its microbatch view; `base_ops`: its base layers' ops; `work`: their roofline
     work) as far as its fastest options go: the least recomputing mode's layer optima on every mesh where a
-    stage may still belong to a plan under `limit` (bounded by the counts `opened` that divide this one,
-    `_floors`), and the stage DP's plan of them with memory ignored. When that plan fits, it is the count's
+    stage may still belong to a plan under `limit` (bounded by the `fastest` rows of the counts opened before
+    that divide this one, `_floors`), and the stage DP's plan of them with memory ignored. When that plan fits, it is the count's
     best (`found`); None when no mesh may win."""
     options = space.options
     mb = space.graph.dims[space.graph.batch_dim] // count
     pricer.views[mb] = g_mb
     keys = list(space.meshes)
     if limit < math.inf:
-        divisors = [d for d in opened if count % d.count == 0]
+        divisors = {c: rows for c, rows in fastest.items() if count % c == 0}
         keys = [key for key in keys if _may_win(_divisor_floors(key, count, len(base_ops), work, divisors), key, count,
                                                 limit, work, space.cluster, options.overlap)]
         if not keys:
@@ -408,13 +409,13 @@ def _floors(row: list, priced: int, count: int, work: list[float] | None, device
 
 
 def _divisor_floors(key: tuple, count: int, layers: int, work: list[float] | None,
-                    divisors: list[_Count]) -> list[float]:
+                    divisors: dict[int, dict]) -> list[float]:
     """Per layer, the best lower bound on its count · time + sync on mesh `key` at `count` microbatches that its
-    roofline work and the counts `divisors` (opened, each dividing `count`) give (`_floors`)."""
+    roofline work and the counts `divisors` (each dividing `count`: per mesh priced, its layers' fastest costs)
+    give (`_floors`)."""
     devices = key[0][0] * key[0][1]
     rows = [_floors([None] * layers, count, count, work, devices)]
-    rows += [_floors(d.costs[(*key, d.modes[0])][0], d.count, count, work, devices)
-             for d in divisors if (*key, d.modes[0]) in d.costs]
+    rows += [_floors(priced[key], c, count, work, devices) for c, priced in divisors.items() if key in priced]
     return [max(column) for column in zip(*rows)]
 
 
