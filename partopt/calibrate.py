@@ -37,6 +37,9 @@ MAX_ITERATIONS = 60
 STEP_TOL = 1e-6
 COST_TOL = 1e-6  # ... or a step lowers the cost by less than this fraction
 MAX_DAMPING = 1e10
+# a trial step moves no parameter by more than this factor (a trust region in log space): a parameter the
+# points hardly feel (a GEMM curve far below every GEMM's size) would otherwise be sent to 0 or infinity
+MAX_LOG_STEP = math.log(10)
 JACOBIAN_STEP = 1e-6  # forward-difference step in log(parameter)
 # A parameter is identified when some point's log prediction moves by SENSITIVE per unit of
 # log(parameter), and the column-scaled Jacobian of the points (and of every leave-one-out subset)
@@ -356,6 +359,7 @@ def _levenberg_marquardt(problem: _Problem, z: np.ndarray, rows: Sequence[int] |
         scale = np.diag(normal) + 1e-12
         while damping <= MAX_DAMPING:
             step = np.linalg.solve(normal + damping * np.diag(scale), -gradient)
+            step *= min(1.0, MAX_LOG_STEP / max(float(np.max(np.abs(step))), 1e-300))  # the same direction, shorter
             trial = problem.project(z + step)
             if float(np.max(np.abs(trial - z))) < STEP_TOL:
                 return z  # steps this small resolve nothing more: converged (and no predictions spent on them)

@@ -187,6 +187,31 @@ def test_fractions_stay_at_most_one(monkeypatch):
     assert result.values["matmul_efficiency"] == 1.0
 
 
+def test_a_step_moves_no_parameter_more_than_tenfold():
+    """A parameter the points hardly feel gets a huge Gauss-Newton step (here to e^40 at once: the curve of a
+    ZeroDivisionError once); the fit moves by at most log 10 per step and still reaches the least squares."""
+    target = np.array([40.0, 0.5])  # residuals vanish at z = target
+
+    class Problem:
+        priced: list = []
+
+        def residuals(self, z, rows=None):
+            self.priced.append(z.copy())
+            return np.array([1e-3 * (z[0] - target[0]), z[1] - target[1]])
+
+        def jacobian(self, z, r, rows=None):
+            return np.diag([1e-3, 1.0])
+
+        def project(self, z):
+            return z
+
+    problem = Problem()
+    z = calibrate._levenberg_marquardt(problem, np.zeros(2))
+    steps = np.abs(np.diff(np.array(problem.priced), axis=0))
+    assert steps.max() <= math.log(10) + 1e-12
+    assert z == pytest.approx(target, abs=1e-6)
+
+
 # ---------------------------------------------------------------- the preset data file
 
 def test_written_file_is_a_cluster_file_the_preset_reads(tmp_path, monkeypatch):

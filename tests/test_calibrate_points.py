@@ -89,12 +89,17 @@ def test_korthikanti_points_carry_reference_figures_and_agree_with_the_paper_tim
 
 
 def test_h100_points_run_the_schedules_their_sources_name():
-    """Llama 3 interleaved its pipeline (priced interleaved, 2 chunks of 4 of the 128 priced layers per
-    stage: the count is not published); the 8B ran without a pipeline; the 70B ran virtual pipeline 5."""
+    """Llama 3 interleaved its pipeline with chunks of one layer: it took one layer each from the first and last
+    stages and "the first model chunk on the first stage has only the embedding" (arXiv 2407.21783 §3.3.2), so
+    its 126 layers and the embedding and output chunks fill pp × v = 16 × 8 chunks; the 8B ran without a
+    pipeline; the 70B ran virtual pipeline 5."""
     by_label = {p.label.split(",")[0] + f" {p.gpus}": p for p in calibrate.read_points(POINTS / "dgx-h100.json").points}
     assert {label: (p.schedule, p.virtual_stages) for label, p in by_label.items()} == {
-        "Llama 3 405B 8192": ("interleaved", 2), "Llama 3 405B 16384": ("interleaved", 2),
+        "Llama 3 405B 8192": ("interleaved", 8), "Llama 3 405B 16384": ("interleaved", 8),
         "NeMo Llama3 8B FP8 8": ("1f1b", 1), "NeMo Llama3 70B FP8 64": ("interleaved", 5)}
+    for label in ("Llama 3 405B 8192", "Llama 3 405B 16384"):
+        p = by_label[label]
+        assert p.pp * p.virtual_stages == 126 + 2  # one layer per chunk, the embedding and output chunks alone
     for p in by_label.values():
         assert p.microbatches % p.pp == 0 or p.schedule != "interleaved"  # Megatron's rule for interleaving
 
