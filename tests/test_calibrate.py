@@ -193,7 +193,8 @@ def test_a_step_moves_no_parameter_more_than_tenfold():
     target = np.array([40.0, 0.5])  # residuals vanish at z = target
 
     class Problem:
-        priced: list = []
+        def __init__(self):
+            self.priced = []  # every z the fit prices, in order
 
         def residuals(self, z, rows=None):
             self.priced.append(z.copy())
