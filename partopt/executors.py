@@ -65,16 +65,19 @@ class InProcess:
 _WORKER: dict = {}
 
 
-def _worker_init(fn: JobFn, context: tuple) -> None:
-    """Pool worker set-up: keep the job function and its context for every later job."""
+def _worker_init(fn: JobFn, context: tuple, planner: int) -> None:
+    """Pool worker set-up: keep the job function and its context for every later job; exit once the `planner`
+    process is gone (a worker's parent is the fork server, which lives as long as its workers do)."""
     _WORKER.update(fn=fn, context=context)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the planner's to handle (it closes its executor)
-    parent = os.getppid()
 
     def orphaned() -> None:  # a killed planner must not leave its workers running
-        while os.getppid() == parent:
+        while True:
+            try:
+                os.kill(planner, 0)
+            except ProcessLookupError:
+                os._exit(1)
             time.sleep(1.0)
-        os._exit(1)
 
     threading.Thread(target=orphaned, daemon=True).start()
 
@@ -87,6 +90,18 @@ def _worker_up() -> None:
     """A job that only proves a worker has started (`LocalPool.start`)."""
 
 
+def _start_context(fn: JobFn) -> multiprocessing.context.BaseContext:
+    """How workers start: forked from a fork server that imported `fn`'s module once and never ran a solver
+    (a worker is up in milliseconds once the server is; GPT-1.3B's default 4.25 -> 3.66 s, docs/benchmarks.md),
+    or spawned where there is no fork server. Never forked from this process: the solvers' threads in it must
+    not be copied mid-lock."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([fn.__module__])  # heeded when the server starts: once per process
+    return context
+
+
 class LocalPool:
     """Worker processes on this machine, started by `start` or at the first `map`, and kept for later ones."""
 
@@ -94,15 +109,20 @@ class LocalPool:
         self.fn, self.context, self.workers = fn, context, workers
         self.pool: ProcessPoolExecutor | None = None
         self.started: list = []  # `_worker_up` futures: one done means a worker takes jobs
+        self.launch: threading.Thread | None = None  # submits them (`start`)
 
     def start(self) -> None:
-        """Start the workers now and return at once: they import partopt (about 0.75 s here) while the caller
-        goes on; `ready` says when one of them can take jobs."""
+        """Start the workers now and return at once: the first pool of a process waits for its fork server to
+        import partopt (about 0.75 s here) while the caller goes on; `ready` says when a worker can take jobs."""
         if self.pool is None:
-            # spawned, not forked: the solvers' threads in this process must not be copied mid-lock
-            self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_worker_init, initargs=(self.fn, self.context))
-            self.started = [self.pool.submit(_worker_up) for _ in range(self.workers)]  # each submit spawns one
+            self.pool = ProcessPoolExecutor(self.workers, mp_context=_start_context(self.fn),
+                                            initializer=_worker_init, initargs=(self.fn, self.context, os.getpid()))
+            # each submit starts one worker, and the first waits for the fork server: off the caller's thread
+            self.launch = threading.Thread(target=self._launch, args=(self.pool,), daemon=True)
+            self.launch.start()
+
+    def _launch(self, pool: ProcessPoolExecutor) -> None:
+        self.started = [pool.submit(_worker_up) for _ in range(self.workers)]
 
     def ready(self) -> bool:
         """Whether a worker started by `start` can take jobs (`map` before then waits for one)."""
@@ -116,6 +136,7 @@ class LocalPool:
         """Queued jobs are cancelled; running ones finish first, or without `wait` die with their workers."""
         if self.pool is None:
             return
+        self.launch.join()  # every worker started, so that each is stopped below
         pool, self.pool = self.pool, None
         # the pool's own process table and manager thread: ProcessPoolExecutor.terminate_workers only arrives
         # in Python 3.14

@@ -194,10 +194,11 @@ class Pricer:
 
     # seconds of pricing in this process after which the local pool starts, in the background (`LocalPool.start`):
     # a search that prices for less never starts processes; a longer one runs its later jobs on the workers once
-    # one is up, from the job after which one is seen up (mid-call too). A worker's start and its cold caches cost
-    # about what it saves on a few seconds of pricing: GPT-1.3B's default (4.8 s of pricing) took a median 7.3 s
-    # in one process and 8.5 s with a pool started at 0.5 s, and pricing may take twice as long on a loaded machine
-    WARM_S = 10.0
+    # one is up, from the job after which one is seen up (mid-call too). Workers fork from a server that imports
+    # partopt once (`executors._start_context`), so the pool pays off early: GPT-1.3B's default took a median
+    # 4.48 s in one process (WARM_S 10), 3.92 s at 1 s and 3.75 s at 0; an MLP of four layers 0.66 s at 1 s and
+    # 0.81 s at 0, as its search ended while the server still started (docs/benchmarks.md)
+    WARM_S = 1.0
 
     def __init__(self, graph: Graph, options, cache: dict | None = None, deadline: float = math.inf):
         self.graph, self.options = graph, options
@@ -230,8 +231,8 @@ class Pricer:
         return self
 
     def __exit__(self, kind, *exc) -> None:
-        if self.executor is not None:  # interrupted: do not wait for running ILPs
-            self.executor.close(wait=kind is None)
+        if self.executor is not None:  # interrupted: do not wait for running ILPs; nor for workers still starting
+            self.executor.close(wait=kind is None and not self.booting)
 
     def _results(self, jobs: list[Job]) -> Iterator[Priced]:
         """The jobs' results in order: on the executor once it is ready, else here (the same results either way).
@@ -246,9 +247,8 @@ class Pricer:
         for n, job in enumerate(jobs):
             if self.executor is None and self.workers > 1 and self.local_s >= self.WARM_S:
                 self.executor = make_executor("local", price_job, (self.graph, self.options), self.workers)
-                if self.local_s > 0:  # mid-search: this process goes on pricing until a worker is up
-                    self.executor.start()
-                    self.booting = True
+                self.executor.start()  # in the background: this process goes on pricing until a worker is up
+                self.booting = True
             if self.executor is not None and (not self.booting or self.executor.ready()):
                 self.booting = False
                 yield from self.executor.map(jobs[n:])
