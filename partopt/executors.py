@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures.process
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -100,6 +101,14 @@ def _start_context(fn: JobFn) -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([fn.__module__])  # heeded when the server starts: once per process
     return context
+
+
+def prepare(fn: JobFn) -> None:
+    """Start the fork server of `_start_context` now, in the background (it imports partopt, about 0.75 s here),
+    so that a pool started later forks its workers at once. Nothing where workers are spawned."""
+    context = _start_context(fn)
+    if context.get_start_method() == "forkserver":
+        multiprocessing.forkserver.ensure_running()
 
 
 class LocalPool:

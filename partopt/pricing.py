@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 from partopt import costmodel, intra
 from partopt.cluster import LogicalMesh
 from partopt.errors import InfeasibleError, SolverError
-from partopt.executors import Executor, make_executor
+from partopt.executors import Executor, make_executor, prepare
 from partopt.graph import Graph
 from partopt.sharding import op_strategies, param_strategies
 
@@ -195,9 +195,9 @@ class Pricer:
     # seconds of pricing in this process after which the local pool starts, in the background (`LocalPool.start`):
     # a search that prices for less never starts processes; a longer one runs its later jobs on the workers once
     # one is up, from the job after which one is seen up (mid-call too). Workers fork from a server that imports
-    # partopt once (`executors._start_context`), so the pool pays off early: GPT-1.3B's default took a median
-    # 4.48 s in one process (WARM_S 10), 3.92 s at 1 s and 3.75 s at 0; an MLP of four layers 0.66 s at 1 s and
-    # 0.81 s at 0, as its search ended while the server still started (docs/benchmarks.md)
+    # partopt once, started with the Pricer (`executors.prepare`), so the pool pays off early: GPT-1.3B's default
+    # took a median 4.48 s in one process (WARM_S 10) and 3.5-3.8 s at 1 s; an MLP of four layers, whose search
+    # ends before the server is up, 0.7 s either way (docs/benchmarks.md)
     WARM_S = 1.0
 
     def __init__(self, graph: Graph, options, cache: dict | None = None, deadline: float = math.inf):
@@ -210,6 +210,8 @@ class Pricer:
         self.local_s = 0.0  # seconds spent pricing in this process
         self.booting = False  # the local pool was started in the background and no worker has been seen up yet
         self.cache = {} if cache is None else cache
+        if options.executor == "local" and self.workers > 1:
+            prepare(price_job)  # the pool may start within seconds: its fork server starts now, beside the search
         self.prefix = (graph.name, graph.structural_hash(), options.backend, options.time_limit_s, options.seed,
                        options.memory_reserve, options.data_parallel_only, options.stage_data_parallel,
                        (options.cost_model or costmodel.ANALYTICAL).key, options.overlap)
