@@ -222,11 +222,10 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None,
     start = model.start
     for n, idx in enumerate(keep):
         if len(idx) > 1:
-            for k in idx:
-                var[n][k] = model.add_var(graph.costs[n][k], f"{graph.names[n]}#{k}")
-                if choice is not None:
-                    start[int(var[n][k])] = float(k == choice[n])
-            model.add_row(list(var[n][idx]), [1.0] * len(idx), 1, 1)
+            var[n][idx] = model.add_vars(graph.costs[n][idx])
+            if choice is not None:
+                start.update(zip(var[n][idx].tolist(), (idx == choice[n]).astype(float).tolist()))
+            model.add_row(var[n][idx].tolist(), [1.0] * len(idx), 1, 1)
 
     groups: dict[Group, _Terms] = {}
 
@@ -237,9 +236,8 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None,
         if len(keep[n]) == 1:
             terms.const += float(values[0])
             return
-        for k, value in zip(keep[n], values):
-            if value:
-                terms.add(int(var[n][k]), float(value))
+        for k in np.flatnonzero(values):
+            terms.add(int(var[n][keep[n][k]]), float(values[k]))
 
     if budget is not None:
         for n, tables in graph.node_transients.items():
@@ -275,30 +273,28 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None,
             for key, t in zip(keys, stack[1:]):
                 node_term(key, v, t[0])
             continue
-        pair = np.empty(reduced.shape[1:], dtype=int)
-        for a in range(reduced.shape[1]):
-            for b in range(reduced.shape[2]):
-                pair[a, b] = model.add_var(reduced[0, a, b], f"e{u}-{v}#{a},{b}")
+        pair = model.add_vars(reduced[0])
         if choice is not None:  # the pair of the chosen strategies' classes is 1
-            chosen = (row_class[np.searchsorted(keep[u], choice[u])], col_class[np.searchsorted(keep[v], choice[v])])
-            start.update({int(pair[a, b]): float((a, b) == chosen) for a, b in np.ndindex(pair.shape)})
+            chosen = np.zeros(pair.shape)
+            chosen[row_class[np.searchsorted(keep[u], choice[u])], col_class[np.searchsorted(keep[v], choice[v])]] = 1.0
+            start.update(zip(pair.ravel().tolist(), chosen.ravel().tolist()))
         for a in range(reduced.shape[1]):
             members = var[u][keep[u][row_class == a]]
-            model.add_row(list(pair[a]) + list(members), [1.0] * reduced.shape[2] + [-1.0] * len(members), 0, 0)
+            model.add_row(pair[a].tolist() + members.tolist(), [1.0] * reduced.shape[2] + [-1.0] * len(members), 0, 0)
         for b in range(reduced.shape[2]):
             members = var[v][keep[v][col_class == b]]
-            model.add_row(list(pair[:, b]) + list(members), [1.0] * reduced.shape[1] + [-1.0] * len(members), 0, 0)
+            model.add_row(pair[:, b].tolist() + members.tolist(), [1.0] * reduced.shape[1] + [-1.0] * len(members), 0, 0)
         for key, t in zip(keys, reduced[1:]):
             terms = groups.setdefault(key, _Terms())
             terms.upper += float(t.max())
-            for (a, b), value in np.ndenumerate(t):
-                if value:
-                    terms.add(int(pair[a, b]), float(value))
+            nonzero = np.flatnonzero(t)
+            for i, value in zip(pair.ravel()[nonzero].tolist(), t.ravel()[nonzero].tolist()):
+                terms.add(i, value)
 
     for n, idx in enumerate(keep):
         if len(idx) > 1:
-            for k in idx:
-                model.objective[var[n][k]] += float(extra_node_cost[n][k])
+            for i, extra in zip(var[n][idx].tolist(), extra_node_cost[n][idx].tolist()):
+                model.objective[i] += extra
 
     if budget is not None:
         # the memory row is stated times `shared`, so that a peak (charged 1/shared) keeps coefficient 1
@@ -309,18 +305,18 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None,
         index, coef = [], []
         for n, idx in enumerate(keep):
             if len(idx) > 1:
-                low = float(graph.memory[n][idx].min())  # subtract each node's least memory (exact)
+                memory = graph.memory[n][idx].astype(float)
+                low = float(memory.min())  # subtract each node's least memory (exact)
                 base += low
-                for k in idx:
-                    if graph.memory[n][k] > low:
-                        index.append(int(var[n][k]))
-                        coef.append((float(graph.memory[n][k]) - low) * shared)
+                above = memory > low
+                index.extend(var[n][idx][above].tolist())
+                coef.extend(((memory[above] - low) * shared).tolist())
         for pool in dict.fromkeys(p for p, _ in groups):
             members = [t for (p, _), t in groups.items() if p == pool]
             if not any(t.coef for t in members):
                 constant_peaks += max(t.const for t in members)
                 continue
-            peak = model.add_continuous(max(t.upper for t in members), name=f"peak {pool}")
+            peak = model.add_continuous(max(t.upper for t in members))
             if choice is not None:  # the largest owner's transients under the start
                 start[peak] = max(sum(c * start[i] for i, c in t.coef.items()) + t.const for t in members)
             for t in members:  # this owner's transients <= the pool's peak

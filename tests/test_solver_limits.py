@@ -125,8 +125,8 @@ def test_a_continuous_peak_is_the_largest_of_its_rows(backend):
     By hand: at cap 9 both fit (2 + 2 + 5), p = 5; at cap 8 only one does, b (worth more: 2 + 5 <= 8)."""
     def model(cap: float) -> solvers.Model:
         m = solvers.Model()
-        a, b = m.add_var(-1.0, "a"), m.add_var(-1.5, "b")
-        p = m.add_continuous(5.0, name="peak")
+        a, b = m.add_var(-1.0), m.add_var(-1.5)
+        p = m.add_continuous(5.0)
         m.add_row([a, p], [3.0, -1.0], -math.inf, 0.0)
         m.add_row([b, p], [5.0, -1.0], -math.inf, 0.0)
         m.add_row([a, b, p], [2.0, 2.0, 1.0], -math.inf, cap)
@@ -151,8 +151,8 @@ def test_a_memory_row_in_bytes_binds_to_the_byte(backend):
 
     def model(cap: float) -> solvers.Model:
         m = solvers.Model()
-        a, b = m.add_var(-1.0, "a"), m.add_var(-1.5, "b")
-        p = m.add_continuous(5 * gib, name="peak")
+        a, b = m.add_var(-1.0), m.add_var(-1.5)
+        p = m.add_continuous(5 * gib)
         m.add_row([a, p], [3 * gib, -1.0], -math.inf, 0.0)
         m.add_row([b, p], [5 * gib, -1.0], -math.inf, 0.0)
         m.add_row([a, b, p], [2 * gib, 2 * gib, 1.0], -math.inf, cap)

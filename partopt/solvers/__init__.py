@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from partopt.errors import PartoptError
 
 # limit: stopped at the work limit (the same answer whatever the load); timeout: stopped by the wall clock
@@ -43,7 +45,6 @@ class Model:
 
     objective: list[float] = field(default_factory=list)
     rows: list[tuple[list[int], list[float], float, float]] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
     continuous: dict[int, float] = field(default_factory=dict)  # variable -> its upper bound
     scale: float = 1.0  # objective units per second (see ilp.build_model)
     # values of some variables in a feasible solution: the solver starts from it, so a solve stopped by a limit
@@ -54,17 +55,22 @@ class Model:
     def num_vars(self) -> int:
         return len(self.objective)
 
-    def add_var(self, cost: float, name: str = "") -> int:
+    def add_var(self, cost: float) -> int:
         """A new binary variable; returns its index."""
         self.objective.append(float(cost))
-        self.names.append(name)
         return len(self.objective) - 1
 
-    def add_continuous(self, upper: float, cost: float = 0.0, name: str = "") -> int:
+    def add_vars(self, costs: np.ndarray) -> np.ndarray:
+        """New binary variables, one per entry of `costs` (any shape); returns their indices in that shape."""
+        first = len(self.objective)
+        self.objective.extend(np.asarray(costs, dtype=float).ravel().tolist())
+        return np.arange(first, len(self.objective)).reshape(np.shape(costs))
+
+    def add_continuous(self, upper: float, cost: float = 0.0) -> int:
         """A new continuous variable in [0, upper]; returns its index."""
         if not 0 <= upper < math.inf:
-            raise PartoptError(f"a continuous variable needs a finite upper bound >= 0, got {upper}", name or "model")
-        index = self.add_var(cost, name)
+            raise PartoptError(f"a continuous variable needs a finite upper bound >= 0, got {upper}", "model")
+        index = self.add_var(cost)
         self.continuous[index] = float(upper)
         return index
 
@@ -87,7 +93,7 @@ class Model:
             row = [c * scale[i] for i, c in zip(index, coef)] if self.continuous else coef
             s = _shrink(max(map(abs, row), default=0.0))
             rows.append((index, row, lo, hi) if s == 1.0 else (index, [c / s for c in row], lo / s, hi / s))
-        return Model([c * k for c, k in zip(self.objective, scale)], rows, self.names,
+        return Model([c * k for c, k in zip(self.objective, scale)], rows,
                      {j: upper / scale[j] for j, upper in self.continuous.items()}, self.scale,
                      {j: v / scale[j] for j, v in self.start.items()}), scale
 

@@ -86,7 +86,11 @@ def _integral_relaxation(original: Model, model: Model, scale: list[float], opti
 
 def _values(x, model: Model, scale: list[float]) -> list[float]:
     """A solution of the shrunk `model` in the original's units: continuous columns scaled back, 0-1 ones rounded."""
-    return [v * scale[j] if j in model.continuous else int(round(v)) for j, v in enumerate(x)]
+    x = np.asarray(x, dtype=float)
+    values = np.rint(x).astype(np.int64).tolist()  # half to even, as round()
+    for j in model.continuous:
+        values[j] = float(x[j]) * scale[j]
+    return values
 
 
 def solve(original: Model, options: Options) -> Result:
