@@ -93,9 +93,9 @@ def _worker_up() -> None:
 
 def _start_context(fn: JobFn) -> multiprocessing.context.BaseContext:
     """How workers start: forked from a fork server that imported `fn`'s module once and never ran a solver
-    (a worker is up in milliseconds once the server is; GPT-1.3B's default 4.25 -> 3.66 s, docs/benchmarks.md),
-    or spawned where there is no fork server. Never forked from this process: the solvers' threads in it must
-    not be copied mid-lock."""
+    (a worker is up in milliseconds once the server is, where a spawned one imports partopt itself), or spawned
+    where there is no fork server. Never forked from this process: the solvers' threads in it must not be
+    copied mid-lock."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")

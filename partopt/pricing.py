@@ -195,10 +195,10 @@ class Pricer:
     # seconds of pricing in this process after which the local pool starts, in the background (`LocalPool.start`):
     # a search that prices for less never starts processes; a longer one runs its later jobs on the workers once
     # one is up, from the job after which one is seen up (mid-call too). Workers fork from a server that imports
-    # partopt once, started with the Pricer (`executors.prepare`), so the pool pays off early: GPT-1.3B's default
-    # took a median 4.48 s in one process (WARM_S 10) and 3.5-3.8 s at 1 s; an MLP of four layers, whose search
-    # ends before the server is up, 0.7 s either way (docs/benchmarks.md)
-    WARM_S = 1.0
+    # partopt once, started with the Pricer (`executors.prepare`), so the pool pays off early: `partopt solve` of
+    # GPT-1.3B's default took a median 4.87 s with the pool at 1 s, 4.46 s at 0 (five runs each); a search that
+    # ends before the server is up waits for it when it closes the pool (docs/benchmarks.md)
+    WARM_S = 0.3
 
     def __init__(self, graph: Graph, options, cache: dict | None = None, deadline: float = math.inf):
         self.graph, self.options = graph, options
