@@ -409,3 +409,31 @@ def test_ctrl_c_during_a_parallel_solve_ends_every_worker(tmp_path):
     assert stderr.splitlines() == ["error: interrupted (Ctrl-C); nothing was written"], stderr
     time.sleep(1)
     assert _group(process.pid) == [] and os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process groups from /proc")
+def test_a_killed_planner_leaves_no_worker_running(tmp_path):
+    """SIGKILL to the planner alone, once its ILP workers run: the workers (children of the fork server, which
+    lives as long as they do) see the planner gone and exit, and the server after them."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    command = [sys.executable, "-c", "from partopt.cli import main; main()", "solve",
+               str(ROOT / "instances" / "gpt-39b.json"), "--cluster", "p3.16xlarge", "--nodes", "8", "--workers", "2",
+               "-o", str(tmp_path / "plan.json")]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_group(process.pid)) < 4 and time.monotonic() < deadline:  # the solve, the server, two workers
+            time.sleep(0.2)
+        assert len(_group(process.pid)) >= 4, "the worker processes never started"
+        process.kill()
+        process.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _group(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _group(process.pid) == []
+    finally:
+        for pid in _group(process.pid):
+            os.kill(pid, signal.SIGKILL)
