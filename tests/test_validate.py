@@ -8,6 +8,10 @@ import copy
 import dataclasses
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -379,26 +383,35 @@ def _group(pgid: int) -> list[int]:
     return found
 
 
+# a parallel solve's process group once its ILP workers run: the solve, multiprocessing's resource tracker, the
+# fork server and two workers
+SOLVE_GROUP = 5
+
+
+def _parallel_solve(out: Path, **popen) -> subprocess.Popen:
+    """`partopt solve` of GPT-39B on two workers in a session of its own, returned once its workers run (its
+    first microbatch count takes far longer than any test waits)."""
+    command = [sys.executable, "-c", "from partopt.cli import main; main()", "solve",
+               str(ROOT / "instances" / "gpt-39b.json"), "--cluster", "p3.16xlarge", "--nodes", "8", "--workers", "2",
+               "-o", str(out)]
+    process = subprocess.Popen(command, start_new_session=True, **popen)
+    deadline = time.monotonic() + 120
+    while len(_group(process.pid)) < SOLVE_GROUP and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if len(_group(process.pid)) < SOLVE_GROUP:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail("the worker processes never started")
+    return process
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process groups from /proc")
 def test_ctrl_c_during_a_parallel_solve_ends_every_worker(tmp_path):
     """A real SIGINT to the whole process group (what a terminal's Ctrl-C sends) once the ILP workers run and
     before any plan exists: GPT-39B's first microbatch count takes far longer than the 5 s waited (GPT-6.7B's
     first plan now comes within them, and Ctrl-C then returns it: tests/test_deadline.py)."""
-    import signal
-    import subprocess
-    import sys
-    import time
-    out = tmp_path / "plan.json"
-    command = [sys.executable, "-c", "from partopt.cli import main; main()", "solve",
-               str(ROOT / "instances" / "gpt-39b.json"), "--cluster", "p3.16xlarge", "--nodes", "8", "--workers", "2",
-               "-o", str(out)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    process = _parallel_solve(tmp_path / "plan.json", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        deadline = time.monotonic() + 120
-        while len(_group(process.pid)) < 3 and time.monotonic() < deadline:  # the solve and two workers
-            time.sleep(0.2)
-        assert len(_group(process.pid)) >= 3, "the worker processes never started"
         time.sleep(5)  # past the workers' start-up (a Ctrl-C while Python imports is Python's own traceback)
         os.killpg(process.pid, signal.SIGINT)
         _, stderr = process.communicate(timeout=60)
@@ -415,19 +428,8 @@ def test_ctrl_c_during_a_parallel_solve_ends_every_worker(tmp_path):
 def test_a_killed_planner_leaves_no_worker_running(tmp_path):
     """SIGKILL to the planner alone, once its ILP workers run: the workers (children of the fork server, which
     lives as long as they do) see the planner gone and exit, and the server after them."""
-    import signal
-    import subprocess
-    import sys
-    import time
-    command = [sys.executable, "-c", "from partopt.cli import main; main()", "solve",
-               str(ROOT / "instances" / "gpt-39b.json"), "--cluster", "p3.16xlarge", "--nodes", "8", "--workers", "2",
-               "-o", str(tmp_path / "plan.json")]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    process = _parallel_solve(tmp_path / "plan.json", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while len(_group(process.pid)) < 4 and time.monotonic() < deadline:  # the solve, the server, two workers
-            time.sleep(0.2)
-        assert len(_group(process.pid)) >= 4, "the worker processes never started"
         process.kill()
         process.wait(timeout=10)
         deadline = time.monotonic() + 10
