@@ -222,10 +222,10 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None,
     start = model.start
     for n, idx in enumerate(keep):
         if len(idx) > 1:
-            var[n][idx] = model.add_vars(graph.costs[n][idx])
+            var[n][idx] = made = model.add_vars(graph.costs[n][idx])
             if choice is not None:
-                start.update(zip(var[n][idx].tolist(), (idx == choice[n]).astype(float).tolist()))
-            model.add_row(var[n][idx].tolist(), [1.0] * len(idx), 1, 1)
+                start.update(zip(made.tolist(), (idx == choice[n]).astype(float).tolist()))
+            model.add_row(made.tolist(), [1.0] * len(idx), 1, 1)
 
     groups: dict[Group, _Terms] = {}
 
