@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from partopt import bounds, costmodel, intra, pricing, stagedp
@@ -97,12 +97,21 @@ class _Space:
     budget: float
     submeshes: list[tuple[int, int]]
     meshes: dict[tuple, LogicalMesh]  # (submesh, logical shape) -> its mesh
+    solved: dict = field(default_factory=dict)  # `best`'s results by what they depend on
 
     def best(self, pipe: Pipeline, costs: dict, count: int, budget: float, stats: Stats,
              schedules: Sequence[str] | None = None):
-        """The stage DP's best plan over `schedules` (default: the searched ones; `_best_schedule`), or None."""
-        return _best_schedule(pipe, costs, self.submeshes, [n * m for n, m in self.submeshes],
-                              self.cluster.num_devices, count, budget, schedules or self.options.schedules, stats)
+        """The stage DP's best plan over `schedules` (default: the searched ones; `_best_schedule`), or None.
+
+        Solved once per state of `costs`: its rows are only ever appended (a new mode's key, a leaner cap's
+        row), so the rows per key stand for its content, and asking again with nothing added (a mode with no
+        mesh left to price, a ladder that changed no row) returns the same plan without running the DPs."""
+        schedules = tuple(schedules or self.options.schedules)
+        key = (count, budget, schedules, tuple((option, len(rows)) for option, rows in costs.items()))
+        if key not in self.solved:
+            self.solved[key] = _best_schedule(pipe, costs, self.submeshes, [n * m for n, m in self.submeshes],
+                                              self.cluster.num_devices, count, budget, schedules, stats)
+        return self.solved[key]
 
 
 @dataclass
