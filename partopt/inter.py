@@ -374,11 +374,12 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     if "1f1b" in schedules:
         entries, options_of = table
         found.append((stagedp.solve(entries, None, sizes, devices, count), "1f1b", 1, options_of))
-    if "interleaved" in schedules:
+    if "interleaved" in schedules:  # each shape only where it beats the plans before it (ties keep those)
         for S, v in interleaved_shapes(len(pipe.layering.groups), count, devices):
             t, extra, fill, options_of = interleaved_table(pipe, costs, submeshes, count, budget, S, v)
-            found.append((stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill), "interleaved", v,
-                          options_of))
+            cutoff = min((f[0].total for f in found if f[0] is not None), default=math.inf)
+            found.append((stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill, cutoff=cutoff),
+                          "interleaved", v, options_of))
     if "zero-bubble" in schedules:  # only a plan faster than the others found counts (ties keep them)
         entries, options_of = table
         done = [f[0] for f in found if f[0] is not None]
