@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from partopt import costmodel, intra, schedules, sharding, stagedp
-from partopt.cluster import Cluster, Link
+from partopt.cluster import Cluster, Link, MeshAxis
 from partopt.graph import Graph, Op
 from partopt.layering import Layering
 from partopt.ops import is_matmul
@@ -62,7 +62,7 @@ class Pipeline:
     # send_s by (first, last, end, receiver, cost model): the DP's tables ask for the same stages' sends many times
     _sends: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # a row of layer costs' columns and stage sums by (table, id(row), …), see `_row_columns`, `_stage_sums`,
-    # `_chunk_sums` and `_chunk_totals`; an end's sends (`_end_sends`)
+    # `_chunk_sums` and `_chunk_totals`; an end's sends (`_end_sends`); a mesh's tensor-parallel axis (`_tensor_axis`)
     _sums: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -128,8 +128,14 @@ class Pipeline:
         d, t = end.shape
         if t == 1 or nbytes == 0:
             return 0.0
-        axis = self.cluster.logical_mesh(end.submesh, end.shape).axes[1]
-        return costmodel.active().collective_time("all_gather", nbytes / d, axis)
+        return costmodel.active().collective_time("all_gather", nbytes / d, self._tensor_axis(end))
+
+    def _tensor_axis(self, end: End) -> MeshAxis:
+        """The tensor-parallel axis of an end's logical mesh, kept per mesh: the DP's tables price many stages on it."""
+        key = ("axis", end.submesh, end.shape)  # a value, as the sends' keys
+        if key not in self._sums:
+            self._sums[key] = self.cluster.logical_mesh(end.submesh, end.shape).axes[1]
+        return self._sums[key]
 
 
 @dataclass(frozen=True)
