@@ -209,12 +209,14 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
 
     def evaluate(index: int) -> tuple[float, int] | None:
         """Run the inner DP at t_max = levels[index]; keep its plan if best: (g, index of its max t).
-        The one-level relaxation first: when its plan costs the same at the levels it lands on, it is exact."""
+        The one-level relaxation first: when its plan costs the same at the levels it lands on, it is exact (and the
+        table of every level at t_max, as large as t, is never built)."""
         nonlocal best, rounds
         found = None
-        full = np.where(t <= levels[index], summed, INF)
+        t_max = levels[index]
+        full = None if same else np.where(t <= t_max, summed, INF)  # with a rebate the relaxation needs it
         if K > 1 and count is None:
-            one = np.where(loose <= levels[index], loose, INF) if same else \
+            one = np.where(loose <= t_max, loose, INF) if same else \
                 np.concatenate([full[:, :1], full[:, 1:].min(axis=1, keepdims=True)], axis=1)
             rounds += 1
             relaxed = inner(one)
@@ -222,11 +224,11 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
                 return None
             n = len(relaxed[1])
             placed = [(i, j, s, min(n - p, K)) for p, (i, j, s, _) in enumerate(relaxed[1])]
-            if all(full[s, k, i, j] == one[s, 1, i, j] for i, j, s, k in placed):
+            if all((summed[s, k, i, j] if t[s, k, i, j] <= t_max else INF) == one[s, 1, i, j] for i, j, s, k in placed):
                 found = (relaxed[0], placed)
         if found is None:
             rounds += 1
-            found = inner(full)
+            found = inner(np.where(t <= t_max, summed, INF) if full is None else full)
         if found is None:
             return None
         value, stages = found

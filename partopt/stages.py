@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from partopt import costmodel, intra, schedules, sharding, stagedp
-from partopt.cluster import Cluster, Link
+from partopt.cluster import Cluster, Link, MeshAxis
 from partopt.graph import Graph, Op
 from partopt.layering import Layering
 from partopt.ops import is_matmul
@@ -61,8 +61,8 @@ class Pipeline:
     graph: Graph | None = None  # the model at full batch: FLOP shares of forward and weight passes (`split_table`)
     # send_s by (first, last, end, receiver, cost model): the DP's tables ask for the same stages' sends many times
     _sends: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    # a row of layer costs' stage sums by (table, id(row), mesh, …), see `_stage_sums` and `_chunk_sums`; an end's
-    # sends (`_end_sends`)
+    # a row of layer costs' columns and stage sums by (table, id(row), …), see `_row_columns`, `_stage_sums`,
+    # `_chunk_sums` and `_chunk_totals`; an end's sends (`_end_sends`); a mesh's tensor-parallel axis (`_tensor_axis`)
     _sums: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -128,8 +128,14 @@ class Pipeline:
         d, t = end.shape
         if t == 1 or nbytes == 0:
             return 0.0
-        axis = self.cluster.logical_mesh(end.submesh, end.shape).axes[1]
-        return costmodel.active().collective_time("all_gather", nbytes / d, axis)
+        return costmodel.active().collective_time("all_gather", nbytes / d, self._tensor_axis(end))
+
+    def _tensor_axis(self, end: End) -> MeshAxis:
+        """The tensor-parallel axis of an end's logical mesh, kept per mesh: the DP's tables price many stages on it."""
+        key = ("axis", end.submesh, end.shape)  # a value, as the sends' keys
+        if key not in self._sums:
+            self._sums[key] = self.cluster.logical_mesh(end.submesh, end.shape).axes[1]
+        return self._sums[key]
 
 
 @dataclass(frozen=True)
@@ -308,7 +314,7 @@ def totals(row: Sequence[LayerCost | None], pipe: Pipeline, first: int, last: in
     the interleaved schedule, whose point-to-point sends hide under compute when `pipe.overlap` (`hidden_send`)."""
     devices = end.shape[0] * end.shape[1]
     columns = _columns(row, pipe.layering) if columns is None else columns
-    running = _running(columns, first, pipe.overlap)[last - first]
+    running = _running(columns[:last + 1], first, pipe.overlap)[-1]  # the layers after `last` change no sum
     time_s, sync_s, params, acts, working = running[:5]
     fix = correction(row, pipe.layering.groups[first][0], pipe.layering.groups[last][1], pipe.shared, pipe.link,
                      min(devices, pipe.per_node))
@@ -371,7 +377,7 @@ def _stage_sums(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int,
     L = len(pipe.layering.groups)
     devices = min(sub[0] * sub[1], pipe.per_node)
     out = np.full((5, L, L), np.nan)
-    columns = _columns(row, pipe.layering)
+    columns = _row_columns(pipe, row)
     outs, ins = _end_sends(pipe, End(sub, shape))
     for i in range(L):
         sends = outs[i:] + ins[i]  # the floats `send_s` adds
@@ -461,16 +467,33 @@ def _chunk_sums(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int,
     if key in pipe._sums:
         return pipe._sums[key][1]
     ranges = chunks(len(pipe.layering.groups), num_stages, v)
-    columns = _columns(row, pipe.layering)
-    runnable = ~np.isnan(columns[:, 0])
     out: list[StageTotals | None] = []
     for i in range(num_stages):
-        mine = ranges[i::num_stages]
-        out.append(combined([totals(row, pipe, first, last, End(sub, mesh), columns=columns, chunk=True)
-                             for first, last in mine])
-                   if all(runnable[first:last + 1].all() for first, last in mine) else None)
+        parts = [_chunk_totals(pipe, row, sub, mesh, first, last) for first, last in ranges[i::num_stages]]
+        out.append(None if any(p is None for p in parts) else combined(parts))
     pipe._sums[key] = (row, out)
     return out
+
+
+def _chunk_totals(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int, int], mesh: tuple[int, int],
+                  first: int, last: int) -> StageTotals | None:
+    """`totals` of the chunk [first, last] of one option's `row` on mesh (sub, mesh), None when a layer of it cannot
+    run; kept per row in `pipe`: the interleaved shapes (S, v) of one chunk length share their chunks."""
+    key = ("chunk", id(row), sub, mesh, first, last)
+    if key not in pipe._sums:
+        columns = _row_columns(pipe, row)
+        runs = not np.isnan(columns[first:last + 1, 0]).any()
+        pipe._sums[key] = (row, totals(row, pipe, first, last, End(sub, mesh), columns=columns, chunk=True)
+                           if runs else None)
+    return pipe._sums[key][1]
+
+
+def _row_columns(pipe: Pipeline, row: Sequence[LayerCost | None]) -> np.ndarray:
+    """`_columns` of one option's `row`, kept per row in `pipe` for the 1F1B and interleaved tables alike."""
+    key = ("columns", id(row))
+    if key not in pipe._sums:
+        pipe._sums[key] = (row, _columns(row, pipe.layering))
+    return pipe._sums[key][1]
 
 
 def _corrections(row: Sequence[LayerCost | None], pipe: Pipeline, i: int, n: int, devices: int):
