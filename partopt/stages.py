@@ -62,7 +62,8 @@ class Pipeline:
     # send_s by (first, last, end, receiver, cost model): the DP's tables ask for the same stages' sends many times
     _sends: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # a row of layer costs' columns and stage sums by (table, id(row), …), see `_row_columns`, `_stage_sums`,
-    # `_chunk_sums` and `_chunk_totals`; an end's sends (`_end_sends`); a mesh's tensor-parallel axis (`_tensor_axis`)
+    # `_chunk_sums` and `_chunk_totals`; an end's sends (`_end_sends`); a mesh's tensor-parallel axis (`_tensor_axis`);
+    # the FLOP shares of a recomputation mode (`_flop_shares`)
     _sums: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -221,28 +222,33 @@ def split_table(pipe: Pipeline, t: stagedp.Entries, options: list[list[tuple]]) 
     """omega[h, i, j, s] = min(w, f, t - f - w) of every entry of `stage_table`'s table (its latency t split as
     plan assembly does, `split`): what ZB-H1 hides per drain slot (`schedules.iteration_time`); 0 where the entry
     cannot run."""
-    graph, layering = pipe.graph, pipe.layering
-    L = len(layering.groups)
     omega = np.zeros(t.latency.shape)
-    shares: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for s, choices in enumerate(options):
         for h, (_, mode, _) in enumerate(choices):
-            if mode not in shares:
-                columns = np.array([(sum(sharding.forward_executed(graph, op) for op in layering.ops(g)),
-                                     executed_flops(graph, layering.ops(g))
-                                     + recomputed_flops(graph, layering.base[a:b + 1], mode),
-                                     weight_flops(graph, layering.ops(g))) for g, (a, b) in enumerate(layering.groups)])
-                sums = np.cumsum(columns, axis=0)
-                before = np.vstack([np.zeros(3), sums[:-1]])
-                ranged = np.triu(np.moveaxis(sums[None, :, :] - before[:, None, :], 2, 0))  # [column, i, j ≥ i]
-                executed = np.maximum(ranged[1], 1e-300)
-                shares[mode] = (ranged[0] / executed, ranged[2] / executed)
             latency = t.latency[h, :, :, s]
             runs = np.isfinite(latency)
-            forward, weight = split(np.where(runs, latency, 0.0), *shares[mode])
+            forward, weight = split(np.where(runs, latency, 0.0), *_flop_shares(pipe, mode))
             hidden = np.minimum(np.minimum(weight, forward), np.where(runs, latency, 0.0) - forward - weight)
             omega[h, :, :, s] = np.where(runs, hidden, 0.0)
     return omega
+
+
+def _flop_shares(pipe: Pipeline, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """[i, j]: the forward and the weight-gradient FLOPs of the stage of DP layers i..j as shares of what it
+    executes under recomputation `mode` (`split`'s shares), kept per mode in `pipe`: every ZB-H1 table asks again."""
+    key = ("shares", mode)
+    if key not in pipe._sums:
+        graph, layering = pipe.graph, pipe.layering
+        columns = np.array([(sum(sharding.forward_executed(graph, op) for op in layering.ops(g)),
+                             executed_flops(graph, layering.ops(g))
+                             + recomputed_flops(graph, layering.base[a:b + 1], mode),
+                             weight_flops(graph, layering.ops(g))) for g, (a, b) in enumerate(layering.groups)])
+        sums = np.cumsum(columns, axis=0)
+        before = np.vstack([np.zeros(3), sums[:-1]])
+        ranged = np.triu(np.moveaxis(sums[None, :, :] - before[:, None, :], 2, 0))  # [column, i, j ≥ i]
+        executed = np.maximum(ranged[1], 1e-300)
+        pipe._sums[key] = (ranged[0] / executed, ranged[2] / executed)
+    return pipe._sums[key]
 
 
 def boundary_bytes(graph: Graph, layering: Layering) -> list[float]:
