@@ -11,6 +11,7 @@ Edge pairs are linearised over classes of equal rows/columns (Alpa's `e` variabl
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -141,41 +142,83 @@ def _incident(graph: CostGraph) -> list[list[tuple[tuple[int, int], bool]]]:
     return incident
 
 
-def _prune(graph: CostGraph, alive: list[np.ndarray]) -> bool:
-    """Drop strategies dominated in cost, memory and every edge; True when anything changed."""
-    changed = False
-    incident = _incident(graph)
-    for n in range(len(graph)):
-        idx = np.flatnonzero(alive[n])
-        if len(idx) <= 1:
-            continue
-        columns = [graph.costs[n][idx, None], graph.memory[n][idx, None]]
-        columns += [t[idx, None] for t in graph.node_transients.get(n, {}).values()]
-        for (u, v), is_row in incident[n]:
-            for m in [graph.edges[(u, v)], *graph.edge_transients.get((u, v), {}).values()]:
-                if is_row:
-                    columns.append(m[np.ix_(idx, np.flatnonzero(alive[v]))])
-                else:
-                    columns.append(m[np.ix_(np.flatnonzero(alive[u]), idx)].T)
-        f = np.hstack(columns)
-        leq = np.all(f[:, None, :] <= f[None, :, :] + 1e-15, axis=2)  # leq[a, b]: a no worse than b
-        lt = np.any(f[:, None, :] < f[None, :, :] - 1e-15, axis=2)
-        order = np.arange(len(idx))
-        # b is dropped when some a is no worse and (strictly better somewhere, or equal and earlier)
-        beaten = leq & (lt | (order[:, None] < order[None, :]))
-        np.fill_diagonal(beaten, False)
-        dead = beaten.any(axis=0)
-        if dead.any():
-            alive[n][idx[dead]] = False
-            changed = True
-    return changed
+@dataclass(frozen=True)
+class _Profile:
+    """What dominance compares of a node's strategies, one row each: its cost, memory and own transients
+    (`own` columns), then per table of an incident edge one column per strategy of the neighbour
+    (`neighbours`: whose, block by block). Built once per `reduce`; a check selects the alive rows and columns."""
+
+    table: np.ndarray
+    own: int
+    neighbours: tuple[int, ...]
+
+
+def _profile(graph: CostGraph, n: int, incident: list[tuple[tuple[int, int], bool]]) -> _Profile:
+    """Node n's `_Profile`, the columns in a fixed order: cost, memory, transients, then the incident tables."""
+    columns = [graph.costs[n][:, None], graph.memory[n][:, None]]
+    columns += [t[:, None] for t in graph.node_transients.get(n, {}).values()]
+    own = len(columns)
+    neighbours = []
+    for (u, v), is_row in incident:
+        for m in [graph.edges[(u, v)], *graph.edge_transients.get((u, v), {}).values()]:
+            columns.append(m if is_row else m.T)
+            neighbours.append(v if is_row else u)
+    return _Profile(np.hstack(columns), own, tuple(neighbours))
+
+
+def _dominated(f: np.ndarray) -> np.ndarray:
+    """Per row of f, whether another row beats it: no worse in every column (within 1e-15) and strictly
+    better in one, or equal and earlier. Strictness is compared only for the few pairs that need it."""
+    leq = np.all(f[:, None, :] <= (f + 1e-15)[None, :, :], axis=2)  # leq[a, b]: a no worse than b
+    np.fill_diagonal(leq, False)
+    better, worse = np.nonzero(leq)
+    dead = np.zeros(len(f), dtype=bool)
+    earlier = better < worse
+    dead[worse[earlier]] = True
+    later, beaten = better[~earlier], worse[~earlier]
+    if len(later):
+        strictly = np.any(f[later] < f[beaten] - 1e-15, axis=1)
+        dead[beaten[strictly]] = True
+    return dead
+
+
+def _prune(profile: _Profile, alive: list[np.ndarray], n: int, pruned: set[int]) -> bool:
+    """Drop node n's strategies dominated in cost, memory and every edge; True when any went.
+    `pruned`: the nodes that have lost strategies (the others' columns are all alive)."""
+    idx = np.flatnonzero(alive[n])
+    if len(idx) <= 1:
+        return False
+    f = profile.table if len(idx) == len(alive[n]) else profile.table[idx]
+    if not pruned.isdisjoint(profile.neighbours):
+        f = f[:, np.concatenate([np.ones(profile.own, dtype=bool), *(alive[v] for v in profile.neighbours)])]
+    dead = _dominated(f)
+    if not dead.any():
+        return False
+    alive[n][idx[dead]] = False
+    pruned.add(n)
+    return True
 
 
 def reduce(graph: CostGraph) -> list[np.ndarray]:
-    """Masks of the strategies that survive exact dominance pruning (run to a fixed point)."""
+    """Masks of the strategies that survive exact dominance pruning, run to a fixed point in node order.
+
+    A node is checked again only when a neighbour lost a strategy since its last check: a check is a
+    function of the node's and its neighbours' alive strategies, and finds nothing more in what it left."""
     alive = [np.ones(len(c), dtype=bool) for c in graph.costs]
-    while _prune(graph, alive):
-        pass
+    incident = _incident(graph)
+    profiles = [_profile(graph, n, incident[n]) for n in range(len(graph))]
+    dirty = [True] * len(graph)
+    pruned: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for n in range(len(graph)):
+            if dirty[n]:
+                dirty[n] = False
+                if _prune(profiles[n], alive, n, pruned):
+                    changed = True
+                    for v in profiles[n].neighbours:
+                        dirty[v] = True
     return alive
 
 
@@ -372,7 +415,7 @@ def _eliminate(graph: CostGraph, alive: list[np.ndarray]) -> tuple[CostGraph, li
 
     steps: list[_Step] = []
     while True:
-        size = {n: len(cost[n]) * int(np.prod([len(cost[m]) for m in adj[n]])) for n in cost if len(adj[n]) <= 2}
+        size = {n: len(cost[n]) * math.prod(len(cost[m]) for m in adj[n]) for n in cost if len(adj[n]) <= 2}
         candidates = [n for n in size if len(adj[n]) < 2 or size[n] <= MAX_TABLE]
         if not candidates:
             break
