@@ -113,8 +113,11 @@ def parse_placement(text: str, where: str = "placement") -> Placement:
 
 def shards(placement: Placement, mesh: LogicalMesh, skip_axis: int | None = None) -> int:
     """How many pieces a placement cuts a tensor into (optionally ignoring one axis)."""
-    return math.prod(mesh.shape[i] for i, p in enumerate(placement)
-                     if isinstance(p, Shard) and i != skip_axis)
+    pieces, shape = 1, mesh.shape
+    for i, p in enumerate(placement):
+        if i != skip_axis and isinstance(p, Shard):
+            pieces *= shape[i]
+    return pieces
 
 
 def local_bytes(nbytes: float, placement: Placement, mesh: LogicalMesh) -> float:
@@ -211,11 +214,28 @@ def mesh_all_to_all_steps(src: Placement, mesh: LogicalMesh, order: Sequence[int
     return (("all_to_all", first, (local,)), ("all_to_all", second, (local, mesh.shape[first])))
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def _reshard_template(src: Placement, dst: Placement, mesh: LogicalMesh) -> Template:
     """`reshard_collectives` for any size: the candidate plans (one per order of the changing axes), each step's
     buffer as the divisors of the tensor's bytes, and whether the dearer plan is taken (an all-to-all over the
-    whole mesh, `mesh_all_to_all_steps`) or the cheaper. The choice between them depends on the size."""
+    whole mesh, `mesh_all_to_all_steps`) or the cheaper. The choice between them depends on the size.
+    Memoised per `_pattern` of the pair and mesh shape: the thousands of pairs of a search share a few patterns."""
+    return _pattern_template(_pattern(src, dst), mesh.shape)
+
+
+def _pattern(src: Placement, dst: Placement) -> tuple:
+    """src + dst with each Shard's dim replaced by its order of first appearance. A resharding's steps compare
+    dims (which are equal, which shared) but never read their names or sizes: pairs of one pattern have one template."""
+    names: dict[str, int] = {}
+    return tuple(names.setdefault(p.dim, len(names)) if isinstance(p, Shard) else p for p in (*src, *dst))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _pattern_template(pattern: tuple, shape: tuple[int, ...]) -> Template:
+    """`_reshard_template` of the placements a `_pattern` stands for, dims named anew, on a mesh of `shape`
+    (all the rules read of a mesh)."""
+    src, dst = (tuple(Shard(f"d{p}") if isinstance(p, int) else p for p in half)
+                for half in (pattern[:len(shape)], pattern[len(shape):]))
+    mesh = MeshShape(shape)
     changing = [axis for axis, (s, d) in enumerate(zip(src, dst))
                 if axis_collective(s, d) is not None and mesh.shape[axis] > 1]
     orders = [changing] if len(changing) < 2 else [changing, changing[::-1]]
@@ -300,7 +320,7 @@ class PairPrices:
         self._steps: dict[tuple, tuple[Step, ...]] = {}
         self._seconds: dict[tuple, float] = {}
         self._layouts: dict[tuple, tuple[np.ndarray, list[int]]] = {}
-        self._pair_kinds: dict[tuple[Placement, Placement], int] = {}
+        self._pair_kinds: dict[Placement, dict[Placement, int]] = {}  # src -> dst -> its kind (`_kind`)
         self._kind_ids: dict[tuple[Template, int], int] = {}  # a kind's index in `_kinds`
         self._kinds: list[tuple[Template, int]] = []
         self._steps_at: dict[tuple[int, float], tuple[Step, ...]] = {}
@@ -348,21 +368,24 @@ class PairPrices:
         if layout is None:
             src_values, src_index = _classes(srcs)
             dst_values, dst_index = _classes(dsts)
-            ids = np.array([[self._kind(s, d) for d in dst_values] for s in src_values], dtype=int)
+            ids = np.array([self._kind_row(s, dst_values) for s in src_values], dtype=int)
             kinds, index = np.unique(ids, return_inverse=True)
             layout = self._layouts[key] = (index.reshape(ids.shape)[np.ix_(src_index, dst_index)], kinds.tolist())
         return layout
 
+    def _kind_row(self, src: Placement, dsts: Sequence[Placement]) -> list[int]:
+        """`_kind(src, d)` for each d of `dsts`, from the kinds known of `src` (a table asks for hundreds of pairs)."""
+        known = self._pair_kinds.setdefault(src, {})
+        return [known[d] if d in known else self._kind(src, d) for d in dsts]
+
     def _kind(self, src: Placement, dst: Placement) -> int:
         """The index in `self._kinds` of the pair's (template, destination shards): all its prices read."""
-        kind = self._pair_kinds.get((src, dst))
+        value = (_reshard_template(src, dst, self.mesh), shards(dst, self.mesh))
+        kind = self._kind_ids.get(value)
         if kind is None:
-            value = (_reshard_template(src, dst, self.mesh), shards(dst, self.mesh))
-            kind = self._kind_ids.get(value)
-            if kind is None:
-                kind = self._kind_ids[value] = len(self._kinds)
-                self._kinds.append(value)
-            self._pair_kinds[(src, dst)] = kind
+            kind = self._kind_ids[value] = len(self._kinds)
+            self._kinds.append(value)
+        self._pair_kinds.setdefault(src, {})[dst] = kind
         return kind
 
     def _sized_steps(self, kind: int, nbytes: float) -> tuple[Step, ...]:
