@@ -25,7 +25,7 @@ from partopt.units import fmt_bytes, fmt_seconds
 from partopt.sharding import (
     PairPrices, ParamStrategy, Placement, Strategy, as_gradient_target, collectives_time, fmt, forward_share,
     gradient_placement, local_bytes, op_strategies, param_strategies, param_sync_collectives,
-    R, Shard, pair_table, reshard_collectives, reshard_copy_bytes, shards, tensor_placements,
+    R, Shard, reshard_collectives, reshard_copy_bytes, shards, tensor_placements,
 )
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -320,12 +320,20 @@ def _flow_table(graph: Graph, flow: gradients.Flow, src_list: list, dst_list: li
     A contribution or a sink is a plain resharding of the tensor: priced by `PairPrices.reshard_seconds`
     (summed collective by collective, the same floats) and kept like a use's table."""
     if flow.kind == "relay":  # renames dims: not worth keeping (reshapes are few)
-        return pair_table(lambda a, b: prices.seconds(gradients.collectives(graph, flow, a, b, prices.mesh, prices)),
-                          src_list, dst_list)
+        return _relay_table(graph, flow, src_list, dst_list, prices)
     sources, targets = gradients.plain_ends(flow, src_list, dst_list)
     nbytes = graph.nbytes(flow.tensor)
     key = ("flow", nbytes, tuple(sources), tuple(targets), prices.mesh, prices.model)
     return _kept_tables(key, lambda: (sum(prices.reshard_seconds(sources, targets, nbytes)),))[0]
+
+
+def _relay_table(graph: Graph, flow: gradients.Flow, src_list: list, dst_list: list, prices: PairPrices) -> np.ndarray:
+    """`_flow_table` of a relay: its first steps depend on the source choice alone (`gradients.relay_ends`), priced
+    once per source, then its resharding to each destination is a `reshard_seconds` table, added collective by
+    collective after them (the order of `gradients.collectives`: the same floats)."""
+    steps, relabelled, nbytes = gradients.relay_ends(graph, flow, src_list, prices.mesh)
+    first = np.array([prices.seconds(s) for s in steps], dtype=float)[:, None]
+    return functools.reduce(np.add, prices.reshard_seconds(relabelled, dst_list, nbytes), first)
 
 
 def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list[Placement], grads: list[Placement],
