@@ -228,8 +228,20 @@ def _classes(stack: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     """Group equal rows (axis 0) or columns (axis 1) of a stack of matrices (tables × rows × columns),
     equal in every table: (class id per index, one representative each)."""
     lines = stack.transpose((1, 0, 2) if axis == 0 else (2, 0, 1)).reshape(stack.shape[1 + axis], -1)
-    _, first, inverse = np.unique(lines, axis=0, return_index=True, return_inverse=True)
-    return inverse.reshape(-1), first
+    return _unique_lines(lines)
+
+
+def _unique_lines(lines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`np.unique(lines, axis=0, return_index=True, return_inverse=True)`'s (inverse, index), without its structured
+    copy: classes in ascending lexicographic order of their values, each represented by its first line (stable sort)."""
+    order = np.lexsort(lines.T[::-1])
+    ordered = lines[order]
+    new = np.empty(len(lines), dtype=bool)
+    new[:1] = True
+    new[1:] = np.any(ordered[1:] != ordered[:-1], axis=1)
+    inverse = np.empty(len(lines), dtype=np.intp)
+    inverse[order] = np.cumsum(new) - 1
+    return inverse, order[new]
 
 
 COST_RESOLUTION = 1e4  # the largest objective coefficient, after scaling
