@@ -382,9 +382,10 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None,
             model.add_row(index, coef, float("-inf"), (budget - base) * shared - constant_peaks)
     # seconds are tiny (1e-6 … 1e-2): solvers' absolute tolerances would blur them, so the
     # objective is stated in units of COST_RESOLUTION of its largest coefficient
-    largest = max((abs(c) for c in model.objective), default=0.0)
+    objective = np.array(model.objective, dtype=float)
+    largest = float(np.abs(objective).max()) if len(objective) else 0.0
     model.scale = COST_RESOLUTION / largest if largest > 0 else 1.0
-    model.objective = [c * model.scale for c in model.objective]
+    model.objective = (objective * model.scale).tolist()
     return model, var
 
 
