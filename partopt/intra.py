@@ -395,9 +395,22 @@ def _use_copies(use: Use, sources: list[Placement], required: list[Placement], g
 
 def optimizer_step_time(graph: Graph, tensor: str, strategy: ParamStrategy, mesh: LogicalMesh) -> float:
     """Seconds of the per-iteration optimizer update of one parameter (memory bound)."""
-    state = costmodel.param_memory(graph.numel(tensor), graph.dtype_of(tensor), graph.optimizer).total
-    local = state / shards(strategy.placement, mesh) / max(1, np.prod([mesh.shape[i] for i in strategy.zero_axes]))
-    return costmodel.active().op_time("optimizer", (), graph.dtype_of(tensor), 0.0, 2 * local, mesh.device, False)
+    return optimizer_step_times(graph, tensor, [strategy], mesh)[0]
+
+
+def optimizer_step_times(graph: Graph, tensor: str, strategies: Sequence[ParamStrategy],
+                         mesh: LogicalMesh) -> list[float]:
+    """`optimizer_step_time` of each of a parameter's strategies, each distinct (shards, ZeRO axes) priced once:
+    all that the step's bytes read of a strategy (its ZeRO variants and placements repeat them)."""
+    dtype = graph.dtype_of(tensor)
+    state = costmodel.param_memory(graph.numel(tensor), dtype, graph.optimizer).total
+    model = costmodel.active()
+    keys = [(shards(s.placement, mesh), s.zero_axes) for s in strategies]
+    seconds = {}
+    for n, zero in dict.fromkeys(keys):
+        local = state / n / max(1, np.prod([mesh.shape[i] for i in zero]))
+        seconds[(n, zero)] = model.op_time("optimizer", (), dtype, 0.0, 2 * local, mesh.device, False)
+    return [seconds[key] for key in keys]
 
 
 @dataclass(frozen=True)
@@ -548,7 +561,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
                     options = _kept(param_strategies(graph, graph.tensors[tensor], mesh, allow_zero, data_parallel),
                                     lambda s: restriction.param(tensor, s), tensor, restriction)
                     node_of_param[tensor] = costs.add_node(  # weights and optimizer state; gradients at the readers
-                        tensor, [optimizer_step_time(graph, tensor, s, mesh) / microbatches for s in options],
+                        tensor, [t / microbatches for t in optimizer_step_times(graph, tensor, options, mesh)],
                         [s.state_bytes[0] + s.state_bytes[2] for s in options])
                     strategies.append(options)
                     params.append(tensor)

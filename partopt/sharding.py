@@ -454,11 +454,13 @@ def pair_table(price: Callable[[Any, Any], Any], srcs: Sequence, dsts: Sequence,
     return table[np.ix_(src_index, dst_index)]
 
 
-def gradient_placement(required: Placement, assigned: Sequence[str | None]) -> Placement:
+@functools.lru_cache(maxsize=1 << 12)
+def gradient_placement(required: Placement, assigned: tuple[str | None, ...]) -> Placement:
     """Placement of the gradient a consumer sends back for one of its inputs.
 
     Where the consumer split a dim the input lacks (the input is Replicate there), each device
     holds a partial sum (Megatron's `f`); elsewhere the gradient has the input's placement.
+    Memoised: a pure function of two small tuples, asked for each strategy of each use of every layer ILP.
     """
     return tuple(P if (d is not None and isinstance(q, Replicate)) else q for q, d in zip(required, assigned))
 
