@@ -244,6 +244,14 @@ def _unique_lines(lines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return inverse, order[new]
 
 
+def _members(classes: np.ndarray, variables: np.ndarray, count: int) -> list[list[int]]:
+    """Per class id (0 … count-1), the variables of its members in index order (`classes`: one id per variable)."""
+    groups: list[list[int]] = [[] for _ in range(count)]
+    for c, x in zip(classes.tolist(), variables.tolist()):
+        groups[c].append(x)
+    return groups
+
+
 COST_RESOLUTION = 1e4  # the largest objective coefficient, after scaling
 
 
@@ -333,12 +341,10 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None,
             chosen = np.zeros(pair.shape)
             chosen[row_class[np.searchsorted(keep[u], choice[u])], col_class[np.searchsorted(keep[v], choice[v])]] = 1.0
             start.update(zip(pair.ravel().tolist(), chosen.ravel().tolist()))
-        for a in range(reduced.shape[1]):
-            members = var[u][keep[u][row_class == a]]
-            model.add_row(pair[a].tolist() + members.tolist(), [1.0] * reduced.shape[2] + [-1.0] * len(members), 0, 0)
-        for b in range(reduced.shape[2]):
-            members = var[v][keep[v][col_class == b]]
-            model.add_row(pair[:, b].tolist() + members.tolist(), [1.0] * reduced.shape[1] + [-1.0] * len(members), 0, 0)
+        for pairs, members in zip(pair.tolist(), _members(row_class, var[u][keep[u]], reduced.shape[1])):
+            model.add_row(pairs + members, [1.0] * len(pairs) + [-1.0] * len(members), 0, 0)
+        for pairs, members in zip(pair.T.tolist(), _members(col_class, var[v][keep[v]], reduced.shape[2])):
+            model.add_row(pairs + members, [1.0] * len(pairs) + [-1.0] * len(members), 0, 0)
         for key, t in zip(keys, reduced[1:]):
             terms = groups.setdefault(key, _Terms())
             terms.upper += float(t.max())
