@@ -6,6 +6,7 @@ depends on who computed it. All inputs and outputs are SI: bytes, FLOP, seconds.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -133,9 +134,11 @@ class ParamMemory:
         return self.weights + self.grads + self.optimizer
 
 
+@functools.lru_cache(maxsize=1 << 12, typed=True)
 def param_memory(numel: float, dtype: str, optimizer: str = "adam") -> ParamMemory:
     """Training state of `numel` parameters stored in `dtype` under `optimizer` (Adam: 16 bytes/param
-    for fp16, bf16 and fp32; SGD with momentum 12; Adafactor 8)."""
+    for fp16, bf16 and fp32; SGD with momentum 12; Adafactor 8). Memoised (typed: an int count gives int
+    bytes): a pure function of its arguments, asked for each strategy of each parameter of every layer ILP."""
     if dtype not in TRAINABLE_DTYPES:
         raise InstanceError(f"parameters of dtype {dtype!r} cannot be trained",
                             hint=f"give parameters one of {list(TRAINABLE_DTYPES)}")

@@ -154,6 +154,14 @@ def plain_ends(flow: Flow, srcs: Sequence, dsts: Sequence) -> tuple[list[Placeme
     return list(srcs), [as_gradient_target(d.output) for d in dsts]  # from the sum to its producer
 
 
+def relay_ends(graph: Graph, flow: Flow, srcs: Sequence[Placement],
+               mesh: LogicalMesh) -> tuple[list[list[Step]], list[Placement], int]:
+    """A relay's gradient, per source choice: the steps that gather what its input cannot hold, and the placement
+    the sum then has in the input's dims; and the input's bytes (`collectives` reshards it from there)."""
+    relabelled = [_relabel(graph, flow, s, mesh) for s in srcs]
+    return [steps for steps, _ in relabelled], [p for _, p in relabelled], graph.nbytes(_source_of(graph, flow))
+
+
 def collectives(graph: Graph, flow: Flow, src, dst, mesh: LogicalMesh, prices: PairPrices | None = None) -> list[Step]:
     """Collectives of one flow, per microbatch, for the source and destination choices (`prices`:
     memoised resharding on `mesh`, as a stage's cost graph asks for it many times)."""
@@ -161,7 +169,7 @@ def collectives(graph: Graph, flow: Flow, src, dst, mesh: LogicalMesh, prices: P
         return list(prices.reshard(a, b, nbytes)) if prices is not None else reshard_collectives(a, b, nbytes, mesh)
 
     if flow.kind == "relay":
-        steps, relabelled = _relabel(graph, flow, src, mesh)
-        return steps + reshard(relabelled, dst, graph.nbytes(_source_of(graph, flow)))
+        (steps,), (relabelled,), nbytes = relay_ends(graph, flow, [src], mesh)
+        return steps + reshard(relabelled, dst, nbytes)
     (a,), (b,) = plain_ends(flow, [src], [dst])
     return reshard(a, b, graph.nbytes(flow.tensor))

@@ -11,6 +11,7 @@ Edge pairs are linearised over classes of equal rows/columns (Alpa's `e` variabl
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -141,41 +142,83 @@ def _incident(graph: CostGraph) -> list[list[tuple[tuple[int, int], bool]]]:
     return incident
 
 
-def _prune(graph: CostGraph, alive: list[np.ndarray]) -> bool:
-    """Drop strategies dominated in cost, memory and every edge; True when anything changed."""
-    changed = False
-    incident = _incident(graph)
-    for n in range(len(graph)):
-        idx = np.flatnonzero(alive[n])
-        if len(idx) <= 1:
-            continue
-        columns = [graph.costs[n][idx, None], graph.memory[n][idx, None]]
-        columns += [t[idx, None] for t in graph.node_transients.get(n, {}).values()]
-        for (u, v), is_row in incident[n]:
-            for m in [graph.edges[(u, v)], *graph.edge_transients.get((u, v), {}).values()]:
-                if is_row:
-                    columns.append(m[np.ix_(idx, np.flatnonzero(alive[v]))])
-                else:
-                    columns.append(m[np.ix_(np.flatnonzero(alive[u]), idx)].T)
-        f = np.hstack(columns)
-        leq = np.all(f[:, None, :] <= f[None, :, :] + 1e-15, axis=2)  # leq[a, b]: a no worse than b
-        lt = np.any(f[:, None, :] < f[None, :, :] - 1e-15, axis=2)
-        order = np.arange(len(idx))
-        # b is dropped when some a is no worse and (strictly better somewhere, or equal and earlier)
-        beaten = leq & (lt | (order[:, None] < order[None, :]))
-        np.fill_diagonal(beaten, False)
-        dead = beaten.any(axis=0)
-        if dead.any():
-            alive[n][idx[dead]] = False
-            changed = True
-    return changed
+@dataclass(frozen=True)
+class _Profile:
+    """What dominance compares of a node's strategies, one row each: its cost, memory and own transients
+    (`own` columns), then per table of an incident edge one column per strategy of the neighbour
+    (`neighbours`: whose, block by block). Built once per `reduce`; a check selects the alive rows and columns."""
+
+    table: np.ndarray
+    own: int
+    neighbours: tuple[int, ...]
+
+
+def _profile(graph: CostGraph, n: int, incident: list[tuple[tuple[int, int], bool]]) -> _Profile:
+    """Node n's `_Profile`, the columns in a fixed order: cost, memory, transients, then the incident tables."""
+    columns = [graph.costs[n][:, None], graph.memory[n][:, None]]
+    columns += [t[:, None] for t in graph.node_transients.get(n, {}).values()]
+    own = len(columns)
+    neighbours = []
+    for (u, v), is_row in incident:
+        for m in [graph.edges[(u, v)], *graph.edge_transients.get((u, v), {}).values()]:
+            columns.append(m if is_row else m.T)
+            neighbours.append(v if is_row else u)
+    return _Profile(np.hstack(columns), own, tuple(neighbours))
+
+
+def _dominated(f: np.ndarray) -> np.ndarray:
+    """Per row of f, whether another row beats it: no worse in every column (within 1e-15) and strictly
+    better in one, or equal and earlier. Strictness is compared only for the few pairs that need it."""
+    leq = np.all(f[:, None, :] <= (f + 1e-15)[None, :, :], axis=2)  # leq[a, b]: a no worse than b
+    np.fill_diagonal(leq, False)
+    better, worse = np.nonzero(leq)
+    dead = np.zeros(len(f), dtype=bool)
+    earlier = better < worse
+    dead[worse[earlier]] = True
+    later, beaten = better[~earlier], worse[~earlier]
+    if len(later):
+        strictly = np.any(f[later] < f[beaten] - 1e-15, axis=1)
+        dead[beaten[strictly]] = True
+    return dead
+
+
+def _prune(profile: _Profile, alive: list[np.ndarray], n: int, pruned: set[int]) -> bool:
+    """Drop node n's strategies dominated in cost, memory and every edge; True when any went.
+    `pruned`: the nodes that have lost strategies (the others' columns are all alive)."""
+    idx = np.flatnonzero(alive[n])
+    if len(idx) <= 1:
+        return False
+    f = profile.table if len(idx) == len(alive[n]) else profile.table[idx]
+    if not pruned.isdisjoint(profile.neighbours):
+        f = f[:, np.concatenate([np.ones(profile.own, dtype=bool), *(alive[v] for v in profile.neighbours)])]
+    dead = _dominated(f)
+    if not dead.any():
+        return False
+    alive[n][idx[dead]] = False
+    pruned.add(n)
+    return True
 
 
 def reduce(graph: CostGraph) -> list[np.ndarray]:
-    """Masks of the strategies that survive exact dominance pruning (run to a fixed point)."""
+    """Masks of the strategies that survive exact dominance pruning, run to a fixed point in node order.
+
+    A node is checked again only when a neighbour lost a strategy since its last check: a check is a
+    function of the node's and its neighbours' alive strategies, and finds nothing more in what it left."""
     alive = [np.ones(len(c), dtype=bool) for c in graph.costs]
-    while _prune(graph, alive):
-        pass
+    incident = _incident(graph)
+    profiles = [_profile(graph, n, incident[n]) for n in range(len(graph))]
+    dirty = [True] * len(graph)
+    pruned: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for n in range(len(graph)):
+            if dirty[n]:
+                dirty[n] = False
+                if _prune(profiles[n], alive, n, pruned):
+                    changed = True
+                    for v in profiles[n].neighbours:
+                        dirty[v] = True
     return alive
 
 
@@ -185,8 +228,28 @@ def _classes(stack: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     """Group equal rows (axis 0) or columns (axis 1) of a stack of matrices (tables × rows × columns),
     equal in every table: (class id per index, one representative each)."""
     lines = stack.transpose((1, 0, 2) if axis == 0 else (2, 0, 1)).reshape(stack.shape[1 + axis], -1)
-    _, first, inverse = np.unique(lines, axis=0, return_index=True, return_inverse=True)
-    return inverse.reshape(-1), first
+    return _unique_lines(lines)
+
+
+def _unique_lines(lines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`np.unique(lines, axis=0, return_index=True, return_inverse=True)`'s (inverse, index), without its structured
+    copy: classes in ascending lexicographic order of their values, each represented by its first line (stable sort)."""
+    order = np.lexsort(lines.T[::-1])
+    ordered = lines[order]
+    new = np.empty(len(lines), dtype=bool)
+    new[:1] = True
+    new[1:] = np.any(ordered[1:] != ordered[:-1], axis=1)
+    inverse = np.empty(len(lines), dtype=np.intp)
+    inverse[order] = np.cumsum(new) - 1
+    return inverse, order[new]
+
+
+def _members(classes: np.ndarray, variables: np.ndarray, count: int) -> list[list[int]]:
+    """Per class id (0 … count-1), the variables of its members in index order (`classes`: one id per variable)."""
+    groups: list[list[int]] = [[] for _ in range(count)]
+    for c, x in zip(classes.tolist(), variables.tolist()):
+        groups[c].append(x)
+    return groups
 
 
 COST_RESOLUTION = 1e4  # the largest objective coefficient, after scaling
@@ -278,12 +341,10 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None,
             chosen = np.zeros(pair.shape)
             chosen[row_class[np.searchsorted(keep[u], choice[u])], col_class[np.searchsorted(keep[v], choice[v])]] = 1.0
             start.update(zip(pair.ravel().tolist(), chosen.ravel().tolist()))
-        for a in range(reduced.shape[1]):
-            members = var[u][keep[u][row_class == a]]
-            model.add_row(pair[a].tolist() + members.tolist(), [1.0] * reduced.shape[2] + [-1.0] * len(members), 0, 0)
-        for b in range(reduced.shape[2]):
-            members = var[v][keep[v][col_class == b]]
-            model.add_row(pair[:, b].tolist() + members.tolist(), [1.0] * reduced.shape[1] + [-1.0] * len(members), 0, 0)
+        for pairs, members in zip(pair.tolist(), _members(row_class, var[u][keep[u]], reduced.shape[1])):
+            model.add_row(pairs + members, [1.0] * len(pairs) + [-1.0] * len(members), 0, 0)
+        for pairs, members in zip(pair.T.tolist(), _members(col_class, var[v][keep[v]], reduced.shape[2])):
+            model.add_row(pairs + members, [1.0] * len(pairs) + [-1.0] * len(members), 0, 0)
         for key, t in zip(keys, reduced[1:]):
             terms = groups.setdefault(key, _Terms())
             terms.upper += float(t.max())
@@ -327,9 +388,10 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None,
             model.add_row(index, coef, float("-inf"), (budget - base) * shared - constant_peaks)
     # seconds are tiny (1e-6 … 1e-2): solvers' absolute tolerances would blur them, so the
     # objective is stated in units of COST_RESOLUTION of its largest coefficient
-    largest = max((abs(c) for c in model.objective), default=0.0)
+    objective = np.array(model.objective, dtype=float)
+    largest = float(np.abs(objective).max()) if len(objective) else 0.0
     model.scale = COST_RESOLUTION / largest if largest > 0 else 1.0
-    model.objective = [c * model.scale for c in model.objective]
+    model.objective = (objective * model.scale).tolist()
     return model, var
 
 
@@ -372,7 +434,7 @@ def _eliminate(graph: CostGraph, alive: list[np.ndarray]) -> tuple[CostGraph, li
 
     steps: list[_Step] = []
     while True:
-        size = {n: len(cost[n]) * int(np.prod([len(cost[m]) for m in adj[n]])) for n in cost if len(adj[n]) <= 2}
+        size = {n: len(cost[n]) * math.prod(len(cost[m]) for m in adj[n]) for n in cost if len(adj[n]) <= 2}
         candidates = [n for n in size if len(adj[n]) < 2 or size[n] <= MAX_TABLE]
         if not candidates:
             break

@@ -25,7 +25,7 @@ from partopt.units import fmt_bytes, fmt_seconds
 from partopt.sharding import (
     PairPrices, ParamStrategy, Placement, Strategy, as_gradient_target, collectives_time, fmt, forward_share,
     gradient_placement, local_bytes, op_strategies, param_strategies, param_sync_collectives,
-    R, Shard, pair_table, reshard_collectives, reshard_copy_bytes, shards, tensor_placements,
+    R, Shard, reshard_collectives, reshard_copy_bytes, shards, tensor_placements,
 )
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -320,12 +320,20 @@ def _flow_table(graph: Graph, flow: gradients.Flow, src_list: list, dst_list: li
     A contribution or a sink is a plain resharding of the tensor: priced by `PairPrices.reshard_seconds`
     (summed collective by collective, the same floats) and kept like a use's table."""
     if flow.kind == "relay":  # renames dims: not worth keeping (reshapes are few)
-        return pair_table(lambda a, b: prices.seconds(gradients.collectives(graph, flow, a, b, prices.mesh, prices)),
-                          src_list, dst_list)
+        return _relay_table(graph, flow, src_list, dst_list, prices)
     sources, targets = gradients.plain_ends(flow, src_list, dst_list)
     nbytes = graph.nbytes(flow.tensor)
     key = ("flow", nbytes, tuple(sources), tuple(targets), prices.mesh, prices.model)
     return _kept_tables(key, lambda: (sum(prices.reshard_seconds(sources, targets, nbytes)),))[0]
+
+
+def _relay_table(graph: Graph, flow: gradients.Flow, src_list: list, dst_list: list, prices: PairPrices) -> np.ndarray:
+    """`_flow_table` of a relay: its first steps depend on the source choice alone (`gradients.relay_ends`), priced
+    once per source, then its resharding to each destination is a `reshard_seconds` table, added collective by
+    collective after them (the order of `gradients.collectives`: the same floats)."""
+    steps, relabelled, nbytes = gradients.relay_ends(graph, flow, src_list, prices.mesh)
+    first = np.array([prices.seconds(s) for s in steps], dtype=float)[:, None]
+    return functools.reduce(np.add, prices.reshard_seconds(relabelled, dst_list, nbytes), first)
 
 
 def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list[Placement], grads: list[Placement],
@@ -387,9 +395,22 @@ def _use_copies(use: Use, sources: list[Placement], required: list[Placement], g
 
 def optimizer_step_time(graph: Graph, tensor: str, strategy: ParamStrategy, mesh: LogicalMesh) -> float:
     """Seconds of the per-iteration optimizer update of one parameter (memory bound)."""
-    state = costmodel.param_memory(graph.numel(tensor), graph.dtype_of(tensor), graph.optimizer).total
-    local = state / shards(strategy.placement, mesh) / max(1, np.prod([mesh.shape[i] for i in strategy.zero_axes]))
-    return costmodel.active().op_time("optimizer", (), graph.dtype_of(tensor), 0.0, 2 * local, mesh.device, False)
+    return optimizer_step_times(graph, tensor, [strategy], mesh)[0]
+
+
+def optimizer_step_times(graph: Graph, tensor: str, strategies: Sequence[ParamStrategy],
+                         mesh: LogicalMesh) -> list[float]:
+    """`optimizer_step_time` of each of a parameter's strategies, each distinct (shards, ZeRO axes) priced once:
+    all that the step's bytes read of a strategy (its ZeRO variants and placements repeat them)."""
+    dtype = graph.dtype_of(tensor)
+    state = costmodel.param_memory(graph.numel(tensor), dtype, graph.optimizer).total
+    model = costmodel.active()
+    keys = [(shards(s.placement, mesh), s.zero_axes) for s in strategies]
+    seconds = {}
+    for n, zero in dict.fromkeys(keys):
+        local = state / n / max(1, np.prod([mesh.shape[i] for i in zero]))
+        seconds[(n, zero)] = model.op_time("optimizer", (), dtype, 0.0, 2 * local, mesh.device, False)
+    return [seconds[key] for key in keys]
 
 
 @dataclass(frozen=True)
@@ -540,7 +561,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
                     options = _kept(param_strategies(graph, graph.tensors[tensor], mesh, allow_zero, data_parallel),
                                     lambda s: restriction.param(tensor, s), tensor, restriction)
                     node_of_param[tensor] = costs.add_node(  # weights and optimizer state; gradients at the readers
-                        tensor, [optimizer_step_time(graph, tensor, s, mesh) / microbatches for s in options],
+                        tensor, [t / microbatches for t in optimizer_step_times(graph, tensor, options, mesh)],
                         [s.state_bytes[0] + s.state_bytes[2] for s in options])
                     strategies.append(options)
                     params.append(tensor)

@@ -113,8 +113,11 @@ def parse_placement(text: str, where: str = "placement") -> Placement:
 
 def shards(placement: Placement, mesh: LogicalMesh, skip_axis: int | None = None) -> int:
     """How many pieces a placement cuts a tensor into (optionally ignoring one axis)."""
-    return math.prod(mesh.shape[i] for i, p in enumerate(placement)
-                     if isinstance(p, Shard) and i != skip_axis)
+    pieces, shape = 1, mesh.shape
+    for i, p in enumerate(placement):
+        if i != skip_axis and isinstance(p, Shard):
+            pieces *= shape[i]
+    return pieces
 
 
 def local_bytes(nbytes: float, placement: Placement, mesh: LogicalMesh) -> float:
@@ -211,11 +214,36 @@ def mesh_all_to_all_steps(src: Placement, mesh: LogicalMesh, order: Sequence[int
     return (("all_to_all", first, (local,)), ("all_to_all", second, (local, mesh.shape[first])))
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def _reshard_template(src: Placement, dst: Placement, mesh: LogicalMesh) -> Template:
     """`reshard_collectives` for any size: the candidate plans (one per order of the changing axes), each step's
     buffer as the divisors of the tensor's bytes, and whether the dearer plan is taken (an all-to-all over the
-    whole mesh, `mesh_all_to_all_steps`) or the cheaper. The choice between them depends on the size."""
+    whole mesh, `mesh_all_to_all_steps`) or the cheaper. The choice between them depends on the size.
+    Memoised per `_pattern` of the pair and mesh shape: the thousands of pairs of a search share a few patterns."""
+    return _pattern_template(_pattern(src, dst), mesh.shape)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _pattern(src: Placement, dst: Placement) -> tuple:
+    """src + dst with each Shard's dim replaced by its order of first appearance. A resharding's steps compare
+    dims (which are equal, which shared) but never read their names or sizes: pairs of one pattern have one template.
+    Memoised (a pure function of two interned placements): a search asks for the same pairs many times."""
+    names: dict[str, int] = {}
+    return tuple(names.setdefault(p.dim, len(names)) if isinstance(p, Shard) else p for p in (*src, *dst))
+
+
+def _patterned(pattern: tuple, axes: int) -> tuple[Placement, Placement]:
+    """A pair of placements of `_pattern` `pattern` on a mesh of `axes` axes, its dims named anew."""
+    src, dst = (tuple(Shard(f"d{p}") if isinstance(p, int) else p for p in half)
+                for half in (pattern[:axes], pattern[axes:]))
+    return src, dst
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _pattern_template(pattern: tuple, shape: tuple[int, ...]) -> Template:
+    """`_reshard_template` of the placements a `_pattern` stands for, dims named anew, on a mesh of `shape`
+    (all the rules read of a mesh)."""
+    src, dst = _patterned(pattern, len(shape))
+    mesh = MeshShape(shape)
     changing = [axis for axis, (s, d) in enumerate(zip(src, dst))
                 if axis_collective(s, d) is not None and mesh.shape[axis] > 1]
     orders = [changing] if len(changing) < 2 else [changing, changing[::-1]]
@@ -300,7 +328,7 @@ class PairPrices:
         self._steps: dict[tuple, tuple[Step, ...]] = {}
         self._seconds: dict[tuple, float] = {}
         self._layouts: dict[tuple, tuple[np.ndarray, list[int]]] = {}
-        self._pair_kinds: dict[tuple[Placement, Placement], int] = {}
+        self._pair_kinds: dict[Placement, dict[Placement, int]] = {}  # src -> dst -> its kind (`_kind`)
         self._kind_ids: dict[tuple[Template, int], int] = {}  # a kind's index in `_kinds`
         self._kinds: list[tuple[Template, int]] = []
         self._steps_at: dict[tuple[int, float], tuple[Step, ...]] = {}
@@ -348,21 +376,24 @@ class PairPrices:
         if layout is None:
             src_values, src_index = _classes(srcs)
             dst_values, dst_index = _classes(dsts)
-            ids = np.array([[self._kind(s, d) for d in dst_values] for s in src_values], dtype=int)
+            ids = np.array([self._kind_row(s, dst_values) for s in src_values], dtype=int)
             kinds, index = np.unique(ids, return_inverse=True)
             layout = self._layouts[key] = (index.reshape(ids.shape)[np.ix_(src_index, dst_index)], kinds.tolist())
         return layout
 
+    def _kind_row(self, src: Placement, dsts: Sequence[Placement]) -> list[int]:
+        """`_kind(src, d)` for each d of `dsts`, from the kinds known of `src` (a table asks for hundreds of pairs)."""
+        known = self._pair_kinds.setdefault(src, {})
+        return [known[d] if d in known else self._kind(src, d) for d in dsts]
+
     def _kind(self, src: Placement, dst: Placement) -> int:
         """The index in `self._kinds` of the pair's (template, destination shards): all its prices read."""
-        kind = self._pair_kinds.get((src, dst))
+        value = (_reshard_template(src, dst, self.mesh), shards(dst, self.mesh))
+        kind = self._kind_ids.get(value)
         if kind is None:
-            value = (_reshard_template(src, dst, self.mesh), shards(dst, self.mesh))
-            kind = self._kind_ids.get(value)
-            if kind is None:
-                kind = self._kind_ids[value] = len(self._kinds)
-                self._kinds.append(value)
-            self._pair_kinds[(src, dst)] = kind
+            kind = self._kind_ids[value] = len(self._kinds)
+            self._kinds.append(value)
+        self._pair_kinds.setdefault(src, {})[dst] = kind
         return kind
 
     def _sized_steps(self, kind: int, nbytes: float) -> tuple[Step, ...]:
@@ -423,11 +454,13 @@ def pair_table(price: Callable[[Any, Any], Any], srcs: Sequence, dsts: Sequence,
     return table[np.ix_(src_index, dst_index)]
 
 
-def gradient_placement(required: Placement, assigned: Sequence[str | None]) -> Placement:
+@functools.lru_cache(maxsize=1 << 12)
+def gradient_placement(required: Placement, assigned: tuple[str | None, ...]) -> Placement:
     """Placement of the gradient a consumer sends back for one of its inputs.
 
     Where the consumer split a dim the input lacks (the input is Replicate there), each device
     holds a partial sum (Megatron's `f`); elsewhere the gradient has the input's placement.
+    Memoised: a pure function of two small tuples, asked for each strategy of each use of every layer ILP.
     """
     return tuple(P if (d is not None and isinstance(q, Replicate)) else q for q, d in zip(required, assigned))
 
@@ -491,8 +524,18 @@ def _input_placement(tensor: Tensor, axes: Sequence[str | None], rename: Mapping
     return tuple(placement)
 
 
-_STRATEGIES: dict[tuple, tuple[Strategy, ...]] = {}  # see `op_strategies`
+_STRATEGIES: dict[tuple, tuple] = {}  # op and parameter strategies, see `_kept_strategies`
 _STRATEGIES_KEPT = 1 << 14
+
+
+def _kept_strategies(key: tuple, enumerate_them: Callable[[], list]) -> list:
+    """The strategies kept under `key` (which holds all they depend on), enumerated the first time; a new list."""
+    kept = _STRATEGIES.get(key)
+    if kept is None:
+        if len(_STRATEGIES) >= _STRATEGIES_KEPT:
+            _STRATEGIES.clear()
+        kept = _STRATEGIES[key] = tuple(enumerate_them())
+    return list(kept)
 
 
 def op_strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None = None) -> list[Strategy]:
@@ -502,13 +545,8 @@ def op_strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None
     op's signature (`_op_signature`): the repeated layers of a model, and the search, its plan's validation
     and its check, ask for the same strategies again and again.
     """
-    key = (_op_signature(graph, op), mesh, force_dim, costmodel.active())
-    kept = _STRATEGIES.get(key)
-    if kept is None:
-        if len(_STRATEGIES) >= _STRATEGIES_KEPT:
-            _STRATEGIES.clear()
-        kept = _STRATEGIES[key] = tuple(_strategies(graph, op, mesh, force_dim))
-    return list(kept)
+    key = ("op", _op_signature(graph, op), mesh, force_dim, costmodel.active())
+    return _kept_strategies(key, lambda: _strategies(graph, op, mesh, force_dim))
 
 
 def _op_signature(graph: Graph, op: Op) -> tuple:
@@ -530,6 +568,7 @@ def _strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None) 
     flops = executed_flops(graph, op)
     share = forward_share(op)
     model = costmodel.active()
+    in_bytes, out_bytes, kept = [graph.nbytes(t) for t in op.inputs], graph.nbytes(op.output), kept_bytes(graph, op)
     strategies = []
     for axes in itertools.product(*_axis_choices(graph, op, mesh, force_dim)):
         if not _divisible(graph, axes, mesh):
@@ -555,14 +594,13 @@ def _strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None) 
                 output.append(P)
         output_t = tuple(output)
         split = _split(axes, mesh)
-        moved = (sum(local_bytes(graph.nbytes(t), p, mesh) for t, p in zip(op.inputs, inputs))
-                 + local_bytes(graph.nbytes(op.output), output_t, mesh))
+        moved = sum(local_bytes(b, p, mesh) for b, p in zip(in_bytes, inputs)) + local_bytes(out_bytes, output_t, mesh)
         shapes = tuple(local_shape(graph, t, p, mesh) for t, p in zip((*op.inputs, op.output), (*inputs, output_t)))
         compute = 0.0 if op.kind == "reshape" else model.op_time(
             op.kind, shapes, dtype, flops / split, 2 * moved, mesh.device, matmul)
         strategies.append(Strategy(
             axes=tuple(axes), inputs=inputs, output=output_t, compute_s=compute, comm=comm,
-            memory_bytes=local_bytes(kept_bytes(graph, op), output_t, mesh),
+            memory_bytes=local_bytes(kept, output_t, mesh),
             forward_s=compute * share + sum(comm.values()) / 2))
     return strategies
 
@@ -638,8 +676,17 @@ def param_strategies(graph: Graph, tensor: Tensor, mesh: LogicalMesh, allow_zero
                      replicated: bool = False) -> list[ParamStrategy]:
     """Every placement of a parameter (Shard on a divisible dim or Replicate per axis) × ZeRO choice.
 
-    `replicated` keeps only whole copies (data parallelism; ZeRO still allowed).
+    `replicated` keeps only whole copies (data parallelism; ZeRO still allowed). Kept under all they read: the
+    tensor's dims, their sizes, its dtype, the optimizer and the mesh's shape (a model's layers repeat their weights).
     """
+    key = ("param", tensor.dims, tuple(graph.dims[d] for d in tensor.dims), graph.dtype_of(tensor.name),
+           graph.optimizer, mesh.shape, allow_zero, replicated)
+    return _kept_strategies(key, lambda: _param_strategies(graph, tensor, mesh, allow_zero, replicated))
+
+
+def _param_strategies(graph: Graph, tensor: Tensor, mesh: LogicalMesh, allow_zero: bool,
+                      replicated: bool) -> list[ParamStrategy]:
+    """`param_strategies`, enumerated."""
     per_axis = [[R] + ([Shard(d) for d in tensor.dims] if size > 1 and not replicated else []) for size in mesh.shape]
     memory = costmodel.param_memory(graph.numel(tensor.name), graph.dtype_of(tensor.name), graph.optimizer)
     result = []
@@ -670,19 +717,33 @@ def param_sync_collectives(grad: Placement, param: ParamStrategy, nbytes: float,
     only that all-gather). A gradient that changes its split on both axes is one all-to-all over the
     mesh, priced as any resharding (`is_mesh_all_to_all`).
     """
-    if is_mesh_all_to_all(grad, param.placement, mesh):
+    template = _sync_template(_pattern(grad, param.placement), param.zero_axes, mesh.shape)
+    if template is None:
         return reshard_collectives(grad, param.placement, nbytes, mesh)
+    return [(kind, axis, nbytes / divisor) for kind, axis, divisor in template]
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _sync_template(pattern: tuple, zero_axes: tuple[int, ...],
+                   shape: tuple[int, ...]) -> tuple[tuple[str, int, int], ...] | None:
+    """`param_sync_collectives` for any size: each step's buffer as the divisor of the tensor's bytes, or None
+    for one all-to-all over the mesh (a resharding). Memoised per `_pattern` of (gradient, placement), ZeRO axes
+    and mesh shape: all it reads (it compares dims, never reads their names)."""
+    grad, placement = _patterned(pattern, len(shape))
+    mesh = MeshShape(shape)
+    if is_mesh_all_to_all(grad, placement, mesh):
+        return None
     steps = []
-    for axis, (g, p) in enumerate(zip(grad, param.placement)):
-        if mesh.shape[axis] == 1:
+    for axis, (g, p) in enumerate(zip(grad, placement)):
+        if shape[axis] == 1:
             continue
-        if axis in param.zero_axes:
-            size = nbytes / shards(grad, mesh, skip_axis=axis)
+        if axis in zero_axes:
+            divisor = shards(grad, mesh, skip_axis=axis)
             if isinstance(g, Partial):
-                steps.append(("reduce_scatter", axis, size))
-            steps.append(("all_gather", axis, size))
+                steps.append(("reduce_scatter", axis, divisor))
+            steps.append(("all_gather", axis, divisor))
             continue
         kind = axis_collective(g, p)
         if kind is not None:
-            steps.append((kind, axis, buffer_bytes(kind, nbytes, grad, mesh, axis)))
-    return steps
+            steps.append((kind, axis, buffer_divisor(kind, grad, mesh, axis)))
+    return tuple(steps)
