@@ -40,8 +40,8 @@ per stage count and threshold on its coupled term min omega (docs/COSTMODEL.md �
   they land on, that plan is feasible with the same sum, so it attains g(c); otherwise the full
   DP runs. Memory that binds only for plans far from the optimum then costs one level, not L.
 * Inner DP. f[k, i, d] is the least sum t of stages covering layers i..L-1 on exactly d devices
-  (level k as above); each first layer i is one vectorised step over (level, last layer, d) per
-  submesh, reading only rows after i.
+  (level k as above); each first layer i is one vectorised step over (last layer, level, submesh, d),
+  or one per submesh when that block outgrows the cache, reading only rows after i.
 """
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ INF = np.inf
 # a floor (`zero_bubble_limit`): 99 DPs of GPT-1T's table on 384 DGX A100 (its near-tied
 # stage counts took about 2,800), and more than any smaller case of docs/benchmarks.md needs
 ZERO_BUBBLE_WORK = 1.5e10
+# the inner DP's candidate block (last layers × levels × submeshes × devices, float64) up to which a first layer's
+# submeshes are one numpy step (`_steps`), else one step each. Per `_inner` call on recorded tables (CPU, old per-submesh
+# loop / this, 64K … 2M swept): 256K gains 1.3-2.2x from 24 layers × 8 devices to 128 × 512; 1M and more lose at
+# 64 × 512 and 128 × 512 (0.6-0.9x: the block outgrows the 1 MiB L2 and pays every submesh the widest's columns)
+BLOCK_BYTES = 1 << 18
 
 
 def zero_bubble_limit(t: np.ndarray, devices: int) -> int:
@@ -123,32 +128,72 @@ def _levels(deepest: int, *tables: np.ndarray) -> int:
     return k0
 
 
+def _extent(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per (submesh, first layer i) of t[s, k, i, j]: its last finite j + 1 and the levels its step needs (0: none);
+    level k needs an entry there and k stages on the L - i layers left."""
+    K, L = t.shape[1] - 1, t.shape[2]
+    finite = np.isfinite(t[:, 1:])  # (s, k - 1, i, j)
+    any_j = finite.any(axis=3)  # (s, k - 1, i)
+    found = any_j.any(axis=1)
+    reach = np.where(found, L - np.argmax(finite.any(axis=1)[:, :, ::-1], axis=2), 0)
+    depth = np.where(found, K - np.argmax(any_j[:, ::-1], axis=1), 0)  # deepest level with an entry
+    first = np.arange(L)
+    return reach, np.where(reach > first, np.minimum(depth, L - first), 0)
+
+
+def _steps(reach: np.ndarray, top: np.ndarray, sizes: list[int], live: list[int],
+           devices: int) -> list[list[tuple[int, int, int, int, int]]]:
+    """The inner DP's vectorised steps per first layer i: (submeshes a..b-1, levels, last layer + 1, device columns).
+    All `live` submeshes in one step while its block of candidates (levels × submeshes × last layers × columns)
+    is at most BLOCK_BYTES, else one step per submesh; a step computes up to its levels, the rest are inf."""
+    first = np.arange(reach.shape[1])
+    levels, end = top.max(axis=0), np.where(top > 0, reach, 0).max(axis=0)
+    lo, hi, columns = live[0], live[-1] + 1, devices + 1 - min(sizes[s] for s in live)
+    whole = (levels * (hi - lo) * (end - first) * columns * 8 <= BLOCK_BYTES).tolist()
+    levels, end, top, reach = levels.tolist(), end.tolist(), top.T.tolist(), reach.T.tolist()
+    return [[(lo, hi, levels[i], end[i], columns)] if whole[i] else
+            [(s, s + 1, top[i][s], reach[i][s], devices + 1 - sizes[s]) for s in live] for i in first]
+
+
 def _inner(t: np.ndarray, sizes: list[int], devices: int):
     """The inner DP on t[s, k, i, j] (levels k = 1..k0, level k0 meaning "k0 or more"), entries > t_max
     already inf: least sum t per (level, first layer, devices), what each level continues into, and
-    where level k0 continues in itself. Choices are not stored: `_plan` finds them again."""
+    where level k0 continues in itself. Choices are not stored: `_plan` finds them again.
+
+    Per first layer i, each step's candidates t[s, k, i, j] + after[k - 1, j + 1, d'] are reduced over j into
+    least[k - 1, s, pad + d'], and f[k, i, d] is the least of least[k - 1, s, pad + d - size_s] over s (the pad
+    columns inf): min over the same sums as one submesh at a time, so the same values and ties."""
     K, L = t.shape[1] - 1, t.shape[2]
     f = np.full((K + 1, L + 1, devices + 1), INF)
     f[0, L, 0] = 0.0
     after = f[:K].copy()  # after[k - 1]: what a stage at level k continues into
-    stay = np.zeros((L + 1, devices + 1), dtype=bool)  # level K continues in level K (else K - 1)
-    finite = np.isfinite(t[:, 1:])  # (s, k - 1, i, j)
-    any_j = finite.any(axis=3)  # (s, k - 1, i)
-    reach = np.where(any_j.any(axis=1), L - np.argmax(finite.any(axis=1)[:, :, ::-1], axis=2), 0)  # (s, i): last j + 1
-    depth = np.where(any_j.any(axis=1), K - np.argmax(any_j[:, ::-1], axis=1), 0)  # (s, i): deepest level with an entry
-    for i in range(L - 1, -1, -1):
-        for s, size in enumerate(sizes):
-            end, top = reach[s, i], min(depth[s, i], L - i)  # level k needs k stages on the L - i layers left
-            if size > devices or end <= i or top == 0:
-                continue
-            cost = t[s, 1:top + 1, i, i:end]  # (levels, J)
-            cand = cost[:, :, None] + after[:top, i + 1:end + 1, :devices + 1 - size]  # (levels, J, devices + 1 - size)
-            target = f[1:top + 1, i, size:]
-            np.minimum(target, cand.min(axis=1), out=target)
-        after[:K - 1, i] = f[:K - 1, i]
-        stay[i] = f[K, i] < f[K - 1, i]
-        after[K - 1, i] = np.minimum(f[K - 1, i], f[K, i])
-    return f, after, stay
+    live = [s for s, size in enumerate(sizes) if size <= devices]
+    if live:
+        pad = max(sizes[s] for s in live)
+        width = pad + devices + 1
+        least = np.full((K, len(sizes), width), INF)
+        flat = least.reshape(K, -1)
+        pick = (np.array(live) * width + pad - np.array(sizes)[live])[:, None] + np.arange(devices + 1)  # [s, d]
+        reach, top = _extent(t)
+        top[np.array(sizes) > devices] = 0
+        levels = top.max(axis=0).tolist()
+        steps = _steps(reach, top, sizes, live, devices)
+        # last layer j outermost and the candidates C-ordered: the min over j then runs over whole contiguous rows
+        cost = t[:, 1:].transpose(2, 3, 1, 0)[..., None]  # [i, j, k - 1, s, 1]
+        rest = after.transpose(1, 0, 2)[:, :, None]  # [j, k - 1, 1, d]
+        for i in range(L - 1, -1, -1):
+            k = levels[i]
+            for a, b, upto, end, columns in steps[i] if k else ():
+                if upto:
+                    candidates = np.add(cost[i, i:end, :upto, a:b], rest[i + 1:end + 1, :upto, :, :columns], order="C")
+                    np.minimum.reduce(candidates, axis=0, out=least[:upto, a:b, pad:pad + columns])
+                if upto < k:
+                    least[upto:k, a:b, pad:] = INF
+            if k:
+                np.minimum.reduce(flat[:k].take(pick, axis=1), axis=1, out=f[1:k + 1, i])
+            after[:K - 1, i] = f[:K - 1, i]
+            np.minimum(f[K - 1, i], f[K, i], out=after[K - 1, i])
+    return f, after, f[K] < f[K - 1]  # stay: level K continues in level K (else K - 1)
 
 
 def _plan(t: np.ndarray, f, after, stay, sizes: list[int], devices: int,
