@@ -6,6 +6,7 @@ A `Graph` is valid by construction: building one checks every rule of DESIGN §2
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -66,6 +67,17 @@ class Graph:
         self.tensors = dict(self.tensors)
         self.ops = list(self.ops)
         _validate(self)
+
+    def resized(self, dims: Mapping[str, int]) -> Graph:
+        """This graph with its dims' sizes set to `dims` (a microbatch's view): checked where sizes enter (every
+        dim a positive integer, every op's shape rules); its structure, validated already, and what is derived
+        from it (op index, producers, order, …) are shared, not rebuilt (the search makes a view per count)."""
+        if dims.keys() != self.dims.keys():
+            raise ValueError(f"resized renames no dims: {sorted(set(dims) ^ set(self.dims))}")
+        view = copy.copy(self)
+        view.dims = dict(dims)
+        _validate_sizes(view)
+        return view
 
     # ------------------------------------------------------------ structure
     @cached_property
@@ -211,6 +223,28 @@ def _fail(where: str, cause: str, hint: str | None = None) -> None:
     raise InstanceError(cause, where, hint)
 
 
+def _check_dims(g: Graph) -> None:
+    """Every dim's size a positive integer."""
+    for name, size in g.dims.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            _fail(f"dims.{name}", f"size must be a positive integer, got {size!r}", "give every dim a size of at least 1")
+
+
+def _check_shape(g: Graph, i: int, op: Op) -> None:
+    """The tensor rules of op `i`'s kind (`ops.check`), at the graph's sizes."""
+    try:
+        opkinds.check(op, g)
+    except opkinds.OpShapeError as err:
+        _fail(f"ops[{i}] ({op.name})", f"{op.kind}: {err}", f"see the tensor rules of kind {op.kind!r} in docs/FORMAT.md")
+
+
+def _validate_sizes(g: Graph) -> None:
+    """The rules of `_validate` that read dims' sizes, for a graph whose structure is known valid (`Graph.resized`)."""
+    _check_dims(g)
+    for i, op in enumerate(g.ops):
+        _check_shape(g, i, op)
+
+
 def _validate(g: Graph) -> None:
     """Check every rule of DESIGN §2; raise InstanceError at the first broken one."""
     if g.dtype not in DTYPE_BYTES:
@@ -219,9 +253,7 @@ def _validate(g: Graph) -> None:
         _fail("matmul_dtype", f"unknown GEMM precision {g.matmul_dtype!r}", f"use one of {list(MATMUL_DTYPES)} or omit it")
     if g.optimizer not in OPTIMIZERS:
         _fail("optimizer", f"unknown optimizer {g.optimizer!r}", f"use one of {list(OPTIMIZERS)}")
-    for name, size in g.dims.items():
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-            _fail(f"dims.{name}", f"size must be a positive integer, got {size!r}", "give every dim a size of at least 1")
+    _check_dims(g)
     if g.batch_dim is not None and g.batch_dim not in g.dims:
         _fail("batch_dim", f"batch dim {g.batch_dim!r} is not declared in dims", "declare it in `dims` with its size")
 
@@ -260,10 +292,7 @@ def _validate(g: Graph) -> None:
         if op.output in op.inputs:
             _fail(where, f"op reads its own output {op.output!r}", "write the result to a new tensor")
         produced_by[op.output] = op.name
-        try:
-            opkinds.check(op, g)
-        except opkinds.OpShapeError as err:
-            _fail(where, f"{op.kind}: {err}", f"see the tensor rules of kind {op.kind!r} in docs/FORMAT.md")
+        _check_shape(g, i, op)
 
     for name, t in g.tensors.items():
         if t.role in ("activation", "output") and name not in produced_by:

@@ -98,7 +98,7 @@ def with_batch(graph: Graph, batch: int) -> Graph:
             raise InfeasibleError(f"dim {d!r} ({dims[d]}) does not scale with a microbatch of {batch}",
                                   graph.name, "use a microbatch count that keeps derived dims whole")
         dims[d] = dims[d] * batch // old
-    return dataclasses.replace(graph, dims=dims)
+    return graph.resized(dims)
 
 
 @dataclass(frozen=True)

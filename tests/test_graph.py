@@ -160,3 +160,30 @@ def test_graph_rejects_a_dim_repeated_in_one_tensor():
     with pytest.raises(InstanceError, match="dim repeated"):
         make({"s": 4}, {"x": (["s", "s"], "input"), "y": (["s", "s"], "output")},
              [("op", "elementwise", ["x"], "y")])
+
+
+# ---------------------------------------------------------------- resized views
+
+def _merge_graph() -> Graph:
+    """b·s tokens merged from b and s (a reshape whose rule ties three sizes)."""
+    return make({"b": 4, "s": 3, "bs": 12, "h": 2},
+                {"x": (["b", "s", "h"], "input"), "y": (["bs", "h"], "output")},
+                [("merge", "reshape", ["x"], "y", {"merge": {"bs": ["b", "s"]}})], batch_dim="b")
+
+
+def test_a_resized_view_checks_the_sizes_and_names_the_op():
+    g = _merge_graph()
+    view = g.resized({"b": 2, "s": 3, "bs": 6, "h": 2})
+    assert view.dims == {"b": 2, "s": 3, "bs": 6, "h": 2} and g.dims["b"] == 4  # the graph itself unchanged
+    with pytest.raises(InstanceError, match=r"ops\[0\] \(merge\).*bs.*\(12\) != product"):
+        g.resized({"b": 2, "s": 3, "bs": 12, "h": 2})  # 2 · 3 is not 12
+    with pytest.raises(InstanceError, match="positive integer"):
+        g.resized({"b": 0, "s": 3, "bs": 0, "h": 2})
+
+
+def test_a_resized_view_shares_the_structure_it_did_not_rebuild():
+    g = _merge_graph()
+    order = g.order
+    view = g.resized({"b": 2, "s": 3, "bs": 6, "h": 2})
+    assert view.order is order and view.ops == g.ops and view.tensors == g.tensors
+    assert view.numel("y") == 12 and g.numel("y") == 24  # sizes are the view's own
