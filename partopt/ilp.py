@@ -209,14 +209,11 @@ def reduce(graph: CostGraph) -> list[np.ndarray]:
     profiles = [_profile(graph, n, incident[n]) for n in range(len(graph))]
     dirty = [True] * len(graph)
     pruned: set[int] = set()
-    changed = True
-    while changed:
-        changed = False
+    while any(dirty):
         for n in range(len(graph)):
             if dirty[n]:
                 dirty[n] = False
                 if _prune(profiles[n], alive, n, pruned):
-                    changed = True
                     for v in profiles[n].neighbours:
                         dirty[v] = True
     return alive

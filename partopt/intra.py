@@ -458,7 +458,7 @@ def _add_layout_hubs(graph: Graph, mesh: LogicalMesh, costs: ilp.CostGraph, stra
     independent resharding per use, so the model never prices more than before.
 
     Exact for gathers: per mesh axis the collective's kind follows from (source, target) and its
-    buffer from the source's other axes (`sharding.buffer_bytes`). If some use needs Replicate on
+    buffer from the source's other axes (`sharding.buffer_divisor`). If some use needs Replicate on
     an axis the maker shards or leaves Partial, every schedule gathers (reduces) that axis at least
     once, from the maker's layout at best — what `reshard(made -> m*)` charges, for m* the most
     replicated needed layout (per axis: the common need, or Replicate where needs differ); every

@@ -145,18 +145,14 @@ def axis_collective(src: AxisPlacement, dst: AxisPlacement) -> str | None:
     return "all_gather" if isinstance(dst, Replicate) else "all_to_all"
 
 
-def buffer_bytes(kind: str, nbytes: float, src: Placement, mesh: LogicalMesh, axis: int) -> float:
-    """The buffer `costmodel.collective_time` prices for `kind` on `axis` of a tensor placed `src`.
+def buffer_divisor(kind: str, src: Placement, mesh: LogicalMesh, axis: int) -> int:
+    """What a tensor's bytes are divided by to give the buffer `costmodel.collective_time` prices for `kind` on
+    `axis` of a tensor placed `src`.
 
     All-gather, reduce-scatter and all-reduce act on the buffer gathered along the axis (the
     tensor's bytes over the source's shards on the other axes); an all-to-all exchanges the
     device's local shard, so its buffer is also divided by this axis.
     """
-    return nbytes / buffer_divisor(kind, src, mesh, axis)
-
-
-def buffer_divisor(kind: str, src: Placement, mesh: LogicalMesh, axis: int) -> int:
-    """What `buffer_bytes` divides the tensor's bytes by."""
     return shards(src, mesh, skip_axis=None if kind == "all_to_all" else axis)
 
 
@@ -178,7 +174,7 @@ class MeshShape:
 
 def reshard_collectives(src: Placement, dst: Placement, nbytes: float,
                         mesh: LogicalMesh) -> list[tuple[str, int, float]]:
-    """(collective, mesh axis, buffer bytes) needed to move a tensor from src to dst (see `buffer_bytes`).
+    """(collective, mesh axis, buffer bytes) needed to move a tensor from src to dst (see `buffer_divisor`).
 
     One collective per axis that changes, one after the other: each step's buffer is the layout the
     previous steps left (a tensor split on both axes and gathered whole moves the 1/b-gathered buffer
