@@ -311,7 +311,7 @@ def _fastest(t: np.ndarray, extra: np.ndarray, bound: float,
     """Each entry's least latency over options with extra <= bound, and that option (the first on ties);
     one option at a time, so no copy of all of them is made. With `summed`, also its least summed value
     over those options, taken on its own: the fastest option's when t less the rebate grows with t (a rebate
-    the same for all options, or a share of t as in `zero_bubble`'s bound), else a lower bound."""
+    the same for all options, or a share of t), else a lower bound (`zero_bubble`'s share of omega)."""
     table = np.full(t.shape[1:], INF)
     low = None if summed is None else np.full(t.shape[1:], INF)
     option = np.zeros(t.shape[1:], dtype=np.int32)
@@ -462,14 +462,14 @@ def zero_bubble(entries: Entries, omega: np.ndarray, sizes: list[int], devices: 
         return entries.held(held, count), count + held - 2
 
     def largest_share(counts: range) -> float:
-        """The largest c(S) / 3S over `counts`: the rebate share a bound over those stage counts may take."""
-        return max((k + min(k, microbatches) - 2) / (3 * k) for k in counts)
+        """The largest c(S) / S over `counts`: the rebate share a bound over those stage counts may take."""
+        return max((k + min(k, microbatches) - 2) / k for k in counts)
 
     def bound(table: Entries, share: float, count: int | None) -> DPResult | None:
-        """omega_i <= t_i / 3 (three parts of t_i) and min_i t_i <= sum t / S: every plan of S stages costs at
-        least sum t (1 - c(S) / 3S) + (B - 1) max t + max sync, one DP with `share` c / 3S of t rebated in the sum
-        (of exactly `count` stages when given). None: no plan costs less than the best."""
-        rebate = np.where(np.isfinite(table.latency), table.latency * share, 0.0) if share > 0 else None
+        """min_i omega_i <= sum omega / S: every plan of S stages costs at least sum (t - c(S) / S omega) + (B - 1)
+        max t + max sync, one DP with `share` c / S of each entry's omega rebated in the sum (of exactly `count`
+        stages when given). None: no plan costs less than the best."""
+        rebate = np.where(np.isfinite(table.latency), omega * share, 0.0) if share > 0 else None
         found = solve(table, None, sizes, devices, microbatches, rebate, state["total"], count)
         if found is not None:
             state["rounds"] += found.rounds
@@ -507,7 +507,7 @@ def zero_bubble(entries: Entries, omega: np.ndarray, sizes: list[int], devices: 
         if start <= count < deepest and largest_share(range(count, deepest + 1)) > 0 and bound_from(count) is None:
             ceiling = count - 1
             continue
-        alone = bound(table, c / (3 * count), count)
+        alone = bound(table, c / count, count)
         if alone is not None:
             _threshold(table, omega, c, count, sizes, devices, microbatches, state, alone.total)
     best, floor = state["best"], state["floor"]
