@@ -367,7 +367,8 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     """The stage DP's best plan over `schedules` for one microbatch count: (result, schedule, v, options per
     submesh), or None. 1F1B cuts the layers freely; interleaved takes the best (S, v) of Megatron's uniform
     chunking (`schedules.interleaved_shapes`, `stages.interleaved_table`); zero-bubble (ZB-H1) cuts freely on
-    1F1B's table (`stagedp.zero_bubble`, from 1F1B's stage count outwards, stopped at its work limit); ties keep
+    1F1B's table (`stagedp.zero_bubble`, from 1F1B's stage count outwards, seeded with 1F1B's plan run as ZB-H1,
+    stopped at its work limit); ties keep
     1F1B, then interleaved. The result's `floor` is set when a stopped search leaves room below its total."""
     found = []
     table = stage_table(pipe, costs, submeshes, count, budget) if {"1f1b", "zero-bubble"} & set(schedules) else None
@@ -385,8 +386,13 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
         done = [f[0] for f in found if f[0] is not None]
         cutoff = min((r.total for r in done), default=math.inf)
         hint = len(min(done, key=lambda r: r.total).stages) if done else None
+        # 1F1B's plan, run as ZB-H1, seeds the search (forced, 1F1B's DP runs for it alone)
+        onef1b = found[0][0] if "1f1b" in schedules else stagedp.solve(entries, None, sizes, devices, count)
+        if "1f1b" not in schedules and onef1b is not None:
+            stats.dp_rounds += onef1b.rounds
         found.append((stagedp.zero_bubble(entries, split_table(pipe, entries, options_of), sizes, devices, count,
-                                          cutoff, stagedp.zero_bubble_limit(entries.latency, devices), hint),
+                                          cutoff, stagedp.zero_bubble_limit(entries.latency, devices), hint,
+                                          onef1b.stages if onef1b is not None else None),
                       "zero-bubble", 1, options_of))
     found = [f for f in found if f[0] is not None]
     stats.dp_rounds += sum(f[0].rounds for f in found)

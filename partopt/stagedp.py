@@ -434,7 +434,7 @@ def solve(t: np.ndarray | Entries, extra: np.ndarray | None, sizes: list[int], d
 
 def zero_bubble(entries: Entries, omega: np.ndarray, sizes: list[int], devices: int,
                 microbatches: int, cutoff: float = INF, limit: int | None = None,
-                hint: int | None = None) -> DPResult | None:
+                hint: int | None = None, seed: list[StageChoice] | None = None) -> DPResult | None:
     """The least ZB-H1 iteration (`schedules.iteration_time`) over cuts, submeshes and options, or None when
     no plan fits or none costs less than `cutoff`.
 
@@ -451,10 +451,15 @@ def zero_bubble(entries: Entries, omega: np.ndarray, sizes: list[int], devices: 
     result has no stages, an infinite total and the floor below the cutoff (None when the floor does not
     reach below it). Deterministic: a count of DPs, not seconds. `hint`: a stage count to search first and
     outwards from (the caller's 1F1B plan's): where the best plans likely are, for a search that may stop.
+    `seed`: a plan on the same table (the caller's 1F1B plan), run as ZB-H1 (`as_zero_bubble`) when its stages fit:
+    the first incumbent, so the bounds cut from the start; the result is the same, save a tie with the seed.
     """
     L = entries.layers
     deepest = min(L, devices)
     state = {"best": None, "total": cutoff, "rounds": 0, "floor": INF, "limit": INF if limit is None else limit}
+    seeded = as_zero_bubble(entries, omega, seed, microbatches) if seed else None
+    if seeded is not None and seeded.total < cutoff:
+        state["best"], state["total"] = seeded, seeded.total
 
     def levels(count: int) -> tuple[Entries, int]:
         """The entries of plans of `count` stages (those fitting min(count, B), at levels 1..count), and c(count)."""
@@ -516,6 +521,24 @@ def zero_bubble(entries: Entries, omega: np.ndarray, sizes: list[int], devices: 
     return DPResult(best.total, best.stages, best.max_latency, state["rounds"], floor if floor < best.total else None)
 
 
+def as_zero_bubble(entries: Entries, omega: np.ndarray, stages: list[StageChoice], microbatches: int) -> DPResult | None:
+    """The plan `stages` (cuts and submeshes on `entries`) run as ZB-H1, each stage in its own option when that holds
+    min(S, B) microbatches, else in the fastest that does (the lowest on ties); None when some stage has none."""
+    S = len(stages)
+    held = min(S, microbatches)
+    picked = []
+    for c in stages:
+        fits = np.flatnonzero(entries.depth[:, c.first, c.last, c.submesh] >= held)
+        if not len(fits):
+            return None
+        h = c.option if c.option in fits else int(fits[np.argmin(entries.latency[fits, c.first, c.last, c.submesh])])
+        picked.append((h, c.first, c.last, c.submesh))
+    times = [float(entries.latency[e]) for e in picked]
+    total = (sum(times) + (microbatches - 1) * max(times) - (S + held - 2) * min(float(omega[e]) for e in picked)
+             + max(float(entries.sync[e]) for e in picked))
+    return DPResult(total, [StageChoice(i, j, s, S, h) for h, i, j, s in picked], max(times), 0)
+
+
 def _spent(state: dict) -> bool:
     """Whether a zero-bubble search has run its DPs and has something to return (a plan or the cutoff)."""
     return state["rounds"] >= state["limit"] and state["total"] < INF
@@ -546,11 +569,9 @@ def _threshold(table: Entries, omega: np.ndarray, c: int, count: int, sizes: lis
         least = min(float(omega[e]) for e in picked)
         if found.total >= state["total"] + c * float(thetas[hi]):
             return None
-        times = [float(table.latency[e]) for e in picked]
-        total = sum(times) + (microbatches - 1) * max(times) - c * least + max(float(table.sync[e]) for e in picked)
-        if total < state["total"] - 1e-15:
-            stages = [StageChoice(s.first, s.last, s.submesh, count, s.option) for s in found.stages]
-            state["best"], state["total"] = DPResult(total, stages, found.max_latency, 0), total
+        plan = as_zero_bubble(table, omega, found.stages, microbatches)  # its options all hold min(count, B)
+        if plan.total < state["total"] - 1e-15:
+            state["best"], state["total"] = plan, plan.total
         return found.total, int(np.searchsorted(thetas, least))
 
     def push(lo: int, hi: int, g_lo: float) -> None:

@@ -142,6 +142,45 @@ def test_a_search_stopped_at_its_work_limit_brackets_the_optimum(seed):
     assert stopped  # the limits do stop some of these searches
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_search_seeded_with_the_1f1b_plan_is_still_exact(seed):
+    """Seeded with 1F1B's optimal plan (`inter._best_schedule` does so), the search returns brute force's optimum
+    (and the seed itself, run as ZB-H1, when nothing beats it); the seed's ZB-H1 cost is its closed form from the
+    definition: every stage in an option holding min(S, B) (its own when it does, else the fastest that does)."""
+    rng = np.random.default_rng(200 + seed)
+    seeded = 0
+    for _ in range(12):
+        L, H, sizes = int(rng.integers(2, 5)), int(rng.integers(1, 3)), [1, 2]
+        devices, B = int(rng.integers(1, 5)), int(rng.integers(1, 6))
+        entries, t, extra, omega = random_table(rng, L, H, sizes)
+        onef1b = stagedp.solve(entries, None, sizes, devices, B)
+        if onef1b is None:
+            continue
+        expected = brute_table(t, extra, omega, sizes, devices, B)
+        as_zb = stagedp.as_zero_bubble(entries, omega, onef1b.stages, B)
+        S, held = len(onef1b.stages), min(len(onef1b.stages), B)
+        options = []
+        for c in onef1b.stages:
+            fit = [h for h in range(H) if entries.depth[h, c.first, c.last, c.submesh] >= held]
+            options.append(c.option if c.option in fit else
+                           min(fit, key=lambda h: (entries.latency[h, c.first, c.last, c.submesh], h)) if fit else None)
+        if None in options:
+            assert as_zb is None
+        else:
+            seeded += 1
+            times = [t[h, held, c.first, c.last, c.submesh] for c, h in zip(onef1b.stages, options)]
+            hidden = min(omega[h, c.first, c.last, c.submesh] for c, h in zip(onef1b.stages, options))
+            sync = max(extra[h, held, c.first, c.last, c.submesh] for c, h in zip(onef1b.stages, options))
+            assert as_zb.total == pytest.approx(sum(times) + (B - 1) * max(times) - (S + held - 2) * hidden + sync,
+                                                rel=1e-12)
+            assert expected <= as_zb.total * (1 + 1e-12)  # a ZB-H1 plan: no better than the optimum
+        found = stagedp.zero_bubble(entries, omega, sizes, devices, B, seed=onef1b.stages)
+        assert (found is None) == math.isinf(expected)  # a 1F1B plan need not fit ZB-H1's memory
+        if found is not None:
+            assert found.total == pytest.approx(expected, rel=1e-12)
+    assert seeded  # some 1F1B plans fit ZB-H1's memory
+
+
 def test_the_dp_objective_is_the_simulated_time_on_uniform_layers():
     """Eight identical layers (f = 1, b = 2 of which w = 1, no sends), four one-device stages, B = 8: the DP
     cuts them evenly, and its least ZB-H1 iteration is the event simulation of that plan (exact on uniform stages
