@@ -105,12 +105,17 @@ class _Space:
 
         Solved once per state of `costs`: its rows are only ever appended (a new mode's key, a leaner cap's
         row), so the rows per key stand for its content, and asking again with nothing added (a mode with no
-        mesh left to price, a ladder that changed no row) returns the same plan without running the DPs."""
+        mesh left to price, a ladder that changed no row) returns the same plan without running the DPs. For the
+        same reason a plan found before, on fewer rows, under these schedules or some of them, is still a plan:
+        the best of them is the DPs' incumbent (`_best_schedule`)."""
         schedules = tuple(schedules or self.options.schedules)
         key = (count, budget, schedules, tuple((option, len(rows)) for option, rows in costs.items()))
         if key not in self.solved:
+            before = [found for (c, b, among, _), found in self.solved.items()
+                      if c == count and b == budget and set(among) <= set(schedules) and found is not None]
+            incumbent = min(before, key=lambda found: found[0].total, default=None)
             self.solved[key] = _best_schedule(pipe, costs, self.submeshes, [n * m for n, m in self.submeshes],
-                                              self.cluster.num_devices, count, budget, schedules, stats)
+                                              self.cluster.num_devices, count, budget, schedules, stats, incumbent)
         return self.solved[key]
 
 
@@ -363,41 +368,45 @@ def _stages_of(found, costs: dict, count: int, space: _Space) -> tuple[list[Stag
 
 
 def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], sizes: list[int], devices: int,
-                   count: int, budget: float, schedules: Sequence[str], stats: Stats):
+                   count: int, budget: float, schedules: Sequence[str], stats: Stats, incumbent=None):
     """The stage DP's best plan over `schedules` for one microbatch count: (result, schedule, v, options per
     submesh), or None. 1F1B cuts the layers freely; interleaved takes the best (S, v) of Megatron's uniform
     chunking (`schedules.interleaved_shapes`, `stages.interleaved_table`); zero-bubble (ZB-H1) cuts freely on
     1F1B's table (`stagedp.zero_bubble`, from 1F1B's stage count outwards, seeded with 1F1B's plan run as ZB-H1,
     stopped at its work limit); ties keep
-    1F1B, then interleaved. The result's `floor` is set when a stopped search leaves room below its total."""
+    1F1B, then interleaved. The result's `floor` is set when a stopped search leaves room below its total.
+    `incumbent`: a plan of this table found before (one of these results on a table with fewer rows); each DP
+    then looks only for a faster plan, and the incumbent stays when none is (ties keep it)."""
     found = []
+    bar = incumbent[0].total if incumbent is not None else math.inf  # what a plan found here must beat
     table = stage_table(pipe, costs, submeshes, count, budget) if {"1f1b", "zero-bubble"} & set(schedules) else None
     if "1f1b" in schedules:
         entries, options_of = table
-        found.append((stagedp.solve(entries, None, sizes, devices, count), "1f1b", 1, options_of))
+        found.append((stagedp.solve(entries, None, sizes, devices, count, cutoff=bar), "1f1b", 1, options_of))
     if "interleaved" in schedules:  # each shape only where it beats the plans before it (ties keep those)
         for S, v in interleaved_shapes(len(pipe.layering.groups), count, devices):
             t, extra, fill, options_of = interleaved_table(pipe, costs, submeshes, count, budget, S, v)
-            cutoff = min((f[0].total for f in found if f[0] is not None), default=math.inf)
-            found.append((stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill, cutoff=cutoff),
+            cutoff = min((f[0].total for f in found if f[0] is not None), default=bar)
+            found.append((stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill, cutoff=min(cutoff, bar)),
                           "interleaved", v, options_of))
     if "zero-bubble" in schedules:  # only a plan faster than the others found counts (ties keep them)
         entries, options_of = table
         done = [f[0] for f in found if f[0] is not None]
-        cutoff = min((r.total for r in done), default=math.inf)
+        cutoff = min((r.total for r in done), default=bar)
         hint = len(min(done, key=lambda r: r.total).stages) if done else None
         # 1F1B's plan, run as ZB-H1, seeds the search (forced, 1F1B's DP runs for it alone)
         onef1b = found[0][0] if "1f1b" in schedules else stagedp.solve(entries, None, sizes, devices, count)
         if "1f1b" not in schedules and onef1b is not None:
             stats.dp_rounds += onef1b.rounds
         found.append((stagedp.zero_bubble(entries, split_table(pipe, entries, options_of), sizes, devices, count,
-                                          cutoff, stagedp.zero_bubble_limit(entries.latency, devices), hint,
+                                          min(cutoff, bar), stagedp.zero_bubble_limit(entries.latency, devices), hint,
                                           onef1b.stages if onef1b is not None else None),
                       "zero-bubble", 1, options_of))
     found = [f for f in found if f[0] is not None]
     stats.dp_rounds += sum(f[0].rounds for f in found)
-    floor = min(f[0].total if f[0].floor is None else f[0].floor for f in found) if found else math.inf
-    found = [f for f in found if f[0].stages]  # a zero-bubble search stopped with no plan leaves only its floor
+    floor = min([f[0].total if f[0].floor is None else f[0].floor for f in found], default=math.inf)
+    # a zero-bubble search stopped with no plan leaves only its floor; a plan not under the incumbent is not exact
+    found = [f for f in found if f[0].stages and f[0].total < bar] or ([incumbent] if incumbent is not None else [])
     if not found:
         return None
     best = min(found, key=lambda f: f[0].total)

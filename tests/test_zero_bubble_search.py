@@ -8,6 +8,7 @@ import importlib
 import itertools
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -309,6 +310,16 @@ def test_the_search_equals_brute_force_and_auto_takes_the_best_schedule(priced, 
     auto = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, Options().schedules, Stats())
     assert auto[0].total == pytest.approx(min(x[0].total for x in forced if x is not None), rel=1e-12)
     assert auto[0].total <= forced[0][0].total  # ZB-H1 on 1F1B's stages is never slower, when it fits
+    # an incumbent (`inter._Space.best` hands over a plan found on fewer rows): the optimum still, found or kept
+    for schedules in [("1f1b",), ("zero-bubble",), Options().schedules]:
+        exact = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, schedules, Stats())
+        for incumbent in (forced[0], exact):
+            given = exact if incumbent is exact else (replace(incumbent[0], total=incumbent[0].total * 1.5),
+                                                      *incumbent[1:])  # a slower plan: the DPs must beat it
+            again = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, schedules, Stats(), given)
+            assert again[0].total == pytest.approx(exact[0].total, rel=1e-12)
+            if incumbent is exact:
+                assert (again[0].stages, again[1:]) == (exact[0].stages, exact[1:])  # nothing beats it: kept
 
 
 @pytest.fixture(scope="module")
