@@ -38,7 +38,7 @@ from partopt.models.transformer import ATTENTION_KERNELS
 from partopt.plan import Plan, plan_text, read_plan, write_plan
 from partopt.profiled import read_profile
 from partopt.schedules import SCHEDULES
-from partopt.solvers import BACKENDS
+from partopt.solvers import BACKENDS, TIME_LIMIT_S
 from partopt.units import fmt_bytes, fmt_scaled, fmt_seconds
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -480,8 +480,8 @@ def _render_plan(plan: Plan, calibration: dict[str, Any] | None) -> list[Table]:
 @click.option("--layers", type=click.IntRange(min=1), default=DEFAULT_MAX_LAYERS, show_default=True,
               help="Most layers the stage DP cuts between (tagged layers are grouped by FLOPs).")
 @click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
-@click.option("--time-limit", type=FiniteFloat(), default=60.0, show_default=True,
-              help="Seconds per ILP.")
+@click.option("--time-limit", type=FiniteFloat(), default=TIME_LIMIT_S, show_default=True,
+              help="Wall-clock seconds per ILP, a safety net: each ILP stops first at its solver's deterministic work limit.")
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
 @click.option("--search", type=click.Choice(["full", "intra-only", "inter-only", "data-parallel-only", "pp-dp", "megatron"]),

@@ -499,7 +499,7 @@ def _picks(alive: list[np.ndarray], var: list[np.ndarray], values: list[int]) ->
 
 
 def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
-          time_limit_s: float = 60.0, seed: int = 0, reduce_first: bool = True) -> Solution:
+          time_limit_s: float = solvers.TIME_LIMIT_S, seed: int = 0, reduce_first: bool = True) -> Solution:
     """Choose one strategy per node: least total cost with summed memory ≤ budget.
 
     With `reduce_first`, dominated strategies go first, then the graph is solved by exact

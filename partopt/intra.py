@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from partopt import costmodel, gradients, ilp
+from partopt import costmodel, gradients, ilp, solvers
 from partopt.cluster import LogicalMesh
 from partopt.errors import InfeasibleError
 from partopt.graph import Graph, Op
@@ -811,7 +811,7 @@ def mesh_text(mesh: LogicalMesh) -> str:
 
 def shard_stage(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, *,
                 microbatch: int | None = None, microbatches: int = 1, inflight: int = 1,
-                memory_budget: float | None = None, backend: str = "highs", time_limit_s: float = 60.0,
+                memory_budget: float | None = None, backend: str = "highs", time_limit_s: float = solvers.TIME_LIMIT_S,
                 seed: int = 0, allow_zero: bool = True, data_parallel: bool = False,
                 restriction: Restriction | None = None, reduce_first: bool = True,
                 recompute: str = "none", peak_shared_by: int = 1, prefetch: bool = False) -> StageSharding:

@@ -9,6 +9,7 @@ from partopt import costmodel, intra
 from partopt.errors import InfeasibleError, InstanceError
 from partopt.pricing import RUNGS
 from partopt.schedules import SCHEDULES, SEARCHED
+from partopt.solvers import TIME_LIMIT_S
 
 DEFAULT_MAX_LAYERS = 64  # every block up to 64 (GPT-39B: 48); more are grouped (docs/benchmarks.md)
 
@@ -22,7 +23,7 @@ class Options:
     submesh_family: str = "auto"  # Alpa's family up to 16 nodes, powers of two beyond (`Cluster.submesh_family`)
     logical_shapes: str | Sequence[tuple[int, int]] = "node_local"  # or "all", or the allowed (a, b)
     backend: str = "highs"  # fastest in docs/benchmarks.md
-    time_limit_s: float = 60.0
+    time_limit_s: float = TIME_LIMIT_S  # per ILP, a safety net: the solvers' work limits stop it first
     memory_reserve: float = costmodel.DEFAULT_MEMORY_RESERVE
     intra_only: bool = False
     inter_only: bool = False

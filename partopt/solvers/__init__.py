@@ -30,6 +30,11 @@ WORK_UNITS = {"highs": "branch-and-bound nodes", "cpsat": "deterministic seconds
 # deterministic second on that block on this loaded 2-core machine, so 20 binds before the 60 s clock.
 # scripts/bench_solver_limits.py, docs/benchmarks.md ("Deterministic solver limits").
 DEFAULT_WORK_LIMITS = {"highs": 1000, "cpsat": 20.0, "cbc": 1000}
+# the wall-clock safety net per ILP, for a solver that runs away; the work limits above are what stop an ILP. At
+# 60 s the net fell before them: memory-capped GPT-39B block ILPs whose transient peak binds take 19-45 s of CPU
+# here (HiGHS: 259 nodes in 45 s), so a default solve beside one other job stopped one at 60 s, a plan that
+# depended on the load (docs/benchmarks.md, "Where the large defaults spend their time")
+TIME_LIMIT_S = 600.0
 # rows and continuous columns larger than this reach the floating-point backends scaled down to about it
 # (`Model.shrunk`): memory rows in bytes (coefficients to 1e10) made HiGHS's dual simplex crawl, a capped
 # Llama-2 70B block ILP taking 80 s at 13 nodes against 7.5 s scaled (docs/benchmarks.md). A backend's
@@ -130,7 +135,7 @@ class Result:
 
 @dataclass(frozen=True)
 class Options:
-    time_limit_s: float = 60.0  # wall-clock safety net
+    time_limit_s: float = TIME_LIMIT_S  # wall-clock safety net
     seed: int = 0
     threads: int = 1
     work_limit: float = math.inf  # in the backend's WORK_UNITS
@@ -148,7 +153,7 @@ def _backend(name: str) -> Callable[[Model, Options], Result]:
     return importlib.import_module(f"partopt.solvers.{name}").solve
 
 
-def solve(model: Model, backend: str = "highs", time_limit_s: float = 60.0, seed: int = 0,
+def solve(model: Model, backend: str = "highs", time_limit_s: float = TIME_LIMIT_S, seed: int = 0,
           work_limit: float | None = None, relaxation_first: bool = False) -> Result:
     """Solve `model` with the named backend, stopping at `work_limit` (in its WORK_UNITS; None: its
     DEFAULT_WORK_LIMITS entry; math.inf: none) or, as a safety net, after `time_limit_s` seconds.
