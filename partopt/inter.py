@@ -368,13 +368,13 @@ def _stages_of(found, costs: dict, count: int, space: _Space) -> tuple[list[Stag
 
 
 def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], sizes: list[int], devices: int,
-                   count: int, budget: float, schedules: Sequence[str], stats: Stats, incumbent=None):
+                   count: int, budget: float, schedules: Sequence[str], stats: Stats, incumbent: tuple | None = None):
     """The stage DP's best plan over `schedules` for one microbatch count: (result, schedule, v, options per
     submesh), or None. 1F1B cuts the layers freely; interleaved takes the best (S, v) of Megatron's uniform
     chunking (`schedules.interleaved_shapes`, `stages.interleaved_table`); zero-bubble (ZB-H1) cuts freely on
     1F1B's table (`stagedp.zero_bubble`, from 1F1B's stage count outwards, seeded with 1F1B's plan run as ZB-H1,
-    stopped at its work limit); ties keep
-    1F1B, then interleaved. The result's `floor` is set when a stopped search leaves room below its total.
+    stopped at its work limit); ties keep 1F1B, then interleaved. The result's `floor` is set when a stopped
+    search leaves room below its total.
     `incumbent`: a plan of this table found before (one of these results on a table with fewer rows); each DP
     then looks only for a faster plan, and the incumbent stays when none is (ties keep it)."""
     found = []
