@@ -85,15 +85,22 @@ def random_table(rng, L: int, H: int, sizes: list[int]):
     return entries, *entries.dense(), omega
 
 
+def random_cases(seed: int, least_layers: int = 2, least_devices: int = 1, least_microbatches: int = 1):
+    """Twelve random tables of 2-4 layers (at least `least_layers`), one or two options, submeshes of 1 and 2
+    devices, with a device count and B drawn from 1 (or the least given) to 4 and 5: (entries, t, extra, omega,
+    sizes, devices, B) each."""
+    rng = np.random.default_rng(seed)
+    for _ in range(12):
+        L, H, sizes = int(rng.integers(least_layers, 5)), int(rng.integers(1, 3)), [1, 2]
+        devices, B = int(rng.integers(least_devices, 5)), int(rng.integers(least_microbatches, 6))
+        yield (*random_table(rng, L, H, sizes), sizes, devices, B)
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_the_threshold_dp_equals_brute_force_on_random_tables(seed):
     """Exact over cuts × submeshes × options: options differ in omega as well as latency and sync, memory
     caps bind at random depths (so min(S, B) decides what fits), B below and above the stage counts."""
-    rng = np.random.default_rng(seed)
-    for _ in range(12):
-        L, H, sizes = int(rng.integers(2, 5)), int(rng.integers(1, 3)), [1, 2]
-        devices, B = int(rng.integers(1, 5)), int(rng.integers(1, 6))
-        entries, t, extra, omega = random_table(rng, L, H, sizes)
+    for entries, t, extra, omega, sizes, devices, B in random_cases(seed):
         expected = brute_table(t, extra, omega, sizes, devices, B)
         found = stagedp.zero_bubble(entries, omega, sizes, devices, B)
         assert (found is None) == math.isinf(expected)
@@ -119,12 +126,8 @@ def test_a_search_stopped_at_its_work_limit_brackets_the_optimum(seed):
     """Stopped after `limit` inner DPs, what the search returns (its plan, or the cutoff when it found none) is
     no better than brute force's optimum (or the cutoff) and its floor no worse: floor <= optimum <= returned.
     A search that is not marked (floor None) returns the optimum exactly, whichever stage count it starts from."""
-    rng = np.random.default_rng(100 + seed)
     stopped = 0
-    for _ in range(12):
-        L, H, sizes = int(rng.integers(3, 5)), int(rng.integers(1, 3)), [1, 2]
-        devices, B = int(rng.integers(2, 5)), int(rng.integers(2, 6))
-        entries, t, extra, omega = random_table(rng, L, H, sizes)
+    for entries, t, extra, omega, sizes, devices, B in random_cases(100 + seed, 3, 2, 2):
         expected = brute_table(t, extra, omega, sizes, devices, B)
         if math.isinf(expected):
             continue
@@ -148,12 +151,8 @@ def test_a_search_seeded_with_the_1f1b_plan_is_still_exact(seed):
     """Seeded with 1F1B's optimal plan (`inter._best_schedule` does so), the search returns brute force's optimum
     (and the seed itself, run as ZB-H1, when nothing beats it); the seed's ZB-H1 cost is its closed form from the
     definition: every stage in an option holding min(S, B) (its own when it does, else the fastest that does)."""
-    rng = np.random.default_rng(200 + seed)
     seeded = 0
-    for _ in range(12):
-        L, H, sizes = int(rng.integers(2, 5)), int(rng.integers(1, 3)), [1, 2]
-        devices, B = int(rng.integers(1, 5)), int(rng.integers(1, 6))
-        entries, t, extra, omega = random_table(rng, L, H, sizes)
+    for entries, t, extra, omega, sizes, devices, B in random_cases(200 + seed):
         onef1b = stagedp.solve(entries, None, sizes, devices, B)
         if onef1b is None:
             continue
@@ -162,7 +161,7 @@ def test_a_search_seeded_with_the_1f1b_plan_is_still_exact(seed):
         S, held = len(onef1b.stages), min(len(onef1b.stages), B)
         options = []
         for c in onef1b.stages:
-            fit = [h for h in range(H) if entries.depth[h, c.first, c.last, c.submesh] >= held]
+            fit = [h for h in range(t.shape[0]) if entries.depth[h, c.first, c.last, c.submesh] >= held]
             options.append(c.option if c.option in fit else
                            min(fit, key=lambda h: (entries.latency[h, c.first, c.last, c.submesh], h)) if fit else None)
         if None in options:
