@@ -386,20 +386,20 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     if "interleaved" in schedules:  # each shape only where it beats the plans before it (ties keep those)
         for S, v in interleaved_shapes(len(pipe.layering.groups), count, devices):
             t, extra, fill, options_of = interleaved_table(pipe, costs, submeshes, count, budget, S, v)
-            cutoff = min((f[0].total for f in found if f[0] is not None), default=bar)
-            found.append((stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill, cutoff=min(cutoff, bar)),
+            cutoff = min([bar, *(f[0].total for f in found if f[0] is not None)])
+            found.append((stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill, cutoff=cutoff),
                           "interleaved", v, options_of))
     if "zero-bubble" in schedules:  # only a plan faster than the others found counts (ties keep them)
         entries, options_of = table
         done = [f[0] for f in found if f[0] is not None]
-        cutoff = min((r.total for r in done), default=bar)
+        cutoff = min([bar, *(r.total for r in done)])
         hint = len(min(done, key=lambda r: r.total).stages) if done else None
         # 1F1B's plan, run as ZB-H1, seeds the search (forced, 1F1B's DP runs for it alone)
         onef1b = found[0][0] if "1f1b" in schedules else stagedp.solve(entries, None, sizes, devices, count)
         if "1f1b" not in schedules and onef1b is not None:
             stats.dp_rounds += onef1b.rounds
         found.append((stagedp.zero_bubble(entries, split_table(pipe, entries, options_of), sizes, devices, count,
-                                          min(cutoff, bar), stagedp.zero_bubble_limit(entries.latency, devices), hint,
+                                          cutoff, stagedp.zero_bubble_limit(entries.latency, devices), hint,
                                           onef1b.stages if onef1b is not None else None),
                       "zero-bubble", 1, options_of))
     found = [f for f in found if f[0] is not None]

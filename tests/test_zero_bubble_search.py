@@ -312,13 +312,12 @@ def test_the_search_equals_brute_force_and_auto_takes_the_best_schedule(priced, 
     # an incumbent (`inter._Space.best` hands over a plan found on fewer rows): the optimum still, found or kept
     for schedules in [("1f1b",), ("zero-bubble",), Options().schedules]:
         exact = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, schedules, Stats())
-        for incumbent in (forced[0], exact):
-            given = exact if incumbent is exact else (replace(incumbent[0], total=incumbent[0].total * 1.5),
-                                                      *incumbent[1:])  # a slower plan: the DPs must beat it
-            again = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, schedules, Stats(), given)
-            assert again[0].total == pytest.approx(exact[0].total, rel=1e-12)
-            if incumbent is exact:
-                assert (again[0].stages, again[1:]) == (exact[0].stages, exact[1:])  # nothing beats it: kept
+        slower = (replace(forced[0][0], total=forced[0][0].total * 1.5), *forced[0][1:])  # the DPs must beat it
+        found = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, schedules, Stats(), slower)
+        assert found[0].total == pytest.approx(exact[0].total, rel=1e-12)
+        kept = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, schedules, Stats(), exact)
+        assert kept[0].total == pytest.approx(exact[0].total, rel=1e-12)
+        assert (kept[0].stages, kept[1:]) == (exact[0].stages, exact[1:])  # nothing beats it: kept
 
 
 @pytest.fixture(scope="module")
