@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 from partopt import costmodel, intra
 from partopt.cluster import Device
 from partopt.graph import Graph, Op
 from partopt.ops import is_matmul
 from partopt.sharding import executed_flops, forward_share, kept_bytes
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -36,38 +38,58 @@ def op_work(g_mb: Graph, op: Op, device: Device) -> float:
     return costmodel.compute_time(executed_flops(g_mb, op), 2 * moved, device, g_mb.compute_dtype(op), is_matmul(op))
 
 
-def roofline_work(g_mb: Graph, base: list[list[Op]], device: Device) -> list[float] | None:
+def alike_layers(graph: Graph, base: list[list[Op]]) -> list[int]:
+    """Per base layer, the first base layer that hashes alike (`Graph.structural_hash`): the same in every
+    microbatch view, whose batch dim is marked in the hash, so one view's hashes serve them all."""
+    first: dict[str, int] = {}
+    return [first.setdefault(graph.structural_hash(ops), b) for b, ops in enumerate(base)]
+
+
+def _per_layer(base: list[list[Op]], alike: Sequence[int] | None, of: Callable[[list[Op]], T]) -> list[T]:
+    """`of(ops)` per base layer, computed once for layers alike (`alike`, from `alike_layers`; None: all differ)."""
+    done: dict[int, T] = {}
+    for a in alike or range(len(base)):
+        if a not in done:
+            done[a] = of(base[a])
+    return [done[a] for a in alike or range(len(base))]
+
+
+def roofline_work(g_mb: Graph, base: list[list[Op]], device: Device,
+                  alike: Sequence[int] | None = None) -> list[float] | None:
     """Each base layer's device-seconds per microbatch on any mesh, at least (`g_mb`: the microbatch view):
     its ops' `op_work`; communication only adds. None under a measured cost model."""
     if not isinstance(costmodel.active(), costmodel.Analytical):
         return None
-    return [sum(op_work(g_mb, op, device) for op in ops) for ops in base]
+    return _per_layer(base, alike, lambda ops: sum(op_work(g_mb, op, device) for op in ops))
 
 
-def footprints(g_mb: Graph, base: list[list[Op]], modes: Sequence[str], device: Device) -> list[list[Footprint]]:
+def footprints(g_mb: Graph, base: list[list[Op]], modes: Sequence[str], device: Device,
+               alike: Sequence[int] | None = None) -> list[list[Footprint]]:
     """Per base layer, per mode of `modes`: what one microbatch keeps, recomputes and reruns.
 
     Under a mode a layer keeps each output it does not recompute, and each recomputed output read
     after the layer or by an op not recomputed; recomputing materialises every recomputed output
     once (as `intra.build` and `stages` count them); the rerun forward is each recomputed op's
     forward share of its roofline work."""
-    out = []
-    for ops in base:
-        per_mode = []
-        for mode in modes:
-            rerun = intra.recomputed_ops(g_mb, ops, mode)
-            also_kept = intra.kept_recomputed(g_mb, ops, rerun)
-            kept = working = rerun_s = 0.0
-            for op in ops:
-                size = kept_bytes(g_mb, op)
-                if op.name not in rerun or op.name in also_kept:
-                    kept += size
-                if op.name in rerun:
-                    working += size
-                    rerun_s += op_work(g_mb, op, device) * forward_share(op)
-            per_mode.append(Footprint(kept, working, rerun_s))
-        out.append(per_mode)
-    return out
+    return _per_layer(base, alike, lambda ops: _footprint(g_mb, ops, modes, device))
+
+
+def _footprint(g_mb: Graph, ops: list[Op], modes: Sequence[str], device: Device) -> list[Footprint]:
+    """`footprints` of one base layer."""
+    per_mode = []
+    for mode in modes:
+        rerun = intra.recomputed_ops(g_mb, ops, mode)
+        also_kept = intra.kept_recomputed(g_mb, ops, rerun)
+        kept = working = rerun_s = 0.0
+        for op in ops:
+            size = kept_bytes(g_mb, op)
+            if op.name not in rerun or op.name in also_kept:
+                kept += size
+            if op.name in rerun:
+                working += size
+                rerun_s += op_work(g_mb, op, device) * forward_share(op)
+        per_mode.append(Footprint(kept, working, rerun_s))
+    return per_mode
 
 
 def least_rerun_s(layers: list[list[Footprint]], room: float) -> float:

@@ -118,6 +118,21 @@ class _Space:
                                               self.cluster.num_devices, count, budget, schedules, stats, incumbent)
         return self.solved[key]
 
+    def each_mode(self, state: _Count, found, modes: list[str], stats: Stats):
+        """`found` (the stage DP's plan over the rows of every mode in `modes`), or a faster plan of the search
+        over one mode's rows alone (what `--recompute MODE` searches). Only a zero-bubble search stopped at its
+        work limit can miss one (the other DPs are exact, and so is a search that ran to the end): a table of one
+        mode has fewer options per entry, so the same limit takes its search further, and the default must be
+        no slower than a mode forced (issue 13 item 7). The floor stays the whole table's: it bounds them all."""
+        if found is None or found[0].floor is None or len(modes) < 2:
+            return found
+        alone = [_best_schedule(state.pipe, {option: rows for option, rows in state.costs.items() if option[2] == mode},
+                                self.submeshes, [n * m for n, m in self.submeshes], self.cluster.num_devices,
+                                state.count, self.budget, self.options.schedules, stats) for mode in modes]
+        best = min([found, *(a for a in alone if a is not None)], key=lambda f: f[0].total)  # ties keep `found`
+        floor = found[0].floor
+        return (replace(best[0], floor=floor if floor < best[0].total else None), *best[1:])
+
 
 @dataclass
 class _Tally:
@@ -153,10 +168,12 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     views = _microbatch_views(graph, microbatch_counts(batch, options.microbatches))
     room = cluster.num_devices * budget - _state_bytes(graph)  # activation bytes all devices can hold together
     base, work, lower = {}, {}, {}  # per count: the base layers' ops, their roofline work; the iteration's lower bound
+    alike = bounds.alike_layers(graph, layering.base)  # layers alike share their bounds' work in every view
     for count, view in views.items():
         base[count] = [[view.op_index[op.name] for op in ops] for ops in layering.base]
-        work[count] = bounds.roofline_work(view, base[count], cluster.device)
-        rerun = bounds.least_rerun_s(bounds.footprints(view, base[count], options.recompute_modes, cluster.device), room)
+        work[count] = bounds.roofline_work(view, base[count], cluster.device, alike)
+        rerun = bounds.least_rerun_s(bounds.footprints(view, base[count], options.recompute_modes, cluster.device,
+                                                       alike), room)
         lower[count] = count * (sum(work[count]) + rerun) / cluster.num_devices if work[count] is not None else (
             0.0 if rerun < math.inf else math.inf)
     # counts that cannot fit skipped; each is opened (its fastest options, memory ignored: `_open_count`), the
@@ -222,7 +239,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                 state = waiting.pop(max(waiting))
                 found, modes = _close_count(space, pricer, state, best, stats,
                                             lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
-                finish(state.count, found, state.costs, modes)
+                finish(state.count, space.each_mode(state, found, modes, stats), state.costs, modes)
     except (Expired, KeyboardInterrupt) as err:
         stopped = "deadline" if isinstance(err, Expired) else "interrupted"
         if best is None:

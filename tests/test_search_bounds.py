@@ -259,3 +259,23 @@ def test_a_layer_costs_no_less_with_more_microbatches():
                     assert objectives([row[more]], more)[0] >= floor * (1 - 1e-12)
                     checked += floor < objectives([row[more]], more)[0] * (1 - 1e-6)  # not a tie: latencies stay
     assert checked >= 6
+
+
+def test_alike_layers_share_their_bounds_in_every_microbatch_view():
+    """A GPT's blocks hash alike; its embedding and its head differ from them and from each other.
+    The bounds computed once per kind equal the bounds computed layer by layer, in every microbatch view
+    (the hash marks the batch dim, so one view's classes hold in all)."""
+    from partopt.bounds import alike_layers
+    from partopt.inter import _microbatch_views
+
+    graph = block_graph(layers=5, batch=16)
+    base = build_layers(graph, 64).base
+    alike = alike_layers(graph, base)
+    assert [ops[0].name for ops in base] == ["embed.tokens", *(f"l{i}.ln1" for i in range(5)), "head.ln"]
+    assert alike == [0, 1, 1, 1, 1, 1, 6]
+    device = preset("p3.16xlarge", 1).device
+    modes = intra.RECOMPUTE_MODES
+    for view in _microbatch_views(graph, [1, 2, 4, 16]).values():
+        ops = [[view.op_index[op.name] for op in layer] for layer in base]
+        assert roofline_work(view, ops, device, alike) == roofline_work(view, ops, device)
+        assert footprints(view, ops, modes, device, alike) == footprints(view, ops, modes, device)

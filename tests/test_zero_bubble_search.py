@@ -20,7 +20,7 @@ from partopt.bench import alpa
 from partopt.check import differences
 from partopt.cli import main
 from partopt.cluster import preset
-from partopt.inter import _best_schedule, optimize
+from partopt.inter import _best_schedule, _Count, _Space, optimize
 from partopt.layering import build_layers
 from partopt.models import gpt
 from partopt.options import Options
@@ -318,6 +318,32 @@ def test_the_search_equals_brute_force_and_auto_takes_the_best_schedule(priced, 
         kept = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, schedules, Stats(), exact)
         assert kept[0].total == pytest.approx(exact[0].total, rel=1e-12)
         assert (kept[0].stages, kept[1:]) == (exact[0].stages, exact[1:])  # nothing beats it: kept
+
+
+@pytest.mark.parametrize("binds", [False, True])
+def test_a_stopped_search_is_no_slower_than_a_search_of_one_modes_rows(priced, monkeypatch, binds):
+    """With ZB-H1's work limit at one inner DP the searches stop; `_Space.each_mode` then also searches each
+    mode's rows alone (what `--recompute MODE` searches, every schedule) and returns a plan no slower than any of
+    those searches nor than the whole table's, no faster than brute force's optimum over the whole table, and the whole table's
+    floor; an exact result is returned as it is."""
+    monkeypatch.setattr(stagedp, "zero_bubble_limit", lambda t, devices: 1)
+    layering, count, costs = priced
+    pipe = pipeline_of(GRAPH, CLUSTER, layering, count, True)
+    sizes, devices = [a * b for a, b in SUBMESHES], CLUSTER.num_devices
+    whole = totals(costs[((1, 1), (1, 1), "none")][0], pipe, 0, len(layering.groups) - 1, End((1, 1), (1, 1)))
+    budget = whole.memory_bytes(3.5) if binds else math.inf
+    space = _Space(GRAPH, CLUSTER, Options(), layering, budget, SUBMESHES, {})
+    state = _Count(count, pipe, [], [], ["none", "full"], costs, [], None, [])
+    found = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, Options().schedules, Stats())
+    assert found[0].floor is not None  # stopped short of proving its plan optimal
+    best = space.each_mode(state, found, state.modes, Stats())
+    alone = [_best_schedule(pipe, {k: rows for k, rows in costs.items() if k[2] == mode}, SUBMESHES, sizes, devices,
+                            count, budget, Options().schedules, Stats()) for mode in state.modes]
+    assert best[0].total <= min([found[0].total, *(a[0].total for a in alone if a is not None)])
+    assert best[0].total >= brute_force(pipe, layering, costs, count, budget, devices) * (1 - 1e-12)
+    assert best[0].floor == (found[0].floor if found[0].floor < best[0].total else None)
+    exact = replace(found[0], floor=None)
+    assert space.each_mode(state, (exact, *found[1:]), state.modes, Stats())[0] is exact
 
 
 @pytest.fixture(scope="module")
