@@ -1,6 +1,7 @@
 """Lower bounds that let the search skip work it can prove useless (docs/COSTMODEL.md §5b, "How the
-search skips work"): each layer's roofline work, and the least recomputation a microbatch count's memory
-forces (inf: the count cannot fit at all).
+search skips work"): each layer's roofline work, the least recomputation a microbatch count's memory
+forces (inf: the count cannot fit at all), and whether any plan of a count can reach a time with its
+memory counted (`may_reach`).
 
 All of them hold under the analytical model only (no split divides FLOPs or bytes by more than the
 devices it uses); under another model (measured times) there is no work bound and nothing is skipped.
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
 from typing import Callable, Sequence, TypeVar
 
 from partopt import costmodel, intra
@@ -114,3 +117,87 @@ def least_rerun_s(layers: list[list[Footprint]], room: float) -> float:
                    for lam in ties)
         best = min(best, max(dual, 0.0))
     return best
+
+
+def resident_bytes(g_mb: Graph, base: list[list[Op]], alike: Sequence[int] | None = None) -> list[float]:
+    """Per base layer, the training state (weights, gradients, optimizer) of the parameters its ops read, on all
+    devices together: each layer's ILP holds at least its share of it on each of its devices."""
+    def state(ops: list[Op]) -> float:
+        params = dict.fromkeys(t for op in ops for t in op.inputs if g_mb.tensors[t].role == "param")
+        return sum(costmodel.param_memory(g_mb.numel(t), g_mb.dtype_of(t), g_mb.optimizer).total for t in params)
+    return _per_layer(base, alike, state)
+
+
+def may_reach(limit: float, objectives: dict[tuple, list[float | None]], resident: Sequence[float],
+              kept: dict[str, Sequence[float]], groups: Sequence[tuple[int, int]], submeshes: Sequence[tuple[int, int]],
+              devices: int, budget: float, count: int, overlap: bool, contiguous: bool = True,
+              interleaved: Sequence[list[list[int]]] = ()) -> bool:
+    """Whether a plan of one microbatch count could cost at most `limit` with its memory counted; False proves
+    that none can, whatever memory-lean options (`pricing.tighten`) would add.
+
+    A stage on an option (`objectives` key: submesh, shape, mode) costs at least paid · Σ its base layers'
+    objectives (count · time + sync, what the layer ILP minimises with memory free; a memory-capped option costs
+    no less; paid = 1 − 1/count with `overlap`, as in `pricing.stage_lengths`), and holds on each of its n
+    devices at least 1/n of its layers' parameter state (`resident`) and of their kept activations per
+    microbatch in flight (`kept[mode]`; all devices together: no split divides bytes by more than its
+    devices). With `contiguous` (1F1B, ZB-H1) a stage of consecutive DP layers (`groups`: base layer ranges)
+    holds as many microbatches as stages from it to the end, at most `count` (1F1B's; ZB-H1 holds more), and
+    one DP over (first DP layer, stages left) finds the fewest devices such stages need, each under `limit`
+    and `budget`. An interleaved plan (`interleaved`: per shape, each stage's DP layers) holds one microbatch
+    of each of its chunks at least, and each stage takes its smallest submesh that can. The plan is reachable
+    only if some way needs at most `devices`. Ties and rounding lean to reachable."""
+    paid = 1.0 - 1.0 / count if overlap else 1.0
+    cap, budget = limit * (1 + 1e-9), budget * (1 + 1e-9)
+    sizes = np.array([a * b for a, b in submeshes], dtype=float)
+    first = [a for a, _ in groups]
+    L, S = len(groups), len(submeshes)
+
+    def per_group(values: Sequence[float | None]) -> np.ndarray:  # summed over each DP layer's base layers
+        v = np.array([math.inf if x is None else x for x in values], dtype=float)
+        return np.add.reduceat(v, first) if L else v[:0]
+
+    options = []  # (submesh index, per DP layer: least cost, state per device, kept per device)
+    for (sub, _, mode), objective in objectives.items():
+        n = sub[0] * sub[1]
+        cost = per_group(objective)
+        cost[np.isfinite(cost)] *= paid  # paid may be 0 (one microbatch, overlapped): a layer that cannot run stays inf
+        options.append((submeshes.index(sub), cost, per_group(resident) / n, per_group(kept[mode]) / n))
+    if contiguous and _fewest_devices(options, L, S, sizes, cap, budget, count) <= devices:
+        return True
+    for stages in interleaved:
+        need = 0.0
+        for held in stages:
+            smallest = min((sizes[s] for s, cost, state, act in options
+                            if cost[held].sum() <= cap and (state[held] + act[held]).sum() <= budget), default=math.inf)
+            need += smallest
+        if need <= devices:
+            return True
+    return False
+
+
+def _fewest_devices(options: list, L: int, S: int, sizes: np.ndarray, cap: float, budget: float, count: int) -> float:
+    """`may_reach`'s DP for stages of consecutive DP layers: the fewest devices that hold the layers in stages each
+    costing at most `cap` and fitting `budget` at its level's microbatches in flight."""
+    deepest = np.zeros((S, L, L))  # per submesh, stage [i, j]: the most levels (stages to the end) it fits at
+    below = np.triu(np.ones((L, L), dtype=bool))
+    for s, cost, state, act in options:
+        run = lambda v: np.cumsum(np.concatenate(([0.0], np.where(np.isinf(v), 0.0, v))))
+        bad = np.cumsum(np.concatenate(([0], np.isinf(cost))))
+        c, p, a = (run(v) for v in (cost, state, act))
+        spans = lambda prefix: prefix[None, 1:] - prefix[:-1, None]  # [i, j]: the sum over i..j
+        cost_ij, state_ij, act_ij = spans(c), spans(p), spans(a)
+        ok = below & (spans(bad) == 0) & (cost_ij <= cap)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            levels = np.where(act_ij > 0, np.floor((budget - state_ij) / act_ij), np.where(state_ij <= budget, L, 0))
+        levels = np.where(state_ij + count * act_ij <= budget, L, levels)  # at most `count` in flight
+        deepest[s] = np.maximum(deepest[s], np.where(ok, np.clip(levels, 0, L), 0))
+    least = math.inf
+    after = np.full(L + 1, math.inf)  # fewest devices for DP layers j.. in the stages counted so far
+    after[L] = 0.0
+    for k in range(1, L + 1):  # the first stage of layers j..e at level k, then k − 1 stages after it
+        step = np.where(deepest >= k, sizes[:, None, None] + after[None, None, 1:], math.inf).min(axis=(0, 2))
+        after = np.append(step, math.inf)
+        least = min(least, after[0])
+        if np.isinf(after).all():
+            break
+    return least

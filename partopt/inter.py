@@ -97,6 +97,7 @@ class _Space:
     budget: float
     submeshes: list[tuple[int, int]]
     meshes: dict[tuple, LogicalMesh]  # (submesh, logical shape) -> its mesh
+    alike: list[int] = field(default_factory=list)  # per base layer, the first alike (`bounds.alike_layers`)
     solved: dict = field(default_factory=dict)  # `best`'s results by what they depend on
 
     def best(self, pipe: Pipeline, costs: dict, count: int, budget: float, stats: Stats,
@@ -162,18 +163,18 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     budget = costmodel.memory_budget(cluster.device, options.memory_reserve)
     submeshes = _submeshes(cluster, options)
     meshes = {(s, shape): cluster.logical_mesh(s, shape) for s in submeshes for shape in _shapes(cluster, s, options)}
-    space = _Space(graph, cluster, options, layering, budget, submeshes, meshes)
+    # layers alike share their bounds' work in every view
+    space = _Space(graph, cluster, options, layering, budget, submeshes, meshes, bounds.alike_layers(graph, layering.base))
     stats, tally = Stats(), _Tally(progress)
     best: tuple | None = None  # (iteration time, count, stage specs, their rows of layer costs, schedule, v)
     views = _microbatch_views(graph, microbatch_counts(batch, options.microbatches))
     room = cluster.num_devices * budget - _state_bytes(graph)  # activation bytes all devices can hold together
     base, work, lower = {}, {}, {}  # per count: the base layers' ops, their roofline work; the iteration's lower bound
-    alike = bounds.alike_layers(graph, layering.base)  # layers alike share their bounds' work in every view
     for count, view in views.items():
         base[count] = [[view.op_index[op.name] for op in ops] for ops in layering.base]
-        work[count] = bounds.roofline_work(view, base[count], cluster.device, alike)
+        work[count] = bounds.roofline_work(view, base[count], cluster.device, space.alike)
         rerun = bounds.least_rerun_s(bounds.footprints(view, base[count], options.recompute_modes, cluster.device,
-                                                       alike), room)
+                                                       space.alike), room)
         lower[count] = count * (sum(work[count]) + rerun) / cluster.num_devices if work[count] is not None else (
             0.0 if rerun < math.inf else math.inf)
     # counts that cannot fit skipped; each is opened (its fastest options, memory ignored: `_open_count`), the
@@ -352,6 +353,9 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
         if not _binds(found, state.free):
             return found, modes[:m + 1]  # memory does not bind: recomputing more only adds time
 
+    if best is not None and not _reachable(space, pricer, state, best[0]):
+        return None, modes  # no plan of this count, memory counted, can beat the best: no capped ILPs for it
+
     def bound() -> float:  # the best plan so far, this count's with the caps priced yet (one schedule's: cheaper)
         now = space.best(pipe, costs, count, budget, stats, options.schedules[:1])
         return min(incumbent, now[0].total if now else math.inf)
@@ -363,6 +367,25 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
         if not _binds(found, state.free):
             break
     return found, modes
+
+
+def _reachable(space: _Space, pricer: Pricer, state: _Count, limit: float) -> bool:
+    """Whether a plan of `state`'s count, every mode priced with memory free, may still cost at most `limit` once
+    memory is counted (`bounds.may_reach`); False: the memory-lean options need not be priced."""
+    graph, options = space.graph, space.options
+    view = pricer.views[graph.dims[graph.batch_dim] // state.count]
+    ops = [[view.op_index[name] for name in names] for names in state.names]
+    prints = bounds.footprints(view, ops, state.modes, space.cluster.device, space.alike)
+    kept = {mode: [per_mode[m].kept_bytes for per_mode in prints] for m, mode in enumerate(state.modes)}
+    L, devices = len(space.layering.groups), space.cluster.num_devices
+    interleaved = [[[g for a, b in chunks(L, S, v)[i::S] for g in range(a, b + 1)] for i in range(S)]
+                   for S, v in interleaved_shapes(L, state.count, devices)] if "interleaved" in options.schedules else []
+    return bounds.may_reach(limit, {option: pricing.objectives(rows[0], state.count)
+                                    for option, rows in state.costs.items()},
+                            bounds.resident_bytes(view, ops, space.alike), kept, space.layering.groups,
+                            space.submeshes, devices, space.budget, state.count, options.overlap,
+                            contiguous=bool({"1f1b", "zero-bubble"} & set(options.schedules)),
+                            interleaved=interleaved)
 
 
 def _stages_of(found, costs: dict, count: int, space: _Space) -> tuple[list[StageSpec], list, str, int]:

@@ -279,3 +279,115 @@ def test_alike_layers_share_their_bounds_in_every_microbatch_view():
         ops = [[view.op_index[op.name] for op in layer] for layer in base]
         assert roofline_work(view, ops, device, alike) == roofline_work(view, ops, device)
         assert footprints(view, ops, modes, device, alike) == footprints(view, ops, modes, device)
+
+
+def reachable_by_brute_force(limit, objectives, resident, kept, sizes, devices, budget, count, overlap, stacks):
+    """`may_reach` by enumeration over one base layer per DP layer: every cut, an option per stage, each stage
+    costing at most `limit` and fitting `budget` with its state and kept activations spread over its devices,
+    min(stages to the end, count) microbatches in flight; or, per interleaved shape in `stacks`, an option per
+    stage holding one microbatch of each of its layers."""
+    paid = 1 - 1 / count if overlap else 1.0
+    options = list(objectives)
+
+    def fits(layers, option, inflight):
+        n = sizes[option[0]]
+        if any(objectives[option][b] is None for b in layers):
+            return False
+        cost = paid * sum(objectives[option][b] for b in layers)
+        memory = sum(resident[b] + inflight * kept[option[2]][b] for b in layers) / n
+        return cost <= limit and memory <= budget
+
+    L = len(resident)
+    for cut in cuts(L):
+        S = len(cut)
+        for picked in itertools.product(options, repeat=S):
+            if sum(sizes[o[0]] for o in picked) <= devices and all(
+                    fits(range(a, b + 1), o, min(S - i, count)) for i, ((a, b), o) in enumerate(zip(cut, picked))):
+                return True
+    for stages in stacks:
+        for picked in itertools.product(options, repeat=len(stages)):
+            if sum(sizes[o[0]] for o in picked) <= devices and all(fits(held, o, 1) for held, o in zip(stages, picked)):
+                return True
+    return False
+
+
+def cuts(layers):
+    """Every cut of `layers` consecutive layers into stages: lists of (first, last)."""
+    for k in range(layers):
+        for ends in itertools.combinations(range(layers - 1), k):
+            bounds_ = [-1, *ends, layers - 1]
+            yield [(bounds_[i] + 1, bounds_[i + 1]) for i in range(len(bounds_) - 1)]
+
+
+def test_may_reach_equals_brute_force_on_random_instances():
+    from partopt.bounds import may_reach
+
+    rng = random.Random(20261204)
+    submeshes, sizes = [(1, 1), (1, 2), (1, 4)], [1, 2, 4]
+    outcomes = set()
+    for _ in range(300):
+        L, count, devices = rng.randint(1, 4), rng.choice([1, 2, 3, 8]), rng.choice([2, 4, 6])
+        objectives = {}
+        for s in range(3):
+            for mode in rng.sample(["none", "full"], rng.randint(1, 2)):
+                objectives[(submeshes[s], (1, sizes[s]), mode)] = [
+                    None if rng.random() < 0.1 else rng.uniform(1, 10) / sizes[s] ** rng.uniform(0.3, 1) for _ in range(L)]
+        resident = [rng.uniform(0, 4) for _ in range(L)]
+        kept = {"none": [rng.uniform(0, 3) for _ in range(L)]}
+        kept["full"] = [k * rng.uniform(0.1, 0.5) for k in kept["none"]]
+        stacks = [[[0, 2], [1, 3]]] if L == 4 and rng.random() < 0.5 else []
+        budget, limit, overlap = rng.uniform(1, 8), rng.uniform(2, 20), rng.random() < 0.5
+        index = {key: (submeshes.index(key[0]), *key[1:]) for key in objectives}
+        expected = reachable_by_brute_force(limit, {index[k]: v for k, v in objectives.items()}, resident, kept, sizes,
+                                            devices, budget, count, overlap, stacks)
+        found = may_reach(limit, objectives, resident, kept, [(b, b) for b in range(L)], submeshes, devices, budget,
+                          count, overlap, interleaved=stacks)
+        assert found == expected
+        outcomes.add(expected)
+    assert outcomes == {True, False}
+
+
+def test_may_reach_sums_a_dp_layers_base_layers():
+    """Two base layers in one DP layer: a stage holds both, so their objectives and bytes add."""
+    from partopt.bounds import may_reach
+
+    objectives = {((1, 1), (1, 1), "none"): [2.0, 3.0]}
+    args = dict(resident=[1.0, 1.0], kept={"none": [0.5, 0.5]}, groups=[(0, 1)], submeshes=[(1, 1)], devices=1,
+                count=2, overlap=False)
+    assert may_reach(5.0, objectives, budget=2.0 + 2 * 1.0, **args)  # 5 s; 2 + min(1, 2) · 1 bytes: fits
+    assert not may_reach(4.9, objectives, budget=10.0, **args)  # 5 s > 4.9 s
+    assert not may_reach(5.0, objectives, budget=2.9, **args)  # 2 + 1 = 3 bytes > 2.9
+
+
+def test_a_layer_holds_at_least_its_share_of_the_state_and_kept_activations():
+    """The premise of `may_reach` on real layer ILPs: on every mesh and mode, each layer's parameter bytes per
+    device are at least its parameters' training state over the mesh's devices, and its kept activation bytes
+    at least its footprint's kept bytes over them, with memory free and under a tight cap."""
+    from partopt.bounds import resident_bytes
+    from partopt.options import Options
+    from partopt.pricing import Job, Pricer, Stats
+
+    graph = block_graph(layers=2, batch=16)
+    cluster, count = preset("p3.16xlarge", 1), 4
+    view = intra.with_batch(graph, 16 // count)
+    base = [[view.op_index[op.name] for op in ops] for ops in build_layers(graph, 64).base]
+    state = resident_bytes(view, base)
+    modes = intra.RECOMPUTE_MODES
+    prints = footprints(view, base, modes, cluster.device)
+    checked = 0
+    with Pricer(graph, Options(workers=1)) as pricer:
+        pricer.views[16 // count] = view
+        for sub, shape in [((1, 1), (1, 1)), ((1, 2), (1, 2)), ((1, 2), (2, 1)), ((1, 4), (2, 2)), ((1, 8), (1, 8))]:
+            mesh, n = cluster.logical_mesh(sub, shape), sub[0] * sub[1]
+            for m, mode in enumerate(modes):
+                for b, ops in enumerate(base):
+                    job = Job(16 // count, count, tuple(op.name for op in ops), mesh, mode, None)
+                    free = pricer.one(job, Stats())
+                    capped = pricer.one(Job(job.mb, count, job.ops, mesh, mode, free.memory_bytes(2) * 0.8, 2), Stats())
+                    for cost in (free, capped):
+                        if cost is None:  # cannot fit the cap
+                            continue
+                        assert cost.param_bytes >= state[b] / n * (1 - 1e-12)
+                        assert cost.activation_bytes >= prints[b][m].kept_bytes / n * (1 - 1e-12)
+                        checked += cost is capped
+    assert checked > 5 and min(state) > 0  # some capped layers fitted, every layer holds parameters
