@@ -131,7 +131,7 @@ def resident_bytes(g_mb: Graph, base: list[list[Op]], alike: Sequence[int] | Non
 def may_reach(limit: float, objectives: dict[tuple, list[float | None]], resident: Sequence[float],
               kept: dict[str, Sequence[float]], groups: Sequence[tuple[int, int]], submeshes: Sequence[tuple[int, int]],
               devices: int, budget: float, count: int, overlap: bool, contiguous: bool = True,
-              interleaved: Sequence[list[list[int]]] = ()) -> bool:
+              interleaved: Sequence[list[tuple[list[int], float]]] = ()) -> bool:
     """Whether a plan of one microbatch count could cost at most `limit` with its memory counted; False proves
     that none can, whatever memory-lean options (`pricing.tighten`) would add.
 
@@ -143,9 +143,9 @@ def may_reach(limit: float, objectives: dict[tuple, list[float | None]], residen
     devices). With `contiguous` (1F1B, ZB-H1) a stage of consecutive DP layers (`groups`: base layer ranges)
     holds as many microbatches as stages from it to the end, at most `count` (1F1B's; ZB-H1 holds more), and
     one DP over (first DP layer, stages left) finds the fewest devices such stages need, each under `limit`
-    and `budget`. An interleaved plan (`interleaved`: per shape, each stage's DP layers) holds one microbatch
-    of each of its chunks at least, and each stage takes its smallest submesh that can. The plan is reachable
-    only if some way needs at most `devices`. Ties and rounding lean to reachable."""
+    and `budget`. An interleaved plan (`interleaved`: per shape, each stage's DP layers and its microbatches in
+    flight, `schedules.inflight`) takes for each stage its smallest submesh that can. The plan is reachable only
+    if some way needs at most `devices`. Ties and rounding lean to reachable."""
     paid = 1.0 - 1.0 / count if overlap else 1.0
     cap, budget = limit * (1 + 1e-9), budget * (1 + 1e-9)
     sizes = np.array([a * b for a, b in submeshes], dtype=float)
@@ -165,11 +165,9 @@ def may_reach(limit: float, objectives: dict[tuple, list[float | None]], residen
     if contiguous and _fewest_devices(options, L, S, sizes, cap, budget, count) <= devices:
         return True
     for stages in interleaved:
-        need = 0.0
-        for held in stages:
-            smallest = min((sizes[s] for s, cost, state, act in options
-                            if cost[held].sum() <= cap and (state[held] + act[held]).sum() <= budget), default=math.inf)
-            need += smallest
+        need = sum(min((sizes[s] for s, cost, state, act in options
+                        if cost[held].sum() <= cap and state[held].sum() + held_inflight * act[held].sum() <= budget),
+                       default=math.inf) for held, held_inflight in stages)
         if need <= devices:
             return True
     return False

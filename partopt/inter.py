@@ -378,7 +378,8 @@ def _reachable(space: _Space, pricer: Pricer, state: _Count, limit: float) -> bo
     prints = bounds.footprints(view, ops, state.modes, space.cluster.device, space.alike)
     kept = {mode: [per_mode[m].kept_bytes for per_mode in prints] for m, mode in enumerate(state.modes)}
     L, devices = len(space.layering.groups), space.cluster.num_devices
-    interleaved = [[[g for a, b in chunks(L, S, v)[i::S] for g in range(a, b + 1)] for i in range(S)]
+    interleaved = [[([g for a, b in chunks(L, S, v)[i::S] for g in range(a, b + 1)],
+                     inflight(i, S, state.count, "interleaved", v)) for i in range(S)]
                    for S, v in interleaved_shapes(L, state.count, devices)] if "interleaved" in options.schedules else []
     return bounds.may_reach(limit, {option: pricing.objectives(rows[0], state.count)
                                     for option, rows in state.costs.items()},

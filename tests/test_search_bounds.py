@@ -285,7 +285,7 @@ def reachable_by_brute_force(limit, objectives, resident, kept, sizes, devices, 
     """`may_reach` by enumeration over one base layer per DP layer: every cut, an option per stage, each stage
     costing at most `limit` and fitting `budget` with its state and kept activations spread over its devices,
     min(stages to the end, count) microbatches in flight; or, per interleaved shape in `stacks`, an option per
-    stage holding one microbatch of each of its layers."""
+    stage holding its layers with its microbatches in flight."""
     paid = 1 - 1 / count if overlap else 1.0
     options = list(objectives)
 
@@ -306,7 +306,8 @@ def reachable_by_brute_force(limit, objectives, resident, kept, sizes, devices, 
                 return True
     for stages in stacks:
         for picked in itertools.product(options, repeat=len(stages)):
-            if sum(sizes[o[0]] for o in picked) <= devices and all(fits(held, o, 1) for held, o in zip(stages, picked)):
+            if sum(sizes[o[0]] for o in picked) <= devices and all(
+                    fits(held, o, held_inflight) for (held, held_inflight), o in zip(stages, picked)):
                 return True
     return False
 
@@ -335,7 +336,7 @@ def test_may_reach_equals_brute_force_on_random_instances():
         resident = [rng.uniform(0, 4) for _ in range(L)]
         kept = {"none": [rng.uniform(0, 3) for _ in range(L)]}
         kept["full"] = [k * rng.uniform(0.1, 0.5) for k in kept["none"]]
-        stacks = [[[0, 2], [1, 3]]] if L == 4 and rng.random() < 0.5 else []
+        stacks = [[([0, 2], rng.uniform(1, 3)), ([1, 3], rng.uniform(1, 2))]] if L == 4 and rng.random() < 0.5 else []
         budget, limit, overlap = rng.uniform(1, 8), rng.uniform(2, 20), rng.random() < 0.5
         index = {key: (submeshes.index(key[0]), *key[1:]) for key in objectives}
         expected = reachable_by_brute_force(limit, {index[k]: v for k, v in objectives.items()}, resident, kept, sizes,
