@@ -3,17 +3,18 @@ search skips work"): each layer's roofline work, the least recomputation a micro
 forces (inf: the count cannot fit at all), and whether any plan of a count can reach a time with its
 memory counted (`may_reach`).
 
-All of them hold under the analytical model only (no split divides FLOPs or bytes by more than the
-devices it uses); under another model (measured times) there is no work bound and nothing is skipped.
+The work bounds hold under the analytical model only (no split divides FLOPs or bytes by more than the
+devices it uses); under another model (measured times) there is no work bound and nothing is skipped by
+it. `may_reach` uses no roofline (the layer ILPs' own optima, and bytes), so it holds under any model.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
-from typing import Callable, Sequence, TypeVar
 
 from partopt import costmodel, intra
 from partopt.cluster import Device
@@ -176,15 +177,15 @@ def may_reach(limit: float, objectives: dict[tuple, list[float | None]], residen
 def _fewest_devices(options: list, L: int, S: int, sizes: np.ndarray, cap: float, budget: float, count: int) -> float:
     """`may_reach`'s DP for stages of consecutive DP layers: the fewest devices that hold the layers in stages each
     costing at most `cap` and fitting `budget` at its level's microbatches in flight."""
+    def spans(v: np.ndarray) -> np.ndarray:  # [i, j]: the sum over i..j (inf entries as 0: counted apart)
+        prefix = np.cumsum(np.concatenate(([0.0], np.where(np.isinf(v), 0.0, v))))
+        return prefix[None, 1:] - prefix[:-1, None]
+
     deepest = np.zeros((S, L, L))  # per submesh, stage [i, j]: the most levels (stages to the end) it fits at
     below = np.triu(np.ones((L, L), dtype=bool))
     for s, cost, state, act in options:
-        run = lambda v: np.cumsum(np.concatenate(([0.0], np.where(np.isinf(v), 0.0, v))))
-        bad = np.cumsum(np.concatenate(([0], np.isinf(cost))))
-        c, p, a = (run(v) for v in (cost, state, act))
-        spans = lambda prefix: prefix[None, 1:] - prefix[:-1, None]  # [i, j]: the sum over i..j
-        cost_ij, state_ij, act_ij = spans(c), spans(p), spans(a)
-        ok = below & (spans(bad) == 0) & (cost_ij <= cap)
+        cost_ij, state_ij, act_ij = spans(cost), spans(state), spans(act)
+        ok = below & (spans(np.isinf(cost).astype(float)) == 0) & (cost_ij <= cap)
         with np.errstate(divide="ignore", invalid="ignore"):
             levels = np.where(act_ij > 0, np.floor((budget - state_ij) / act_ij), np.where(state_ij <= budget, L, 0))
         levels = np.where(state_ij + count * act_ij <= budget, L, levels)  # at most `count` in flight
