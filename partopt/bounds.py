@@ -149,46 +149,50 @@ def may_reach(limit: float, objectives: dict[tuple, list[float | None]], residen
     if some way needs at most `devices`. Ties and rounding lean to reachable."""
     paid = 1.0 - 1.0 / count if overlap else 1.0
     cap, budget = limit * (1 + 1e-9), budget * (1 + 1e-9)
-    sizes = np.array([a * b for a, b in submeshes], dtype=float)
     first = [a for a, _ in groups]
-    L, S = len(groups), len(submeshes)
 
     def per_group(values: Sequence[float | None]) -> np.ndarray:  # summed over each DP layer's base layers
         v = np.array([math.inf if x is None else x for x in values], dtype=float)
-        return np.add.reduceat(v, first) if L else v[:0]
+        return np.add.reduceat(v, first) if groups else v[:0]
 
-    options = []  # (submesh index, per DP layer: least cost, state per device, kept per device)
+    state = per_group(resident)
+    held_kept = {mode: per_group(kept[mode]) for mode in {mode for _, _, mode in objectives}}
+    options = []  # (submesh index, its devices, per DP layer: least cost, mode)
     for (sub, _, mode), objective in objectives.items():
-        n = sub[0] * sub[1]
         cost = per_group(objective)
         cost[np.isfinite(cost)] *= paid  # paid may be 0 (one microbatch, overlapped): a layer that cannot run stays inf
-        options.append((submeshes.index(sub), cost, per_group(resident) / n, per_group(kept[mode]) / n))
-    if contiguous and _fewest_devices(options, L, S, sizes, cap, budget, count) <= devices:
+        options.append((submeshes.index(sub), sub[0] * sub[1], cost, mode))
+    sizes = np.array([a * b for a, b in submeshes], dtype=float)
+    if contiguous and _fewest_devices(options, state, held_kept, sizes, cap, budget, count) <= devices:
         return True
     for stages in interleaved:
-        need = sum(min((sizes[s] for s, cost, state, act in options
-                        if cost[held].sum() <= cap and state[held].sum() + held_inflight * act[held].sum() <= budget),
-                       default=math.inf) for held, held_inflight in stages)
+        need = sum(min((n for _, n, cost, mode in options if cost[held].sum() <= cap and
+                        (state[held].sum() + in_flight * held_kept[mode][held].sum()) / n <= budget),
+                       default=math.inf) for held, in_flight in stages)
         if need <= devices:
             return True
     return False
 
 
-def _fewest_devices(options: list, L: int, S: int, sizes: np.ndarray, cap: float, budget: float, count: int) -> float:
+def _fewest_devices(options: list, state: np.ndarray, kept: dict[str, np.ndarray], sizes: np.ndarray, cap: float,
+                    budget: float, count: int) -> float:
     """`may_reach`'s DP for stages of consecutive DP layers: the fewest devices that hold the layers in stages each
-    costing at most `cap` and fitting `budget` at its level's microbatches in flight."""
+    costing at most `cap` and fitting `budget` at its level's microbatches in flight (`state`, `kept[mode]`: per
+    DP layer, on all devices together)."""
     def spans(v: np.ndarray) -> np.ndarray:  # [i, j]: the sum over i..j (inf entries as 0: counted apart)
         prefix = np.cumsum(np.concatenate(([0.0], np.where(np.isinf(v), 0.0, v))))
         return prefix[None, 1:] - prefix[:-1, None]
 
-    deepest = np.zeros((S, L, L))  # per submesh, stage [i, j]: the most levels (stages to the end) it fits at
+    L = len(state)
+    state_ij, kept_ij = spans(state), {mode: spans(v) for mode, v in kept.items()}
+    deepest = np.zeros((len(sizes), L, L))  # per submesh, stage [i, j]: the most levels (stages to the end) it fits at
     below = np.triu(np.ones((L, L), dtype=bool))
-    for s, cost, state, act in options:
-        cost_ij, state_ij, act_ij = spans(cost), spans(state), spans(act)
-        ok = below & (spans(np.isinf(cost).astype(float)) == 0) & (cost_ij <= cap)
+    for s, n, cost, mode in options:
+        ok = below & (spans(np.isinf(cost).astype(float)) == 0) & (spans(cost) <= cap)
+        held, act = state_ij / n, kept_ij[mode] / n
         with np.errstate(divide="ignore", invalid="ignore"):
-            levels = np.where(act_ij > 0, np.floor((budget - state_ij) / act_ij), np.where(state_ij <= budget, L, 0))
-        levels = np.where(state_ij + count * act_ij <= budget, L, levels)  # at most `count` in flight
+            levels = np.where(act > 0, np.floor((budget - held) / act), np.where(held <= budget, L, 0))
+        levels = np.where(held + count * act <= budget, L, levels)  # at most `count` in flight
         deepest[s] = np.maximum(deepest[s], np.where(ok, np.clip(levels, 0, L), 0))
     least = math.inf
     after = np.full(L + 1, math.inf)  # fewest devices for DP layers j.. in the stages counted so far

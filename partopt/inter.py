@@ -115,9 +115,14 @@ class _Space:
             before = [found for (c, b, among, _), found in self.solved.items()
                       if c == count and b == budget and set(among) <= set(schedules) and found is not None]
             incumbent = min(before, key=lambda found: found[0].total, default=None)
-            self.solved[key] = _best_schedule(pipe, costs, self.submeshes, [n * m for n, m in self.submeshes],
-                                              self.cluster.num_devices, count, budget, schedules, stats, incumbent)
+            self.solved[key] = self.run_dps(pipe, costs, count, budget, schedules, stats, incumbent)
         return self.solved[key]
+
+    def run_dps(self, pipe: Pipeline, costs: dict, count: int, budget: float, schedules: Sequence[str],
+                stats: Stats, incumbent: tuple | None = None):
+        """`_best_schedule` on this space's submeshes and cluster, uncached."""
+        return _best_schedule(pipe, costs, self.submeshes, [n * m for n, m in self.submeshes],
+                              self.cluster.num_devices, count, budget, schedules, stats, incumbent)
 
     def each_mode(self, state: _Count, found, modes: list[str], stats: Stats):
         """`found` (the stage DP's plan over the rows of every mode in `modes`), or a faster plan of the search
@@ -127,9 +132,8 @@ class _Space:
         no slower than a mode forced (issue 13 item 7). The floor stays the whole table's: it bounds them all."""
         if found is None or found[0].floor is None or len(modes) < 2:
             return found
-        alone = [_best_schedule(state.pipe, {option: rows for option, rows in state.costs.items() if option[2] == mode},
-                                self.submeshes, [n * m for n, m in self.submeshes], self.cluster.num_devices,
-                                state.count, self.budget, self.options.schedules, stats) for mode in modes]
+        alone = [self.run_dps(state.pipe, {option: rows for option, rows in state.costs.items() if option[2] == mode},
+                              state.count, self.budget, self.options.schedules, stats) for mode in modes]
         best = min([found, *(a for a in alone if a is not None)], key=lambda f: f[0].total)  # ties keep `found`
         floor = found[0].floor
         return (replace(best[0], floor=floor if floor < best[0].total else None), *best[1:])
