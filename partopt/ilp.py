@@ -353,6 +353,8 @@ def build_model(graph: CostGraph, alive: list[np.ndarray], budget: float | None,
         if len(idx) > 1:
             for i, extra in zip(var[n][idx].tolist(), extra_node_cost[n][idx].tolist()):
                 model.objective[i] += extra
+        else:  # a fixed node's cost and the edges folded into it: constants the objective leaves out
+            model.offset += float(graph.costs[n][idx[0]] + extra_node_cost[n][idx[0]])
 
     if budget is not None:
         # the memory row is stated times `shared`, so that a peak (charged 1/shared) keeps coefficient 1
@@ -476,14 +478,20 @@ def _recover(graph: CostGraph, alive: list[np.ndarray], remaining: list[int], pi
     return [int(np.flatnonzero(alive[n])[local[n]]) for n in range(len(graph))]
 
 
-def _run(model: solvers.Model, backend: str, time_limit_s: float, seed: int, budget: float | None) -> solvers.Result:
+def _run(model: solvers.Model, backend: str, time_limit_s: float, seed: int, budget: float | None,
+         cutoff: float | None = None) -> solvers.Result:
     """The solver's answer (an error when it has none). With no memory row (`budget` None) the program is a
-    pairwise min-sum, whose LP relaxation is often integral: it is tried first (`solvers.solve`)."""
-    result = solvers.solve(model, backend, time_limit_s, seed, relaxation_first=budget is None)
+    pairwise min-sum, whose LP relaxation is often integral: it is tried first (`solvers.solve`). `cutoff`:
+    see `solve`."""
+    scaled = None if cutoff is None else (cutoff - model.offset) * model.scale
+    result = solvers.solve(model, backend, time_limit_s, seed, relaxation_first=budget is None, cutoff=scaled)
     if result.values is None:
         if result.status == "infeasible":
             raise InfeasibleError(f"no strategy assignment fits the memory budget of {budget:.4g} bytes",
                                   "memory", "use more devices or a larger budget")
+        if result.status == "cutoff":
+            raise InfeasibleError(f"no strategy assignment fits the memory budget of {budget:.4g} bytes at a cost "
+                                  f"under {cutoff:.6g} s", "memory", "use more devices or a larger budget")
         raise SolverError(f"{backend} found no solution within {time_limit_s:g} s",
                           "solver", "raise --time-limit or try another --solver")
     return result
@@ -499,8 +507,13 @@ def _picks(alive: list[np.ndarray], var: list[np.ndarray], values: list[int]) ->
 
 
 def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
-          time_limit_s: float = solvers.TIME_LIMIT_S, seed: int = 0, reduce_first: bool = True) -> Solution:
+          time_limit_s: float = solvers.TIME_LIMIT_S, seed: int = 0, reduce_first: bool = True,
+          cutoff: float | None = None) -> Solution:
     """Choose one strategy per node: least total cost with summed memory ≤ budget.
+
+    `cutoff` (with a budget): the caller has no use for an assignment costing that much or more (`total`);
+    when the capped optimum does, InfeasibleError is raised as for a budget nothing fits, and the solver
+    may prune all that (`solvers.solve`), which is much faster than proving the optimum.
 
     With `reduce_first`, dominated strategies go first, then the graph is solved by exact
     elimination without the memory row; when that optimum fits the budget it is the answer
@@ -530,10 +543,13 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
         relaxed = _solution(graph, choice, result, model, kept, total)
         if budget is None or graph.peak_memory(choice) <= budget:
             return replace(relaxed, free_bound=relaxed.lower_bound)
+        if cutoff is not None and relaxed.lower_bound is not None and relaxed.lower_bound >= cutoff:
+            raise InfeasibleError(f"no strategy assignment costs under {cutoff:.6g} s even with memory free",
+                                  "memory", "use more devices or a larger budget")  # the capped optimum costs more
     first = _cheapest(graph, alive) if budget is None else _leanest(graph, alive)
     fits = budget is None or graph.peak_memory(first) <= budget
     model, var = build_model(graph, alive, budget, first if fits else None)
-    result = (_run(model, backend, time_limit_s, seed, budget) if model.num_vars
+    result = (_run(model, backend, time_limit_s, seed, budget, cutoff) if model.num_vars
               else solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend))
     picks = _picks(alive, var, result.values)
     choice = [int(np.flatnonzero(a)[k]) for a, k in zip(alive, picks)]

@@ -101,30 +101,32 @@ class _Space:
     solved: dict = field(default_factory=dict)  # `best`'s results by what they depend on
 
     def best(self, pipe: Pipeline, costs: dict, count: int, budget: float, stats: Stats,
-             schedules: Sequence[str] | None = None):
-        """The stage DP's best plan over `schedules` (default: the searched ones; `_best_schedule`), or None.
+             schedules: Sequence[str] | None = None, cutoff: float = math.inf):
+        """The stage DP's best plan over `schedules` (default: the searched ones; `_best_schedule`), or None;
+        `cutoff`: only a plan costing less is wanted (another count's plan beats the rest), and None may then
+        also mean that none costs less.
 
         Solved once per state of `costs`: its rows are only ever appended (a new mode's key, a leaner cap's
         row), so the rows per key stand for its content, and asking again with nothing added (a mode with no
-        mesh left to price, a ladder that changed no row) returns the same plan without running the DPs. For the
-        same reason a plan found before, on fewer rows, under these schedules or some of them, is still a plan:
-        the best of them is the DPs' incumbent (`_best_schedule`)."""
+        mesh left to price, a ladder that changed no row) returns the same plan without running the DPs (a
+        None found under a cutoff, for any cutoff no larger). For the same reason a plan found before, on fewer
+        rows, under these schedules or some of them, is still a plan: the best of them is the DPs' incumbent."""
         schedules = tuple(schedules or self.options.schedules)
         key = (count, budget, schedules, tuple((option, len(rows)) for option, rows in costs.items()))
-        if key not in self.solved:
-            before = [found for (c, b, among, _), found in self.solved.items()
+        if key not in self.solved or (self.solved[key][0] is None and cutoff > self.solved[key][1]):
+            before = [found for (c, b, among, _), (found, _) in self.solved.items()
                       if c == count and b == budget and set(among) <= set(schedules) and found is not None]
             incumbent = min(before, key=lambda found: found[0].total, default=None)
-            self.solved[key] = self.run_dps(pipe, costs, count, budget, schedules, stats, incumbent)
-        return self.solved[key]
+            self.solved[key] = (self.run_dps(pipe, costs, count, budget, schedules, stats, incumbent, cutoff), cutoff)
+        return self.solved[key][0]
 
     def run_dps(self, pipe: Pipeline, costs: dict, count: int, budget: float, schedules: Sequence[str],
-                stats: Stats, incumbent: tuple | None = None):
+                stats: Stats, incumbent: tuple | None = None, cutoff: float = math.inf):
         """`_best_schedule` on this space's submeshes and cluster, uncached."""
         return _best_schedule(pipe, costs, self.submeshes, [n * m for n, m in self.submeshes],
-                              self.cluster.num_devices, count, budget, schedules, stats, incumbent)
+                              self.cluster.num_devices, count, budget, schedules, stats, incumbent, cutoff)
 
-    def each_mode(self, state: _Count, found, modes: list[str], stats: Stats):
+    def each_mode(self, state: _Count, found, modes: list[str], stats: Stats, cutoff: float = math.inf):
         """`found` (the stage DP's plan over the rows of every mode in `modes`), or a faster plan of the search
         over one mode's rows alone (what `--recompute MODE` searches). Only a zero-bubble search stopped at its
         work limit can miss one (the other DPs are exact, and so is a search that ran to the end): a table of one
@@ -133,7 +135,7 @@ class _Space:
         if found is None or found[0].floor is None or len(modes) < 2:
             return found
         alone = [self.run_dps(state.pipe, {option: rows for option, rows in state.costs.items() if option[2] == mode},
-                              state.count, self.budget, self.options.schedules, stats) for mode in modes]
+                              state.count, self.budget, self.options.schedules, stats, cutoff=cutoff) for mode in modes]
         best = min([found, *(a for a in alone if a is not None)], key=lambda f: f[0].total)  # ties keep `found`
         floor = found[0].floor
         return (replace(best[0], floor=floor if floor < best[0].total else None), *best[1:])
@@ -244,7 +246,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                 state = waiting.pop(max(waiting))
                 found, modes = _close_count(space, pricer, state, best, stats,
                                             lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
-                finish(state.count, space.each_mode(state, found, modes, stats), state.costs, modes)
+                finish(state.count, space.each_mode(state, found, modes, stats, _wanted(best)), state.costs, modes)
     except (Expired, KeyboardInterrupt) as err:
         stopped = "deadline" if isinstance(err, Expired) else "interrupted"
         if best is None:
@@ -338,8 +340,8 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
     (`pricing.tighten`), the most recomputing mode's first."""
     options, budget = space.options, space.budget
     count, pipe, costs, modes = state.count, state.pipe, state.costs, state.modes
-    incumbent, work = best[0] if best else math.inf, state.work
-    found = space.best(pipe, costs, count, budget, stats)
+    incumbent, work, wanted = best[0] if best else math.inf, state.work, _wanted(best)
+    found = space.best(pipe, costs, count, budget, stats, cutoff=wanted)
     if not _binds(found, state.free):
         return found, modes[:1]  # memory does not bind: recomputing more only adds time
     keys = state.keys
@@ -353,7 +355,7 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
             state.free = space.best(pipe, costs, count, math.inf, stats)
         if state.free is not None and best is not None and (_lower(state.free), count) > best[:2]:
             return None, modes[:m + 1]  # even with memory ignored this count loses
-        found = space.best(pipe, costs, count, budget, stats)
+        found = space.best(pipe, costs, count, budget, stats, cutoff=wanted)
         if not _binds(found, state.free):
             return found, modes[:m + 1]  # memory does not bind: recomputing more only adds time
 
@@ -361,16 +363,22 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
         return None, modes  # no plan of this count, memory counted, can beat the best: no capped ILPs for it
 
     def bound() -> float:  # the best plan so far, this count's with the caps priced yet (one schedule's: cheaper)
-        now = space.best(pipe, costs, count, budget, stats, options.schedules[:1])
+        now = space.best(pipe, costs, count, budget, stats, options.schedules[:1], wanted)
         return min(incumbent, now[0].total if now else math.inf)
 
     for rows_of, priced, jobs in reversed(state.lean):  # memory binds under every mode
         tighten(rows_of, priced, jobs, state.hashes, budget, len(state.hashes), count, bound, pricer, stats, work,
                 space.cluster.num_devices, options.overlap)
-        found = space.best(pipe, costs, count, budget, stats)
+        found = space.best(pipe, costs, count, budget, stats, cutoff=wanted)
         if not _binds(found, state.free):
             break
     return found, modes
+
+
+def _wanted(best: tuple | None) -> float:
+    """The iteration time a count's plan must get under to matter (`best`: the best plan so far, of `_search`):
+    a hair above the best, as `_search` keeps a tie at fewer microbatches."""
+    return best[0] + 2e-15 if best is not None else math.inf
 
 
 def _reachable(space: _Space, pricer: Pricer, state: _Count, limit: float) -> bool:
@@ -413,7 +421,8 @@ def _stages_of(found, costs: dict, count: int, space: _Space) -> tuple[list[Stag
 
 
 def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], sizes: list[int], devices: int,
-                   count: int, budget: float, schedules: Sequence[str], stats: Stats, incumbent: tuple | None = None):
+                   count: int, budget: float, schedules: Sequence[str], stats: Stats, incumbent: tuple | None = None,
+                   cutoff: float = math.inf):
     """The stage DP's best plan over `schedules` for one microbatch count: (result, schedule, v, options per
     submesh), or None. 1F1B cuts the layers freely; interleaved takes the best (S, v) of Megatron's uniform
     chunking (`schedules.interleaved_shapes`, `stages.interleaved_table`); zero-bubble (ZB-H1) cuts freely on
@@ -421,9 +430,10 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     stopped at its work limit); ties keep 1F1B, then interleaved. The result's `floor` is set when a stopped
     search leaves room below its total.
     `incumbent`: a plan of this table found before (one of these results on a table with fewer rows); each DP
-    then looks only for a faster plan, and the incumbent stays when none is (ties keep it)."""
+    then looks only for a faster plan, and the incumbent stays when none is (ties keep it). `cutoff`: each DP
+    looks only for a plan costing less (None when there is none and no incumbent)."""
     found = []
-    bar = incumbent[0].total if incumbent is not None else math.inf  # what a plan found here must beat
+    bar = min(cutoff, incumbent[0].total if incumbent is not None else math.inf)  # what a plan found here must beat
     table = stage_table(pipe, costs, submeshes, count, budget) if {"1f1b", "zero-bubble"} & set(schedules) else None
     if "1f1b" in schedules:
         entries, options_of = table
@@ -449,13 +459,15 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
                       "zero-bubble", 1, options_of))
     found = [f for f in found if f[0] is not None]
     stats.dp_rounds += sum(f[0].rounds for f in found)
-    floor = min([f[0].total if f[0].floor is None else f[0].floor for f in found], default=math.inf)
+    # what the DPs prove: a stopped search's floor, an exact DP's total, or, past the bar, that it was not beaten
+    stopped = any(f[0].floor is not None for f in found)
+    floor = min([min(f[0].total, bar) if f[0].floor is None else f[0].floor for f in found], default=math.inf)
     # a zero-bubble search stopped with no plan leaves only its floor; a plan not under the incumbent is not exact
     found = [f for f in found if f[0].stages and f[0].total < bar] or ([incumbent] if incumbent is not None else [])
     if not found:
         return None
     best = min(found, key=lambda f: f[0].total)
-    return (replace(best[0], floor=floor if floor < best[0].total else None), *best[1:])
+    return (replace(best[0], floor=floor if stopped and floor < best[0].total else None), *best[1:])
 
 
 def _floors(row: list, priced: int, count: int, work: list[float] | None, devices: int) -> list[float]:

@@ -11,6 +11,8 @@ import itertools
 import math
 import os
 import time
+
+import numpy as np
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -63,7 +65,7 @@ class Dropped:
     time_limit_s: float
 
 
-Priced = LayerCost | Dropped | None  # None: the layer cannot fit the job's memory cap on that mesh
+Priced = LayerCost | Dropped | None  # None: the layer cannot fit the job's memory cap on that mesh (under its cutoff)
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,9 @@ class Job:
     within `cap` bytes per device (None: no cap) with `inflight` microbatches kept, under an
     optional restriction of its strategies (`evaluate`'s pinned plans; such jobs run in this process).
     A cap that is a layer's share of a stage of `share` layers carries 1/share of the layer's
-    transient peak: the stage holds one peak (its largest layer's), not one per layer."""
+    transient peak: the stage holds one peak (its largest layer's), not one per layer.
+    `cutoff` (with a cap; count · time + sync, see `objectives`): an option costing that much or more is of
+    no use to the caller (`tighten`), and the job then answers None, as for a cap the layer cannot fit."""
 
     mb: int
     count: int
@@ -83,6 +87,7 @@ class Job:
     inflight: int = 1
     restriction: intra.Restriction | None = field(default=None, compare=False)
     share: int = 1  # layers of a stage that hold one transient peak together: the cap carries 1/share of it
+    cutoff: float | None = None  # with a cap: the least count · time + sync of no use (None: any cost is of use)
 
 
 @dataclass
@@ -139,7 +144,8 @@ def price(g_mb: Graph, job: Job, options) -> Priced:
                                          time_limit_s=options.time_limit_s, seed=options.seed,
                                          data_parallel=options.data_parallel_only or options.stage_data_parallel,
                                          allow_zero=not options.stage_data_parallel, recompute=job.recompute,
-                                         restriction=job.restriction, peak_shared_by=job.share, prefetch=options.overlap)
+                                         restriction=job.restriction, peak_shared_by=job.share, prefetch=options.overlap,
+                                         cutoff=None if job.cutoff is None else job.cutoff / job.count)
     except InfeasibleError:
         if job.cap is None:
             raise  # not a memory cap: a restriction that leaves some op no strategy (its message names it)
@@ -227,7 +233,7 @@ class Pricer:
         if (job.mb, job.ops) not in self.hashes:
             self.hashes[(job.mb, job.ops)] = g_mb.structural_hash([g_mb.op_index[n] for n in job.ops])
         return (self.prefix, job.mb, job.count, self.hashes[(job.mb, job.ops)], job.mesh, job.recompute, job.cap,
-                job.inflight, job.share, _restriction_key(g_mb, job))
+                job.inflight, job.share, job.cutoff, _restriction_key(g_mb, job))
 
     def __enter__(self) -> Pricer:
         return self
@@ -343,6 +349,7 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
     """
     last = dict(priced)
     stuck = {key for key, cost in last.items() if cost is None}
+    above: dict = {}  # key -> the cutoff its option reached or passed at an earlier rung (priced again only above it)
     before, limit = 1, None  # limit: bound() since the rows last changed (asked again only when they have)
     for r in (r for r in RUNGS if r <= rung(layers)):
         cap = budget / r
@@ -360,11 +367,16 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
                        for option in {key[1] for key in tight}}
             stuck |= {key for key in tight if max(lengths[key[1]], default=0) <= before}  # nor at any later rung
             tight = [key for key in tight if key not in stuck and any(before < n <= r for n in lengths[key[1]])]
+            cutoffs = _cutoffs(tight, costs, layer_keys, count, limit, range(before + 1, r + 1), work, devices, overlap)
+            tight = [key for key in tight if cutoffs[key] > above.get(key, -math.inf)]
         before = r
         if not tight:  # a tighter rung may still bind: fewer microbatches in flight do not offset a smaller cap
             continue
-        for key, cost in pricer.run({key: _with_cap(jobs[key], cap, inflight, r) for key in tight}, stats).items():
-            if not isinstance(cost, LayerCost):
+        capped = {key: _with_cap(jobs[key], cap, inflight, r, cutoffs[key]) for key in tight}
+        for key, cost in pricer.run(capped, stats).items():
+            if cost is None and capped[key].cutoff is not None:
+                above[key] = cutoffs[key]  # no option under this cap costs less: of no use to a stage at this rung
+            elif not isinstance(cost, LayerCost):
                 stuck.add(key)  # cannot fit this cap: keep its leanest option, stop refining it
             else:
                 last[key] = cost
@@ -375,8 +387,20 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
                 limit = None
 
 
-def _with_cap(job: Job, cap: float, inflight: int, share: int) -> Job:
-    return Job(job.mb, job.count, job.ops, job.mesh, job.recompute, cap, inflight, job.restriction, share)
+def _with_cap(job: Job, cap: float, inflight: int, share: int, cutoff: float = math.inf) -> Job:
+    return Job(job.mb, job.count, job.ops, job.mesh, job.recompute, cap, inflight, job.restriction, share,
+               cutoff if cutoff < math.inf else None)
+
+
+def _cutoffs(keys: list, costs: dict, layer_keys: list, count: int, limit: float, lengths: range,
+             work: list[float] | None, devices: int, overlap: bool) -> dict:
+    """Per (layer key, option) of `keys`, the cost at or above which its layers belong to no stage of a length in
+    `lengths` on that option's mesh that may cost under `limit` (`layer_cutoffs`, the largest over its layers,
+    which share one job: `layer_keys` per layer)."""
+    cut = {option: layer_cutoffs(objectives(costs[option][0], count), count, limit, lengths, work,
+                                 devices - option[0][0] * option[0][1], overlap, layer_keys)
+           for option in {key[1] for key in keys}}
+    return {key: max((c for c, k in zip(cut[key[1]], layer_keys) if k == key[0]), default=-math.inf) for key in keys}
 
 
 def _charged(memory: float, transient: float, share: int) -> float:
@@ -387,6 +411,49 @@ def _charged(memory: float, transient: float, share: int) -> float:
 def objectives(row: list[LayerCost | None], count: int) -> list[float | None]:
     """Each layer's count · time + sync (what its ILP minimises, times the count); None where it cannot run."""
     return [None if c is None else count * c.time_s + c.sync_s for c in row]
+
+
+def layer_cutoffs(costs: list[float | None], count: int, limit: float, lengths: range, work: list[float] | None = None,
+                  spare: int = 0, overlap: bool = False, kinds: list | None = None) -> list[float]:
+    """Per layer, the cost (count · time + sync) at or above which no stage on this mesh holding it, of a length
+    in `lengths`, may cost under `limit`, its other layers costing at least `costs` (their unconstrained optima):
+    `stage_lengths`'s test with the layer's own cost left free. Layers of one kind (`kinds`: per layer, a key;
+    default: each its own) are priced by one job, so they cost the same in a row and the cost is theirs together.
+    -inf where no such stage holds the layer at all; inf where no limit binds.
+
+    A stage is ruled out when paid · (its layers' costs) ≥ limit, or when the layers outside it cannot run
+    under `limit` on the `spare` devices it leaves (`stage_lengths`), so the k layers of b's kind in a stage W
+    may cost x each only while k · x < limit / paid − (W's other layers). The answer is the largest such bound
+    over the stages that hold b, a hair above it so that rounding never rules out a stage `stage_lengths` keeps."""
+    paid = 1.0 - 1.0 / count if overlap else 1.0
+    if paid <= 0 or limit == math.inf:
+        return [math.inf] * len(costs)
+    known = np.array([math.inf if c is None else c for c in costs])
+    _, kind = np.unique(np.array(range(len(costs)) if kinds is None else kinds, dtype=object).astype(str),
+                        return_inverse=True)
+    finite = np.where(np.isinf(known), 0.0, known)
+    total = np.concatenate([[0.0], np.cumsum(finite)])
+    missing = np.concatenate([[0], np.cumsum(np.isinf(known))])
+    whole = sum(work) if work is not None else 0.0
+    before = [0.0, *itertools.accumulate(work)] if work is not None else []
+    out = np.full(len(costs), -math.inf)
+    for end in range(len(costs)):
+        for n in lengths:
+            first = end - n + 1
+            if first < 0 or missing[end + 1] > missing[first]:
+                continue  # past the first layer, or a layer that cannot run on this mesh
+            if work is not None and (first > 0 or end < len(costs) - 1 if spare == 0 else
+                                     count * (whole - (before[end + 1] - before[first])) / spare >= limit):
+                continue  # the rest of the model cannot run under the limit beside it
+            held = kind[first:end + 1]
+            alike = np.bincount(held)  # per kind: its layers in the stage, and their costs
+            theirs = np.bincount(held, weights=finite[first:end + 1])
+            with np.errstate(divide="ignore", invalid="ignore"):
+                room = (limit / paid - (total[end + 1] - total[first]) + theirs) / alike
+            np.maximum(out[first:end + 1], room[held], out=out[first:end + 1])
+    held = np.isfinite(out)
+    out[held] += 1e-9 * np.abs(out[held])
+    return out.tolist()
 
 
 def longest_stage(costs: list[float | None], count: int, limit: float, work: list[float] | None = None,

@@ -21,8 +21,9 @@ import numpy as np
 
 from partopt.errors import PartoptError
 
-# limit: stopped at the work limit (the same answer whatever the load); timeout: stopped by the wall clock
-STATUSES = ("optimal", "feasible", "infeasible", "limit", "timeout")
+# limit: stopped at the work limit (the same answer whatever the load); timeout: stopped by the wall clock;
+# cutoff: no solution costs less than the solve's cutoff (`solve(cutoff=...)`)
+STATUSES = ("optimal", "feasible", "infeasible", "limit", "timeout", "cutoff")
 WORK_UNITS = {"highs": "branch-and-bound nodes", "cpsat": "deterministic seconds", "cbc": "branch-and-bound nodes"}
 # HiGHS proves 15 of the 16 memory-capped GPT-39B block ILPs optimal at the root node and the last in 9 nodes,
 # the root taking up to 7 s here (22 s with the CPU loaded), so 1000 nodes binds only on ILPs unlike those;
@@ -55,6 +56,7 @@ class Model:
     # values of some variables in a feasible solution: the solver starts from it, so a solve stopped by a limit
     # still returns an incumbent (HiGHS completes a partial start itself; CP-SAT takes it as a hint, CBC as a MIP start)
     start: dict[int, float] = field(default_factory=dict)
+    offset: float = 0.0  # seconds of constant cost the objective leaves out (see ilp.build_model)
 
     @property
     def num_vars(self) -> int:
@@ -140,6 +142,7 @@ class Options:
     threads: int = 1
     work_limit: float = math.inf  # in the backend's WORK_UNITS
     relaxation_first: bool = False  # HiGHS: solve the LP relaxation first, and stop there when it is integral
+    cutoff: float | None = None  # in objective units: only a solution below it is wanted (`solve`)
 
 
 BACKENDS = ("cpsat", "highs", "cbc")
@@ -154,14 +157,20 @@ def _backend(name: str) -> Callable[[Model, Options], Result]:
 
 
 def solve(model: Model, backend: str = "highs", time_limit_s: float = TIME_LIMIT_S, seed: int = 0,
-          work_limit: float | None = None, relaxation_first: bool = False) -> Result:
+          work_limit: float | None = None, relaxation_first: bool = False, cutoff: float | None = None) -> Result:
     """Solve `model` with the named backend, stopping at `work_limit` (in its WORK_UNITS; None: its
     DEFAULT_WORK_LIMITS entry; math.inf: none) or, as a safety net, after `time_limit_s` seconds.
 
     `relaxation_first` (HiGHS; the other backends ignore it): solve the LP relaxation first and return its
     solution, proven optimal, when every 0-1 variable comes out integral; else the program as usual. Worth it
     where the relaxation is usually tight, as it is for the pairwise min-sums with no memory row that `ilp.solve`
-    leaves of GPT blocks: their LP takes a tenth of the MIP's root (docs/benchmarks.md, "LP relaxation first")."""
+    leaves of GPT blocks: their LP takes a tenth of the MIP's root (docs/benchmarks.md, "LP relaxation first").
+
+    `cutoff` (objective units): the caller has no use for a solution costing that much or more, so the backend
+    may prune every branch whose bound reaches it (HiGHS: `objective_bound`; CP-SAT and CBC: the objective as a
+    row). A solve whose best solution is at or above it, or that finds none, returns status "cutoff" (no
+    values): the optimum is at least `cutoff`, or the program is infeasible. A solution below it is the
+    optimum, as without a cutoff."""
     run = _backend(backend)
     if time_limit_s <= 0:
         raise PartoptError(f"time limit must be positive, got {time_limit_s}", "time limit")
@@ -169,4 +178,9 @@ def solve(model: Model, backend: str = "highs", time_limit_s: float = TIME_LIMIT
     if not work >= 0:
         raise PartoptError(f"work limit must be non-negative, got {work_limit}", "work limit",
                            f"give {WORK_UNITS[backend]}, or math.inf for none")
-    return run(model, Options(time_limit_s=time_limit_s, seed=seed, work_limit=work, relaxation_first=relaxation_first))
+    result = run(model, Options(time_limit_s=time_limit_s, seed=seed, work_limit=work,
+                                relaxation_first=relaxation_first, cutoff=cutoff))
+    if cutoff is not None and (result.status == "infeasible" or (result.objective is not None
+                                                                  and result.objective >= cutoff)):
+        return Result("cutoff", None, None, None, result.time_s, result.backend, result.work)
+    return result

@@ -23,7 +23,10 @@ def _solve(original: Model, options: Options) -> Result:
     prob = pulp.LpProblem("partopt", pulp.LpMinimize)
     x = [pulp.LpVariable(f"x{i}", 0, model.continuous[i], cat="Continuous") if i in model.continuous
          else pulp.LpVariable(f"x{i}", cat="Binary") for i in range(model.num_vars)]
-    prob += pulp.lpSum(c * v for c, v in zip(model.objective, x) if c)
+    objective = pulp.lpSum(c * v for c, v in zip(model.objective, x) if c)
+    prob += objective
+    if options.cutoff is not None:  # a hair above: the solutions below the cutoff all stay
+        prob += objective <= options.cutoff + 1e-9 * abs(options.cutoff), "cutoff"
     for k, (index, coef, lo, hi) in enumerate(model.rows):
         expr = pulp.lpSum(c * x[i] for i, c in zip(index, coef))
         if lo == hi:

@@ -30,7 +30,10 @@ def solve(model: Model, options: Options) -> Result:
                 cp.add(expr >= int(round(lo)))
             if hi < float("inf"):
                 cp.add(expr <= int(hi // 1))
-    cp.minimize(sum(int(round(c * scale)) * v for c, v in zip(model.objective, x) if c))
+    objective = sum(int(round(c * scale)) * v for c, v in zip(model.objective, x) if c)
+    cp.minimize(objective)
+    if options.cutoff is not None:  # each term rounds by at most 1/2 unit: the row keeps every solution below it
+        cp.add(objective <= math.ceil(options.cutoff * scale + model.num_vars / 2))
     for i, value in model.start.items():
         cp.add_hint(x[i], int(round(value)))
     solver = cp_model.CpSolver()

@@ -41,6 +41,8 @@ def _load(model: Model, options: Options, relaxed: bool) -> highspy.Highs:
     # the models come reduced (partopt.ilp); HiGHS's own presolve then costs more than it saves
     # (up to 4× on memory-capped block ILPs, 1.5× on GPT-1.3B whole; docs/benchmarks.md)
     h.setOptionValue("presolve", "off")
+    if options.cutoff is not None:  # prunes every node whose bound reaches it (a hair above: none below it is lost)
+        h.setOptionValue("objective_bound", float(options.cutoff) + 1e-6 * max(1.0, abs(options.cutoff)))
     n = model.num_vars
     inf = highspy.kHighsInf
     col_upper = np.ones(n)
