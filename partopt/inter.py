@@ -337,13 +337,22 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
 
     The plan that fits with the fastest options first; the next mode only while memory binds and only on
     meshes where it may win (`_may_win`); when memory binds under every mode, memory-lean caps
-    (`pricing.tighten`), the most recomputing mode's first."""
+    (`pricing.tighten`), the most recomputing mode's first. Whether memory binds is asked of the first
+    schedule's DP (a plan of one schedule at the memory-free bound means the best of all is there too);
+    every schedule's DPs run once, on the final rows. Each DP looks only under the best plan so far."""
     options, budget = space.options, space.budget
     count, pipe, costs, modes = state.count, state.pipe, state.costs, state.modes
     incumbent, work, wanted = best[0] if best else math.inf, state.work, _wanted(best)
-    found = space.best(pipe, costs, count, budget, stats, cutoff=wanted)
+
+    def check():  # the plan of the first schedule alone: it tells whether memory binds, at a fraction of the DPs
+        return space.best(pipe, costs, count, budget, stats, options.schedules[:1], wanted)
+
+    def final(tried: list[str]):  # the count's plan over every schedule, once its rows are all priced
+        return space.best(pipe, costs, count, budget, stats, cutoff=wanted), tried
+
+    found = check()
     if not _binds(found, state.free):
-        return found, modes[:1]  # memory does not bind: recomputing more only adds time
+        return final(modes[:1])  # memory does not bind: recomputing more only adds time
     keys = state.keys
     for m in range(1, len(modes)):
         limit = min(incumbent, found[0].total if found else math.inf)
@@ -355,24 +364,23 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
             state.free = space.best(pipe, costs, count, math.inf, stats)
         if state.free is not None and best is not None and (_lower(state.free), count) > best[:2]:
             return None, modes[:m + 1]  # even with memory ignored this count loses
-        found = space.best(pipe, costs, count, budget, stats, cutoff=wanted)
+        found = check()
         if not _binds(found, state.free):
-            return found, modes[:m + 1]  # memory does not bind: recomputing more only adds time
+            return final(modes[:m + 1])  # memory does not bind: recomputing more only adds time
 
     if best is not None and not _reachable(space, pricer, state, best[0]):
         return None, modes  # no plan of this count, memory counted, can beat the best: no capped ILPs for it
 
-    def bound() -> float:  # the best plan so far, this count's with the caps priced yet (one schedule's: cheaper)
-        now = space.best(pipe, costs, count, budget, stats, options.schedules[:1], wanted)
+    def bound() -> float:  # the best plan so far, this count's with the caps priced yet
+        now = check()
         return min(incumbent, now[0].total if now else math.inf)
 
     for rows_of, priced, jobs in reversed(state.lean):  # memory binds under every mode
         tighten(rows_of, priced, jobs, state.hashes, budget, len(state.hashes), count, bound, pricer, stats, work,
                 space.cluster.num_devices, options.overlap)
-        found = space.best(pipe, costs, count, budget, stats, cutoff=wanted)
-        if not _binds(found, state.free):
+        if not _binds(check(), state.free):
             break
-    return found, modes
+    return final(modes)
 
 
 def _wanted(best: tuple | None) -> float:
