@@ -115,7 +115,8 @@ class _Space:
         key = (count, budget, schedules, tuple((option, len(rows)) for option, rows in costs.items()))
         if key not in self.solved or (self.solved[key][0] is None and cutoff > self.solved[key][1]):
             before = [found for (c, b, among, _), (found, _) in self.solved.items()
-                      if c == count and b == budget and set(among) <= set(schedules) and found is not None]
+                      if c == count and b == budget and set(among) <= set(schedules) and found is not None
+                      and found[0].stages]
             incumbent = min(before, key=lambda found: found[0].total, default=None)
             self.solved[key] = (self.run_dps(pipe, costs, count, budget, schedules, stats, incumbent, cutoff), cutoff)
         return self.solved[key][0]
@@ -439,7 +440,9 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     search leaves room below its total.
     `incumbent`: a plan of this table found before (one of these results on a table with fewer rows); each DP
     then looks only for a faster plan, and the incumbent stays when none is (ties keep it). `cutoff`: each DP
-    looks only for a plan costing less (None when there is none and no incumbent)."""
+    looks only for a plan costing less; with none found and no incumbent, None, or, when a stopped search
+    leaves a floor under the cutoff, a result of no stages and infinite cost carrying that floor (so that the
+    search's reported lower bound still counts it)."""
     found = []
     bar = min(cutoff, incumbent[0].total if incumbent is not None else math.inf)  # what a plan found here must beat
     table = stage_table(pipe, costs, submeshes, count, budget) if {"1f1b", "zero-bubble"} & set(schedules) else None
@@ -472,7 +475,9 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     floor = min([min(f[0].total, bar) if f[0].floor is None else f[0].floor for f in found], default=math.inf)
     # a zero-bubble search stopped with no plan leaves only its floor; a plan not under the incumbent is not exact
     found = [f for f in found if f[0].stages and f[0].total < bar] or ([incumbent] if incumbent is not None else [])
-    if not found:
+    if not found:  # no plan under the bar; a search stopped short of proving that leaves its floor
+        if stopped and floor < bar < math.inf:
+            return stagedp.DPResult(math.inf, [], math.inf, 0, floor), "zero-bubble", 1, {}
         return None
     best = min(found, key=lambda f: f[0].total)
     return (replace(best[0], floor=floor if stopped and floor < best[0].total else None), *best[1:])

@@ -11,10 +11,10 @@ import itertools
 import math
 import os
 import time
-
-import numpy as np
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
+
+import numpy as np
 
 from partopt import costmodel, intra
 from partopt.cluster import LogicalMesh
@@ -349,7 +349,7 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
     """
     last = dict(priced)
     stuck = {key for key, cost in last.items() if cost is None}
-    above: dict = {}  # key -> the cutoff its option reached or passed at an earlier rung (priced again only above it)
+    above: dict = {}  # key -> a cutoff its capped optimum reached at an earlier rung (priced again only above it)
     before, limit = 1, None  # limit: bound() since the rows last changed (asked again only when they have)
     for r in (r for r in RUNGS if r <= rung(layers)):
         cap = budget / r

@@ -406,3 +406,33 @@ def test_the_work_limit_binds_only_on_large_tables():
     assert stagedp.zero_bubble_limit(np.empty((1, 2, 4, 4, 3)), 4) == 1.5e10 // (4 * 4 * 4 * 3)
     plan = optimize(GRAPH, CLUSTER, workers=1, microbatches=[4], schedule="zero-bubble")
     assert "lower_bound_s" not in plan.solver and "bound_gap" not in plan.solver
+
+
+@pytest.mark.parametrize("binds", [False, True])
+def test_a_cutoff_keeps_what_a_stopped_search_proves(priced, monkeypatch, binds):
+    """Under a cutoff (the best plan of another count) `_best_schedule` returns a plan under it, or None, or — when
+    a search stopped at its work limit with a floor under the cutoff — a result of no stages carrying that floor,
+    so that the solve's reported lower bound still counts the count; every floor is a lower bound (brute force)."""
+    monkeypatch.setattr(stagedp, "zero_bubble_limit", lambda t, devices: 1)
+    layering, count, costs = priced
+    pipe = pipeline_of(GRAPH, CLUSTER, layering, count, True)
+    sizes, devices = [a * b for a, b in SUBMESHES], CLUSTER.num_devices
+    whole = totals(costs[((1, 1), (1, 1), "none")][0], pipe, 0, len(layering.groups) - 1, End((1, 1), (1, 1)))
+    budget = whole.memory_bytes(3.5) if binds else math.inf
+    optimum = brute_force(pipe, layering, costs, count, budget, devices)
+    free = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, Options().schedules, Stats())
+    kinds = set()
+    for cutoff in (optimum * 0.9, optimum, optimum * 1.001, free[0].total * 1.01):
+        found = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, Options().schedules, Stats(),
+                               cutoff=cutoff)
+        if found is None:
+            kinds.add("none")
+            continue
+        if found[0].stages:
+            kinds.add("plan")
+            assert optimum * (1 - 1e-12) <= found[0].total < cutoff
+        else:
+            kinds.add("floor")
+            assert found[0].total == math.inf and found[0].floor < cutoff
+        assert found[0].floor is None or found[0].floor <= optimum * (1 + 1e-12)
+    assert kinds == {"plan", "none", "floor"}  # each outcome seen here
