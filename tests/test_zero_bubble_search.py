@@ -320,18 +320,24 @@ def test_the_search_equals_brute_force_and_auto_takes_the_best_schedule(priced, 
         assert (kept[0].stages, kept[1:]) == (exact[0].stages, exact[1:])  # nothing beats it: kept
 
 
+def _stopped_searches(priced, monkeypatch, binds: bool):
+    """The priced table with ZB-H1's work limit at one inner DP (its searches stop short), its pipeline, submesh
+    sizes and devices, and a budget under which the whole model on one device fits 3 microbatches (or none)."""
+    monkeypatch.setattr(stagedp, "zero_bubble_limit", lambda t, devices: 1)
+    layering, count, costs = priced
+    pipe = pipeline_of(GRAPH, CLUSTER, layering, count, True)
+    whole = totals(costs[((1, 1), (1, 1), "none")][0], pipe, 0, len(layering.groups) - 1, End((1, 1), (1, 1)))
+    budget = whole.memory_bytes(3.5) if binds else math.inf
+    return layering, count, costs, pipe, [a * b for a, b in SUBMESHES], CLUSTER.num_devices, budget
+
+
 @pytest.mark.parametrize("binds", [False, True])
 def test_a_stopped_search_is_no_slower_than_a_search_of_one_modes_rows(priced, monkeypatch, binds):
     """With ZB-H1's work limit at one inner DP the searches stop; `_Space.each_mode` then also searches each
     mode's rows alone (what `--recompute MODE` searches, every schedule) and returns a plan no slower than any of
     those searches nor than the whole table's, no faster than brute force's optimum over the whole table, and the whole table's
     floor; an exact result is returned as it is."""
-    monkeypatch.setattr(stagedp, "zero_bubble_limit", lambda t, devices: 1)
-    layering, count, costs = priced
-    pipe = pipeline_of(GRAPH, CLUSTER, layering, count, True)
-    sizes, devices = [a * b for a, b in SUBMESHES], CLUSTER.num_devices
-    whole = totals(costs[((1, 1), (1, 1), "none")][0], pipe, 0, len(layering.groups) - 1, End((1, 1), (1, 1)))
-    budget = whole.memory_bytes(3.5) if binds else math.inf
+    layering, count, costs, pipe, sizes, devices, budget = _stopped_searches(priced, monkeypatch, binds)
     space = _Space(GRAPH, CLUSTER, Options(), layering, budget, SUBMESHES, {})
     state = _Count(count, pipe, [], [], ["none", "full"], costs, [], None, [])
     found = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, Options().schedules, Stats())
@@ -413,12 +419,7 @@ def test_a_cutoff_keeps_what_a_stopped_search_proves(priced, monkeypatch, binds)
     """Under a cutoff (the best plan of another count) `_best_schedule` returns a plan under it, or None, or — when
     a search stopped at its work limit with a floor under the cutoff — a result of no stages carrying that floor,
     so that the solve's reported lower bound still counts the count; every floor is a lower bound (brute force)."""
-    monkeypatch.setattr(stagedp, "zero_bubble_limit", lambda t, devices: 1)
-    layering, count, costs = priced
-    pipe = pipeline_of(GRAPH, CLUSTER, layering, count, True)
-    sizes, devices = [a * b for a, b in SUBMESHES], CLUSTER.num_devices
-    whole = totals(costs[((1, 1), (1, 1), "none")][0], pipe, 0, len(layering.groups) - 1, End((1, 1), (1, 1)))
-    budget = whole.memory_bytes(3.5) if binds else math.inf
+    layering, count, costs, pipe, sizes, devices, budget = _stopped_searches(priced, monkeypatch, binds)
     optimum = brute_force(pipe, layering, costs, count, budget, devices)
     free = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, Options().schedules, Stats())
     kinds = set()
