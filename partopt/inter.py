@@ -338,22 +338,13 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
 
     The plan that fits with the fastest options first; the next mode only while memory binds and only on
     meshes where it may win (`_may_win`); when memory binds under every mode, memory-lean caps
-    (`pricing.tighten`), the most recomputing mode's first. Whether memory binds is asked of the first
-    schedule's DP (a plan of one schedule at the memory-free bound means the best of all is there too);
-    every schedule's DPs run once, on the final rows. Each DP looks only under the best plan so far."""
+    (`pricing.tighten`), the most recomputing mode's first. Each DP looks only under the best plan so far."""
     options, budget = space.options, space.budget
     count, pipe, costs, modes = state.count, state.pipe, state.costs, state.modes
     incumbent, work, wanted = best[0] if best else math.inf, state.work, _wanted(best)
-
-    def check():  # the plan of the first schedule alone: it tells whether memory binds, at a fraction of the DPs
-        return space.best(pipe, costs, count, budget, stats, options.schedules[:1], wanted)
-
-    def final(tried: list[str]):  # the count's plan over every schedule, once its rows are all priced
-        return space.best(pipe, costs, count, budget, stats, cutoff=wanted), tried
-
-    found = check()
+    found = space.best(pipe, costs, count, budget, stats, cutoff=wanted)
     if not _binds(found, state.free):
-        return final(modes[:1])  # memory does not bind: recomputing more only adds time
+        return found, modes[:1]  # memory does not bind: recomputing more only adds time
     keys = state.keys
     for m in range(1, len(modes)):
         limit = min(incumbent, found[0].total if found else math.inf)
@@ -365,23 +356,24 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
             state.free = space.best(pipe, costs, count, math.inf, stats)
         if state.free is not None and best is not None and (_lower(state.free), count) > best[:2]:
             return None, modes[:m + 1]  # even with memory ignored this count loses
-        found = check()
+        found = space.best(pipe, costs, count, budget, stats, cutoff=wanted)
         if not _binds(found, state.free):
-            return final(modes[:m + 1])  # memory does not bind: recomputing more only adds time
+            return found, modes[:m + 1]  # memory does not bind: recomputing more only adds time
 
     if best is not None and not _reachable(space, pricer, state, best[0]):
         return None, modes  # no plan of this count, memory counted, can beat the best: no capped ILPs for it
 
-    def bound() -> float:  # the best plan so far, this count's with the caps priced yet
-        now = check()
+    def bound() -> float:  # the best plan so far, this count's with the caps priced yet (one schedule's: cheaper)
+        now = space.best(pipe, costs, count, budget, stats, options.schedules[:1], wanted)
         return min(incumbent, now[0].total if now else math.inf)
 
     for rows_of, priced, jobs in reversed(state.lean):  # memory binds under every mode
         tighten(rows_of, priced, jobs, state.hashes, budget, len(state.hashes), count, bound, pricer, stats, work,
                 space.cluster.num_devices, options.overlap)
-        if not _binds(check(), state.free):
+        found = space.best(pipe, costs, count, budget, stats, cutoff=wanted)
+        if not _binds(found, state.free):
             break
-    return final(modes)
+    return found, modes
 
 
 def _wanted(best: tuple | None) -> float:
@@ -444,15 +436,19 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     leaves a floor under the cutoff, a result of no stages and infinite cost carrying that floor (so that the
     search's reported lower bound still counts it)."""
     found = []
-    bar = min(cutoff, incumbent[0].total if incumbent is not None else math.inf)  # what a plan found here must beat
+    own = incumbent[0].total if incumbent is not None else math.inf
+    bar = min(cutoff, own)  # what a plan found here must beat
+    # ZB-H1's search is seeded and ordered by the plans of 1F1B and the interleaved shapes, and stops at a work
+    # limit: with it searched, those DPs look under the incumbent alone, so that its start does not depend on `cutoff`
+    lead = own if "zero-bubble" in schedules else bar
     table = stage_table(pipe, costs, submeshes, count, budget) if {"1f1b", "zero-bubble"} & set(schedules) else None
     if "1f1b" in schedules:
         entries, options_of = table
-        found.append((stagedp.solve(entries, None, sizes, devices, count, cutoff=bar), "1f1b", 1, options_of))
+        found.append((stagedp.solve(entries, None, sizes, devices, count, cutoff=lead), "1f1b", 1, options_of))
     if "interleaved" in schedules:  # each shape only where it beats the plans before it (ties keep those)
         for S, v in interleaved_shapes(len(pipe.layering.groups), count, devices):
             t, extra, fill, options_of = interleaved_table(pipe, costs, submeshes, count, budget, S, v)
-            cutoff = min([bar, *(f[0].total for f in found if f[0] is not None)])
+            cutoff = min([lead, *(f[0].total for f in found if f[0] is not None)])
             found.append((stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill, cutoff=cutoff),
                           "interleaved", v, options_of))
     if "zero-bubble" in schedules:  # only a plan faster than the others found counts (ties keep them)

@@ -349,7 +349,10 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
     """
     last = dict(priced)
     stuck = {key for key, cost in last.items() if cost is None}
-    above: dict = {}  # key -> a cutoff its capped optimum reached at an earlier rung (priced again only above it)
+    # key -> (a cutoff its capped optimum reached at an earlier rung, that rung's r · in-flight count): skipped at a
+    # later rung only while its cutoff is no higher and the rung's cap is no looser (a cap budget / r with k in flight
+    # is r · param + r · k · activations + peak ≤ budget: it implies the earlier one when r · k is no smaller)
+    above: dict = {}
     before, limit = 1, None  # limit: bound() since the rows last changed (asked again only when they have)
     for r in (r for r in RUNGS if r <= rung(layers)):
         cap = budget / r
@@ -368,14 +371,15 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
             stuck |= {key for key in tight if max(lengths[key[1]], default=0) <= before}  # nor at any later rung
             tight = [key for key in tight if key not in stuck and any(before < n <= r for n in lengths[key[1]])]
             cutoffs = _cutoffs(tight, costs, layer_keys, count, limit, range(before + 1, r + 1), work, devices, overlap)
-            tight = [key for key in tight if cutoffs[key] > above.get(key, -math.inf)]
+            tight = [key for key in tight if key not in above or cutoffs[key] > above[key][0]
+                     or r * inflight < above[key][1]]
         before = r
         if not tight:  # a tighter rung may still bind: fewer microbatches in flight do not offset a smaller cap
             continue
         capped = {key: _with_cap(jobs[key], cap, inflight, r, cutoffs[key]) for key in tight}
         for key, cost in pricer.run(capped, stats).items():
             if cost is None and capped[key].cutoff is not None:
-                above[key] = cutoffs[key]  # no option under this cap costs less: of no use to a stage at this rung
+                above[key] = (cutoffs[key], r * inflight)  # none under this cap costs less: of no use at this rung
             elif not isinstance(cost, LayerCost):
                 stuck.add(key)  # cannot fit this cap: keep its leanest option, stop refining it
             else:
