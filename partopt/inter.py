@@ -338,7 +338,8 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
 
     The plan that fits with the fastest options first; the next mode only while memory binds and only on
     meshes where it may win (`_may_win`); when memory binds under every mode, memory-lean caps
-    (`pricing.tighten`), the most recomputing mode's first. Each DP looks only under the best plan so far."""
+    (`pricing.tighten`), the most recomputing mode's first. Its DPs look only for plans under the best plan so far
+    (`_best_schedule`'s cutoff)."""
     options, budget = space.options, space.budget
     count, pipe, costs, modes = state.count, state.pipe, state.costs, state.modes
     incumbent, work, wanted = best[0] if best else math.inf, state.work, _wanted(best)
@@ -448,20 +449,20 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     if "interleaved" in schedules:  # each shape only where it beats the plans before it (ties keep those)
         for S, v in interleaved_shapes(len(pipe.layering.groups), count, devices):
             t, extra, fill, options_of = interleaved_table(pipe, costs, submeshes, count, budget, S, v)
-            cutoff = min([lead, *(f[0].total for f in found if f[0] is not None)])
-            found.append((stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill, cutoff=cutoff),
+            beat = min([lead, *(f[0].total for f in found if f[0] is not None)])
+            found.append((stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill, cutoff=beat),
                           "interleaved", v, options_of))
     if "zero-bubble" in schedules:  # only a plan faster than the others found counts (ties keep them)
         entries, options_of = table
         done = [f[0] for f in found if f[0] is not None]
-        cutoff = min([bar, *(r.total for r in done)])
+        beat = min([bar, *(r.total for r in done)])
         hint = len(min(done, key=lambda r: r.total).stages) if done else None
         # 1F1B's plan, run as ZB-H1, seeds the search (forced, 1F1B's DP runs for it alone)
         onef1b = found[0][0] if "1f1b" in schedules else stagedp.solve(entries, None, sizes, devices, count)
         if "1f1b" not in schedules and onef1b is not None:
             stats.dp_rounds += onef1b.rounds
         found.append((stagedp.zero_bubble(entries, split_table(pipe, entries, options_of), sizes, devices, count,
-                                          cutoff, stagedp.zero_bubble_limit(entries.latency, devices), hint,
+                                          beat, stagedp.zero_bubble_limit(entries.latency, devices), hint,
                                           onef1b.stages if onef1b is not None else None),
                       "zero-bubble", 1, options_of))
     found = [f for f in found if f[0] is not None]

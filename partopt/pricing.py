@@ -365,12 +365,12 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
             last[key].memory_bytes(inflight), last[key].sharding.breakdown.transient_bytes, r) > cap]
         if tight:  # nor where the rung serves no stage that can win
             limit = bound() if limit is None else limit
-            lengths = {option: stage_lengths(objectives(costs[option][0], count), count, limit, work,
-                                             devices - option[0][0] * option[0][1], overlap)
-                       for option in {key[1] for key in tight}}
+            least = {option: objectives(costs[option][0], count) for option in {key[1] for key in tight}}
+            lengths = {option: stage_lengths(row, count, limit, work, devices - option[0][0] * option[0][1], overlap)
+                       for option, row in least.items()}
             stuck |= {key for key in tight if max(lengths[key[1]], default=0) <= before}  # nor at any later rung
             tight = [key for key in tight if key not in stuck and any(before < n <= r for n in lengths[key[1]])]
-            cutoffs = _cutoffs(tight, costs, layer_keys, count, limit, range(before + 1, r + 1), work, devices, overlap)
+            cutoffs = _cutoffs(tight, least, layer_keys, count, limit, range(before + 1, r + 1), work, devices, overlap)
             tight = [key for key in tight if key not in above or cutoffs[key] > above[key][0]
                      or r * inflight < above[key][1]]
         before = r
@@ -396,13 +396,13 @@ def _with_cap(job: Job, cap: float, inflight: int, share: int, cutoff: float = m
                cutoff if cutoff < math.inf else None)
 
 
-def _cutoffs(keys: list, costs: dict, layer_keys: list, count: int, limit: float, lengths: range,
+def _cutoffs(keys: list, least: dict, layer_keys: list, count: int, limit: float, lengths: range,
              work: list[float] | None, devices: int, overlap: bool) -> dict:
     """Per (layer key, option) of `keys`, the cost at or above which its layers belong to no stage of a length in
-    `lengths` on that option's mesh that may cost under `limit` (`layer_cutoffs`, the largest over its layers,
-    which share one job: `layer_keys` per layer)."""
-    cut = {option: layer_cutoffs(objectives(costs[option][0], count), count, limit, lengths, work,
-                                 devices - option[0][0] * option[0][1], overlap, layer_keys)
+    `lengths` on that option's mesh that may cost under `limit` (`layer_cutoffs` of the option's `least` row of
+    objectives, the largest over its layers, which share one job: `layer_keys` per layer)."""
+    cut = {option: layer_cutoffs(least[option], count, limit, lengths, work, devices - option[0][0] * option[0][1],
+                                 overlap, layer_keys)
            for option in {key[1] for key in keys}}
     return {key: max((c for c, k in zip(cut[key[1]], layer_keys) if k == key[0]), default=-math.inf) for key in keys}
 
@@ -433,21 +433,18 @@ def layer_cutoffs(costs: list[float | None], count: int, limit: float, lengths: 
     if paid <= 0 or limit == math.inf:
         return [math.inf] * len(costs)
     known = np.array([math.inf if c is None else c for c in costs])
-    _, kind = np.unique(np.array(range(len(costs)) if kinds is None else kinds, dtype=object).astype(str),
-                        return_inverse=True)
+    kind = np.arange(len(costs)) if kinds is None else np.unique(kinds, return_inverse=True)[1]
     finite = np.where(np.isinf(known), 0.0, known)
     total = np.concatenate([[0.0], np.cumsum(finite)])
     missing = np.concatenate([[0], np.cumsum(np.isinf(known))])
-    whole = sum(work) if work is not None else 0.0
-    before = [0.0, *itertools.accumulate(work)] if work is not None else []
+    leaves_room = _leaves_room(work, count, limit, spare)
     out = np.full(len(costs), -math.inf)
     for end in range(len(costs)):
         for n in lengths:
             first = end - n + 1
             if first < 0 or missing[end + 1] > missing[first]:
                 continue  # past the first layer, or a layer that cannot run on this mesh
-            if work is not None and (first > 0 or end < len(costs) - 1 if spare == 0 else
-                                     count * (whole - (before[end + 1] - before[first])) / spare >= limit):
+            if leaves_room is not None and not leaves_room(first, end):
                 continue  # the rest of the model cannot run under the limit beside it
             held = kind[first:end + 1]
             alike = np.bincount(held)  # per kind: its layers in the stage, and their costs
@@ -458,6 +455,18 @@ def layer_cutoffs(costs: list[float | None], count: int, limit: float, lengths: 
     held = np.isfinite(out)
     out[held] += 1e-9 * np.abs(out[held])
     return out.tolist()
+
+
+def _leaves_room(work: list[float] | None, count: int, limit: float, spare: int) -> Callable[[int, int], bool] | None:
+    """Whether the layers outside a stage of layers first..last can still run under `limit` on the `spare` devices
+    it leaves, as a function of (first, last): their iteration is at least count · (their roofline `work`) / spare,
+    and with no device spare there must be no layer outside. None without `work` (no bound)."""
+    if work is None:
+        return None
+    whole, before = sum(work), [0.0, *itertools.accumulate(work)]  # before[i]: the work of the layers before i
+    if spare == 0:
+        return lambda first, last: first == 0 and last == len(work) - 1
+    return lambda first, last: count * (whole - (before[last + 1] - before[first])) / spare < limit
 
 
 def longest_stage(costs: list[float | None], count: int, limit: float, work: list[float] | None = None,
@@ -484,8 +493,7 @@ def stage_lengths(costs: list[float | None], count: int, limit: float, work: lis
     leaving the rest room start at `room` or earlier (a longer run leaves less outside), so the lengths
     are the runs from `start` to `room`.
     """
-    whole = sum(work) if work is not None else 0.0
-    before = [0.0, *itertools.accumulate(work)] if work is not None else []  # work of the layers before each
+    leaves_room = _leaves_room(work, count, limit, spare)
     paid = 1.0 - 1.0 / count if overlap else 1.0  # the share of a stage's count · time + sync surely paid
     lengths: set[int] = set()
     start, total, room = 0, 0.0, -1
@@ -497,13 +505,11 @@ def stage_lengths(costs: list[float | None], count: int, limit: float, work: lis
         while paid * total >= limit and start <= end:
             total -= costs[start]
             start += 1
-        if work is None:
+        if leaves_room is None:
             room = end
-        elif spare == 0:  # what the stage leaves out must run under the limit elsewhere: here, nothing
-            room = 0 if end == len(costs) - 1 else -1
         else:
-            while room < end and count * (whole - (before[end + 1] - before[room + 1])) / spare < limit:
+            while room < end and leaves_room(room + 1, end):
                 room += 1
-        if start <= room:  # room ≤ end in every branch
+        if start <= room:  # room ≤ end in both branches
             lengths.update(range(end - room + 1, end - start + 2))
     return lengths
