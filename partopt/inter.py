@@ -440,8 +440,11 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     own = incumbent[0].total if incumbent is not None else math.inf
     bar = min(cutoff, own)  # what a plan found here must beat
     # ZB-H1's search is seeded and ordered by the plans of 1F1B and the interleaved shapes, and stops at a work
-    # limit: with it searched, those DPs look under the incumbent alone, so that its start does not depend on `cutoff`
-    lead = own if "zero-bubble" in schedules else bar
+    # limit: with it searched, those DPs look under the incumbent alone, so that its start does not depend on `cutoff`,
+    # or under `rules_out` when that is lower: a 1F1B optimum there leaves no ZB-H1 plan under the bar
+    # (`stagedp.zero_bubble_saving`), and the search does not run
+    rules_out = bar / (1 - stagedp.zero_bubble_saving(count, min(len(pipe.layering.groups), devices)))
+    lead = min(own, rules_out) if "zero-bubble" in schedules else bar
     table = stage_table(pipe, costs, submeshes, count, budget) if {"1f1b", "zero-bubble"} & set(schedules) else None
     if "1f1b" in schedules:
         entries, options_of = table
@@ -458,13 +461,18 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
         beat = min([bar, *(r.total for r in done)])
         hint = len(min(done, key=lambda r: r.total).stages) if done else None
         # 1F1B's plan, run as ZB-H1, seeds the search (forced, 1F1B's DP runs for it alone)
-        onef1b = found[0][0] if "1f1b" in schedules else stagedp.solve(entries, None, sizes, devices, count)
+        seed_bar = lead if "1f1b" in schedules else rules_out
+        onef1b = found[0][0] if "1f1b" in schedules else stagedp.solve(entries, None, sizes, devices, count,
+                                                                      cutoff=seed_bar)
         if "1f1b" not in schedules and onef1b is not None:
             stats.dp_rounds += onef1b.rounds
-        found.append((stagedp.zero_bubble(entries, split_table(pipe, entries, options_of), sizes, devices, count,
-                                          beat, stagedp.zero_bubble_limit(entries.latency, devices), hint,
-                                          onef1b.stages if onef1b is not None else None),
-                      "zero-bubble", 1, options_of))
+        # the 1F1B optimum is at least this (exact under the DP's cutoff); no 1F1B plan at all: no ZB-H1 plan either
+        least = min(onef1b.total, seed_bar) if onef1b is not None else seed_bar
+        if least < rules_out:
+            found.append((stagedp.zero_bubble(entries, split_table(pipe, entries, options_of), sizes, devices, count,
+                                              beat, stagedp.zero_bubble_limit(entries.latency, devices), hint,
+                                              onef1b.stages if onef1b is not None else None),
+                          "zero-bubble", 1, options_of))
     found = [f for f in found if f[0] is not None]
     stats.dp_rounds += sum(f[0].rounds for f in found)
     # what the DPs prove: a stopped search's floor, an exact DP's total, or, past the bar, that it was not beaten

@@ -70,6 +70,15 @@ def zero_bubble_limit(t: np.ndarray, devices: int) -> int:
     return max(1, int(ZERO_BUBBLE_WORK / (t.shape[-2] ** 2 * devices * t.shape[-1])))
 
 
+def zero_bubble_saving(microbatches: int, deepest: int) -> float:
+    """The largest share of its 1F1B cost F that a ZB-H1 plan of at most `deepest` stages can save: a plan of S stages
+    costs F − c(S) min ω with ω_i ≤ t_i / 3 (the least of three parts of t_i) and F ≥ (S + B − 1) min t (sync ≥ 0), so
+    c(S) min ω ≤ F · c(S) / (3 (S + B − 1)), a share that grows with S. No ZB-H1 plan then costs under (1 − share) ·
+    the 1F1B optimum (its cut, each stage holding min(S, B), is a 1F1B plan)."""
+    S, B = max(deepest, 1), microbatches
+    return (S + min(S, B) - 2) / (3 * (S + B - 1))
+
+
 @dataclass(frozen=True)
 class StageChoice:
     first: int

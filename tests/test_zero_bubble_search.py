@@ -320,6 +320,86 @@ def test_the_search_equals_brute_force_and_auto_takes_the_best_schedule(priced, 
         assert (kept[0].stages, kept[1:]) == (exact[0].stages, exact[1:])  # nothing beats it: kept
 
 
+@pytest.mark.parametrize("devices", [2, 4])
+def test_no_1f1b_plan_means_no_zero_bubble_plan_and_no_search(priced, monkeypatch, devices):
+    """A ZB-H1 stage holds min(S, B) microbatches, 1F1B's stage k holds min(k, B) <= that: a ZB-H1 plan's cut is a
+    1F1B plan. So at budgets where 1F1B has no plan, brute force finds no ZB-H1 plan either, and `_best_schedule`
+    answers None without running the zero-bubble search; where 1F1B has one, the search runs as before."""
+    layering, count, costs = priced
+    pipe = pipeline_of(GRAPH, CLUSTER, layering, count, True)
+    sizes = [a * b for a, b in SUBMESHES]
+    whole = totals(costs[((1, 1), (1, 1), "none")][0], pipe, 0, len(layering.groups) - 1, End((1, 1), (1, 1)))
+    searched = []
+    real = stagedp.zero_bubble
+    monkeypatch.setattr(stagedp, "zero_bubble", lambda *a, **k: searched.append(1) or real(*a, **k))
+    outcomes = set()
+    for budget in [whole.param_bytes * x for x in (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)] + [whole.memory_bytes(3.5)]:
+        onef1b = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, ("1f1b",), Stats())
+        expected = brute_force(pipe, layering, costs, count, budget, devices)
+        searched.clear()
+        for schedules in [("zero-bubble",), Options().schedules]:
+            found = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, schedules, Stats())
+            if onef1b is None:
+                assert found is None
+            elif schedules == ("zero-bubble",):
+                assert found[0].total == pytest.approx(expected, rel=1e-12)
+        assert bool(searched) == (onef1b is not None)
+        if onef1b is None:
+            assert math.isinf(expected)
+        outcomes.add(onef1b is None)
+    assert outcomes == {True, False}  # the budgets leave some 1F1B plans and rule all of them out for others
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_zero_bubble_plan_saves_at_most_its_share_of_the_1f1b_optimum(seed):
+    """`stagedp.zero_bubble_saving`: with omega <= t/3 and sync >= 0, brute force's ZB-H1 optimum is at least
+    (1 - share) times the 1F1B optimum on random tables; and the share is attained by S uniform stages whose omega is
+    t/3 (F = (S + B - 1) t, saving c(S) t / 3), so it is no looser than it must be."""
+    checked = 0
+    for entries, t, extra, omega, sizes, devices, B in random_cases(300 + seed):
+        omega = np.minimum(omega, entries.latency / 3)
+        onef1b = stagedp.solve(entries, None, sizes, devices, B)
+        expected = brute_table(t, extra, omega, sizes, devices, B)
+        if onef1b is None:
+            assert math.isinf(expected)  # a ZB-H1 cut is a 1F1B plan
+            continue
+        share = stagedp.zero_bubble_saving(B, min(entries.layers, devices))
+        assert expected >= (1 - share) * onef1b.total * (1 - 1e-12)
+        checked += 1
+    assert checked
+    for S, B in [(1, 1), (2, 8), (4, 4), (8, 3), (48, 1024)]:
+        c, latency = S + min(S, B) - 2, 0.3
+        uniform = stagedp.Entries(np.full((1, S, S, 1), latency), np.zeros((1, S, S, 1)), np.full((1, S, S, 1), S))
+        plan = [stagedp.StageChoice(i, i, 0, S) for i in range(S)]
+        zb = stagedp.as_zero_bubble(uniform, np.full((1, S, S, 1), latency / 3), plan, B)
+        assert zb.total == pytest.approx((S + B - 1) * latency - c * latency / 3, rel=1e-12)
+        assert zb.total == pytest.approx((1 - stagedp.zero_bubble_saving(B, S)) * (S + B - 1) * latency, rel=1e-12)
+
+
+def test_a_1f1b_optimum_past_the_share_skips_the_zero_bubble_search(priced, monkeypatch):
+    """Under a cutoff whose share-bound lies below the 1F1B optimum (cutoff < (1 - share) F1F1B), `_best_schedule`
+    does not search ZB-H1 (no ZB-H1 plan can beat the cutoff: brute force agrees) and finds no plan; with the cutoff
+    a little higher, it searches as before."""
+    layering, count, costs = priced
+    pipe = pipeline_of(GRAPH, CLUSTER, layering, count, True)
+    sizes, devices, budget = [a * b for a, b in SUBMESHES], 4, math.inf
+    onef1b = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, ("1f1b",), Stats())[0].total
+    share = stagedp.zero_bubble_saving(count, min(len(layering.groups), devices))
+    searched = []
+    real = stagedp.zero_bubble
+    monkeypatch.setattr(stagedp, "zero_bubble", lambda *a, **k: searched.append(1) or real(*a, **k))
+    for schedules in [("1f1b", "zero-bubble"), ("zero-bubble",)]:
+        searched.clear()
+        low = (1 - share) * onef1b * (1 - 1e-6)
+        assert _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, schedules, Stats(),
+                              cutoff=low) is None
+        assert not searched
+        assert brute_force(pipe, layering, costs, count, budget, devices) >= low
+        _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, schedules, Stats(),
+                       cutoff=(1 - share) * onef1b * 1.01)
+        assert searched
+
+
 def _stopped_searches(priced, monkeypatch, binds: bool):
     """The priced table with ZB-H1's work limit at one inner DP (its searches stop short), its pipeline, submesh
     sizes and devices, and a budget under which the whole model on one device fits 3 microbatches (or none)."""
