@@ -320,6 +320,14 @@ def test_the_search_equals_brute_force_and_auto_takes_the_best_schedule(priced, 
         assert (kept[0].stages, kept[1:]) == (exact[0].stages, exact[1:])  # nothing beats it: kept
 
 
+def _count_searches(monkeypatch) -> list:
+    """A list that gets an entry each time `stagedp.zero_bubble` is called (the search itself still runs)."""
+    searched = []
+    real = stagedp.zero_bubble
+    monkeypatch.setattr(stagedp, "zero_bubble", lambda *a, **k: searched.append(1) or real(*a, **k))
+    return searched
+
+
 @pytest.mark.parametrize("devices", [2, 4])
 def test_no_1f1b_plan_means_no_zero_bubble_plan_and_no_search(priced, monkeypatch, devices):
     """A ZB-H1 stage holds min(S, B) microbatches, 1F1B's stage k holds min(k, B) <= that: a ZB-H1 plan's cut is a
@@ -329,9 +337,7 @@ def test_no_1f1b_plan_means_no_zero_bubble_plan_and_no_search(priced, monkeypatc
     pipe = pipeline_of(GRAPH, CLUSTER, layering, count, True)
     sizes = [a * b for a, b in SUBMESHES]
     whole = totals(costs[((1, 1), (1, 1), "none")][0], pipe, 0, len(layering.groups) - 1, End((1, 1), (1, 1)))
-    searched = []
-    real = stagedp.zero_bubble
-    monkeypatch.setattr(stagedp, "zero_bubble", lambda *a, **k: searched.append(1) or real(*a, **k))
+    searched = _count_searches(monkeypatch)
     outcomes = set()
     for budget in [whole.param_bytes * x for x in (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)] + [whole.memory_bytes(3.5)]:
         onef1b = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, ("1f1b",), Stats())
@@ -385,9 +391,7 @@ def test_a_1f1b_optimum_past_the_share_skips_the_zero_bubble_search(priced, monk
     sizes, devices, budget = [a * b for a, b in SUBMESHES], 4, math.inf
     onef1b = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, ("1f1b",), Stats())[0].total
     share = stagedp.zero_bubble_saving(count, min(len(layering.groups), devices))
-    searched = []
-    real = stagedp.zero_bubble
-    monkeypatch.setattr(stagedp, "zero_bubble", lambda *a, **k: searched.append(1) or real(*a, **k))
+    searched = _count_searches(monkeypatch)
     for schedules in [("1f1b", "zero-bubble"), ("zero-bubble",)]:
         searched.clear()
         low = (1 - share) * onef1b * (1 - 1e-6)
