@@ -136,6 +136,15 @@ class LogicalMesh:
     def num_devices(self) -> int:
         return self.shape[0] * self.shape[1]
 
+    def mirrors(self, other: LogicalMesh) -> bool:
+        """Whether `other` is this mesh with its two axes swapped, each priced alike (an axis of size 1 costs
+        nothing, whatever its link): every sharding on one is a sharding on the other at the same cost and memory."""
+        def priced(axis: MeshAxis) -> tuple:
+            return (1,) if axis.size == 1 else (axis.size, axis.bandwidth, axis.latency_s, axis.crosses_nodes)
+
+        return (self.device == other.device and self.submesh == other.submesh
+                and [priced(a) for a in self.axes] == [priced(a) for a in reversed(other.axes)])
+
 
 @dataclass(frozen=True)
 class Cluster:

@@ -44,18 +44,35 @@ def _submeshes(cluster: Cluster, options: Options) -> list[tuple[int, int]]:
 
 
 def _shapes(cluster: Cluster, submesh: tuple[int, int], options: Options) -> list[tuple[int, int]]:
+    """The logical shapes searched on `submesh`: the options' family, less each mesh that mirrors one kept."""
     devices = submesh[0] * submesh[1]
     if options.data_parallel_only or options.stage_data_parallel:
         return [(devices, 1)]
     shapes = cluster.logical_shapes(submesh)
     if options.logical_shapes == "node_local":  # Alpa's benchmark space: the second axis stays in a node
-        return [s for s in shapes if submesh[0] == 1 or cluster.devices_per_node % s[1] == 0]
-    if options.logical_shapes == "all":
-        return shapes
-    if isinstance(options.logical_shapes, str):
-        raise InstanceError(f"unknown logical shape family {options.logical_shapes!r}", "logical_shapes",
-                            "use node_local, all, or a list of (a, b) shapes")
-    return [s for s in shapes if tuple(s) in {tuple(x) for x in options.logical_shapes}]
+        shapes = [s for s in shapes if submesh[0] == 1 or cluster.devices_per_node % s[1] == 0]
+    elif isinstance(options.logical_shapes, str):
+        if options.logical_shapes != "all":
+            raise InstanceError(f"unknown logical shape family {options.logical_shapes!r}", "logical_shapes",
+                                "use node_local, all, or a list of (a, b) shapes")
+    else:
+        shapes = [s for s in shapes if tuple(s) in {tuple(x) for x in options.logical_shapes}]
+    return _unmirrored(cluster, submesh, shapes)
+
+
+def _unmirrored(cluster: Cluster, submesh: tuple[int, int], shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`shapes` less each (a, b) on one link whose mirror (b, a) is among them with the smaller second axis: the two
+    price every layer alike (`LogicalMesh.mirrors`), and a stage's sends gather over the second axis
+    (`stages.Pipeline`), (a − 1)/D of a microbatch's boundary on the mirror against (b − 1)/D on the same link, so
+    the mirror is never slower; it comes first in `Cluster.logical_shapes` order, where the stage DP's ties go
+    (docs/COSTMODEL.md §2, "Mirrored logical meshes")."""
+    meshes = [cluster.logical_mesh(submesh, s) for s in shapes]
+
+    def one_link(mesh: LogicalMesh) -> bool:
+        return len({(a.bandwidth, a.latency_s, a.crosses_nodes) for a in mesh.axes if a.size > 1}) <= 1
+
+    return [s for s, mesh in zip(shapes, meshes)
+            if not (one_link(mesh) and any(m.shape[1] < s[1] and m.mirrors(mesh) for m in meshes))]
 
 
 def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, cache: dict | None = None,
