@@ -125,12 +125,17 @@ class _Space:
 
         Solved once per state of `costs`: its rows are only ever appended (a new mode's key, a leaner cap's
         row), so the rows per key stand for its content, and asking again with nothing added (a mode with no
-        mesh left to price, a ladder that changed no row) returns the same plan without running the DPs (a
-        None found under a cutoff, for any cutoff no larger). For the same reason a plan found before, on fewer
-        rows, under these schedules or some of them, is still a plan: the best of them is the DPs' incumbent."""
+        mesh left to price, a ladder that changed no row) returns the same plan without running the DPs (what
+        was found under a cutoff, when it is under it or, for no larger cutoff, when it is not: None, or the
+        incumbent the DPs did not beat). For the same reason a plan found before, on fewer rows, under these
+        schedules or some of them, is still a plan: the best of them is the DPs' incumbent."""
         schedules = tuple(schedules or self.options.schedules)
         key = (count, budget, schedules, tuple((option, len(rows)) for option, rows in costs.items()))
-        if key not in self.solved or (self.solved[key][0] is None and cutoff > self.solved[key][1]):
+        if key in self.solved:
+            found, under = self.solved[key]
+            if cutoff > under and (found is None or found[0].total >= under):
+                del self.solved[key]  # a plan no longer cutoff may cost less than what was found
+        if key not in self.solved:
             before = [found for (c, b, among, _), (found, _) in self.solved.items()
                       if c == count and b == budget and set(among) <= set(schedules) and found is not None
                       and found[0].stages]
@@ -360,12 +365,25 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
     options, budget = space.options, space.budget
     count, pipe, costs, modes = state.count, state.pipe, state.costs, state.modes
     incumbent, work, wanted = best[0] if best else math.inf, state.work, _wanted(best)
-    found = space.best(pipe, costs, count, budget, stats, cutoff=wanted)
-    if not _binds(found, state.free):
+
+    def unbound():
+        """The count's best plan if memory does not bind, else None. Its DPs look only for a plan that fits as fast as
+        the memory-free plan: a slower one is of no use here, and a search that can only find such (ZB-H1's above
+        all, the longest of them) stops at once."""
+        if state.free is None:
+            return None
+        found = space.best(pipe, costs, count, budget, stats, cutoff=min(wanted, _unbound_cutoff(state.free)))
+        return None if _binds(found, state.free) else found
+
+    def bound() -> float:  # the best plan so far, this count's with the caps priced yet (one schedule's: cheaper)
+        now = space.best(pipe, costs, count, budget, stats, options.schedules[:1], wanted)
+        return min(incumbent, now[0].total if now else math.inf)
+
+    if (found := unbound()) is not None:
         return found, modes[:1]  # memory does not bind: recomputing more only adds time
     keys = state.keys
     for m in range(1, len(modes)):
-        limit = min(incumbent, found[0].total if found else math.inf)
+        limit = bound()
         keys = [key for key in keys if _may_win(_floors(costs[(*key, modes[m - 1])][0], count, count, work,
                                                         key[0][0] * key[0][1]),
                                                 key, count, limit, work, space.cluster, options.overlap)]
@@ -374,16 +392,11 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
             state.free = space.best(pipe, costs, count, math.inf, stats)
         if state.free is not None and best is not None and (_lower(state.free), count) > best[:2]:
             return None, modes[:m + 1]  # even with memory ignored this count loses
-        found = space.best(pipe, costs, count, budget, stats, cutoff=wanted)
-        if not _binds(found, state.free):
+        if (found := unbound()) is not None:
             return found, modes[:m + 1]  # memory does not bind: recomputing more only adds time
 
     if best is not None and not _reachable(space, pricer, state, best[0]):
         return None, modes  # no plan of this count, memory counted, can beat the best: no capped ILPs for it
-
-    def bound() -> float:  # the best plan so far, this count's with the caps priced yet (one schedule's: cheaper)
-        now = space.best(pipe, costs, count, budget, stats, options.schedules[:1], wanted)
-        return min(incumbent, now[0].total if now else math.inf)
 
     for rows_of, priced, jobs in reversed(state.lean):  # memory binds under every mode
         tighten(rows_of, priced, jobs, state.hashes, budget, len(state.hashes), count, bound, pricer, stats, work,
@@ -553,6 +566,12 @@ def _binds(found, free) -> bool:
     unconstrained optimum, so when the fastest options' memory-free plan fits they are not priced
     (docs/COSTMODEL.md: the one trade this leaves out)."""
     return free is None or found is None or found[0].total > _lower(free) * (1 + 1e-12)
+
+
+def _unbound_cutoff(free) -> float:
+    """The least cutoff under which `_best_schedule` still finds every plan with which memory does not bind
+    (`_binds`): the first float past the memory-free plan's bound, within its tolerance."""
+    return math.nextafter(_lower(free) * (1 + 1e-12), math.inf)
 
 
 def _lower(found) -> float:

@@ -1,0 +1,52 @@
+"""Whether memory binds for a count is decided by DPs that look no higher than its memory-free plan
+(`inter._close_count`'s `unbound`): a slower plan that fits only says that it binds, so the searches that could
+only find such stop at once. Checked against the search whose DPs look under the best plan alone."""
+
+import dataclasses
+import math
+
+import pytest
+
+from partopt import inter, stagedp
+from partopt.cluster import preset
+from partopt.inter import optimize
+from partopt.models.gpt import gpt
+
+
+def _result(total: float, floor: float | None = None):
+    return stagedp.DPResult(total, [], total, 0, floor), "1f1b", 1, {}
+
+
+@pytest.mark.parametrize("free_total", [1.0, 3.7e-3, 123.456])
+def test_the_cutoff_keeps_exactly_the_plans_with_which_memory_does_not_bind(free_total):
+    free = _result(free_total)
+    cutoff = inter._unbound_cutoff(free)
+    for total in [free_total, free_total * (1 + 1e-12), cutoff, math.nextafter(cutoff, -math.inf),
+                  free_total * (1 + 2e-12)]:
+        assert (total < cutoff) == (not inter._binds(_result(total), free))
+    # a search stopped at its work limit stands for its floor: a plan at its total binds
+    stopped = _result(free_total, floor=free_total / 2)
+    assert inter._binds(_result(free_total), stopped)
+    assert inter._unbound_cutoff(stopped) < free_total
+
+
+def _four_devices(mib: int):
+    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=4)
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=mib * 2**20))
+
+
+@pytest.mark.parametrize("mib", [80, 100])
+def test_the_plan_is_the_one_of_dps_that_look_under_the_best_plan_alone(mib, monkeypatch):
+    """A small GPT on four devices of 80 or 100 MiB: memory binds at 4, 8 and 16 microbatches, and ZB-H1 is
+    searched. At 100 MiB the closing count's ZB-H1 plan (4.790 ms) lies between its memory-free plan and the
+    1F1B plan that fits (4.942 ms); a DP told to look under the first and asked again under the best plan must
+    search again, not keep the 1F1B plan it fell back on (the DPs' cache)."""
+    graph = gpt(hidden=256, layers=8, heads=8, seq=256, vocab=2048, batch=32)
+    cluster = _four_devices(mib)
+    plan = optimize(graph, cluster, workers=1)
+    monkeypatch.setattr(inter, "_unbound_cutoff", lambda free: math.inf)  # the DPs look under the best plan alone
+    under_best = optimize(graph, cluster, workers=1)
+    assert plan.iteration_time_s == pytest.approx(under_best.iteration_time_s, rel=1e-12)
+    assert plan.schedule == under_best.schedule
+    assert [(s.layers, s.submesh, s.logical_mesh) for s in plan.stages] == \
+        [(s.layers, s.submesh, s.logical_mesh) for s in under_best.stages]
