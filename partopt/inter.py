@@ -361,7 +361,7 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
     The plan that fits with the fastest options first; the next mode only while memory binds and only on
     meshes where it may win (`_may_win`); when memory binds under every mode, memory-lean caps
     (`pricing.tighten`), the most recomputing mode's first. Its DPs look only for plans under the best plan so far
-    (`_best_schedule`'s cutoff)."""
+    (`_best_schedule`'s cutoff), and those that decide whether memory binds no higher than the memory-free plan."""
     options, budget = space.options, space.budget
     count, pipe, costs, modes = state.count, state.pipe, state.costs, state.modes
     incumbent, work, wanted = best[0] if best else math.inf, state.work, _wanted(best)
@@ -375,7 +375,7 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
         found = space.best(pipe, costs, count, budget, stats, cutoff=min(wanted, _unbound_cutoff(state.free)))
         return None if _binds(found, state.free) else found
 
-    def bound() -> float:  # the best plan so far, this count's with the caps priced yet (one schedule's: cheaper)
+    def bound() -> float:  # the best plan so far, this count's on the rows priced yet (one schedule's: cheaper)
         now = space.best(pipe, costs, count, budget, stats, options.schedules[:1], wanted)
         return min(incumbent, now[0].total if now else math.inf)
 
