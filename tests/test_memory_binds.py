@@ -2,15 +2,15 @@
 (`inter._close_count`'s `unbound`): a slower plan that fits only says that it binds, so the searches that could
 only find such stop at once. Checked against the search whose DPs look under the best plan alone."""
 
-import dataclasses
 import math
 
 import pytest
 
 from partopt import inter, stagedp
-from partopt.cluster import preset
 from partopt.inter import optimize
 from partopt.models.gpt import gpt
+
+from test_ladder import four_devices
 
 
 def _result(total: float, floor: float | None = None):
@@ -30,11 +30,6 @@ def test_the_cutoff_keeps_exactly_the_plans_with_which_memory_does_not_bind(free
     assert inter._unbound_cutoff(stopped) < free_total
 
 
-def _four_devices(mib: int):
-    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=4)
-    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=mib * 2**20))
-
-
 @pytest.mark.parametrize("mib", [80, 100])
 def test_the_plan_is_the_one_of_dps_that_look_under_the_best_plan_alone(mib, monkeypatch):
     """A small GPT on four devices of 80 or 100 MiB: memory binds at 4, 8 and 16 microbatches, and ZB-H1 is
@@ -42,7 +37,7 @@ def test_the_plan_is_the_one_of_dps_that_look_under_the_best_plan_alone(mib, mon
     1F1B plan that fits (4.942 ms); a DP told to look under the first and asked again under the best plan must
     search again, not keep the 1F1B plan it fell back on (the DPs' cache)."""
     graph = gpt(hidden=256, layers=8, heads=8, seq=256, vocab=2048, batch=32)
-    cluster = _four_devices(mib)
+    cluster = four_devices(mib)
     plan = optimize(graph, cluster, workers=1)
     monkeypatch.setattr(inter, "_unbound_cutoff", lambda free: math.inf)  # the DPs look under the best plan alone
     under_best = optimize(graph, cluster, workers=1)
