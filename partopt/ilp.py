@@ -219,6 +219,93 @@ def reduce(graph: CostGraph) -> list[np.ndarray]:
     return alive
 
 
+@dataclass(frozen=True)
+class Folded:
+    """A cost graph with its leaves merged into their neighbours (`fold_leaves`), and the way back: per node of
+    the folded graph, its node in the original and, per strategy, the original strategy (`rows`) and each merged
+    leaf's (`leaves`: leaf -> strategy per folded strategy)."""
+
+    graph: CostGraph
+    nodes: list[int]
+    rows: list[np.ndarray]
+    leaves: list[dict[int, np.ndarray]]
+
+    def unfold(self, choice: list[int], size: int) -> list[int]:
+        """The original graph's choice (of `size` nodes) for a choice on the folded graph."""
+        out = [0] * size
+        for n, k, rows, leaves in zip(self.nodes, choice, self.rows, self.leaves):
+            out[n] = int(rows[k])
+            for w, picks in leaves.items():
+                out[w] = int(picks[k])
+        return out
+
+
+def fold_leaves(graph: CostGraph, alive: list[np.ndarray]) -> Folded:
+    """`graph` on its `alive` strategies with each leaf (a node whose one edge joins a node of several edges) merged
+    into that neighbour: one strategy per pair of theirs, less the pairs that another with the same neighbour strategy
+    dominates in cost (the leaf's own and the edge's), memory and every transient table (exact: the leaf touches
+    nothing else, so swapping it to the dominating strategy changes no other term).
+
+    With a memory row a leaf cannot be minimised out (`_eliminate`): its memory counts. Merged, its choices need no
+    pair variables, and a neighbour strategy usually leaves it few: a GPT block's parameters are leaves of their
+    matmuls, and the capped block ILP loses a third of its columns (docs/benchmarks.md)."""
+    neighbours: dict[int, list[int]] = {n: [] for n in range(len(graph))}
+    for u, v in graph.edges:
+        neighbours[u].append(v)
+        neighbours[v].append(u)
+    keep = [np.flatnonzero(a) for a in alive]
+    leaves_of: dict[int, list[int]] = {}
+    for w, (q, *more) in ((w, ns) for w, ns in neighbours.items() if len(ns) == 1):
+        if len(neighbours[q]) > 1 and len(keep[w]) > 1 and len(keep[q]) > 1:
+            leaves_of.setdefault(q, []).append(w)
+    merged = {w for ws in leaves_of.values() for w in ws}
+
+    def oriented(table: np.ndarray, q: int, w: int) -> np.ndarray:  # rows q, columns w
+        return table if q < w else table.T
+
+    nodes = [n for n in range(len(graph)) if n not in merged]
+    position = {n: i for i, n in enumerate(nodes)}
+    rows, leaves = [keep[n] for n in nodes], [{} for _ in nodes]
+    for q, ws in leaves_of.items():  # per strategy of q, the undominated strategies of each leaf, in turn
+        i = position[q]
+        for w in ws:
+            key = (min(q, w), max(q, w))
+            tables = [oriented(graph.edges[key], q, w)]
+            tables += [oriented(t, q, w) for t in graph.edge_transients.get(key, {}).values()]
+            own = [graph.costs[w], graph.memory[w], *graph.node_transients.get(w, {}).values()]
+            picks = []
+            for s in rows[i].tolist():
+                f = np.stack([own[0][keep[w]] + tables[0][s, keep[w]], *(o[keep[w]] for o in own[1:]),
+                              *(t[s, keep[w]] for t in tables[1:])], axis=1)
+                picks.append(keep[w][~_dominated(f)])
+            repeat = np.array([len(p) for p in picks])
+            rows[i] = np.repeat(rows[i], repeat)
+            leaves[i] = {m: np.repeat(p, repeat) for m, p in leaves[i].items()}
+            leaves[i][w] = np.concatenate(picks)
+
+    folded = CostGraph(peak_shared_by=graph.peak_shared_by)
+    for i, n in enumerate(nodes):
+        cost, memory = graph.costs[n][rows[i]], graph.memory[n][rows[i]]
+        for w, picks in leaves[i].items():
+            cost = cost + graph.costs[w][picks] + oriented(graph.edges[(min(n, w), max(n, w))], n, w)[rows[i], picks]
+            memory = memory + graph.memory[w][picks]
+        folded.add_node(graph.names[n], cost, memory)
+        for key, t in graph.node_transients.get(n, {}).items():
+            folded.add_transient(*key, i, t[rows[i]])
+        for w, picks in leaves[i].items():  # a leaf's transients and its edge's become the merged node's
+            for key, t in graph.node_transients.get(w, {}).items():
+                folded.add_transient(*key, i, t[picks])
+            for key, t in graph.edge_transients.get((min(n, w), max(n, w)), {}).items():
+                folded.add_transient(*key, i, oriented(t, n, w)[rows[i], picks])
+    for (u, v), m in graph.edges.items():
+        if u not in merged and v not in merged:
+            a, b = position[u], position[v]
+            folded.add_edge(a, b, m[np.ix_(rows[a], rows[b])])
+            for key, t in graph.edge_transients.get((u, v), {}).items():
+                folded.add_transient(*key, a, t[np.ix_(rows[a], rows[b])], b)
+    return Folded(folded, nodes, rows, leaves)
+
+
 # ---------------------------------------------------------------- the 0-1 program
 
 def _classes(stack: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
@@ -517,7 +604,8 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
 
     With `reduce_first`, dominated strategies go first, then the graph is solved by exact
     elimination without the memory row; when that optimum fits the budget it is the answer
-    (the relaxation's optimum is feasible), otherwise the full program with the memory row runs.
+    (the relaxation's optimum is feasible), otherwise the full program with the memory row runs, on the graph
+    with its leaves merged into their neighbours (`fold_leaves`).
     """
     if budget is not None and min_memory(graph) > budget:
         raise InfeasibleError(
@@ -546,13 +634,17 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
         if cutoff is not None and relaxed.lower_bound is not None and relaxed.lower_bound >= cutoff:
             raise InfeasibleError(f"no strategy assignment costs under {cutoff:.6g} s even with memory free",
                                   "memory", "use more devices or a larger budget")  # the capped optimum costs more
-    first = _cheapest(graph, alive) if budget is None else _leanest(graph, alive)
-    fits = budget is None or graph.peak_memory(first) <= budget
-    model, var = build_model(graph, alive, budget, first if fits else None)
+    program = fold_leaves(graph, alive) if reduce_first and budget is not None else None  # leaves merged: exact
+    solved, kept_here = (program.graph, reduce(program.graph)) if program is not None else (graph, alive)
+    first = _cheapest(solved, kept_here) if budget is None else _leanest(solved, kept_here)
+    fits = budget is None or solved.peak_memory(first) <= budget
+    model, var = build_model(solved, kept_here, budget, first if fits else None)
     result = (_run(model, backend, time_limit_s, seed, budget, cutoff) if model.num_vars
               else solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend))
-    picks = _picks(alive, var, result.values)
-    choice = [int(np.flatnonzero(a)[k]) for a, k in zip(alive, picks)]
+    picks = _picks(kept_here, var, result.values)
+    choice = [int(np.flatnonzero(a)[k]) for a, k in zip(kept_here, picks)]
+    if program is not None:
+        choice = program.unfold(choice, len(graph))
     return replace(_solution(graph, choice, result, model, kept, total),
                    free_bound=relaxed.lower_bound if reduce_first else None)
 
