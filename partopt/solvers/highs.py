@@ -12,12 +12,6 @@ import numpy as np
 from partopt.solvers import Model, Options, Result
 
 MAX_NODES = 2**31 - 1  # HiGHS's integer options are 32-bit; this is its "no limit"
-# HiGHS's primal heuristics, off: the capped layer ILPs (leaves merged, `ilp.fold_leaves`) are proven at or near the
-# root, where the heuristics' sub-MIPs and rounding took most of the time; off, 39 GPT-39B block ILPs took 32.6
-# instead of 41.3 CPU-s, 34 of them faster, the same optima (docs/benchmarks.md, "Leaves merged")
-HEURISTICS_OFF = {"mip_heuristic_effort": 0.0, "mip_heuristic_run_feasibility_jump": False,
-                  "mip_heuristic_run_root_reduced_cost": False, "mip_heuristic_run_rins": False,
-                  "mip_heuristic_run_rens": False}
 INTEGRALITY_TOLERANCE = 1e-6  # HiGHS's mip_feasibility_tolerance: how far from 0 or 1 its MIP accepts a 0-1 value
 
 
@@ -47,8 +41,6 @@ def _load(model: Model, options: Options, relaxed: bool) -> highspy.Highs:
     # the models come reduced (partopt.ilp); HiGHS's own presolve then costs more than it saves
     # (up to 4× on memory-capped block ILPs, 1.5× on GPT-1.3B whole; docs/benchmarks.md)
     h.setOptionValue("presolve", "off")
-    for name, value in HEURISTICS_OFF.items():
-        h.setOptionValue(name, value)
     if options.cutoff is not None:  # prunes every node whose bound reaches it (a hair above: none below it is lost)
         h.setOptionValue("objective_bound", float(options.cutoff) + 1e-6 * max(1.0, abs(options.cutoff)))
     n = model.num_vars
