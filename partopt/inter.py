@@ -252,10 +252,10 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     raise Expired
                 if unopened and (not waiting or left[unopened[0]] <= min(left[c] for c in waiting)):
                     count = unopened.pop(0)
-                    state = _open_count(space, pricer, count, views[count], base[count], work[count],
-                                        best[0] if best else math.inf, fastest, stats,
+                    state = _open_count(space, pricer, count, views[count], base[count], work[count], best, fastest,
+                                        stats,
                                         lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
-                    if state is None:  # no mesh may win
+                    if state is None:  # no mesh may win, or no plan beats the best even with memory ignored
                         del left[count]
                         continue
                     fastest[count] = {key: state.costs[(*key, state.modes[0])][0] for key in state.keys}
@@ -310,14 +310,17 @@ class _Count:
 
 
 def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops: list[list[Op]],
-                work: list[float] | None, limit: float, fastest: dict[int, dict], stats: Stats,
+                work: list[float] | None, best: tuple | None, fastest: dict[int, dict], stats: Stats,
                 running: Callable[[int], Callable[[int], None]]) -> _Count | None:
     """Price `count` (`g_mb`: its microbatch view; `base_ops`: its base layers' ops; `work`: their roofline
     work) as far as its fastest options go: the least recomputing mode's layer optima on every mesh where a
-    stage may still belong to a plan under `limit` (bounded by the `fastest` rows of the counts opened before
-    that divide this one, `_floors`), and the stage DP's plan of them with memory ignored. When that plan fits, it is the count's
-    best (`found`); None when no mesh may win."""
+    stage may still belong to a plan faster than `best` (the best plan so far, of `_search`; bounded by the
+    `fastest` rows of the counts opened before that divide this one, `_floors`), and the stage DP's plan of them
+    with memory ignored, looked for only under `best` (`_wanted`). When that plan fits, it is the count's best
+    (`found`); None when no mesh may win or no plan beats `best` even with memory ignored: it bounds every
+    option of the count (`_lower`)."""
     options = space.options
+    limit = best[0] if best is not None else math.inf
     mb = space.graph.dims[space.graph.batch_dim] // count
     pricer.views[mb] = g_mb
     keys = list(space.meshes)
@@ -332,9 +335,11 @@ def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops
                    [tuple(op.name for op in ops) for ops in base_ops],
                    _distinct_modes(g_mb, base_ops, options.recompute_modes), {}, [], work, keys)
     _price_mode(space, pricer, state, keys, state.modes[0], stats, running)
-    state.free = free = space.best(pipe, state.costs, count, math.inf, stats)
-    if free is not None and fits(pipe, state.costs, space.submeshes, free[3], free[0].stages, count, space.budget,
-                                 free[1], free[2]):
+    state.free = free = space.best(pipe, state.costs, count, math.inf, stats, cutoff=_wanted(best))
+    if free is None and best is not None:
+        return None
+    if free is not None and free[0].stages and fits(pipe, state.costs, space.submeshes, free[3], free[0].stages,
+                                                    count, space.budget, free[1], free[2]):
         state.found = free  # memory does not bind: the plan that ignores it fits
     return state
 
