@@ -255,14 +255,14 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     state = _open_count(space, pricer, count, views[count], base[count], work[count], best, fastest,
                                         stats,
                                         lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
-                    if state is None:  # no mesh may win, or no plan beats the best even with memory ignored
+                    if state is None:  # no mesh may win
                         del left[count]
                         continue
                     fastest[count] = {key: state.costs[(*key, state.modes[0])][0] for key in state.keys}
                     if state.free is not None:
                         left[count] = max(left[count], _lower(state.free))
-                    if state.found is not None:
-                        finish(count, state.found, state.costs, state.modes[:1])
+                    if state.found is not None or (state.free is None and best is not None):
+                        finish(count, state.found, state.costs, state.modes[:1])  # found, or none beats the best
                     else:
                         waiting[count] = state
                     continue
@@ -306,6 +306,7 @@ class _Count:
     work: list[float] | None  # per base layer: its roofline work (`bounds.roofline_work`)
     keys: list[tuple]  # the meshes (submesh, logical shape) where a stage may win, the others skipped unpriced
     free: tuple | None = None  # the plan of the modes priced with memory ignored (of `_best_schedule`); None: none yet
+    deferred: bool = False  # `free` is the plan of the schedules but ZB-H1, its floor ZB-H1's bound (`_open_count`)
     found: tuple | None = None  # the count's best plan, once known to be it
 
 
@@ -316,9 +317,9 @@ def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops
     work) as far as its fastest options go: the least recomputing mode's layer optima on every mesh where a
     stage may still belong to a plan faster than `best` (the best plan so far, of `_search`; bounded by the
     `fastest` rows of the counts opened before that divide this one, `_floors`), and the stage DP's plan of them
-    with memory ignored, looked for only under `best` (`_wanted`). When that plan fits, it is the count's best
-    (`found`); None when no mesh may win or no plan beats `best` even with memory ignored: it bounds every
-    option of the count (`_lower`)."""
+    with memory ignored (`_memory_free`), looked for only under `best`: with none there (`free` None) no plan of
+    the count beats `best`, as it bounds every option of the count (`_lower`). When that plan fits, it is the
+    count's best (`found`); None when no mesh may win."""
     options = space.options
     limit = best[0] if best is not None else math.inf
     mb = space.graph.dims[space.graph.batch_dim] // count
@@ -335,13 +336,33 @@ def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops
                    [tuple(op.name for op in ops) for ops in base_ops],
                    _distinct_modes(g_mb, base_ops, options.recompute_modes), {}, [], work, keys)
     _price_mode(space, pricer, state, keys, state.modes[0], stats, running)
-    state.free = free = space.best(pipe, state.costs, count, math.inf, stats, cutoff=_wanted(best))
-    if free is None and best is not None:
-        return None
-    if free is not None and free[0].stages and fits(pipe, state.costs, space.submeshes, free[3], free[0].stages,
-                                                    count, space.budget, free[1], free[2]):
-        state.found = free  # memory does not bind: the plan that ignores it fits
+    state.free, state.deferred = _memory_free(space, state, best, stats)
+    if not state.deferred and _fitting(space, state, state.free):
+        state.found = state.free  # memory does not bind: the plan that ignores it fits
     return state
+
+
+def _fitting(space: _Space, state: _Count, found) -> bool:
+    """Whether the stage DP's plan `found` (of `_best_schedule`, on `state`'s rows) fits with memory counted."""
+    return found is not None and bool(found[0].stages) and fits(state.pipe, state.costs, space.submeshes, found[3],
+                                                                found[0].stages, state.count, space.budget,
+                                                                *found[1:3])
+
+
+def _memory_free(space: _Space, state: _Count, best: tuple | None, stats: Stats) -> tuple[tuple | None, bool]:
+    """The stage DP's plan of `state`'s rows with memory ignored, under `best` (`_wanted`), and whether its ZB-H1
+    search is deferred. With no plan known yet it is, when the other schedules' plan does not fit: until a plan that
+    fits comes near, the count needs only a bound, and a ZB-H1 plan is a 1F1B cut that saves at most
+    `stagedp.zero_bubble_saving` of the 1F1B optimum, so that plan with its floor lowered by that share stands for
+    the memory-free optimum (`_close_count`'s `unbound` searches ZB-H1 when a plan that fits lands between them)."""
+    schedules = space.options.schedules
+    if best is None and {"1f1b", "zero-bubble"} <= set(schedules):
+        others = space.best(state.pipe, state.costs, state.count, math.inf, stats,
+                            [s for s in schedules if s != "zero-bubble"])
+        if others is not None and not _fitting(space, state, others):
+            share = stagedp.zero_bubble_saving(state.count, min(len(space.layering.groups), space.cluster.num_devices))
+            return (replace(others[0], floor=others[0].total * (1 - share)), *others[1:]), True
+    return space.best(state.pipe, state.costs, state.count, math.inf, stats, cutoff=_wanted(best)), False
 
 
 def _price_mode(space: _Space, pricer: Pricer, state: _Count, keys: list[tuple], mode: str, stats: Stats,
@@ -366,25 +387,17 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
     The plan that fits with the fastest options first; the next mode only while memory binds and only on
     meshes where it may win (`_may_win`); when memory binds under every mode, memory-lean caps
     (`pricing.tighten`), the most recomputing mode's first. Its DPs look only for plans under the best plan so far
-    (`_best_schedule`'s cutoff), and those that decide whether memory binds no higher than the memory-free plan."""
+    (`_best_schedule`'s cutoff), and those that decide whether memory binds no higher than the memory-free plan
+    (`_unbound`)."""
     options, budget = space.options, space.budget
     count, pipe, costs, modes = state.count, state.pipe, state.costs, state.modes
     incumbent, work, wanted = best[0] if best else math.inf, state.work, _wanted(best)
-
-    def unbound():
-        """The count's best plan if memory does not bind, else None. Its DPs look only for a plan that fits as fast as
-        the memory-free plan: a slower one is of no use here, and a search that can only find such (ZB-H1's above
-        all, the longest of them) stops at once."""
-        if state.free is None:
-            return None
-        found = space.best(pipe, costs, count, budget, stats, cutoff=min(wanted, _unbound_cutoff(state.free)))
-        return None if _binds(found, state.free) else found
 
     def bound() -> float:  # the best plan so far, this count's on the rows priced yet (one schedule's: cheaper)
         now = space.best(pipe, costs, count, budget, stats, options.schedules[:1], wanted)
         return min(incumbent, now[0].total if now else math.inf)
 
-    if (found := unbound()) is not None:
+    if (found := _unbound(space, state, stats, wanted)) is not None:
         return found, modes[:1]  # memory does not bind: recomputing more only adds time
     keys = state.keys
     for m in range(1, len(modes)):
@@ -397,7 +410,7 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
             state.free = space.best(pipe, costs, count, math.inf, stats)
         if state.free is not None and best is not None and (_lower(state.free), count) > best[:2]:
             return None, modes[:m + 1]  # even with memory ignored this count loses
-        if (found := unbound()) is not None:
+        if (found := _unbound(space, state, stats, wanted)) is not None:
             return found, modes[:m + 1]  # memory does not bind: recomputing more only adds time
 
     if best is not None and not _reachable(space, pricer, state, best[0]):
@@ -410,6 +423,26 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
         if not _binds(found, state.free):
             break
     return found, modes
+
+
+def _unbound(space: _Space, state: _Count, stats: Stats, wanted: float):
+    """`state`'s best plan if memory does not bind, else None (`wanted`: see `_wanted`). Its DPs look only for a plan
+    that fits as fast as the memory-free plan: a slower one is of no use here, and a search that can only find such
+    (ZB-H1's above all, the longest of them) stops at once. With ZB-H1's memory-free search deferred
+    (`_memory_free`), the memory-free optimum lies between `free`'s floor and its plan: a plan that fits within
+    them is the count's best unless a memory-free plan is faster, searched then, under it."""
+    pipe, costs, count, budget, free = state.pipe, state.costs, state.count, space.budget, state.free
+    if free is None:
+        return None
+    if not state.deferred:
+        found = space.best(pipe, costs, count, budget, stats, cutoff=min(wanted, _unbound_cutoff(free)))
+        return None if _binds(found, free) else found
+    plan = (replace(free[0], floor=None), *free[1:])
+    found = space.best(pipe, costs, count, budget, stats, cutoff=min(wanted, _unbound_cutoff(plan)))
+    if _binds(found, plan):
+        return None
+    faster = space.best(pipe, costs, count, math.inf, stats, cutoff=found[0].total)
+    return found if faster is None or not _binds(found, faster) else None
 
 
 def _wanted(best: tuple | None) -> float:

@@ -1,0 +1,111 @@
+"""How a count is opened (`inter._open_count`, `_memory_free`): once a plan is known, its memory-free plan is looked
+for only under that plan, and the count is dropped when none is; before, ZB-H1's memory-free search waits while the
+other schedules' plan does not fit. Each is checked against the search that opens every count in full."""
+
+import math
+
+import pytest
+
+from partopt import inter, stagedp
+from partopt.inter import optimize
+from partopt.models.gpt import gpt
+
+from test_ladder import four_devices
+
+
+@pytest.mark.parametrize("mib", [140, 200])
+def test_counts_opened_under_a_plan_they_cannot_beat_are_dropped_and_the_plan_stays(mib, monkeypatch):
+    """A small GPT on four devices: the first count opened fits, and some opened after it cannot beat it even with
+    memory ignored. Their memory-free DPs stop under the plan and the counts go unclosed (listed as priced); the
+    plan is the one of the search whose memory-free DPs run to the end."""
+    graph = gpt(hidden=256, layers=8, heads=8, seq=256, vocab=2048, batch=32)
+    cluster = four_devices(mib)
+    opened, open_count = [], inter._open_count
+
+    def recording(space, pricer, count, g_mb, base_ops, work, best, *rest):
+        state = open_count(space, pricer, count, g_mb, base_ops, work, best, *rest)
+        opened.append((count, best is not None, state is not None and state.free is None))
+        return state
+
+    monkeypatch.setattr(inter, "_open_count", recording)
+    plan = optimize(graph, cluster, workers=1)
+    dropped = [count for count, after_best, none in opened if none]
+    assert dropped and all(after_best for _, after_best, none in opened if none)
+    assert set(dropped) <= set(plan.solver["microbatch_counts"])
+
+    best = inter._Space.best
+
+    def uncut(self, pipe, costs, count, budget, stats, schedules=None, cutoff=math.inf):
+        return best(self, pipe, costs, count, budget, stats, schedules, cutoff if budget < math.inf else math.inf)
+
+    monkeypatch.setattr(inter._Space, "best", uncut)  # memory-free DPs with no cutoff
+    full = optimize(graph, cluster, workers=1)
+    assert plan.iteration_time_s == pytest.approx(full.iteration_time_s, rel=1e-12)
+    assert plan.schedule == full.schedule
+    assert [(s.layers, s.submesh, s.logical_mesh) for s in plan.stages] == \
+        [(s.layers, s.submesh, s.logical_mesh) for s in full.stages]
+
+
+def _in_full(space, state, best, stats):
+    """`inter._memory_free` with nothing deferred and no cutoff: the memory-free plan of every schedule."""
+    return space.best(state.pipe, state.costs, state.count, math.inf, stats), False
+
+
+@pytest.mark.parametrize("mib, batch", [(60, 32), (80, 64), (100, 32), (140, 64)])
+def test_a_deferred_zero_bubble_search_gives_the_plan_of_the_full_open(mib, batch, monkeypatch):
+    """A small GPT on four devices whose first counts do not fit memory-free: their ZB-H1 searches wait (at 100 MiB
+    the plan is ZB-H1's, found when a plan that fits lands between the bound and the other schedules' plan). The
+    plan is the one of the search that opens every count in full."""
+    graph = gpt(hidden=256, layers=8, heads=8, seq=256, vocab=2048, batch=batch)
+    cluster = four_devices(mib)
+    deferred, memory_free = [], inter._memory_free
+
+    def recording(space, state, best, stats):
+        free, later = memory_free(space, state, best, stats)
+        deferred.append(later)
+        return free, later
+
+    monkeypatch.setattr(inter, "_memory_free", recording)
+    plan = optimize(graph, cluster, workers=1)
+    assert any(deferred)
+    monkeypatch.setattr(inter, "_memory_free", _in_full)
+    full = optimize(graph, cluster, workers=1)
+    assert plan.iteration_time_s == pytest.approx(full.iteration_time_s, rel=1e-12)
+    assert plan.schedule == full.schedule
+    assert [(s.layers, s.submesh, s.logical_mesh) for s in plan.stages] == \
+        [(s.layers, s.submesh, s.logical_mesh) for s in full.stages]
+
+
+def _plan(total: float, floor: float | None = None):
+    return stagedp.DPResult(total, [], total, 0, floor), "1f1b", 1, {}
+
+
+class _Answers:
+    """A search space whose stage DPs answer with given plans: `fitting` with memory counted, `memory_free`
+    without; each only when under the cutoff."""
+
+    budget = 1.0
+
+    def __init__(self, fitting, memory_free):
+        self.fitting, self.memory_free = fitting, memory_free
+
+    def best(self, pipe, costs, count, budget, stats, schedules=None, cutoff=math.inf):
+        found = self.fitting if budget < math.inf else self.memory_free
+        return found if found is not None and found[0].total < cutoff else None
+
+
+@pytest.mark.parametrize("fitting, zero_bubble, binds", [
+    (9.5, 9.2, True),  # a memory-free ZB-H1 plan is faster than the plan that fits
+    (9.5, 9.8, False),  # none is: the plan that fits is the memory-free optimum
+    (9.5, None, False),
+    (10.0, None, False),  # the other schedules' plan itself fits
+    (10.5, 9.2, True),  # slower than the other schedules' memory-free plan
+    (None, 9.2, True),  # nothing fits
+])
+def test_with_zero_bubble_deferred_memory_binds_only_when_a_memory_free_plan_is_faster(fitting, zero_bubble, binds):
+    """The other schedules' memory-free plan takes 10 s and ZB-H1 could save down to 9 s: a plan that fits within
+    them stands unless the ZB-H1 search, run then, finds a memory-free plan faster than it."""
+    state = inter._Count(64, None, [], [], ["none"], {}, [], None, [], free=_plan(10.0, floor=9.0), deferred=True)
+    space = _Answers(None if fitting is None else _plan(fitting), None if zero_bubble is None else _plan(zero_bubble))
+    found = inter._unbound(space, state, inter.Stats(), math.inf)
+    assert found is None if binds else found[0].total == fitting
