@@ -216,6 +216,9 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     if not candidates:
         raise _no_plan(graph, cluster, budget)
     left = {c: lower[c] for c in candidates}  # the counts not finished, by their lower bounds
+    # what the waiting counts are ranked by: their bound, or with ZB-H1 deferred the other schedules' memory-free
+    # plan (ZB-H1's bound is loosest at few microbatches, and would rank such a count ahead of those it cannot beat)
+    rank = dict(left)
     stopped = None
     floor = math.inf  # the least floor of a stage DP stopped at its work limit
     deadline = start + options.deadline_s if options.deadline_s is not None else math.inf
@@ -250,7 +253,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     break
                 if time.perf_counter() > deadline:
                     raise Expired
-                if unopened and (not waiting or left[unopened[0]] <= min(left[c] for c in waiting)):
+                if unopened and (not waiting or left[unopened[0]] <= min(rank[c] for c in waiting)):
                     count = unopened.pop(0)
                     state = _open_count(space, pricer, count, views[count], base[count], work[count], best, fastest,
                                         stats,
@@ -261,12 +264,22 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     fastest[count] = {key: state.costs[(*key, state.modes[0])][0] for key in state.keys}
                     if state.free is not None:
                         left[count] = max(left[count], _lower(state.free))
+                        rank[count] = max(left[count], state.free[0].total if state.deferred else left[count])
                     if state.found is not None or (state.free is None and best is not None):
                         finish(count, state.found, state.costs, state.modes[:1])  # found, or none beats the best
                     else:
                         waiting[count] = state
                     continue
                 state = waiting.pop(max(waiting))
+                if state.deferred and best is not None and (state.free[0].total, state.count) > best[:2]:
+                    # its other schedules' plan does not beat the best: ZB-H1's memory-free plan may not either
+                    state.free, state.deferred = _memory_free(space, state, best, stats)
+                    if state.free is None or _fitting(space, state, state.free):
+                        finish(state.count, state.free, state.costs, state.modes[:1])  # none beats the best; or fits
+                    else:
+                        left[state.count] = rank[state.count] = max(left[state.count], _lower(state.free))
+                        waiting[state.count] = state
+                    continue
                 found, modes = _close_count(space, pricer, state, best, stats,
                                             lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
                 finish(state.count, space.each_mode(state, found, modes, stats, _wanted(best)), state.costs, modes)
