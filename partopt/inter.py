@@ -255,8 +255,8 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     raise Expired
                 if unopened and (not waiting or left[unopened[0]] <= min(rank[c] for c in waiting)):
                     count = unopened.pop(0)
-                    state = _open_count(space, pricer, count, views[count], base[count], work[count], best, fastest,
-                                        stats,
+                    state = _open_count(space, pricer, count, views[count], base[count], work[count], best,
+                                        fastest, stats,
                                         lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
                     if state is None:  # no mesh may win
                         del left[count]
@@ -367,7 +367,7 @@ def _memory_free(space: _Space, state: _Count, best: tuple | None, stats: Stats)
     search is deferred. With no plan known yet it is, when the other schedules' plan does not fit: until a plan that
     fits comes near, the count needs only a bound, and a ZB-H1 plan is a 1F1B cut that saves at most
     `stagedp.zero_bubble_saving` of the 1F1B optimum, so that plan with its floor lowered by that share stands for
-    the memory-free optimum (`_close_count`'s `unbound` searches ZB-H1 when a plan that fits lands between them)."""
+    the memory-free optimum (`_unbound` searches ZB-H1 when a plan that fits lands between them)."""
     schedules = space.options.schedules
     if best is None and {"1f1b", "zero-bubble"} <= set(schedules):
         others = space.best(state.pipe, state.costs, state.count, math.inf, stats,
