@@ -255,9 +255,9 @@ def fold_leaves(graph: CostGraph, alive: list[np.ndarray]) -> Folded:
         neighbours[v].append(u)
     keep = [np.flatnonzero(a) for a in alive]
     leaves_of: dict[int, list[int]] = {}
-    for w, (q, *more) in ((w, ns) for w, ns in neighbours.items() if len(ns) == 1):
-        if len(neighbours[q]) > 1 and len(keep[w]) > 1 and len(keep[q]) > 1:
-            leaves_of.setdefault(q, []).append(w)
+    for w, ns in neighbours.items():
+        if len(ns) == 1 and len(neighbours[ns[0]]) > 1 and len(keep[w]) > 1 and len(keep[ns[0]]) > 1:
+            leaves_of.setdefault(ns[0], []).append(w)
     merged = {w for ws in leaves_of.values() for w in ws}
 
     def oriented(table: np.ndarray, q: int, w: int) -> np.ndarray:  # rows q, columns w
