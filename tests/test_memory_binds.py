@@ -1,5 +1,5 @@
 """Whether memory binds for a count is decided by DPs that look no higher than its memory-free plan
-(`inter._close_count`'s `unbound`): a slower plan that fits only says that it binds, so the searches that could
+(`inter._unbound`): a slower plan that fits only says that it binds, so the searches that could
 only find such stop at once. Checked against the search whose DPs look under the best plan alone."""
 
 import math
