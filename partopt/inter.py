@@ -234,6 +234,15 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                 abs(found[0].total - best[0]) <= 1e-15 and count < best[1])):  # ties: the fewest microbatches
             best = (found[0].total, count, *_stages_of(found, costs, count, space))
 
+    def place(state: _Count) -> None:  # a count whose memory-free plan is known: finished, or waiting to close
+        if state.free is not None:
+            left[state.count] = max(left[state.count], _lower(state.free))
+            rank[state.count] = max(left[state.count], state.free[0].total) if state.deferred else left[state.count]
+        if state.found is not None or (state.free is None and best is not None):
+            finish(state.count, state.found, state.costs, state.modes[:1])  # found, or none beats the best
+        else:
+            waiting[state.count] = state
+
     def loses(count: int) -> bool:  # its lower bound already loses: no more ILPs for it
         return best is not None and (left[count], count) > best[:2]
 
@@ -262,23 +271,13 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                         del left[count]
                         continue
                     fastest[count] = {key: state.costs[(*key, state.modes[0])][0] for key in state.keys}
-                    if state.free is not None:
-                        left[count] = max(left[count], _lower(state.free))
-                        rank[count] = max(left[count], state.free[0].total if state.deferred else left[count])
-                    if state.found is not None or (state.free is None and best is not None):
-                        finish(count, state.found, state.costs, state.modes[:1])  # found, or none beats the best
-                    else:
-                        waiting[count] = state
+                    place(state)
                     continue
                 state = waiting.pop(max(waiting))
                 if state.deferred and best is not None and (state.free[0].total, state.count) > best[:2]:
                     # its other schedules' plan does not beat the best: ZB-H1's memory-free plan may not either
-                    state.free, state.deferred = _memory_free(space, state, best, stats)
-                    if state.free is None or _fitting(space, state, state.free):
-                        finish(state.count, state.free, state.costs, state.modes[:1])  # none beats the best; or fits
-                    else:
-                        left[state.count] = rank[state.count] = max(left[state.count], _lower(state.free))
-                        waiting[state.count] = state
+                    _set_free(space, state, best, stats)
+                    place(state)
                     continue
                 found, modes = _close_count(space, pricer, state, best, stats,
                                             lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
@@ -349,10 +348,15 @@ def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops
                    [tuple(op.name for op in ops) for ops in base_ops],
                    _distinct_modes(g_mb, base_ops, options.recompute_modes), {}, [], work, keys)
     _price_mode(space, pricer, state, keys, state.modes[0], stats, running)
+    _set_free(space, state, best, stats)
+    return state
+
+
+def _set_free(space: _Space, state: _Count, best: tuple | None, stats: Stats) -> None:
+    """Set `state`'s memory-free plan (`_memory_free`) and, when that plan fits, its best plan (`found`)."""
     state.free, state.deferred = _memory_free(space, state, best, stats)
     if not state.deferred and _fitting(space, state, state.free):
         state.found = state.free  # memory does not bind: the plan that ignores it fits
-    return state
 
 
 def _fitting(space: _Space, state: _Count, found) -> bool:
@@ -447,13 +451,12 @@ def _unbound(space: _Space, state: _Count, stats: Stats, wanted: float):
     pipe, costs, count, budget, free = state.pipe, state.costs, state.count, space.budget, state.free
     if free is None:
         return None
-    if not state.deferred:
-        found = space.best(pipe, costs, count, budget, stats, cutoff=min(wanted, _unbound_cutoff(free)))
-        return None if _binds(found, free) else found
-    plan = (replace(free[0], floor=None), *free[1:])
+    plan = (replace(free[0], floor=None), *free[1:]) if state.deferred else free  # the bound's top when deferred
     found = space.best(pipe, costs, count, budget, stats, cutoff=min(wanted, _unbound_cutoff(plan)))
     if _binds(found, plan):
         return None
+    if not state.deferred:
+        return found
     faster = space.best(pipe, costs, count, math.inf, stats, cutoff=found[0].total)
     return found if faster is None or not _binds(found, faster) else None
 

@@ -13,20 +13,28 @@ from partopt.models.gpt import gpt
 from test_ladder import four_devices
 
 
-def _result(total: float, floor: float | None = None):
+def dp_result(total: float, floor: float | None = None):
     return stagedp.DPResult(total, [], total, 0, floor), "1f1b", 1, {}
+
+
+def assert_same_plan(plan, other) -> None:
+    """The two plans have one iteration time, schedule and stages (layers, submesh, logical mesh)."""
+    assert plan.iteration_time_s == pytest.approx(other.iteration_time_s, rel=1e-12)
+    assert plan.schedule == other.schedule
+    assert [(s.layers, s.submesh, s.logical_mesh) for s in plan.stages] == \
+        [(s.layers, s.submesh, s.logical_mesh) for s in other.stages]
 
 
 @pytest.mark.parametrize("free_total", [1.0, 3.7e-3, 123.456])
 def test_the_cutoff_keeps_exactly_the_plans_with_which_memory_does_not_bind(free_total):
-    free = _result(free_total)
+    free = dp_result(free_total)
     cutoff = inter._unbound_cutoff(free)
     for total in [free_total, free_total * (1 + 1e-12), cutoff, math.nextafter(cutoff, -math.inf),
                   free_total * (1 + 2e-12)]:
-        assert (total < cutoff) == (not inter._binds(_result(total), free))
+        assert (total < cutoff) == (not inter._binds(dp_result(total), free))
     # a search stopped at its work limit stands for its floor: a plan at its total binds
-    stopped = _result(free_total, floor=free_total / 2)
-    assert inter._binds(_result(free_total), stopped)
+    stopped = dp_result(free_total, floor=free_total / 2)
+    assert inter._binds(dp_result(free_total), stopped)
     assert inter._unbound_cutoff(stopped) < free_total
 
 
@@ -41,7 +49,4 @@ def test_the_plan_is_the_one_of_dps_that_look_under_the_best_plan_alone(mib, mon
     plan = optimize(graph, cluster, workers=1)
     monkeypatch.setattr(inter, "_unbound_cutoff", lambda free: math.inf)  # the DPs look under the best plan alone
     under_best = optimize(graph, cluster, workers=1)
-    assert plan.iteration_time_s == pytest.approx(under_best.iteration_time_s, rel=1e-12)
-    assert plan.schedule == under_best.schedule
-    assert [(s.layers, s.submesh, s.logical_mesh) for s in plan.stages] == \
-        [(s.layers, s.submesh, s.logical_mesh) for s in under_best.stages]
+    assert_same_plan(plan, under_best)

@@ -6,11 +6,12 @@ import math
 
 import pytest
 
-from partopt import inter, stagedp
+from partopt import inter
 from partopt.inter import optimize
 from partopt.models.gpt import gpt
 
 from test_ladder import four_devices
+from test_memory_binds import assert_same_plan, dp_result
 
 
 @pytest.mark.parametrize("mib", [140, 200])
@@ -40,10 +41,7 @@ def test_counts_opened_under_a_plan_they_cannot_beat_are_dropped_and_the_plan_st
 
     monkeypatch.setattr(inter._Space, "best", uncut)  # memory-free DPs with no cutoff
     full = optimize(graph, cluster, workers=1)
-    assert plan.iteration_time_s == pytest.approx(full.iteration_time_s, rel=1e-12)
-    assert plan.schedule == full.schedule
-    assert [(s.layers, s.submesh, s.logical_mesh) for s in plan.stages] == \
-        [(s.layers, s.submesh, s.logical_mesh) for s in full.stages]
+    assert_same_plan(plan, full)
 
 
 def _in_full(space, state, best, stats):
@@ -70,14 +68,7 @@ def test_a_deferred_zero_bubble_search_gives_the_plan_of_the_full_open(mib, batc
     assert any(deferred)
     monkeypatch.setattr(inter, "_memory_free", _in_full)
     full = optimize(graph, cluster, workers=1)
-    assert plan.iteration_time_s == pytest.approx(full.iteration_time_s, rel=1e-12)
-    assert plan.schedule == full.schedule
-    assert [(s.layers, s.submesh, s.logical_mesh) for s in plan.stages] == \
-        [(s.layers, s.submesh, s.logical_mesh) for s in full.stages]
-
-
-def _plan(total: float, floor: float | None = None):
-    return stagedp.DPResult(total, [], total, 0, floor), "1f1b", 1, {}
+    assert_same_plan(plan, full)
 
 
 class _Answers:
@@ -105,7 +96,8 @@ class _Answers:
 def test_with_zero_bubble_deferred_memory_binds_only_when_a_memory_free_plan_is_faster(fitting, zero_bubble, binds):
     """The other schedules' memory-free plan takes 10 s and ZB-H1 could save down to 9 s: a plan that fits within
     them stands unless the ZB-H1 search, run then, finds a memory-free plan faster than it."""
-    state = inter._Count(64, None, [], [], ["none"], {}, [], None, [], free=_plan(10.0, floor=9.0), deferred=True)
-    space = _Answers(None if fitting is None else _plan(fitting), None if zero_bubble is None else _plan(zero_bubble))
+    state = inter._Count(64, None, [], [], ["none"], {}, [], None, [], free=dp_result(10.0, floor=9.0), deferred=True)
+    space = _Answers(None if fitting is None else dp_result(fitting),
+                     None if zero_bubble is None else dp_result(zero_bubble))
     found = inter._unbound(space, state, inter.Stats(), math.inf)
     assert found is None if binds else found[0].total == fitting
