@@ -144,10 +144,17 @@ class _Space:
         return self.solved[key][0]
 
     def run_dps(self, pipe: Pipeline, costs: dict, count: int, budget: float, schedules: Sequence[str],
-                stats: Stats, incumbent: tuple | None = None, cutoff: float = math.inf):
+                stats: Stats, incumbent: tuple | None = None, cutoff: float = math.inf, proven: bool = True):
         """`_best_schedule` on this space's submeshes and cluster, uncached."""
         return _best_schedule(pipe, costs, self.submeshes, [n * m for n, m in self.submeshes],
-                              self.cluster.num_devices, count, budget, schedules, stats, incumbent, cutoff)
+                              self.cluster.num_devices, count, budget, schedules, stats, incumbent, cutoff, proven)
+
+    def upper(self, pipe: Pipeline, costs: dict, count: int, budget: float, stats: Stats, cutoff: float) -> float:
+        """The iteration time of a plan of the first schedule that fits, or `cutoff` when it finds none under it: a
+        bound to prune by, found without proving it the least (`_best_schedule`'s `proven`), so not cached."""
+        found = self.run_dps(pipe, costs, count, budget, self.options.schedules[:1], stats, cutoff=cutoff,
+                             proven=False)
+        return min(cutoff, found[0].total if found else math.inf)
 
     def each_mode(self, state: _Count, found, modes: list[str], stats: Stats, cutoff: float = math.inf):
         """`found` (the stage DP's plan over the rows of every mode in `modes`), or a faster plan of the search
@@ -410,9 +417,8 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
     count, pipe, costs, modes = state.count, state.pipe, state.costs, state.modes
     incumbent, work, wanted = best[0] if best else math.inf, state.work, _wanted(best)
 
-    def bound() -> float:  # the best plan so far, this count's on the rows priced yet (one schedule's: cheaper)
-        now = space.best(pipe, costs, count, budget, stats, options.schedules[:1], wanted)
-        return min(incumbent, now[0].total if now else math.inf)
+    def bound() -> float:  # the best plan so far, or one of this count's on the rows priced yet when it is faster
+        return space.upper(pipe, costs, count, budget, stats, incumbent)
 
     if (found := _unbound(space, state, stats, wanted)) is not None:
         return found, modes[:1]  # memory does not bind: recomputing more only adds time
@@ -508,7 +514,7 @@ def _stages_of(found, costs: dict, count: int, space: _Space) -> tuple[list[Stag
 
 def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], sizes: list[int], devices: int,
                    count: int, budget: float, schedules: Sequence[str], stats: Stats, incumbent: tuple | None = None,
-                   cutoff: float = math.inf):
+                   cutoff: float = math.inf, proven: bool = True):
     """The stage DP's best plan over `schedules` for one microbatch count: (result, schedule, v, options per
     submesh), or None. 1F1B cuts the layers freely; interleaved takes the best (S, v) of Megatron's uniform
     chunking (`schedules.interleaved_shapes`, `stages.interleaved_table`); zero-bubble (ZB-H1) cuts freely on
@@ -519,7 +525,8 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     then looks only for a faster plan, and the incumbent stays when none is (ties keep it). `cutoff`: each DP
     looks only for a plan costing less; with none found and no incumbent, None, or, when a stopped search
     leaves a floor under the cutoff, a result of no stages and infinite cost carrying that floor (so that the
-    search's reported lower bound still counts it)."""
+    search's reported lower bound still counts it). `proven=False`: 1F1B's and the interleaved DPs return their
+    first plan, not proven the least (`stagedp.solve`)."""
     found = []
     own = incumbent[0].total if incumbent is not None else math.inf
     bar = min(cutoff, own)  # what a plan found here must beat
@@ -532,12 +539,14 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     table = stage_table(pipe, costs, submeshes, count, budget) if {"1f1b", "zero-bubble"} & set(schedules) else None
     if "1f1b" in schedules:
         entries, options_of = table
-        found.append((stagedp.solve(entries, None, sizes, devices, count, cutoff=lead), "1f1b", 1, options_of))
+        found.append((stagedp.solve(entries, None, sizes, devices, count, cutoff=lead, proven=proven), "1f1b", 1,
+                      options_of))
     if "interleaved" in schedules:  # each shape only where it beats the plans before it (ties keep those)
         for S, v in interleaved_shapes(len(pipe.layering.groups), count, devices):
             t, extra, fill, options_of = interleaved_table(pipe, costs, submeshes, count, budget, S, v)
             beat = min([lead, *(f[0].total for f in found if f[0] is not None)])
-            found.append((stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill, cutoff=beat),
+            found.append((stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill, cutoff=beat,
+                                        proven=proven),
                           "interleaved", v, options_of))
     if "zero-bubble" in schedules:  # only a plan faster than the others found counts (ties keep them)
         entries, options_of = table

@@ -372,7 +372,8 @@ def _top(k0: int, deepest: int, count: int | None) -> int | None:
 
 
 def solve(t: np.ndarray | Entries, extra: np.ndarray | None, sizes: list[int], devices: int, microbatches: int,
-          rebate: np.ndarray | None = None, cutoff: float = INF, count: int | None = None) -> DPResult | None:
+          rebate: np.ndarray | None = None, cutoff: float = INF, count: int | None = None,
+          proven: bool = True) -> DPResult | None:
     """The optimal stages, or None when no plan fits (every entry infeasible or devices not tiled).
 
     `t` and `extra` are indexed [h, k, i, j, s] (or [k, i, j, s] for entries with one option); or `t` is
@@ -381,7 +382,10 @@ def solve(t: np.ndarray | Entries, extra: np.ndarray | None, sizes: list[int], d
     (`zero_bubble`'s bound); the total then is sum (t - rebate) + (B - 1) max t + max extra, exact when t - rebate
     grows with t (`_fastest`), else a lower bound. `cutoff`: a plan is exact only when it
     costs less; otherwise the result costs at least `cutoff` (the caller discards it). `count`: plans of
-    exactly that many stages (the entries at levels above it should be inf).
+    exactly that many stages (the entries at levels above it should be inf). `proven=False`: the plan of the
+    fastest options whatever their per-iteration work, at its cost with that work counted, and none of the search
+    that proves it the best or finds a better one (a plan, for callers that only need a bound to prune by: the
+    first of the rounds over bounds on that work, and often already the optimum at many microbatches).
     """
     if isinstance(t, Entries):
         entries = t
@@ -435,7 +439,7 @@ def solve(t: np.ndarray | Entries, extra: np.ndarray | None, sizes: list[int], d
             max_latency = max(float(table[min(c.inflight, k0), c.first, c.last, c.submesh]) for c in stages)
             best = DPResult(pipeline + sync, stages, max_latency, rounds)
         lower = levels[levels < sync]
-        if len(lower) == 0 or pipeline >= cutoff:
+        if len(lower) == 0 or pipeline >= cutoff or not proven:
             break
         bound = float(lower[-1])
     return None if best is None else DPResult(best.total, best.stages, best.max_latency, rounds)

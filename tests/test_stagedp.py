@@ -194,6 +194,27 @@ def test_dp_equals_reference_on_medium_instances(seed, mode, microbatches):
     agrees(reference_solve(t, extra, sizes, devices, microbatches), t, extra, sizes, devices, microbatches)
 
 
+@pytest.mark.parametrize("mode", ["memory", "uniform", "arbitrary"])
+@pytest.mark.parametrize("seed", range(30))
+def test_an_unproven_plan_has_the_least_pipeline_part_at_its_own_cost(seed, mode):
+    """`proven=False`: a valid plan at the total it claims, no faster than the optimum, whose pipeline part
+    (sum t + (B - 1) max t) is the least of any plan's: brute force on each entry's fastest option, work left out."""
+    rng = random.Random(seed)
+    t, extra, sizes, devices = random_instance(rng, mode)
+    fastest, no_work = t.min(axis=0, keepdims=True), np.zeros((1, *extra.shape[1:]))
+    for microbatches in (1, 8, 128):
+        got = stagedp.solve(t, extra, sizes, devices, microbatches, proven=False)
+        optimum = brute_force(t, extra, sizes, devices, microbatches)
+        if optimum is None:
+            assert got is None
+            continue
+        check_plan(got, t, extra, sizes, devices, microbatches)
+        assert got.total >= optimum * (1 - 1e-12)
+        latencies = [t[c.option, c.inflight, c.first, c.last, c.submesh] for c in got.stages]
+        pipeline = sum(latencies) + (microbatches - 1) * max(latencies)
+        assert pipeline == pytest.approx(brute_force(fastest, no_work, sizes, devices, microbatches), rel=1e-12)
+
+
 def test_per_iteration_work_is_a_max_not_a_sum():
     """Two layers, two single devices: splitting pays each stage's sync once, in parallel."""
     t = np.full((3, 2, 2, 1), np.inf)
