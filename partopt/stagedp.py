@@ -30,7 +30,10 @@ per stage count and threshold on its coupled term min omega (docs/COSTMODEL.md Â
   g is constant on [m, c] and only latencies below m stay open on that side; an infeasible c
   closes every latency below it. Evaluating the middle of an open interval splits it in two,
   and the interval with the least bound goes first, so rounds are spent only where g can still
-  beat the best plan.
+  beat the best plan. From one bound on the per-iteration work to the next (tighter) one, every entry
+  only gets slower, so each g evaluated before bounds g on the new table at every latency up to its own
+  (`_floor`): an interval costs at least the least of max(g(c_hi), that floor) + (B - 1) c over its
+  latencies; and the new search evaluates first at the previous plan's largest latency, near the optimum.
 * In-flight depth. Stages are numbered k from the end, k <= min(L, devices). When the tables'
   slices for every k >= k0 are equal, one DP level stands for "k0 or more stages to the end"
   (its stages may continue into that level or drop to level k0 - 1), so the inner DP has k0
@@ -227,12 +230,16 @@ def _plan(t: np.ndarray, f, after, stay, sizes: list[int], devices: int,
 
 
 def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, bound: float,
-              summed: np.ndarray | None = None,
-              count: int | None = None) -> tuple[float, list[tuple[int, int, int, int]], int] | None:
+              summed: np.ndarray | None = None, count: int | None = None,
+              known: list[tuple[float, float]] | None = None,
+              hint: float | None = None) -> tuple[float, list[tuple[int, int, int, int]], int] | None:
     """min sum t + (B - 1) max t over plans on t[k, i, j, s] (of exactly `count` stages when given), by
-    branch and bound over t_max (module docstring); exact when below `bound`. `summed` (default t): what
-    the sum adds per entry, t less a rebate, while t_max and the max term stay on t. Returns (total,
-    [(first, last, submesh, level)], rounds).
+    branch and bound over t_max (module docstring); exact when below `bound`, None when nothing is. `summed`
+    (default t): what the sum adds per entry, t less a rebate, while t_max and the max term stay on t. Returns
+    (total, [(first, last, submesh, level)], rounds).
+
+    `known`: pairs (c, g(c)) evaluated on earlier tables whose every entry (t and summed) was no larger, so that g
+    here is at least g(c) at every latency up to c (c inf: at every latency); this call's evaluations are added.
 
     Submeshes with no feasible entry are left out and the device counts divided by the greatest common
     divisor of those left (exact: every sum of their sizes is a multiple of it; GPT-1T's layers fit no
@@ -253,6 +260,10 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
     best: tuple[float, list] | None = None
     rounds = 0
     open_: list[tuple[float, int, int, float]] = []  # (lower bound, lo, hi, g(levels[hi]))
+    known = [] if known is None else known
+    floor = _floor(levels, known)  # per latency, g there is at least this (earlier tables)
+    if float(np.min(floor + slope * levels)) >= bound:
+        return None
 
     K = t.shape[1] - 1
     # every entry at its least latency over k: one level, and a lower bound on the exact inner DP
@@ -275,6 +286,7 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
             rounds += 1
             relaxed = inner(one)
             if relaxed is None:
+                known.append((t_max if index < len(levels) - 1 else INF, INF))
                 return None
             n = len(relaxed[1])
             placed = [(i, j, s, min(n - p, K)) for p, (i, j, s, _) in enumerate(relaxed[1])]
@@ -283,6 +295,7 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
         if found is None:
             rounds += 1
             found = inner(np.where(t <= t_max, summed, INF) if full is None else full)
+        known.append((t_max if index < len(levels) - 1 else INF, INF if found is None else found[0]))
         if found is None:
             return None
         value, stages = found
@@ -294,12 +307,19 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
 
     def push(lo: int, hi: int, g_hi: float) -> None:
         if lo < hi:
-            heapq.heappush(open_, (g_hi + slope * float(levels[lo]), lo, hi, g_hi))
+            heapq.heappush(open_, (float(np.min(np.maximum(g_hi, floor[lo:hi]) + slope * levels[lo:hi])), lo, hi, g_hi))
 
     top = evaluate(len(levels) - 1)
     if top is None:
         return None
-    push(0, top[1], top[0])
+    split = int(np.searchsorted(levels, hint, side="right")) - 1 if hint is not None else -1
+    if 0 <= split < top[1]:  # the hinted latency first: a plan near the optimum bounds the rest early
+        found = evaluate(split)
+        push(split + 1, top[1], top[0])
+        if found is not None:
+            push(0, found[1], found[0])
+    else:
+        push(0, top[1], top[0])
     while open_:
         lower, lo, hi, g_hi = heapq.heappop(open_)
         if lower >= min(bound, best[0]):
@@ -313,6 +333,17 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
         push(mid + 1, hi, g_hi)
         push(lo, peak, g_mid)
     return best[0], [(i, j, alive[s], k) for i, j, s, k in best[1]], rounds
+
+
+def _floor(levels: np.ndarray, known: list[tuple[float, float]]) -> np.ndarray:
+    """Per latency of `levels`, the largest g of the `known` pairs (c, g) with c at or above it (-inf: none)."""
+    if not known:
+        return np.full(len(levels), -INF)
+    c, g = np.array(known).T
+    order = np.argsort(c, kind="stable")
+    c, above = c[order], np.maximum.accumulate(g[order][::-1])[::-1]  # above[n]: the largest g of pairs n, n + 1, â€¦
+    at = np.searchsorted(c, levels, side="left")
+    return np.where(at < len(c), above[np.minimum(at, len(c) - 1)], -INF)
 
 
 def _fastest(t: np.ndarray, extra: np.ndarray, bound: float,
@@ -423,13 +454,17 @@ def solve(t: np.ndarray | Entries, extra: np.ndarray | None, sizes: list[int], d
     best: DPResult | None = None
     rounds = 0
     bound = INF
+    known: list[tuple[float, float]] = []  # g's evaluated so far: each tighter bound only raises the table's entries
+    hint = None
     while True:
         table, option, low = fastest(bound)
-        found = _pipeline(table, sizes, devices, microbatches, min(cutoff, best.total if best else INF), low, count)
+        found = _pipeline(table, sizes, devices, microbatches, min(cutoff, best.total if best else INF), low, count,
+                          known, hint)
         if found is None:
             break
         pipeline, picked, used = found
         rounds += used
+        hint = max(float(table[min(k, k0), i, j, s]) for i, j, s, k in picked)
         if best is not None and pipeline >= best.total:
             break  # tighter bounds only raise the pipeline part
         n = len(picked)

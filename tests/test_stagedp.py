@@ -215,6 +215,38 @@ def test_an_unproven_plan_has_the_least_pipeline_part_at_its_own_cost(seed, mode
         assert pipeline == pytest.approx(brute_force(fastest, no_work, sizes, devices, microbatches), rel=1e-12)
 
 
+def test_known_pairs_floor_every_latency_up_to_theirs():
+    """`_floor` by hand: a pair (c, g) bounds g at latencies up to c, the largest such g wins, inf is every latency."""
+    known = [(5.0, 7.0), (2.0, 10.0), (np.inf, 4.0)]
+    assert stagedp._floor(np.array([1.0, 2.0, 3.0, 5.0, 6.0]), known).tolist() == [10.0, 10.0, 7.0, 7.0, 4.0]
+    assert stagedp._floor(np.array([1.0, 1.5, 2.0]), [*known, (1.5, np.inf)]).tolist() == [np.inf, np.inf, 10.0]
+    assert stagedp._floor(np.array([1.0]), []).tolist() == [-np.inf]
+
+
+def least_sum(table: np.ndarray, sizes: list[int], devices: int, t_max: float) -> float:
+    """g(t_max): the least sum of a plan on `table` [k, i, j, s] whose stages all take at most t_max."""
+    return float(reference_inner(table, sizes, devices, t_max)[0][:, 0, devices].min())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_g_of_a_looser_bound_floors_g_of_a_tighter_one(seed):
+    """What `solve` carries from one bound on per-iteration work to the next: g evaluated on the table of a looser
+    bound (each entry's fastest option within it), as `_floor` spreads it, is at most g on a tighter bound's table at
+    every latency (checked against the plain DP at each)."""
+    rng = random.Random(seed)
+    t, extra, sizes, devices = random_instance(rng, "arbitrary", max_layers=4)
+    bounds = np.unique(extra[np.isfinite(t)])[::-1]
+    tables = [np.where(extra <= b, t, np.inf).min(axis=0) for b in bounds]
+    for looser, tighter in zip(tables, tables[1:]):
+        levels = np.unique(looser[1:][np.isfinite(looser[1:])])
+        known = [(c, least_sum(looser, sizes, devices, c)) for c in levels[:-1]]
+        known += [(np.inf, least_sum(looser, sizes, devices, levels[-1]))] if len(levels) else []
+        latencies = np.unique(tighter[1:][np.isfinite(tighter[1:])])
+        floor = stagedp._floor(latencies, known)
+        g = np.array([least_sum(tighter, sizes, devices, c) for c in latencies])
+        assert np.all(floor <= g * (1 + 1e-12))
+
+
 def test_per_iteration_work_is_a_max_not_a_sum():
     """Two layers, two single devices: splitting pays each stage's sync once, in parallel."""
     t = np.full((3, 2, 2, 1), np.inf)
