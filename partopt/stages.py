@@ -61,9 +61,9 @@ class Pipeline:
     graph: Graph | None = None  # the model at full batch: FLOP shares of forward and weight passes (`split_table`)
     # send_s by (first, last, end, receiver, cost model): the DP's tables ask for the same stages' sends many times
     _sends: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    # a row of layer costs' columns and stage sums by (table, id(row), …), see `_row_columns`, `_stage_sums`,
+    # a row of layer costs' columns and stage sums by (table, id(row), …), see `_row_columns`, `_stage_sums`, `_entries`,
     # `_chunk_sums` and `_chunk_totals`; an end's sends (`_end_sends`); a mesh's tensor-parallel axis (`_tensor_axis`);
-    # the FLOP shares of a recomputation mode (`_flop_shares`)
+    # the FLOP shares of a recomputation mode (`_flop_shares`); where the shared parameters' readers change (`_reader_changes`)
     _sums: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -350,12 +350,21 @@ def stage_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], c
     depth = np.zeros((H, L, L, S), dtype=np.int64)
     for s, sub in enumerate(submeshes):
         for h, (shape, mode, r) in enumerate(options[s]):
-            stage_s, sync_s, params, acts, working = _stage_sums(pipe, costs[(sub, shape, mode)][r], sub, shape)
-            deepest = _depth(params, acts, working, budget, count, L)
-            latency[h, :, :, s] = np.where(deepest >= 1, stage_s, np.inf)
-            sync[h, :, :, s] = np.where(deepest >= 1, sync_s, 0.0)
-            depth[h, :, :, s] = deepest
+            latency[h, :, :, s], sync[h, :, :, s], depth[h, :, :, s] = _entries(pipe, costs[(sub, shape, mode)][r],
+                                                                               sub, shape, budget, count)
     return stagedp.Entries(latency, sync, depth), options
+
+
+def _entries(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int, int], shape: tuple[int, int],
+             budget: float, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One option's latency, sync and depth [i, j] in `stage_table`, kept per row in `pipe` with its budget and count
+    (a count's searches ask for the same rows' table at every step of its ladder)."""
+    key = ("entries", id(row), sub, shape, budget, count)
+    if key not in pipe._sums:
+        stage_s, sync_s, params, acts, working = _stage_sums(pipe, row, sub, shape)
+        deepest = _depth(params, acts, working, budget, count, len(pipe.layering.groups))
+        pipe._sums[key] = (row, (np.where(deepest >= 1, stage_s, np.inf), np.where(deepest >= 1, sync_s, 0.0), deepest))
+    return pipe._sums[key][1]
 
 
 def _depth(params: np.ndarray, acts: np.ndarray, working: np.ndarray, budget: float, count: int,
@@ -507,17 +516,27 @@ def _corrections(row: Sequence[LayerCost | None], pipe: Pipeline, i: int, n: int
     shared parameters (a correction depends only on which of their readers a stage runs)."""
     if not pipe.shared:
         return []
-    groups = np.array(pipe.layering.groups[i:i + n])
-    first, lasts = groups[0, 0], groups[:, 1]
-    inside = np.stack([np.searchsorted(np.array(units), lasts, "right") - np.searchsorted(units, first)
-                       for units in pipe.shared.values()])  # readers of each shared tensor inside [i, j]
-    changes = [0, *(m for m in range(1, n) if (inside[:, m] != inside[:, m - 1]).any()), n]
+    first, lasts = pipe.layering.groups[i][0], [b for _, b in pipe.layering.groups[i:i + n]]
+    changes = [0, *(m for m in _reader_changes(pipe, i) if m < n), n]
     out = []
     for lo, hi in zip(changes, changes[1:]):
-        fix = correction(row, first, int(lasts[lo]), pipe.shared, pipe.link, devices)
+        fix = correction(row, first, lasts[lo], pipe.shared, pipe.link, devices)
         if fix is not None:
             out.append((lo, hi, fix))
     return out
+
+
+def _reader_changes(pipe: Pipeline, i: int) -> list[int]:
+    """The m ≥ 1 at which the stage [i, i + m] holds other readers of the shared parameters than [i, i + m - 1]
+    (`_corrections`): they depend on the layering alone, so they are kept per first DP layer in `pipe`."""
+    key = ("readers", i)
+    if key not in pipe._sums:
+        groups = np.array(pipe.layering.groups[i:])
+        first, lasts = groups[0, 0], groups[:, 1]
+        inside = np.stack([np.searchsorted(np.array(units), lasts, "right") - np.searchsorted(units, first)
+                           for units in pipe.shared.values()])  # readers of each shared tensor inside [i, j]
+        pipe._sums[key] = [m for m in range(1, len(lasts)) if (inside[:, m] != inside[:, m - 1]).any()]
+    return pipe._sums[key]
 
 
 def _fix_sync(fix: Correction, overlap: bool) -> float:
