@@ -321,7 +321,7 @@ class _Count:
     names: list[tuple[str, ...]]  # per base layer: its ops
     modes: list[str]  # the recomputation modes that differ, least recomputing first
     costs: dict  # (submesh, shape, mode) -> rows of layer costs
-    lean: list  # per mode priced: what `pricing.tighten` refines when memory binds
+    lean: tuple[dict, dict, dict]  # the modes priced, for `pricing.tighten` when memory binds: rows, costs, jobs
     work: list[float] | None  # per base layer: its roofline work (`bounds.roofline_work`)
     keys: list[tuple]  # the meshes (submesh, logical shape) where a stage may win, the others skipped unpriced
     free: tuple | None = None  # the plan of the modes priced with memory ignored (of `_best_schedule`); None: none yet
@@ -353,7 +353,7 @@ def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops
     pipe = pipeline_of(space.graph, space.cluster, space.layering, count, options.overlap)
     state = _Count(count, pipe, [g_mb.structural_hash(ops) for ops in base_ops],
                    [tuple(op.name for op in ops) for ops in base_ops],
-                   _distinct_modes(g_mb, base_ops, options.recompute_modes), {}, [], work, keys)
+                   _distinct_modes(g_mb, base_ops, options.recompute_modes), {}, ({}, {}, {}), work, keys)
     _price_mode(space, pricer, state, keys, state.modes[0], stats, running)
     _set_free(space, state, best, stats)
     return state
@@ -400,7 +400,8 @@ def _price_mode(space: _Space, pricer: Pricer, state: _Count, keys: list[tuple],
               for key, cost in pricer.run(jobs, stats, running(len(jobs))).items()}
     rows_of = {(*key, mode): [[priced[(state.hashes[b], (*key, mode))] for b in layers]] for key in keys}
     state.costs.update(rows_of)
-    state.lean.append((rows_of, priced, jobs))
+    for lean, new in zip(state.lean, (rows_of, priced, jobs)):
+        lean.update(new)
 
 
 def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | None, stats: Stats,
@@ -410,7 +411,7 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
 
     The plan that fits with the fastest options first; the next mode only while memory binds and only on
     meshes where it may win (`_may_win`); when memory binds under every mode, memory-lean caps
-    (`pricing.tighten`), the most recomputing mode's first. Its DPs look only for plans under the best plan so far
+    (`pricing.tighten`) of every mode on one ladder. Its DPs look only for plans under the best plan so far
     (`_best_schedule`'s cutoff), and those that decide whether memory binds no higher than the memory-free plan
     (`_unbound`)."""
     options, budget = space.options, space.budget
@@ -439,13 +440,10 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
     if best is not None and not _reachable(space, pricer, state, best[0]):
         return None, modes  # no plan of this count, memory counted, can beat the best: no capped ILPs for it
 
-    for rows_of, priced, jobs in reversed(state.lean):  # memory binds under every mode
-        tighten(rows_of, priced, jobs, state.hashes, budget, len(state.hashes), count, bound, pricer, stats, work,
-                space.cluster.num_devices, options.overlap)
-        found = space.best(pipe, costs, count, budget, stats, cutoff=wanted)
-        if not _binds(found, state.free):
-            break
-    return found, modes
+    # memory binds under every mode: one ladder for them all, each rung's ILPs of every mode priced together
+    tighten(*state.lean, state.hashes, budget, len(state.hashes), count, bound, pricer, stats, work,
+            space.cluster.num_devices, options.overlap)
+    return space.best(pipe, costs, count, budget, stats, cutoff=wanted), modes
 
 
 def _unbound(space: _Space, state: _Count, stats: Stats, wanted: float):
