@@ -307,7 +307,8 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
 
     def push(lo: int, hi: int, g_hi: float) -> None:
         if lo < hi:
-            heapq.heappush(open_, (float(np.min(np.maximum(g_hi, floor[lo:hi]) + slope * levels[lo:hi])), lo, hi, g_hi))
+            lower = float(np.min(np.maximum(g_hi, floor[lo:hi]) + slope * levels[lo:hi]))
+            heapq.heappush(open_, (lower, lo, hi, g_hi))
 
     top = evaluate(len(levels) - 1)
     if top is None:

@@ -61,9 +61,10 @@ class Pipeline:
     graph: Graph | None = None  # the model at full batch: FLOP shares of forward and weight passes (`split_table`)
     # send_s by (first, last, end, receiver, cost model): the DP's tables ask for the same stages' sends many times
     _sends: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    # a row of layer costs' columns and stage sums by (table, id(row), …), see `_row_columns`, `_stage_sums`, `_entries`,
-    # `_chunk_sums` and `_chunk_totals`; an end's sends (`_end_sends`); a mesh's tensor-parallel axis (`_tensor_axis`);
-    # the FLOP shares of a recomputation mode (`_flop_shares`); where the shared parameters' readers change (`_reader_changes`)
+    # a row of layer costs' columns and stage sums by (table, id(row), …), see `_row_columns`, `_stage_sums`,
+    # `_entries`, `_chunk_sums` and `_chunk_totals`; an end's sends (`_end_sends`); a mesh's tensor-parallel axis
+    # (`_tensor_axis`); the FLOP shares of a recomputation mode (`_flop_shares`); where the shared parameters'
+    # readers change (`_reader_changes`)
     _sums: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
