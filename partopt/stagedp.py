@@ -261,8 +261,8 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
     rounds = 0
     open_: list[tuple[float, int, int, float]] = []  # (lower bound, lo, hi, g(levels[hi]))
     known = [] if known is None else known
-    floor = _floor(levels, known)  # per latency, g there is at least this (earlier tables)
-    if float(np.min(floor + slope * levels)) >= bound:
+    floor = _floor(levels, known) if known else None  # per latency, g there is at least this (earlier tables)
+    if floor is not None and float(np.min(floor + slope * levels)) >= bound:
         return None
 
     K = t.shape[1] - 1
@@ -279,6 +279,7 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
         nonlocal best, rounds
         found = None
         t_max = levels[index]
+        reach = t_max if index < len(levels) - 1 else INF  # how far up what is found here bounds g on later tables
         full = None if same else np.where(t <= t_max, summed, INF)  # with a rebate the relaxation needs it
         if K > 1 and count is None:
             one = np.where(loose <= t_max, loose, INF) if same else \
@@ -286,7 +287,7 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
             rounds += 1
             relaxed = inner(one)
             if relaxed is None:
-                known.append((t_max if index < len(levels) - 1 else INF, INF))
+                known.append((reach, INF))
                 return None
             n = len(relaxed[1])
             placed = [(i, j, s, min(n - p, K)) for p, (i, j, s, _) in enumerate(relaxed[1])]
@@ -295,7 +296,7 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
         if found is None:
             rounds += 1
             found = inner(np.where(t <= t_max, summed, INF) if full is None else full)
-        known.append((t_max if index < len(levels) - 1 else INF, INF if found is None else found[0]))
+        known.append((reach, INF if found is None else found[0]))
         if found is None:
             return None
         value, stages = found
@@ -307,7 +308,8 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
 
     def push(lo: int, hi: int, g_hi: float) -> None:
         if lo < hi:
-            lower = float(np.min(np.maximum(g_hi, floor[lo:hi]) + slope * levels[lo:hi]))
+            lower = g_hi + slope * float(levels[lo]) if floor is None else \
+                float(np.min(np.maximum(g_hi, floor[lo:hi]) + slope * levels[lo:hi]))
             heapq.heappush(open_, (lower, lo, hi, g_hi))
 
     top = evaluate(len(levels) - 1)
@@ -465,15 +467,14 @@ def solve(t: np.ndarray | Entries, extra: np.ndarray | None, sizes: list[int], d
             break
         pipeline, picked, used = found
         rounds += used
-        hint = max(float(table[min(k, k0), i, j, s]) for i, j, s, k in picked)
+        hint = max(float(table[k, i, j, s]) for i, j, s, k in picked)  # the plan's largest latency (levels k ≤ k0)
         if best is not None and pipeline >= best.total:
             break  # tighter bounds only raise the pipeline part
         n = len(picked)
         stages = [StageChoice(i, j, s, n - p, int(option[k, i, j, s])) for p, (i, j, s, k) in enumerate(picked)]
         sync = max(sync_of(c) for c in stages)
         if best is None or pipeline + sync < best.total - 1e-15:
-            max_latency = max(float(table[min(c.inflight, k0), c.first, c.last, c.submesh]) for c in stages)
-            best = DPResult(pipeline + sync, stages, max_latency, rounds)
+            best = DPResult(pipeline + sync, stages, hint, rounds)
         lower = levels[levels < sync]
         if len(lower) == 0 or pipeline >= cutoff or not proven:
             break
