@@ -38,6 +38,7 @@ class Case:
     target_s: float | None  # the wall-time target
 
 
+GPT_1P7B = "generate:gpt --hidden 2304 --layers 24 --heads 24 --seq 2048 --vocab 51200 --batch 512 --name gpt-1.7b"
 GPT_1T = "generate:gpt --hidden 25600 --layers 128 --heads 160 --seq 2048 --vocab 51200 --batch 3072 --name gpt-1t"
 CASES = [
     Case("gpt-1.3b-8", "instances/gpt-1.3b.json", ("--cluster", "p3.16xlarge", "--nodes", "1", "--microbatches", "128"), None),
@@ -46,6 +47,7 @@ CASES = [
     Case("gpt-39b-64-auto", "instances/gpt-39b.json", ("--cluster", "p3.16xlarge", "--nodes", "8"), 15.0),
     Case("llama-70b-64-auto", "instances/llama-70b.json", ("--cluster", "dgx-a100", "--nodes", "8"), 30.0),
     Case("gpt-1t-3072-auto", GPT_1T, ("--cluster", "dgx-a100", "--nodes", "384"), 60.0),
+    Case("gpt-1.7b-32-auto", GPT_1P7B, ("--cluster", "dgx-a100", "--nodes", "4"), None),  # the third row
     # the tuned commands of docs/benchmarks.md
     Case("gpt-39b-64", "instances/gpt-39b.json", ("--cluster", "p3.16xlarge", "--nodes", "8", "--microbatches", "1024", "--recompute"),
          60.0),
