@@ -96,7 +96,8 @@ class _Answers:
 def test_with_zero_bubble_deferred_memory_binds_only_when_a_memory_free_plan_is_faster(fitting, zero_bubble, binds):
     """The other schedules' memory-free plan takes 10 s and ZB-H1 could save down to 9 s: a plan that fits within
     them stands unless the ZB-H1 search, run then, finds a memory-free plan faster than it."""
-    state = inter._Count(64, None, [], [], ["none"], {}, ({}, {}, {}), None, [], free=dp_result(10.0, floor=9.0), deferred=True)
+    state = inter._Count(64, None, [], [], ["none"], {}, ({}, {}, {}), None, [], free=dp_result(10.0, floor=9.0),
+                         deferred=True)
     space = _Answers(None if fitting is None else dp_result(fitting),
                      None if zero_bubble is None else dp_result(zero_bubble))
     found = inter._unbound(space, state, inter.Stats(), math.inf)

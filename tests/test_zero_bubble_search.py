@@ -423,7 +423,7 @@ def test_a_stopped_search_is_no_slower_than_a_search_of_one_modes_rows(priced, m
     floor; an exact result is returned as it is."""
     layering, count, costs, pipe, sizes, devices, budget = _stopped_searches(priced, monkeypatch, binds)
     space = _Space(GRAPH, CLUSTER, Options(), layering, budget, SUBMESHES, {})
-    state = _Count(count, pipe, [], [], ["none", "full"], costs, [], None, [])
+    state = _Count(count, pipe, [], [], ["none", "full"], costs, ({}, {}, {}), None, [])
     found = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, Options().schedules, Stats())
     assert found[0].floor is not None  # stopped short of proving its plan optimal
     best = space.each_mode(state, found, state.modes, Stats())
