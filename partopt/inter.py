@@ -673,11 +673,15 @@ def _state_bytes(graph: Graph) -> float:
 
 
 def _no_plan(graph: Graph, cluster: Cluster, budget: float) -> InfeasibleError:
+    """Why no plan fits, with what helps: the parameter state needs more memory (more nodes, less kept in
+    reserve); activations need more room or smaller microbatches."""
     state = _state_bytes(graph)
     total = budget * cluster.num_devices
+    short = state > total
     return InfeasibleError(
         f"no plan fits: the model's parameter state alone is {fmt_bytes(state)} against "
         f"{fmt_bytes(total)} usable on {cluster.num_devices} devices "
-        f"({'short by ' + fmt_bytes(state - total) if state > total else 'activations do not fit'})",
+        f"({'short by ' + fmt_bytes(state - total) if short else 'activations do not fit'})",
         f"{graph.name} on {cluster.name}",
-        "use more nodes (--nodes), a smaller batch, or more microbatches")
+        "use more nodes (--nodes) or keep less device memory in reserve (--memory-reserve)" if short
+        else "use more nodes (--nodes), a smaller batch, or more microbatches")

@@ -62,6 +62,16 @@ def test_model_larger_than_the_cluster_says_by_how_much():
     line = err.value.line()
     assert "parameter state alone is 128 GiB" in line
     assert f"short by {128 - usable:.3g} GiB" in line
+    assert "--memory-reserve" in line and "microbatches" not in line  # no microbatch count shrinks the state
+
+
+def test_activations_larger_than_the_cluster_point_to_smaller_microbatches():
+    graph = mlp(2, 2**28, 64)  # one microbatch: every fp32 activation is 2^28 · 64 · 4 B = 64 GiB, the state 128 KiB
+    cluster = preset("p3.16xlarge", 1)
+    with pytest.raises(InfeasibleError) as err:
+        optimize(graph, cluster, microbatches=1)
+    line = err.value.line()
+    assert "activations do not fit" in line and "more microbatches" in line and "--memory-reserve" not in line
 
 
 def test_plan_iteration_time_is_the_pipeline_closed_form_of_its_stages():
