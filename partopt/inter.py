@@ -281,10 +281,9 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     place(state)
                     continue
                 state = waiting.pop(max(waiting))
-                if state.deferred and best is not None and (state.free[0].total, state.count) > best[:2]:
-                    # its other schedules' plan does not beat the best: ZB-H1's memory-free plan may not either
-                    _set_free(space, state, best, stats)
-                    place(state)
+                if state.deferred and best is not None and (state.free[0].total, state.count) > best[:2] and not (
+                        _zero_bubble_may_win(space, state, best, stats)):
+                    finish(state.count, None, state.costs, state.modes[:1])  # no plan of it beats the best
                     continue
                 found, modes = _close_count(space, pricer, state, best, stats,
                                             lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
@@ -364,6 +363,15 @@ def _set_free(space: _Space, state: _Count, best: tuple | None, stats: Stats) ->
     state.free, state.deferred = _memory_free(space, state, best, stats)
     if not state.deferred and _fitting(space, state, state.free):
         state.found = state.free  # memory does not bind: the plan that ignores it fits
+
+
+def _zero_bubble_may_win(space: _Space, state: _Count, best: tuple, stats: Stats) -> bool:
+    """Whether a ZB-H1 plan of `state`'s rows, memory ignored, may beat `best`, by ZB-H1's bounds and its seed alone
+    (`_best_schedule` unproven): asked of a count whose other schedules' memory-free plan does not beat it. A full
+    search here would only say so more often at the price of its work limit, and the count it leaves open is closed
+    as deferred (`_unbound`)."""
+    return space.run_dps(state.pipe, state.costs, state.count, math.inf, ("1f1b", "zero-bubble"), stats,
+                         cutoff=_wanted(best), proven=False) is not None
 
 
 def _fitting(space: _Space, state: _Count, found) -> bool:
@@ -524,7 +532,8 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     looks only for a plan costing less; with none found and no incumbent, None, or, when a stopped search
     leaves a floor under the cutoff, a result of no stages and infinite cost carrying that floor (so that the
     search's reported lower bound still counts it). `proven=False`: 1F1B's and the interleaved DPs return their
-    first plan, not proven the least (`stagedp.solve`)."""
+    first plan, not proven the least (`stagedp.solve`), and ZB-H1's search runs no DP past its bounds (a work limit
+    of 0): its seed when that beats the bar, else None when the bounds rule every plan out, else its floor."""
     found = []
     own = incumbent[0].total if incumbent is not None else math.inf
     bar = min(cutoff, own)  # what a plan found here must beat
@@ -561,7 +570,8 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
         least = min(onef1b.total, seed_bar) if onef1b is not None else seed_bar
         if least < rules_out:
             found.append((stagedp.zero_bubble(entries, split_table(pipe, entries, options_of), sizes, devices, count,
-                                              beat, stagedp.zero_bubble_limit(entries.latency, devices), hint,
+                                              beat, stagedp.zero_bubble_limit(entries.latency, devices) if proven else 0,
+                                              hint,
                                               onef1b.stages if onef1b is not None else None),
                           "zero-bubble", 1, options_of))
     found = [f for f in found if f[0] is not None]

@@ -404,6 +404,33 @@ def test_a_1f1b_optimum_past_the_share_skips_the_zero_bubble_search(priced, monk
         assert searched
 
 
+@pytest.mark.parametrize("devices", [2, 4, 8])
+def test_an_unproven_search_rules_out_only_what_no_plan_beats(priced, monkeypatch, devices):
+    """`_best_schedule(proven=False)` over 1F1B and ZB-H1, as `inter._zero_bubble_may_win` asks it of a deferred count:
+    ZB-H1's search runs no inner DP past its bounds (`stagedp._threshold` is never entered), and None, which drops
+    the count, comes only under a cutoff no 1F1B or ZB-H1 plan beats (brute force); a cutoff far enough below the
+    optimum is ruled out by the bounds alone."""
+    layering, count, costs = priced
+    pipe = pipeline_of(GRAPH, CLUSTER, layering, count, True)
+    sizes, budget = [a * b for a, b in SUBMESHES], math.inf
+    onef1b = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, ("1f1b",), Stats())[0].total
+    optimum = min(onef1b, brute_force(pipe, layering, costs, count, budget, devices))
+    searched = []
+    real = stagedp._threshold
+    monkeypatch.setattr(stagedp, "_threshold", lambda *a, **k: searched.append(1) or real(*a, **k))
+    dropped = []
+    for cutoff in (optimum * 0.5, optimum * 0.9, optimum * 0.99, optimum * 1.001, optimum * 1.5):
+        found = _best_schedule(pipe, costs, SUBMESHES, sizes, devices, count, budget, ("1f1b", "zero-bubble"), Stats(),
+                               cutoff=cutoff, proven=False)
+        if found is None:
+            dropped.append(cutoff)
+            assert optimum >= cutoff
+        else:
+            assert found[0].total >= optimum * (1 - 1e-12)  # a plan found, or a floor's infinite total
+    assert not searched
+    assert dropped and dropped[0] == optimum * 0.5 and optimum * 1.001 not in dropped
+
+
 def _stopped_searches(priced, monkeypatch, binds: bool):
     """The priced table with ZB-H1's work limit at one inner DP (its searches stop short), its pipeline, submesh
     sizes and devices, and a budget under which the whole model on one device fits 3 microbatches (or none)."""
