@@ -144,10 +144,12 @@ class _Space:
         return self.solved[key][0]
 
     def run_dps(self, pipe: Pipeline, costs: dict, count: int, budget: float, schedules: Sequence[str],
-                stats: Stats, incumbent: tuple | None = None, cutoff: float = math.inf, proven: bool = True):
+                stats: Stats, incumbent: tuple | None = None, cutoff: float = math.inf, proven: bool = True,
+                bounds_only: bool = False):
         """`_best_schedule` on this space's submeshes and cluster, uncached."""
         return _best_schedule(pipe, costs, self.submeshes, [n * m for n, m in self.submeshes],
-                              self.cluster.num_devices, count, budget, schedules, stats, incumbent, cutoff, proven)
+                              self.cluster.num_devices, count, budget, schedules, stats, incumbent, cutoff, proven,
+                              bounds_only)
 
     def upper(self, pipe: Pipeline, costs: dict, count: int, budget: float, stats: Stats, cutoff: float) -> float:
         """The iteration time of a plan of the first schedule that fits, or `cutoff` when it finds none under it: a
@@ -367,11 +369,11 @@ def _set_free(space: _Space, state: _Count, best: tuple | None, stats: Stats) ->
 
 def _zero_bubble_may_win(space: _Space, state: _Count, best: tuple, stats: Stats) -> bool:
     """Whether a ZB-H1 plan of `state`'s rows, memory ignored, may beat `best`, by ZB-H1's bounds and its seed alone
-    (`_best_schedule` unproven): asked of a count whose other schedules' memory-free plan does not beat it. A full
+    (`_best_schedule`'s `bounds_only`): asked of a count whose other schedules' memory-free plan does not beat it. A full
     search here would only say so more often at the price of its work limit, and the count it leaves open is closed
     as deferred (`_unbound`)."""
     return space.run_dps(state.pipe, state.costs, state.count, math.inf, ("1f1b", "zero-bubble"), stats,
-                         cutoff=_wanted(best), proven=False) is not None
+                         cutoff=_wanted(best), proven=False, bounds_only=True) is not None
 
 
 def _fitting(space: _Space, state: _Count, found) -> bool:
@@ -520,7 +522,7 @@ def _stages_of(found, costs: dict, count: int, space: _Space) -> tuple[list[Stag
 
 def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], sizes: list[int], devices: int,
                    count: int, budget: float, schedules: Sequence[str], stats: Stats, incumbent: tuple | None = None,
-                   cutoff: float = math.inf, proven: bool = True):
+                   cutoff: float = math.inf, proven: bool = True, bounds_only: bool = False):
     """The stage DP's best plan over `schedules` for one microbatch count: (result, schedule, v, options per
     submesh), or None. 1F1B cuts the layers freely; interleaved takes the best (S, v) of Megatron's uniform
     chunking (`schedules.interleaved_shapes`, `stages.interleaved_table`); zero-bubble (ZB-H1) cuts freely on
@@ -532,8 +534,9 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
     looks only for a plan costing less; with none found and no incumbent, None, or, when a stopped search
     leaves a floor under the cutoff, a result of no stages and infinite cost carrying that floor (so that the
     search's reported lower bound still counts it). `proven=False`: 1F1B's and the interleaved DPs return their
-    first plan, not proven the least (`stagedp.solve`), and ZB-H1's search runs no DP past its bounds (a work limit
-    of 0): its seed when that beats the bar, else None when the bounds rule every plan out, else its floor."""
+    first plan, not proven the least (`stagedp.solve`). `bounds_only`: ZB-H1's search runs no DP past its bounds (a
+    work limit of 0): its seed when that beats the bar, else None when the bounds rule every plan out, else its
+    floor."""
     found = []
     own = incumbent[0].total if incumbent is not None else math.inf
     bar = min(cutoff, own)  # what a plan found here must beat
@@ -570,7 +573,7 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
         least = min(onef1b.total, seed_bar) if onef1b is not None else seed_bar
         if least < rules_out:
             found.append((stagedp.zero_bubble(entries, split_table(pipe, entries, options_of), sizes, devices, count,
-                                              beat, stagedp.zero_bubble_limit(entries.latency, devices) if proven else 0,
+                                              beat, 0 if bounds_only else stagedp.zero_bubble_limit(entries.latency, devices),
                                               hint,
                                               onef1b.stages if onef1b is not None else None),
                           "zero-bubble", 1, options_of))
