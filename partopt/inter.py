@@ -369,9 +369,9 @@ def _set_free(space: _Space, state: _Count, best: tuple | None, stats: Stats) ->
 
 def _zero_bubble_may_win(space: _Space, state: _Count, best: tuple, stats: Stats) -> bool:
     """Whether a ZB-H1 plan of `state`'s rows, memory ignored, may beat `best`, by ZB-H1's bounds and its seed alone
-    (`_best_schedule`'s `bounds_only`): asked of a count whose other schedules' memory-free plan does not beat it. A full
-    search here would only say so more often at the price of its work limit, and the count it leaves open is closed
-    as deferred (`_unbound`)."""
+    (`_best_schedule`'s `bounds_only`): asked of a count whose other schedules' memory-free plan does not beat it.
+    A full search here would only say so more often at the price of its work limit, and the count it leaves open
+    is closed as deferred (`_unbound`)."""
     return space.run_dps(state.pipe, state.costs, state.count, math.inf, ("1f1b", "zero-bubble"), stats,
                          cutoff=_wanted(best), proven=False, bounds_only=True) is not None
 
@@ -572,10 +572,9 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
         # the 1F1B optimum is at least this (exact under the DP's cutoff); no 1F1B plan at all: no ZB-H1 plan either
         least = min(onef1b.total, seed_bar) if onef1b is not None else seed_bar
         if least < rules_out:
+            limit = 0 if bounds_only else stagedp.zero_bubble_limit(entries.latency, devices)  # 0: its bounds alone
             found.append((stagedp.zero_bubble(entries, split_table(pipe, entries, options_of), sizes, devices, count,
-                                              beat, 0 if bounds_only else stagedp.zero_bubble_limit(entries.latency, devices),
-                                              hint,
-                                              onef1b.stages if onef1b is not None else None),
+                                              beat, limit, hint, onef1b.stages if onef1b is not None else None),
                           "zero-bubble", 1, options_of))
     found = [f for f in found if f[0] is not None]
     stats.dp_rounds += sum(f[0].rounds for f in found)
