@@ -405,7 +405,7 @@ def test_a_1f1b_optimum_past_the_share_skips_the_zero_bubble_search(priced, monk
 
 
 @pytest.mark.parametrize("devices", [2, 4, 8])
-def test_an_unproven_search_rules_out_only_what_no_plan_beats(priced, monkeypatch, devices):
+def test_a_bounds_only_search_rules_out_only_what_no_plan_beats(priced, monkeypatch, devices):
     """`_best_schedule(proven=False, bounds_only=True)` over 1F1B and ZB-H1, as `inter._zero_bubble_may_win` asks it:
     ZB-H1's search runs no inner DP past its bounds (`stagedp._threshold` is never entered), and None, which drops
     the count, comes only under a cutoff no 1F1B or ZB-H1 plan beats (brute force); a cutoff far enough below the
