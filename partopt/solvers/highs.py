@@ -1,7 +1,14 @@
-"""HiGHS backend (highspy): the model as a sparse MIP with binary and bounded continuous columns."""
+"""HiGHS backend (highspy): the model as a sparse MIP with binary and bounded continuous columns.
+
+A program whose 0-1 columns fall into choice rows (exactly one column of each is 1, as every node's strategy
+in `partopt.ilp`) is first branched on those rows over HiGHS's LPs (`_branch`): HiGHS's own MIP spends most
+of its root on cuts and heuristics that these programs do not need (docs/benchmarks.md, "Choice branching").
+"""
 
 from __future__ import annotations
 
+import heapq
+import math
 import os
 import sys
 import time
@@ -13,6 +20,14 @@ from partopt.solvers import Model, Options, Result
 
 MAX_NODES = 2**31 - 1  # HiGHS's integer options are 32-bit; this is its "no limit"
 INTEGRALITY_TOLERANCE = 1e-6  # HiGHS's mip_feasibility_tolerance: how far from 0 or 1 its MIP accepts a 0-1 value
+# LPs the choice branching solves before HiGHS's own MIP takes over from its incumbent: the memory-capped GPT-39B
+# block programs needed 3 to 97, GPT-1T's a median of 5 and 189 at most (docs/benchmarks.md, "Choice branching")
+BRANCH_NODES = 200
+# a node LP stopped past this many times the root LP's simplex iterations (plus 1000) hands over to HiGHS's MIP (a
+# deterministic stop, unlike the clock). The LPs run without HiGHS's `objective_bound`: with it, a warm-started
+# node LP deep in a GPT-1T program's tree ran until the clock stopped it after 245 iterations, and without it
+# the same LP took 80 iterations in 0.02 s (docs/benchmarks.md, "Choice branching")
+STALLED = 5
 
 
 def _new_highs() -> highspy.Highs:
@@ -95,6 +110,120 @@ def _values(x, model: Model, scale: list[float]) -> list[float]:
     return values
 
 
+def _choice_rows(model: Model) -> list[np.ndarray]:
+    """The columns of each choice row (0-1 columns summing to exactly 1), or [] unless every 0-1 column that is
+    in no choice row is pinned by equality rows to them (as `ilp.build_model`'s pair columns are to their nodes')."""
+    binary = np.ones(model.num_vars, dtype=bool)
+    binary[list(model.continuous)] = False
+    groups, covered = [], np.zeros(model.num_vars, dtype=bool)
+    for index, coef, lo, hi in model.rows:
+        if lo == hi == 1 and all(c == 1 for c in coef) and binary[index].all():
+            groups.append(np.asarray(index))
+            covered[index] = True
+    pinned = np.zeros(model.num_vars, dtype=bool)
+    for index, coef, lo, hi in model.rows:
+        if lo == hi == 0 and len(index) > 1:
+            pinned[index] = True
+    return groups if groups and np.all(covered | pinned | ~binary) else []
+
+
+def _branch(model: Model, original: Model, scale: list[float], groups: list[np.ndarray], options: Options,
+            start: float) -> tuple[Result | None, dict[int, float], int]:
+    """Best-first branch and bound over the choice rows `groups` of the shrunk `model`, each node an LP that
+    HiGHS warm-starts from the last: (the optimum, {}, LPs solved), or, when BRANCH_NODES LPs (or the work or
+    time limit) did not settle it, (None, the best start found for HiGHS's MIP, LPs solved).
+
+    A node whose LP leaves some choice row fractional splits it in two: its columns with the larger LP values
+    are forbidden in one child, kept alone in the other. The row split is the one whose mix is widest on the
+    binding inequality rows (each weighted by its dual; the memory row, chiefly): the relaxation of a capped
+    program is fractional where a lean and a fast strategy mix to meet the cap."""
+    h = _load(model, Options(options.time_limit_s, options.seed, options.threads), relaxed=True)
+    n = model.num_vars
+    upper, binary = np.ones(n), np.ones(n, dtype=bool)
+    for j, bound in model.continuous.items():
+        upper[j], binary[j] = bound, False
+    inequality = [r for r, (_, _, lo, hi) in enumerate(model.rows) if lo != hi]
+    dense = np.zeros((len(inequality), n))
+    for k, r in enumerate(inequality):
+        index, coef, _, _ = model.rows[r]
+        dense[k, index] = coef
+    bar = math.inf if options.cutoff is None else float(options.cutoff)  # what a solution must get under
+    incumbent = None  # the best solution found, in the shrunk model's units
+    if len(model.start) == n:  # a whole start is a feasible solution
+        x = np.fromiter((model.start[j] for j in range(n)), dtype=float, count=n)
+        incumbent, bar = _better(x, incumbent, bar, original, model, scale)
+    columns = np.arange(n, dtype=np.int32)
+    queue: list[tuple[float, int, tuple[int, ...]]] = [(-math.inf, 0, ())]  # (parent's bound, order, forbidden)
+    nodes, pushed, limit = 0, 0, min(BRANCH_NODES, options.work_limit)
+    while queue and _under(queue[0][0], bar):
+        if nodes >= limit or time.perf_counter() - start > options.time_limit_s:
+            return None, dict(enumerate(incumbent.tolist())) if incumbent is not None else model.start, nodes
+        _, _, forbidden = heapq.heappop(queue)
+        bounds = upper.copy()
+        bounds[list(forbidden)] = 0.0
+        h.changeColsBounds(n, columns, np.zeros(n), bounds)
+        h.run()
+        if nodes == 0:  # a node's LP, warm-started, that takes many times the root's iterations has stalled
+            h.setOptionValue("simplex_iteration_limit", STALLED * h.getInfo().simplex_iteration_count + 1000)
+        nodes += 1
+        status = h.getModelStatus()
+        if status == highspy.HighsModelStatus.kInfeasible:
+            continue
+        if status != highspy.HighsModelStatus.kOptimal:  # numerical trouble, a stalled LP: HiGHS's MIP takes over
+            return None, dict(enumerate(incumbent.tolist())) if incumbent is not None else model.start, nodes
+        bound = h.getInfo().objective_function_value
+        if not _under(bound, bar):
+            continue
+        solution = h.getSolution()
+        x = np.asarray(solution.col_value)
+        split = _split(groups, x, dense, np.abs(np.asarray(solution.row_dual))[inequality])
+        if split is None:  # every choice integral, so the pair columns too: the node's optimum is a solution
+            incumbent, bar = _better(np.where(binary, np.rint(x), x), incumbent, bar, original, model, scale)
+            continue
+        for child in split:
+            pushed += 1
+            heapq.heappush(queue, (bound, pushed, forbidden + child))
+    elapsed = time.perf_counter() - start
+    if incumbent is None:
+        return Result("infeasible", None, None, None, elapsed, "highs", float(nodes)), {}, nodes
+    return Result("optimal", _values(incumbent, model, scale), bar, bar, elapsed, "highs", float(nodes)), {}, nodes
+
+
+def _better(x: np.ndarray, incumbent: np.ndarray | None, bar: float, original: Model, model: Model,
+            scale: list[float]) -> tuple[np.ndarray | None, float]:
+    """The solution `x` of the shrunk `model` and its objective when it gets under `bar`, else the incumbent and bar."""
+    objective = original.value(_values(x, model, scale))
+    return (x, objective) if objective < bar else (incumbent, bar)
+
+
+def _under(bound: float, bar: float) -> bool:
+    """Whether a node of LP bound `bound` may hold a solution under the incumbent's `bar` (relative tolerance 1e-9)."""
+    return bar == math.inf or bound < bar - 1e-9 * max(1.0, abs(bar))
+
+
+def _split(groups: list[np.ndarray], x: np.ndarray, dense: np.ndarray, duals: np.ndarray) -> tuple | None:
+    """The two children of the LP solution `x`: the columns each forbids, of the fractional choice row whose
+    mix is widest on the binding inequality rows (`dense`, weighted by their `duals`); None when none is."""
+    binding = duals > 1e-12
+    weights, rows = duals[binding], dense[binding]
+    chosen, widest = None, (-1.0, -1.0)
+    for group in groups:
+        share = x[group]
+        fraction = 1.0 - share.max()
+        if fraction <= INTEGRALITY_TOLERANCE:
+            continue
+        coef = rows[:, group]
+        spread = float(weights @ (np.abs(coef - (coef @ share)[:, None]) @ share)) if len(weights) else 0.0
+        if (spread, fraction) > widest:
+            chosen, widest = group, (spread, fraction)
+    if chosen is None:
+        return None
+    used = chosen[x[chosen] > INTEGRALITY_TOLERANCE]
+    used = used[np.argsort(-x[used], kind="stable")]
+    larger = used[: max(1, len(used) // 2)]
+    return tuple(larger.tolist()), tuple(np.setdiff1d(chosen, larger).tolist())
+
+
 def solve(original: Model, options: Options) -> Result:
     start = time.perf_counter()
     model, scale = original.shrunk()
@@ -102,15 +231,22 @@ def solve(original: Model, options: Options) -> Result:
         found = _integral_relaxation(original, model, scale, options, start)
         if found is not None:
             return found
+    groups = _choice_rows(model)
+    first, branched = model.start, 0
+    if groups:
+        found, first, branched = _branch(model, original, scale, groups, options, start)
+        if found is not None:
+            return found
     h = _load(model, options, relaxed=False)
-    if model.start:
-        index = np.fromiter(model.start, dtype=np.int32)
-        h.setSolution(len(index), index, np.fromiter(model.start.values(), dtype=float))
+    h.setOptionValue("time_limit", max(options.time_limit_s - (time.perf_counter() - start), 1e-9))
+    if first:
+        index = np.fromiter(first, dtype=np.int32)
+        h.setSolution(len(index), index, np.fromiter(first.values(), dtype=float))
     h.run()
     elapsed = time.perf_counter() - start
     status = h.getModelStatus()
     info = h.getInfo()
-    nodes = float(info.mip_node_count)
+    nodes = float(branched + info.mip_node_count)
     has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
     if status == highspy.HighsModelStatus.kInfeasible:
         return Result("infeasible", None, None, None, elapsed, "highs", nodes)

@@ -1,0 +1,94 @@
+"""HiGHS's choice branching (`partopt.solvers.highs._branch`): on memory-capped strategy programs it reaches the
+brute-force optimum, settling them alone or handing over to HiGHS's own MIP at its node budget."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from partopt import ilp, solvers
+from partopt.errors import InfeasibleError
+from partopt.solvers import highs
+from test_ilp import brute_force
+from test_solver_limits import knapsack
+
+
+def capped_graph(rng: random.Random) -> tuple[ilp.CostGraph, float]:
+    """A chain-like cost graph of 5-8 nodes with 2-5 strategies each, fast strategies heavy, and a budget between
+    its leanest and its heaviest assignment: the capped programs `ilp.solve` hands the solver."""
+    g = ilp.CostGraph()
+    n = rng.randint(5, 8)
+    for i in range(n):
+        k = rng.randint(2, 5)
+        memory = [rng.randint(1, 20) for _ in range(k)]
+        g.add_node(f"n{i}", [round(30 / m + rng.random(), 3) for m in memory], memory)
+    for i in range(1, n):
+        for j in {i - 1, rng.randrange(i)}:
+            g.add_edge(j, i, [[rng.choice([0, 0, 0.5, 1, 3]) for _ in g.costs[i]] for _ in g.costs[j]])
+    least = sum(float(m.min()) for m in g.memory)
+    most = sum(float(m.max()) for m in g.memory)
+    return g, least + (most - least) * rng.uniform(0.1, 0.6)
+
+
+CASES = [capped_graph(random.Random(seed)) for seed in range(40)]
+
+
+@pytest.fixture
+def settled(monkeypatch) -> list[bool]:
+    """Per solve that branched: whether the branching settled it (False: it handed over to HiGHS's MIP)."""
+    seen: list[bool] = []
+    branch = highs._branch
+
+    def spy(*args):
+        found = branch(*args)
+        seen.append(found[0] is not None)
+        return found
+
+    monkeypatch.setattr(highs, "_branch", spy)
+    return seen
+
+
+def _check_optimal(graph: ilp.CostGraph, budget: float) -> None:
+    solution = ilp.solve(graph, budget, "highs", reduce_first=False)
+    assert solution.result.status == "optimal"
+    assert solution.objective == pytest.approx(brute_force(graph, budget), abs=1e-9)
+    assert graph.peak_memory(solution.choice) <= budget + 1e-9
+
+
+def test_the_branching_alone_reaches_the_brute_force_optimum(settled):
+    for graph, budget in CASES:
+        _check_optimal(graph, budget)
+    assert len(settled) == len(CASES) and all(settled)  # every program branched, none needed HiGHS's MIP
+
+
+@pytest.mark.parametrize("nodes", [0, 1, 3])
+def test_a_handover_at_the_node_budget_keeps_the_optimum(monkeypatch, settled, nodes):
+    """With a budget of 0, 1 or 3 LPs the branching stops short and HiGHS's MIP finishes from its incumbent."""
+    monkeypatch.setattr(highs, "BRANCH_NODES", nodes)
+    for graph, budget in CASES:
+        _check_optimal(graph, budget)
+    assert settled.count(False) > len(CASES) // 2
+
+
+def test_a_cutoff_at_the_optimum_leaves_no_solution_and_one_above_keeps_it():
+    for graph, budget in CASES[:15]:
+        optimum = brute_force(graph, budget)
+        with pytest.raises(InfeasibleError):
+            ilp.solve(graph, budget, "highs", reduce_first=False, cutoff=optimum)
+        above = ilp.solve(graph, budget, "highs", reduce_first=False, cutoff=optimum + 1e-3)
+        assert above.objective == pytest.approx(optimum, abs=1e-9)
+
+
+def test_only_programs_made_of_choice_rows_branch():
+    graph, budget = CASES[0]
+    alive = ilp.reduce(graph)
+    model, _ = ilp.build_model(graph, alive, budget)
+    assert len(highs._choice_rows(model)) == sum(int(a.sum()) > 1 for a in alive)
+    assert highs._choice_rows(knapsack()) == []  # no choice rows: HiGHS's MIP alone
+    before = solvers.solve(model, "highs").objective
+    model.add_var(-1.0)  # a 0-1 column outside every choice row and pinned by none, worth taking
+    model.add_row([model.num_vars - 1], [1.0], -math.inf, 1)
+    assert highs._choice_rows(model) == []
+    assert solvers.solve(model, "highs").objective == pytest.approx(before - 1, abs=1e-9)
