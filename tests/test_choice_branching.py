@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 
 from partopt import ilp, solvers
@@ -92,3 +93,23 @@ def test_only_programs_made_of_choice_rows_branch():
     model.add_row([model.num_vars - 1], [1.0], -math.inf, 1)
     assert highs._choice_rows(model) == []
     assert solvers.solve(model, "highs").objective == pytest.approx(before - 1, abs=1e-9)
+
+
+def test_the_split_row_is_the_widest_mix_on_the_binding_rows_by_hand():
+    """Two choice rows {0, 1, 2} and {3, 4}, a memory row (no entry on column 2) and a second row on columns 1
+    and 4. With x = (.5, .5, 0, .25, .75) and duals (2, .5), by hand: the first mix has mean 3 and spread 2 on
+    the memory row, mean 1.5 and spread 1.5 on the other, so 2·2 + .5·1.5 = 4.75; the second, means 5.75 and
+    .75, spreads 1.875 and .375: 2·1.875 + .5·.375 = 3.9375. A row whose dual is 0 does not bind and counts
+    nothing."""
+    model = solvers.Model()
+    model.add_vars(np.zeros(5))
+    model.add_row([0, 1, 2], [1.0] * 3, 1, 1)
+    model.add_row([3, 4], [1.0] * 2, 1, 1)
+    model.add_row([0, 1, 3, 4], [1.0, 5.0, 2.0, 7.0], -math.inf, 10)
+    model.add_row([1, 4], [3.0, 1.0], -math.inf, 3)
+    groups = highs._choice_rows(model)
+    spread = highs._Spread.of(model, [2, 3], groups)
+    x = np.array([0.5, 0.5, 0.0, 0.25, 0.75])
+    assert spread.widths(x, np.array([2.0, 0.5])) == pytest.approx([4.75, 3.9375])
+    assert spread.widths(x, np.array([2.0, 0.0])) == pytest.approx([4.0, 3.75])
+    assert highs._split(groups, x, spread.widths(x, np.array([2.0, 0.5]))) == ((0,), (1, 2))

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import highspy
 import numpy as np
@@ -143,10 +144,7 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
     for j, bound in model.continuous.items():
         upper[j], binary[j] = bound, False
     inequality = [r for r, (_, _, lo, hi) in enumerate(model.rows) if lo != hi]
-    dense = np.zeros((len(inequality), n))
-    for k, r in enumerate(inequality):
-        index, coef, _, _ = model.rows[r]
-        dense[k, index] = coef
+    spread = _Spread.of(model, inequality, groups)
     bar = math.inf if options.cutoff is None else float(options.cutoff)  # what a solution must get under
     incumbent = None  # the best solution found, in the shrunk model's units
     if len(model.start) == n:  # a whole start is a feasible solution
@@ -176,7 +174,7 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
             continue
         solution = h.getSolution()
         x = np.asarray(solution.col_value)
-        split = _split(groups, x, dense, np.abs(np.asarray(solution.row_dual))[inequality])
+        split = _split(groups, x, spread.widths(x, np.abs(np.asarray(solution.row_dual))[inequality]))
         if split is None:  # every choice integral, so the pair columns too: the node's optimum is a solution
             incumbent, bar = _better(np.where(binary, np.rint(x), x), incumbent, bar, original, model, scale)
             continue
@@ -201,21 +199,55 @@ def _under(bound: float, bar: float) -> bool:
     return bar == math.inf or bound < bar - 1e-9 * max(1.0, abs(bar))
 
 
-def _split(groups: list[np.ndarray], x: np.ndarray, dense: np.ndarray, duals: np.ndarray) -> tuple | None:
-    """The two children of the LP solution `x`: the columns each forbids, of the fractional choice row whose
-    mix is widest on the binding inequality rows (`dense`, weighted by their `duals`); None when none is."""
-    binding = duals > 1e-12
-    weights, rows = duals[binding], dense[binding]
+@dataclass(frozen=True)
+class _Spread:
+    """The inequality rows' coefficients on the choice rows' columns, as entries (row, choice row, column,
+    coefficient): what `widths` needs, without a dense matrix (a whole-model program has ~10^5 columns)."""
+
+    row: np.ndarray
+    group: np.ndarray
+    column: np.ndarray
+    coef: np.ndarray
+    rows: int
+    groups: int
+
+    @classmethod
+    def of(cls, model: Model, inequality: list[int], groups: list[np.ndarray]) -> _Spread:
+        group_of = np.full(model.num_vars, -1)
+        for g, columns in enumerate(groups):
+            group_of[columns] = g
+        parts = []
+        for k, r in enumerate(inequality):
+            index, coef, _, _ = model.rows[r]
+            index, coef = np.asarray(index, dtype=np.int64), np.asarray(coef, dtype=float)
+            keep = group_of[index] >= 0
+            parts.append((np.full(int(keep.sum()), k), group_of[index[keep]], index[keep], coef[keep]))
+        row, group, column, coef = (np.concatenate([p[i] for p in parts]) if parts else np.zeros(0, dtype=int)
+                                    for i in range(4))
+        return cls(row, group, column, coef.astype(float), len(inequality), len(groups))
+
+    def widths(self, x: np.ndarray, duals: np.ndarray) -> np.ndarray:
+        """Per choice row g, the spread of its mix on the binding rows: sum over rows r of |dual_r| ·
+        sum_{c in g} x_c · |a_rc − ā_rg|, ā_rg = sum_{c in g} x_c a_rc (the row's mean over the mix, which sums to 1)."""
+        live = duals[self.row] > 1e-12
+        row, group, share, coef = self.row[live], self.group[live], x[self.column[live]], self.coef[live]
+        key = row * self.groups + group
+        size = self.rows * self.groups
+        mean = np.bincount(key, share * coef, size)
+        stored = np.bincount(key, share, size)  # the columns of the mix with no entry in the row: coefficient 0
+        deviation = np.bincount(key, share * np.abs(coef - mean[key]), size) + np.maximum(1.0 - stored, 0.0) * np.abs(mean)
+        present = np.flatnonzero(np.bincount(key, minlength=size))
+        return np.bincount(present % self.groups, duals[present // self.groups] * deviation[present], self.groups)
+
+
+def _split(groups: list[np.ndarray], x: np.ndarray, widths: np.ndarray) -> tuple | None:
+    """The two children of the LP solution `x`: the columns each forbids, of the fractional choice row whose mix is
+    widest on the binding inequality rows (`_Spread.widths`), the most fractional on ties; None when none is."""
     chosen, widest = None, (-1.0, -1.0)
-    for group in groups:
-        share = x[group]
-        fraction = 1.0 - share.max()
-        if fraction <= INTEGRALITY_TOLERANCE:
-            continue
-        coef = rows[:, group]
-        spread = float(weights @ (np.abs(coef - (coef @ share)[:, None]) @ share)) if len(weights) else 0.0
-        if (spread, fraction) > widest:
-            chosen, widest = group, (spread, fraction)
+    for g, group in enumerate(groups):
+        fraction = 1.0 - x[group].max()
+        if fraction > INTEGRALITY_TOLERANCE and (widths[g], fraction) > widest:
+            chosen, widest = group, (widths[g], fraction)
     if chosen is None:
         return None
     used = chosen[x[chosen] > INTEGRALITY_TOLERANCE]
