@@ -131,7 +131,7 @@ def _choice_rows(model: Model) -> list[np.ndarray]:
 def _branch(model: Model, original: Model, scale: list[float], groups: list[np.ndarray], options: Options,
             start: float) -> tuple[Result | None, dict[int, float], int]:
     """Best-first branch and bound over the choice rows `groups` of the shrunk `model`, each node an LP that
-    HiGHS warm-starts from the last: (the optimum, {}, LPs solved), or, when BRANCH_NODES LPs (or the work or
+    HiGHS warm-starts from its parent's optimal basis: (the optimum, {}, LPs solved), or, when BRANCH_NODES LPs (or the work or
     time limit) did not settle it, (None, the best start found for HiGHS's MIP, LPs solved).
 
     A node whose LP leaves some choice row fractional splits it in two: its columns with the larger LP values
@@ -151,12 +151,15 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
         x = np.fromiter((model.start[j] for j in range(n)), dtype=float, count=n)
         incumbent, bar = _better(x, incumbent, bar, original, model, scale)
     columns = np.arange(n, dtype=np.int32)
-    queue: list[tuple[float, int, tuple[int, ...]]] = [(-math.inf, 0, ())]  # (parent's bound, order, forbidden)
+    # (parent's bound, order, forbidden, parent's basis): a child's LP starts from its parent's optimal basis
+    queue: list[tuple[float, int, tuple[int, ...], highspy.HighsBasis | None]] = [(-math.inf, 0, (), None)]
     nodes, pushed, limit = 0, 0, min(BRANCH_NODES, options.work_limit)
     while queue and _under(queue[0][0], bar):
         if nodes >= limit or time.perf_counter() - start > options.time_limit_s:
             return None, dict(enumerate(incumbent.tolist())) if incumbent is not None else model.start, nodes
-        _, _, forbidden = heapq.heappop(queue)
+        _, _, forbidden, basis = heapq.heappop(queue)
+        if basis is not None:
+            h.setBasis(basis)
         bounds = upper.copy()
         bounds[list(forbidden)] = 0.0
         h.changeColsBounds(n, columns, np.zeros(n), bounds)
@@ -178,9 +181,10 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
         if split is None:  # every choice integral, so the pair columns too: the node's optimum is a solution
             incumbent, bar = _better(np.where(binary, np.rint(x), x), incumbent, bar, original, model, scale)
             continue
+        basis = h.getBasis()
         for child in split:
             pushed += 1
-            heapq.heappush(queue, (bound, pushed, forbidden + child))
+            heapq.heappush(queue, (bound, pushed, forbidden + child, basis))
     elapsed = time.perf_counter() - start
     if incumbent is None:
         return Result("infeasible", None, None, None, elapsed, "highs", float(nodes)), {}, nodes
