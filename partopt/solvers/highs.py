@@ -131,8 +131,8 @@ def _choice_rows(model: Model) -> list[np.ndarray]:
 def _branch(model: Model, original: Model, scale: list[float], groups: list[np.ndarray], options: Options,
             start: float) -> tuple[Result | None, dict[int, float], int]:
     """Best-first branch and bound over the choice rows `groups` of the shrunk `model`, each node an LP that
-    HiGHS warm-starts from its parent's optimal basis: (the optimum, {}, LPs solved), or, when BRANCH_NODES LPs (or the work or
-    time limit) did not settle it, (None, the best start found for HiGHS's MIP, LPs solved).
+    HiGHS warm-starts from its parent's optimal basis: (the optimum, {}, LPs solved), or, when BRANCH_NODES LPs
+    (or the work or time limit) did not settle it, (None, the best start found for HiGHS's MIP, LPs solved).
 
     A node whose LP leaves some choice row fractional splits it in two: its columns with the larger LP values
     are forbidden in one child, kept alone in the other. The row split is the one whose mix is widest on the
@@ -232,14 +232,16 @@ class _Spread:
 
     def widths(self, x: np.ndarray, duals: np.ndarray) -> np.ndarray:
         """Per choice row g, the spread of its mix on the binding rows: sum over rows r of |dual_r| ·
-        sum_{c in g} x_c · |a_rc − ā_rg|, ā_rg = sum_{c in g} x_c a_rc (the row's mean over the mix, which sums to 1)."""
+        sum_{c in g} x_c · |a_rc − ā_rg|, where ā_rg = sum_{c in g} x_c a_rc is the row's mean over the mix (which
+        sums to 1)."""
         live = duals[self.row] > 1e-12
         row, group, share, coef = self.row[live], self.group[live], x[self.column[live]], self.coef[live]
         key = row * self.groups + group
         size = self.rows * self.groups
         mean = np.bincount(key, share * coef, size)
         stored = np.bincount(key, share, size)  # the columns of the mix with no entry in the row: coefficient 0
-        deviation = np.bincount(key, share * np.abs(coef - mean[key]), size) + np.maximum(1.0 - stored, 0.0) * np.abs(mean)
+        deviation = (np.bincount(key, share * np.abs(coef - mean[key]), size)
+                     + np.maximum(1.0 - stored, 0.0) * np.abs(mean))
         present = np.flatnonzero(np.bincount(key, minlength=size))
         return np.bincount(present % self.groups, duals[present // self.groups] * deviation[present], self.groups)
 
