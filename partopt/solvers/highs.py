@@ -150,7 +150,7 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
     if len(model.start) == n:  # a whole start is a feasible solution
         x = np.fromiter((model.start[j] for j in range(n)), dtype=float, count=n)
         incumbent, bar = _better(x, incumbent, bar, original, model, scale)
-    columns = np.arange(n, dtype=np.int32)
+    current = upper  # the column bounds of the LP in `h`
     # (parent's bound, order, forbidden, parent's basis): a child's LP starts from its parent's optimal basis
     queue: list[tuple[float, int, tuple[int, ...], highspy.HighsBasis | None]] = [(-math.inf, 0, (), None)]
     nodes, pushed, limit = 0, 0, min(BRANCH_NODES, options.work_limit)
@@ -162,7 +162,9 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
             h.setBasis(basis)
         bounds = upper.copy()
         bounds[list(forbidden)] = 0.0
-        h.changeColsBounds(n, columns, np.zeros(n), bounds)
+        changed = np.flatnonzero(bounds != current).astype(np.int32)  # only these: HiGHS's cost grows with the count
+        h.changeColsBounds(len(changed), changed, np.zeros(len(changed)), bounds[changed])
+        current = bounds
         h.run()
         if nodes == 0:  # a node's LP, warm-started, that takes many times the root's iterations has stalled
             h.setOptionValue("simplex_iteration_limit", STALLED * h.getInfo().simplex_iteration_count + 1000)
