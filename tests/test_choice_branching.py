@@ -113,3 +113,29 @@ def test_the_split_row_is_the_widest_mix_on_the_binding_rows_by_hand():
     assert spread.widths(x, np.array([2.0, 0.5])) == pytest.approx([4.75, 3.9375])
     assert spread.widths(x, np.array([2.0, 0.0])) == pytest.approx([4.0, 3.75])
     assert highs._split(groups, x, spread.widths(x, np.array([2.0, 0.5]))) == ((0,), (1, 2))
+
+
+def test_a_root_far_from_integral_goes_to_the_mip_after_one_lp(monkeypatch):
+    """Three choice rows {a_k, b_k}, a_k free but 10 bytes against a row of 5, b_k costing 1: the root LP takes
+    half of each a_k, three rows fractional. With a budget of 4 LPs (half: 2) the branching hands over after the
+    root, and HiGHS's MIP finds the optimum, every b_k (3)."""
+    model = solvers.Model()
+    for k in range(3):
+        a, b = model.add_var(0.0), model.add_var(1.0)
+        model.add_row([a, b], [1.0, 1.0], 1, 1)
+        model.add_row([a], [10.0], -math.inf, 5)
+    handed = []
+    branch = highs._branch
+
+    def spy(*args):
+        found = branch(*args)
+        handed.append((found[0] is None, found[2]))
+        return found
+
+    monkeypatch.setattr(highs, "_branch", spy)
+    monkeypatch.setattr(highs, "BRANCH_NODES", 4)
+    assert solvers.solve(model, "highs").objective == pytest.approx(3.0)
+    assert handed == [(True, 1)]
+    monkeypatch.setattr(highs, "BRANCH_NODES", 8)  # half: 4, not exceeded: the branching settles it, in 7 LPs
+    assert solvers.solve(model, "highs").objective == pytest.approx(3.0)
+    assert handed[1] == (False, 7)

@@ -22,7 +22,9 @@ from partopt.solvers import Model, Options, Result
 MAX_NODES = 2**31 - 1  # HiGHS's integer options are 32-bit; this is its "no limit"
 INTEGRALITY_TOLERANCE = 1e-6  # HiGHS's mip_feasibility_tolerance: how far from 0 or 1 its MIP accepts a 0-1 value
 # LPs the choice branching solves before HiGHS's own MIP takes over from its incumbent: the memory-capped GPT-39B
-# block programs needed 3 to 97, GPT-1T's a median of 5 and 189 at most (docs/benchmarks.md, "Choice branching")
+# block programs needed 3 to 97, GPT-1T's a median of 5 and 189 at most (docs/benchmarks.md, "Choice branching").
+# A root LP that leaves more than half as many choice rows fractional goes to the MIP at once: the layer programs
+# leave 1 to 20 of 30, GPT-1.3B capped whole 597 of 701 (whose branching ran 200 LPs for nothing, 47 s against 38)
 BRANCH_NODES = 200
 # a node LP stopped past this many times the root LP's simplex iterations (plus 1000) hands over to HiGHS's MIP (a
 # deterministic stop, unlike the clock). The LPs run without HiGHS's `objective_bound`: with it, a warm-started
@@ -179,6 +181,8 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
             continue
         solution = h.getSolution()
         x = np.asarray(solution.col_value)
+        if nodes == 1 and sum(1.0 - x[g].max() > INTEGRALITY_TOLERANCE for g in groups) > BRANCH_NODES // 2:
+            return None, model.start, nodes  # far from integral: each LP settles about one row, too many to branch on
         split = _split(groups, x, spread.widths(x, np.abs(np.asarray(solution.row_dual))[inequality]))
         if split is None:  # every choice integral, so the pair columns too: the node's optimum is a solution
             incumbent, bar = _better(np.where(binary, np.rint(x), x), incumbent, bar, original, model, scale)
