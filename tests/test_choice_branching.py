@@ -139,3 +139,15 @@ def test_a_root_far_from_integral_goes_to_the_mip_after_one_lp(monkeypatch):
     monkeypatch.setattr(highs, "BRANCH_NODES", 8)  # half: 4, not exceeded: the branching settles it, in 7 LPs
     assert solvers.solve(model, "highs").objective == pytest.approx(3.0)
     assert handed[1] == (False, 7)
+
+
+def test_a_0_1_column_its_row_does_not_make_integral_goes_to_the_mip():
+    """A choice row {a, b} and a 0-1 column y held by y − a/2 − b/2 = 0: an equality row of 0 as the pair columns'
+    are, yet y = 1/2 whatever is chosen, so no 0-1 solution exists. The root's choice is integral with y at 1/2:
+    the branching must not round it into a solution, and HiGHS's MIP proves the program infeasible."""
+    model = solvers.Model()
+    a, b, y = model.add_var(0.0), model.add_var(1.0), model.add_var(0.0)
+    model.add_row([a, b], [1.0, 1.0], 1, 1)
+    model.add_row([y, a, b], [1.0, -0.5, -0.5], 0, 0)
+    assert len(highs._choice_rows(model)) == 1
+    assert solvers.solve(model, "highs").status == "infeasible"

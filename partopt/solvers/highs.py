@@ -156,9 +156,13 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
     # (parent's bound, order, forbidden, parent's basis): a child's LP starts from its parent's optimal basis
     queue: list[tuple[float, int, tuple[int, ...], highspy.HighsBasis | None]] = [(-math.inf, 0, (), None)]
     nodes, pushed, limit = 0, 0, min(BRANCH_NODES, options.work_limit)
+
+    def handover() -> tuple[None, dict[int, float], int]:  # HiGHS's MIP goes on from the best solution found
+        return None, dict(enumerate(incumbent.tolist())) if incumbent is not None else model.start, nodes
+
     while queue and _under(queue[0][0], bar):
         if nodes >= limit or time.perf_counter() - start > options.time_limit_s:
-            return None, dict(enumerate(incumbent.tolist())) if incumbent is not None else model.start, nodes
+            return handover()
         _, _, forbidden, basis = heapq.heappop(queue)
         if basis is not None:
             h.setBasis(basis)
@@ -175,16 +179,18 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
         if status == highspy.HighsModelStatus.kInfeasible:
             continue
         if status != highspy.HighsModelStatus.kOptimal:  # numerical trouble, a stalled LP: HiGHS's MIP takes over
-            return None, dict(enumerate(incumbent.tolist())) if incumbent is not None else model.start, nodes
+            return handover()
         bound = h.getInfo().objective_function_value
         if not _under(bound, bar):
             continue
         solution = h.getSolution()
         x = np.asarray(solution.col_value)
         if nodes == 1 and sum(1.0 - x[g].max() > INTEGRALITY_TOLERANCE for g in groups) > BRANCH_NODES // 2:
-            return None, model.start, nodes  # far from integral: each LP settles about one row, too many to branch on
+            return handover()  # far from integral: each LP settles about one row, too many to branch on
         split = _split(groups, x, spread.widths(x, np.abs(np.asarray(solution.row_dual))[inequality]))
-        if split is None:  # every choice integral, so the pair columns too: the node's optimum is a solution
+        if split is None:  # every choice integral, and so the pair columns: the node's optimum is a solution
+            if np.any(np.abs(x[binary] - np.rint(x[binary])) > INTEGRALITY_TOLERANCE):  # a column not pinned so
+                return handover()
             incumbent, bar = _better(np.where(binary, np.rint(x), x), incumbent, bar, original, model, scale)
             continue
         basis = h.getBasis()
