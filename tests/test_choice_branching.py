@@ -37,14 +37,14 @@ CASES = [capped_graph(random.Random(seed)) for seed in range(40)]
 
 
 @pytest.fixture
-def settled(monkeypatch) -> list[bool]:
-    """Per solve that branched: whether the branching settled it (False: it handed over to HiGHS's MIP)."""
-    seen: list[bool] = []
+def settled(monkeypatch) -> list[tuple[bool, int]]:
+    """Per solve that branched: whether the branching settled it (False: it handed over to HiGHS's MIP), and its LPs."""
+    seen: list[tuple[bool, int]] = []
     branch = highs._branch
 
     def spy(*args):
         found = branch(*args)
-        seen.append(found[0] is not None)
+        seen.append((found[0] is not None, found[2]))
         return found
 
     monkeypatch.setattr(highs, "_branch", spy)
@@ -61,7 +61,7 @@ def _check_optimal(graph: ilp.CostGraph, budget: float) -> None:
 def test_the_branching_alone_reaches_the_brute_force_optimum(settled):
     for graph, budget in CASES:
         _check_optimal(graph, budget)
-    assert len(settled) == len(CASES) and all(settled)  # every program branched, none needed HiGHS's MIP
+    assert len(settled) == len(CASES) and all(alone for alone, _ in settled)  # none needed HiGHS's MIP
 
 
 @pytest.mark.parametrize("nodes", [0, 1, 3])
@@ -70,7 +70,7 @@ def test_a_handover_at_the_node_budget_keeps_the_optimum(monkeypatch, settled, n
     monkeypatch.setattr(highs, "BRANCH_NODES", nodes)
     for graph, budget in CASES:
         _check_optimal(graph, budget)
-    assert settled.count(False) > len(CASES) // 2
+    assert [alone for alone, _ in settled].count(False) > len(CASES) // 2
 
 
 def test_a_cutoff_at_the_optimum_leaves_no_solution_and_one_above_keeps_it():
@@ -115,7 +115,7 @@ def test_the_split_row_is_the_widest_mix_on_the_binding_rows_by_hand():
     assert highs._split(groups, x, spread.widths(x, np.array([2.0, 0.5]))) == ((0,), (1, 2))
 
 
-def test_a_root_far_from_integral_goes_to_the_mip_after_one_lp(monkeypatch):
+def test_a_root_far_from_integral_goes_to_the_mip_after_one_lp(monkeypatch, settled):
     """Three choice rows {a_k, b_k}, a_k free but 10 bytes against a row of 5, b_k costing 1: the root LP takes
     half of each a_k, three rows fractional. With a budget of 4 LPs (half: 2) the branching hands over after the
     root, and HiGHS's MIP finds the optimum, every b_k (3)."""
@@ -124,21 +124,12 @@ def test_a_root_far_from_integral_goes_to_the_mip_after_one_lp(monkeypatch):
         a, b = model.add_var(0.0), model.add_var(1.0)
         model.add_row([a, b], [1.0, 1.0], 1, 1)
         model.add_row([a], [10.0], -math.inf, 5)
-    handed = []
-    branch = highs._branch
-
-    def spy(*args):
-        found = branch(*args)
-        handed.append((found[0] is None, found[2]))
-        return found
-
-    monkeypatch.setattr(highs, "_branch", spy)
     monkeypatch.setattr(highs, "BRANCH_NODES", 4)
     assert solvers.solve(model, "highs").objective == pytest.approx(3.0)
-    assert handed == [(True, 1)]
+    assert settled == [(False, 1)]
     monkeypatch.setattr(highs, "BRANCH_NODES", 8)  # half: 4, not exceeded: the branching settles it, in 7 LPs
     assert solvers.solve(model, "highs").objective == pytest.approx(3.0)
-    assert handed[1] == (False, 7)
+    assert settled[1] == (True, 7)
 
 
 def test_a_0_1_column_its_row_does_not_make_integral_goes_to_the_mip():
