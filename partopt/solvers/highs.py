@@ -94,9 +94,7 @@ def _integral_relaxation(original: Model, model: Model, scale: list[float], opti
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return None
     x = np.asarray(h.getSolution().col_value)
-    binary = np.ones(model.num_vars, dtype=bool)
-    binary[list(model.continuous)] = False
-    if np.any(np.abs(x[binary] - np.round(x[binary])) > INTEGRALITY_TOLERANCE):
+    if not _integral(x, _binary(model)):
         return None
     values = _values(x, model, scale)
     objective = original.value(values)
@@ -113,21 +111,30 @@ def _values(x, model: Model, scale: list[float]) -> list[float]:
     return values
 
 
+def _binary(model: Model) -> np.ndarray:
+    """Per column of `model`, whether it is 0-1 (not continuous)."""
+    binary = np.ones(model.num_vars, dtype=bool)
+    binary[list(model.continuous)] = False
+    return binary
+
+
+def _integral(x: np.ndarray, binary: np.ndarray) -> bool:
+    """Whether every 0-1 column of the LP solution `x` is 0 or 1 within the MIP's own integrality tolerance."""
+    return not np.any(np.abs(x[binary] - np.rint(x[binary])) > INTEGRALITY_TOLERANCE)
+
+
 def _choice_rows(model: Model) -> list[np.ndarray]:
     """The columns of each choice row (0-1 columns summing to exactly 1), or [] unless every 0-1 column that is
     in no choice row is pinned by equality rows to them (as `ilp.build_model`'s pair columns are to their nodes')."""
-    binary = np.ones(model.num_vars, dtype=bool)
-    binary[list(model.continuous)] = False
-    groups, covered = [], np.zeros(model.num_vars, dtype=bool)
+    binary = _binary(model)
+    groups, covered = [], ~binary  # covered: in a choice row, pinned to others by a row of 0, or continuous
     for index, coef, lo, hi in model.rows:
         if lo == hi == 1 and all(c == 1 for c in coef) and binary[index].all():
             groups.append(np.asarray(index))
             covered[index] = True
-    pinned = np.zeros(model.num_vars, dtype=bool)
-    for index, coef, lo, hi in model.rows:
-        if lo == hi == 0 and len(index) > 1:
-            pinned[index] = True
-    return groups if groups and np.all(covered | pinned | ~binary) else []
+        elif lo == hi == 0 and len(index) > 1:
+            covered[index] = True
+    return groups if groups and covered.all() else []
 
 
 def _branch(model: Model, original: Model, scale: list[float], groups: list[np.ndarray], options: Options,
@@ -141,11 +148,11 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
     are forbidden in one child, kept alone in the other. The row split is the one whose mix is widest on the
     binding inequality rows (each weighted by its dual; the memory row, chiefly): the relaxation of a capped
     program is fractional where a lean and a fast strategy mix to meet the cap."""
-    h = _load(model, Options(options.time_limit_s, options.seed, options.threads), relaxed=True)
+    h = _load(model, Options(options.time_limit_s, options.seed, options.threads), relaxed=True)  # no cutoff (STALLED)
     n = model.num_vars
-    upper, binary = np.ones(n), np.ones(n, dtype=bool)
+    binary, upper = _binary(model), np.ones(n)
     for j, bound in model.continuous.items():
-        upper[j], binary[j] = bound, False
+        upper[j] = bound
     inequality = [r for r, (_, _, lo, hi) in enumerate(model.rows) if lo != hi]
     spread = _Spread.of(model, inequality, groups)
     bar = math.inf if options.cutoff is None else float(options.cutoff)  # what a solution must get under
@@ -190,7 +197,7 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
             return handover()  # far from integral: each LP settles about one row, too many to branch on
         split = _split(groups, x, spread.widths(x, np.abs(np.asarray(solution.row_dual))[inequality]))
         if split is None:  # every choice integral, and so the pair columns: the node's optimum is a solution
-            if np.any(np.abs(x[binary] - np.rint(x[binary])) > INTEGRALITY_TOLERANCE):  # a column not pinned so
+            if not _integral(x, binary):  # a 0-1 column its equality rows do not pin to the choices
                 return handover()
             incumbent, bar = _better(np.where(binary, np.rint(x), x), incumbent, bar, original, model, scale)
             continue
