@@ -40,8 +40,12 @@ per stage count and threshold on its coupled term min omega (docs/COSTMODEL.md �
   levels instead of L; the planner's tables stop changing with k once memory no longer binds.
 * Relaxation. Each evaluation first runs the inner DP on one level holding every entry's least
   latency over k: a lower bound on g(c). When its plan's stages cost exactly that at the depths
-  they land on, that plan is feasible with the same sum, so it attains g(c); otherwise the full
-  DP runs. Memory that binds only for plans far from the optimum then costs one level, not L.
+  they land on, that plan is feasible with the same sum, so it attains g(c). Otherwise the next
+  relaxation keeps levels 1 … m - 1 exact and lets level m hold each entry's least latency over
+  k >= m ("m or more"), still a lower bound, with m past every level a stage fell short at and at
+  least twice the last; the full DP runs only once m reaches k0. Memory that binds only for plans
+  far from the optimum then costs one level, not L, and a plan of n stages deep in memory-bound
+  levels a DP of about n levels (Llama-2 70B on 64 A100s: 5 to 14 of 64).
 * Inner DP. f[k, i, d] is the least sum t of stages covering layers i..L-1 on exactly d devices
   (level k as above); each first layer i is one vectorised step over (last layer, level, submesh, d),
   or one per submesh when that block outgrows the cache, reading only rows after i.
@@ -244,13 +248,13 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
     Submeshes with no feasible entry are left out and the device counts divided by the greatest common
     divisor of those left (exact: every sum of their sizes is a multiple of it; GPT-1T's layers fit no
     submesh smaller than a node, so its DP runs over 384 node counts, not 3072 devices)."""
-    alive = [s for s in range(t.shape[-1]) if np.isfinite(t[1:, ..., s]).any()]
+    alive = np.flatnonzero(np.isfinite(t[1:]).reshape(-1, t.shape[-1]).any(axis=0)).tolist()
     unit = math.gcd(*(sizes[s] for s in alive)) if alive else 1
     if devices % unit:
         return None  # no stages of these sizes tile the devices
     t, sizes, devices = t[..., alive], [sizes[s] // unit for s in alive], devices // unit
     summed = None if summed is None else summed[..., alive]
-    levels = np.unique(t[1:][np.isfinite(t[1:])])
+    levels = _values(t[1:])
     same = summed is None
     t = np.ascontiguousarray(np.moveaxis(t, -1, 0))  # [s, k, i, j]: each submesh's rows contiguous
     summed = t if same else np.ascontiguousarray(np.moveaxis(summed, -1, 0))
@@ -266,33 +270,47 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
         return None
 
     K = t.shape[1] - 1
-    # every entry at its least latency over k: one level, and a lower bound on the exact inner DP
-    loose = None if K == 1 or not same else np.concatenate([t[:, :1], t[:, 1:].min(axis=1, keepdims=True)], axis=1)
+    tails: dict[int, np.ndarray] = {}  # top -> each entry's least latency over levels top … K (`relaxed`, same t)
+
+    def relaxed(top: int, t_max: float, full: np.ndarray | None) -> np.ndarray:
+        """Levels 0 … `top` of the table at `t_max`, level `top` holding each entry's least over levels top … K: as
+        "top or more" stages to the end, a lower bound on the exact inner DP (levels below it are exact)."""
+        if full is not None:
+            return np.concatenate([full[:, :top], full[:, top:].min(axis=1, keepdims=True)], axis=1)
+        if top not in tails:
+            tails[top] = t[:, top:].min(axis=1, keepdims=True)
+        table = np.concatenate([t[:, :top], tails[top]], axis=1)
+        return np.where(table <= t_max, table, INF)
 
     def inner(table: np.ndarray):
         return _plan(table, *_inner(table, sizes, devices), sizes, devices, count)
 
     def evaluate(index: int) -> tuple[float, int] | None:
         """Run the inner DP at t_max = levels[index]; keep its plan if best: (g, index of its max t).
-        The one-level relaxation first: when its plan costs the same at the levels it lands on, it is exact (and the
-        table of every level at t_max, as large as t, is never built)."""
+        Relaxations first, from one level up: when a plan costs the same at the levels its stages land on, it is
+        exact; else the next relaxation keeps exact every level a stage fell short at (and at least twice as many),
+        so that a plan deep in memory-bound levels costs a DP of about its stage count, not of every level."""
         nonlocal best, rounds
         found = None
         t_max = levels[index]
         reach = t_max if index < len(levels) - 1 else INF  # how far up what is found here bounds g on later tables
         full = None if same else np.where(t <= t_max, summed, INF)  # with a rebate the relaxation needs it
-        if K > 1 and count is None:
-            one = np.where(loose <= t_max, loose, INF) if same else \
-                np.concatenate([full[:, :1], full[:, 1:].min(axis=1, keepdims=True)], axis=1)
+        top = 1
+        while count is None and top < K:
+            table = relaxed(top, t_max, full)
             rounds += 1
-            relaxed = inner(one)
-            if relaxed is None:
+            plan = inner(table)
+            if plan is None:
                 known.append((reach, INF))
                 return None
-            n = len(relaxed[1])
-            placed = [(i, j, s, min(n - p, K)) for p, (i, j, s, _) in enumerate(relaxed[1])]
-            if all((summed[s, k, i, j] if t[s, k, i, j] <= t_max else INF) == one[s, 1, i, j] for i, j, s, k in placed):
-                found = (relaxed[0], placed)
+            n = len(plan[1])
+            placed = [(i, j, s, min(n - p, K)) for p, (i, j, s, _) in enumerate(plan[1])]
+            short = [k for (i, j, s, k), (_, _, _, level) in zip(placed, plan[1])
+                     if (summed[s, k, i, j] if t[s, k, i, j] <= t_max else INF) != table[s, level, i, j]]
+            if not short:
+                found = (plan[0], placed)
+                break
+            top = max(2 * top, max(short) + 1)
         if found is None:
             rounds += 1
             found = inner(np.where(t <= t_max, summed, INF) if full is None else full)
@@ -336,6 +354,14 @@ def _pipeline(t: np.ndarray, sizes: list[int], devices: int, microbatches: int, 
         push(mid + 1, hi, g_hi)
         push(lo, peak, g_mid)
     return best[0], [(i, j, alive[s], k) for i, j, s, k in best[1]], rounds
+
+
+def _values(t: np.ndarray) -> np.ndarray:
+    """The distinct finite values of t[k, …], sorted: those of level 0 and those that differ from the level below
+    (a stage table changes little from one in-flight level to the next, so this sorts far fewer than all of them)."""
+    changed = t[1:][t[1:] != t[:-1]]
+    values = np.concatenate([t[0].ravel(), changed])
+    return np.unique(values[np.isfinite(values)])
 
 
 def _floor(levels: np.ndarray, known: list[tuple[float, float]]) -> np.ndarray:

@@ -215,6 +215,47 @@ def test_an_unproven_plan_has_the_least_pipeline_part_at_its_own_cost(seed, mode
         assert pipeline == pytest.approx(brute_force(fastest, no_work, sizes, devices, microbatches), rel=1e-12)
 
 
+def deep_memory_instance(rng, sizes: tuple[int, ...], layers: int = 12, devices: int = 12):
+    """One option, `layers` layers: a stage of n layers on s devices holds up to about s · U(4, 12) / n microbatches,
+    so that memory binds at every in-flight level, and the plans' stages land on levels where it binds."""
+    S = len(sizes)
+    t, extra = np.full((1, layers + 1, layers, layers, S), np.inf), np.zeros((1, layers + 1, layers, layers, S))
+    for i in range(layers):
+        for j in range(i, layers):
+            for s, size in enumerate(sizes):
+                n = j - i + 1
+                depth = min(layers, int(size * rng.uniform(4, 12) / n))
+                t[0, 1:depth + 1, i, j, s] = round(n * rng.uniform(0.8, 1.2) / size ** 0.8, 3)
+                extra[0, 1:, i, j, s] = round(rng.uniform(0, 0.5), 2)
+    return t, extra, list(sizes), devices
+
+
+@pytest.mark.parametrize("sizes", [(2, 4), (1, 2, 4)])
+def test_partial_relaxations_find_the_optimum(monkeypatch, sizes):
+    """Relaxations that keep the levels a stage fell short at exact (`_pipeline`'s `relaxed`) find the plain
+    enumeration's optimum on tables whose memory binds at all 12 levels; with stages of 2 and 4 devices (at most 6
+    stages) they settle on fewer levels than the table's 12, never running the DP of all of them."""
+    levels = []
+    inner = stagedp._inner
+    monkeypatch.setattr(stagedp, "_inner", lambda t, *rest: levels.append(t.shape[1] - 1) or inner(t, *rest))
+    for seed in range(6):
+        t, extra, sizes_, devices = deep_memory_instance(random.Random(seed), sizes)
+        for microbatches in (4, 64):
+            agrees(reference_solve(t, extra, sizes_, devices, microbatches), t, extra, sizes_, devices, microbatches)
+    assert any(1 < k < 12 for k in levels)
+    if sizes == (2, 4):
+        assert max(levels) < 12
+
+
+def test_a_tables_values_are_those_of_every_level():
+    """`_values`: the distinct finite values of all levels, sorted, whether a level repeats the one below or not."""
+    t = np.array([[[1.0, np.inf]], [[1.0, 3.0]], [[2.0, 3.0]], [[2.0, np.inf]]])
+    assert stagedp._values(t).tolist() == [1.0, 2.0, 3.0]
+    rng = np.random.default_rng(0)
+    t = np.where(rng.random((5, 4, 4)) < 0.3, np.inf, rng.integers(0, 9, (5, 4, 4)).astype(float))
+    assert stagedp._values(t).tolist() == np.unique(t[np.isfinite(t)]).tolist()
+
+
 def test_known_pairs_floor_every_latency_up_to_theirs():
     """`_floor` by hand: a pair (c, g) bounds g at latencies up to c, the largest such g wins, inf is every latency."""
     known = [(5.0, 7.0), (2.0, 10.0), (np.inf, 4.0)]
