@@ -61,8 +61,8 @@ class Pipeline:
     graph: Graph | None = None  # the model at full batch: FLOP shares of forward and weight passes (`split_table`)
     # send_s by (first, last, end, receiver, cost model): the DP's tables ask for the same stages' sends many times
     _sends: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    # a row of layer costs' columns and stage sums by (table, id(row), …), see `_row_columns`, `_stage_sums`,
-    # `_entries`, `_chunk_sums` and `_chunk_totals`; an end's sends (`_end_sends`); a mesh's tensor-parallel axis
+    # a row of layer costs' columns and stage sums by (table, id(row), …), see `_row_spans`, `_stage_sums`,
+    # `_entries` and `_chunk_sums`; an end's sends (`_end_sends`); a mesh's tensor-parallel axis
     # (`_tensor_axis`); the FLOP shares of a recomputation mode (`_flop_shares`); where the shared parameters'
     # readers change (`_reader_changes`)
     _sums: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -176,13 +176,14 @@ def combined(parts: Sequence[StageTotals]) -> StageTotals:
                        sum(p.hidden_s for p in parts))
 
 
-def hidden_send(p2p_s: float, forward_s: float, backward_s: float) -> float:
+def hidden_send(p2p_s, forward_s, backward_s):
     """Seconds of a chunk's round trip `p2p_s` (activations out, their gradient back) that compute hides when
     sends run on their own stream (Megatron's overlapped p2p of the interleaved schedule, docs/COSTMODEL.md
     §5b): in 1F1B's steady state the activations travel while the device runs its next task, a backward
-    (`backward_s`, as long as this chunk's), and the gradient while it runs a forward (`forward_s`)."""
+    (`backward_s`, as long as this chunk's), and the gradient while it runs a forward (`forward_s`). Floats or
+    arrays of chunks alike."""
     one_way = p2p_s / 2
-    return p2p_s - max(0.0, one_way - backward_s) - max(0.0, one_way - forward_s)
+    return p2p_s - np.maximum(0.0, one_way - backward_s) - np.maximum(0.0, one_way - forward_s)
 
 
 def training_flops(graph: Graph, ops: Sequence[Op] | None = None) -> float:
@@ -286,22 +287,25 @@ def _columns(row: Sequence[LayerCost | None], layering: Layering) -> np.ndarray:
 SUMMED = [0, 1, 2, 3, 5, 6, 7, 8]
 
 
-def _running(columns: np.ndarray, i: int, overlap: bool) -> np.ndarray:
-    """Totals of stages [i, j] for every j ≥ i, summed left to right (as a loop would: the same
-    floats whichever j a caller asks for); rows after a layer that cannot run are NaN. Column 1 is
-    the stage's sync: with `overlap`, the other sync plus the exposed part of its gradient reductions."""
-    part = columns[i:]
-    totals = np.empty_like(part)
-    totals[:, SUMMED] = np.add.accumulate(part[:, SUMMED], axis=0)
-    np.maximum.accumulate(part[:, 4], out=totals[:, 4])
-    if overlap:
-        totals[:, 1] = totals[:, 5] + exposed_reduction(part[:, 6], part[:, 7])
+def _spans(columns: np.ndarray, overlap: bool) -> np.ndarray:
+    """Totals of every stage [i, j] of a row's `_columns`, as [i, j, column] (j ≥ i; the rest unused), each summed
+    from layer i rightwards as a loop would: row i adds its layers to zeros (0 + x is x), so any caller gets the
+    same floats for the same stage; stages past a layer that cannot run are NaN. Column 1 is the stage's sync:
+    with `overlap`, the other sync plus the exposed part of its gradient reductions."""
+    L = len(columns)
+    upper = np.triu(np.ones((L, L), dtype=bool))[:, :, None]  # [i, j]: j ≥ i
+    parts = np.where(upper, columns[None, :, :], 0.0)
+    totals = np.empty((L, L, columns.shape[1]))
+    totals[..., SUMMED] = np.add.accumulate(parts[..., SUMMED], axis=1)
+    totals[..., 4] = np.maximum.accumulate(np.where(upper[..., 0], parts[..., 4], -np.inf), axis=1)
+    if overlap:  # the zeros before layer i add nothing, and the reductions are not negative: no max is lost to them
+        totals[..., 1] = totals[..., 5] + exposed_reduction(parts[..., 6], parts[..., 7])
     return totals
 
 
 def exposed_reduction(reduce_s: np.ndarray, backward_s: np.ndarray) -> np.ndarray:
     """Seconds of gradient reduction left after the last backward, for the stages [0, j] of these
-    layers, every j: max over l ≤ j of (Σ_{m ≤ l} reduce_m − Σ_{m < l} backward_m).
+    layers (the last axis), every j: max over l ≤ j of (Σ_{m ≤ l} reduce_m − Σ_{m < l} backward_m).
 
     The last microbatch's backward runs layer j down to 0; layer l's gradients are reduced (one
     bucket, one communication stream) once its backward is done and the buckets before it are
@@ -309,19 +313,19 @@ def exposed_reduction(reduce_s: np.ndarray, backward_s: np.ndarray) -> np.ndarra
     layer l ends Σ_{m ≤ l} reduce_m after l's backward, which is Σ_{m < l} backward_m before the
     backward of layer 0 ends; the latest chain is what remains exposed (at least layer 0's own).
     """
-    before = np.concatenate(([0.0], np.add.accumulate(backward_s)[:-1]))
-    return np.maximum.accumulate(np.add.accumulate(reduce_s) - before)
+    done = np.add.accumulate(backward_s, axis=-1)
+    before = np.concatenate((np.zeros_like(done[..., :1]), done[..., :-1]), axis=-1)
+    return np.maximum.accumulate(np.add.accumulate(reduce_s, axis=-1) - before, axis=-1)
 
 
 def totals(row: Sequence[LayerCost | None], pipe: Pipeline, first: int, last: int, end: End,
-           receiver: End | None = None, columns: np.ndarray | None = None, chunk: bool = False) -> StageTotals:
+           receiver: End | None = None, chunk: bool = False) -> StageTotals:
     """The sums of a stage of DP layers [first, last] on mesh `end` with its layers' costs `row`;
     its sends priced to `receiver`, the next stage placed (None: the stage DP's bound, `Pipeline.send_s`).
-    `columns`: the row's `_columns`, when a caller sums many stages of one row. `chunk`: a model chunk of
-    the interleaved schedule, whose point-to-point sends hide under compute when `pipe.overlap` (`hidden_send`)."""
+    `chunk`: a model chunk of the interleaved schedule, whose point-to-point sends hide under compute when
+    `pipe.overlap` (`hidden_send`)."""
     devices = end.shape[0] * end.shape[1]
-    columns = _columns(row, pipe.layering) if columns is None else columns
-    running = _running(columns[:last + 1], first, pipe.overlap)[-1]  # the layers after `last` change no sum
+    running = _row_spans(pipe, row)[first, last]
     time_s, sync_s, params, acts, working = running[:5]
     fix = correction(row, pipe.layering.groups[first][0], pipe.layering.groups[last][1], pipe.shared, pipe.link,
                      min(devices, pipe.per_node))
@@ -330,7 +334,7 @@ def totals(row: Sequence[LayerCost | None], pipe: Pipeline, first: int, last: in
     p2p_s = hidden_s = 0.0
     if chunk and pipe.overlap:
         p2p_s = pipe.p2p_s(last, end, receiver)
-        hidden_s = hidden_send(p2p_s, float(running[8]), float(running[7]))
+        hidden_s = float(hidden_send(p2p_s, float(running[8]), float(running[7])))
     return StageTotals(float(time_s), pipe.send_s(first, last, end, receiver), float(sync_s), float(params), float(acts),
                        float(working), fix, p2p_s, hidden_s)
 
@@ -392,20 +396,16 @@ def _stage_sums(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int,
         return pipe._sums[key][1]
     L = len(pipe.layering.groups)
     devices = min(sub[0] * sub[1], pipe.per_node)
-    out = np.full((5, L, L), np.nan)
-    columns = _row_columns(pipe, row)
+    spans = _row_spans(pipe, row)
     outs, ins = _end_sends(pipe, End(sub, shape))
-    for i in range(L):
-        sends = outs[i:] + ins[i]  # the floats `send_s` adds
-        run = _running(columns, i, pipe.overlap)
-        n = int(np.argmax(np.isnan(run[:, 0]))) if np.isnan(run[:, 0]).any() else len(run)  # runnable ends
-        if n == 0:
-            continue
-        time_s, sync_s, params, acts, working = (run[:n, c].copy() for c in range(5))
-        for lo, hi, fix in _corrections(row, pipe, i, n, devices):
-            params[lo:hi] += fix.param_bytes
-            sync_s[lo:hi] += _fix_sync(fix, pipe.overlap)
-        out[:, i, i:i + n] = time_s + sends[:n], sync_s, params, acts, working
+    out = np.moveaxis(spans[..., :5], 2, 0).copy()  # NaN where a stage cannot run
+    out[0] += outs[None, :] + np.asarray(ins)[:, None]  # the floats `send_s` adds
+    out[:, ~np.triu(np.ones((L, L), dtype=bool))] = np.nan
+    for i in range(L) if pipe.shared else ():
+        n = int(np.argmax(np.isnan(out[0, i, i:]))) if np.isnan(out[0, i, i:]).any() else L - i  # runnable ends
+        for lo, hi, fix in _corrections(row, pipe, i, n, devices) if n else ():
+            out[2, i, i + lo:i + hi] += fix.param_bytes
+            out[1, i, i + lo:i + hi] += _fix_sync(fix, pipe.overlap)
     pipe._sums[key] = (row, out)  # the entry holds the row: its id is not reused meanwhile
     return out
 
@@ -430,9 +430,8 @@ def fits(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], options:
         shape, mode, r = options[c.submesh][c.option]
         row = costs[(sub, shape, mode)][r]
         if schedule == "interleaved":
-            sums = _chunk_sums(pipe, row, sub, shape, len(stages), v)[i]
             held = schedules.inflight(i, len(stages), count, "interleaved", v)
-            if sums is None or not sums.memory_bytes(held) <= budget:
+            if not _chunk_sums(pipe, row, sub, shape, len(stages), v).memory_bytes(held)[i] <= budget:
                 return False
         else:
             _, _, params, acts, working = _stage_sums(pipe, row, sub, shape)[:, c.first, c.last]
@@ -466,49 +465,68 @@ def interleaved_table(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, in
     options = _options(costs, submeshes)
     shape = (max(len(x) for x in options), 2, num_stages, num_stages, len(submeshes))
     t, extra, fill = np.full(shape, np.inf), np.zeros(shape), np.zeros(shape)
-    held = [schedules.inflight(i, num_stages, count, "interleaved", v) for i in range(num_stages)]
+    held = np.array([schedules.inflight(i, num_stages, count, "interleaved", v) for i in range(num_stages)])
     for s, sub in enumerate(submeshes):
         for h, (mesh, mode, r) in enumerate(options[s]):
-            for i, sums in enumerate(_chunk_sums(pipe, costs[(sub, mesh, mode)][r], sub, mesh, num_stages, v)):
-                if sums is not None and sums.memory_bytes(held[i]) <= budget:
-                    t[h, 1, i, i, s], extra[h, 1, i, i, s], fill[h, 1, i, i, s] = sums.latency_s, sums.sync_s, sums.p2p_s
+            sums = _chunk_sums(pipe, costs[(sub, mesh, mode)][r], sub, mesh, num_stages, v)
+            i = np.flatnonzero(sums.memory_bytes(held) <= budget)  # not where a chunk cannot run (NaN)
+            t[h, 1, i, i, s], extra[h, 1, i, i, s], fill[h, 1, i, i, s] = (sums.latency_s[i], sums.sync_s[i],
+                                                                           sums.p2p_s[i])
     return t, extra, fill, options
 
 
 def _chunk_sums(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int, int], mesh: tuple[int, int],
-                num_stages: int, v: int) -> list[StageTotals | None]:
-    """Per interleaved stage i, the `combined` sums of its chunks (`chunks`) for one option's `row` on mesh
-    (sub, mesh), None where a chunk cannot run; kept per row in `pipe`, as `_stage_sums`."""
+                num_stages: int, v: int) -> StageTotals:
+    """The `combined` sums of each interleaved stage's chunks (`chunks`) for one option's `row` on mesh (sub, mesh):
+    every field an array over the S stages (NaN where a chunk cannot run; `fix` None), the same floats as `combined`
+    of the chunks' `totals` (summed in chunk order from zero); kept per row in `pipe`, as `_stage_sums`."""
     key = ("interleaved", id(row), sub, mesh, num_stages, v)
     if key in pipe._sums:
         return pipe._sums[key][1]
-    ranges = chunks(len(pipe.layering.groups), num_stages, v)
-    out: list[StageTotals | None] = []
-    for i in range(num_stages):
-        parts = [_chunk_totals(pipe, row, sub, mesh, first, last) for first, last in ranges[i::num_stages]]
-        out.append(None if any(p is None for p in parts) else combined(parts))
+    groups = np.array(pipe.layering.groups)
+    firsts, lasts = np.array(chunks(len(groups), num_stages, v)).T
+    running = _row_spans(pipe, row)[firsts, lasts]  # [chunk, column]
+    time_s, sync_s, params, acts, working = (running[:, c].copy() for c in range(5))
+    end = End(sub, mesh)
+    for c in np.flatnonzero(_holds_shared(pipe, groups[firsts, 0], groups[lasts, 1])):
+        fix = correction(row, groups[firsts[c], 0], groups[lasts[c], 1], pipe.shared, pipe.link,
+                         min(mesh[0] * mesh[1], pipe.per_node))
+        if fix is not None:
+            params[c] += fix.param_bytes
+            sync_s[c] += _fix_sync(fix, pipe.overlap)
+    outs, ins = _end_sends(pipe, end)
+    send_s = outs[lasts] + np.asarray(ins)[firsts]  # the floats `send_s` adds
+    p2p_s = hidden_s = np.zeros(len(firsts))
+    if pipe.overlap:
+        p2p_s = np.array([pipe.p2p_s(last, end) for last in lasts.tolist()])
+        hidden_s = hidden_send(p2p_s, running[:, 8], running[:, 7])
+
+    def summed(x: np.ndarray) -> np.ndarray:  # stage i's chunks i, i + S, …, added in that order
+        total = np.zeros(num_stages)
+        for k in range(v):
+            total = total + x[k * num_stages:(k + 1) * num_stages]
+        return total
+
+    out = StageTotals(summed(time_s), summed(send_s), summed(sync_s), summed(params), summed(acts),
+                      working.reshape(v, num_stages).max(axis=0), None, summed(p2p_s), summed(hidden_s))
     pipe._sums[key] = (row, out)
     return out
 
 
-def _chunk_totals(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int, int], mesh: tuple[int, int],
-                  first: int, last: int) -> StageTotals | None:
-    """`totals` of the chunk [first, last] of one option's `row` on mesh (sub, mesh), None when a layer of it cannot
-    run; kept per row in `pipe`: the interleaved shapes (S, v) of one chunk length share their chunks."""
-    key = ("chunk", id(row), sub, mesh, first, last)
+def _holds_shared(pipe: Pipeline, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """Per range of base layers [first, last], whether it holds a reader of a shared parameter (a correction)."""
+    key = ("reader units",)  # a value, as the sends' keys
     if key not in pipe._sums:
-        columns = _row_columns(pipe, row)
-        runs = not np.isnan(columns[first:last + 1, 0]).any()
-        pipe._sums[key] = (row, totals(row, pipe, first, last, End(sub, mesh), columns=columns, chunk=True)
-                           if runs else None)
-    return pipe._sums[key][1]
+        pipe._sums[key] = np.array(sorted({u for readers in pipe.shared.values() for u in readers}), dtype=np.int64)
+    units = pipe._sums[key]
+    return np.searchsorted(units, last, "right") > np.searchsorted(units, first, "left")
 
 
-def _row_columns(pipe: Pipeline, row: Sequence[LayerCost | None]) -> np.ndarray:
-    """`_columns` of one option's `row`, kept per row in `pipe` for the 1F1B and interleaved tables alike."""
-    key = ("columns", id(row))
+def _row_spans(pipe: Pipeline, row: Sequence[LayerCost | None]) -> np.ndarray:
+    """`_spans` of one option's `row`, kept per row in `pipe` for the 1F1B and interleaved tables and plan assembly."""
+    key = ("spans", id(row))
     if key not in pipe._sums:
-        pipe._sums[key] = (row, _columns(row, pipe.layering))
+        pipe._sums[key] = (row, _spans(_columns(row, pipe.layering), pipe.overlap))
     return pipe._sums[key][1]
 
 

@@ -1,10 +1,11 @@
-"""The stage accountant's overlap of gradient reductions with the last backward (`stages.exposed_reduction`)."""
+"""The stage accountant: its stage sums (`stages._spans`) and its overlap of gradient reductions with the last
+backward (`stages.exposed_reduction`)."""
 
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from partopt.stages import exposed_reduction
+from partopt.stages import SUMMED, _spans, exposed_reduction
 
 
 def test_hand_examples():
@@ -38,6 +39,29 @@ def test_the_closed_form_is_the_simulated_stream(pairs):
     exposed = exposed_reduction(np.array(reduce), np.array(backward))
     for j in range(len(reduce)):  # a stage of layers 0..j
         assert exposed[j] == pytest.approx(simulated(reduce[:j + 1], backward[:j + 1]), abs=1e-9)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_spans_add_each_stage_from_its_first_layer(overlap):
+    """`_spans[i, j]` is what a loop adding layers i..j in order gives, bit for bit (the DP's tables, `fits` and
+    plan assembly read the same floats), the working set the largest, NaN from a layer that cannot run on, and
+    under overlap the sync the other sync plus the exposed part of the stage's own reductions."""
+    rng = np.random.default_rng(3)
+    columns = rng.uniform(0.0, 1.0, (7, 9)) * rng.choice([1e-3, 1.0, 1e9], (7, 9))
+    columns[5] = np.nan
+    spans = _spans(columns, overlap)
+    for i in range(7):
+        for j in range(i, 7):
+            expected = np.zeros(9)
+            for layer in columns[i:j + 1]:
+                expected[SUMMED] = expected[SUMMED] + layer[SUMMED]
+            expected[4] = np.max(columns[i:j + 1, 4])
+            if overlap:
+                expected[1] = expected[5] + exposed_reduction(columns[i:j + 1, 6], columns[i:j + 1, 7])[-1]
+            if i <= 5 <= j:
+                assert np.isnan(spans[i, j]).all()
+            else:
+                assert spans[i, j].tolist() == expected.tolist()
 
 
 def test_the_dp_table_is_the_stage_accountant_entry_by_entry():
