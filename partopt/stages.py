@@ -488,7 +488,8 @@ def _chunk_sums(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int,
     running = _row_spans(pipe, row)[firsts, lasts]  # [chunk, column]
     time_s, sync_s, params, acts, working = (running[:, c].copy() for c in range(5))
     end = End(sub, mesh)
-    for c in np.flatnonzero(_holds_shared(pipe, groups[firsts, 0], groups[lasts, 1])):
+    runs = ~np.isnan(running[:, 0])  # a chunk with a layer that cannot run has no correction either
+    for c in np.flatnonzero(runs & _holds_shared(pipe, groups[firsts, 0], groups[lasts, 1])):
         fix = correction(row, groups[firsts[c], 0], groups[lasts[c], 1], pipe.shared, pipe.link,
                          min(mesh[0] * mesh[1], pipe.per_node))
         if fix is not None:

@@ -90,6 +90,28 @@ def test_the_interleaved_table_is_the_accountant_entry_by_entry(priced):
     assert np.isinf(interleaved_table(pipe, costs, SUBMESHES, count, tight, S, v)[0][0, 1, 0, 0, 0])
 
 
+def test_a_chunk_that_cannot_run_leaves_its_stage_out(priced):
+    """A layer that fits no strategy on a mesh (None in its row) rules out the interleaved stages holding it, and
+    only those, even where that layer reads a shared parameter (the tied embedding: no correction is priced for a
+    chunk that cannot run); the other stages are the accountant's."""
+    layering, count, costs = priced
+    pipe = pipeline_of(GRAPH, CLUSTER, layering, count, True)
+    reader = min(pipe.shared["embed.wte"])
+    S, v = 2, 2
+    key = ((1, 1), (1, 1), "none")
+    row = list(costs[key][0])
+    row[reader] = None
+    t, extra, _, options = interleaved_table(pipe, {**costs, key: [row]}, SUBMESHES, count, math.inf, S, v)
+    h = options[0].index(((1, 1), "none", 0))
+    for i in range(S):
+        parts = chunks(len(layering.groups), S, v)[i::S]
+        holds = any(layering.groups[a][0] <= reader <= layering.groups[b][1] for a, b in parts)
+        expected = np.inf if holds else combined([totals(row, pipe, a, b, End((1, 1), (1, 1)), chunk=True)
+                                                  for a, b in parts]).latency_s
+        assert t[h, 1, i, i, 0] == expected
+    assert np.isinf(t[h, 1, 0, 0, 0])  # the embedding is in stage 0's first chunk
+
+
 def brute_force(pipe, costs, count: int, budget: float, devices: int) -> float:
     """The least iteration time over every plan: 1F1B over every cut × submesh × option per stage, and
     interleaved over every uniform chunking (S, v) × submesh × option per stage, on exactly `devices`
