@@ -22,10 +22,12 @@ from partopt.solvers import Model, Options, Result
 MAX_NODES = 2**31 - 1  # HiGHS's integer options are 32-bit; this is its "no limit"
 INTEGRALITY_TOLERANCE = 1e-6  # HiGHS's mip_feasibility_tolerance: how far from 0 or 1 its MIP accepts a 0-1 value
 # LPs the choice branching solves before HiGHS's own MIP takes over from its incumbent: the memory-capped GPT-39B
-# block programs needed 3 to 97, GPT-1T's a median of 5 and 189 at most (docs/benchmarks.md, "Choice branching").
-# A root LP that leaves more than half as many choice rows fractional goes to the MIP at once: the layer programs
-# leave 1 to 20 of 30, GPT-1.3B capped whole 597 of 701 (whose branching ran 200 LPs for nothing, 47 s against 38)
-BRANCH_NODES = 200
+# block programs needed 3 to 97, GPT-1T's a median of 5; on GPT-1T's 20 slowest programs 400 took 48 s, against
+# 58 s at 200 (the largest settles at 265 LPs in 6 s, and took 19.7 s handed over at 200), 50 s at 300, 54 s at 600
+# (docs/benchmarks.md, "Choice branching"). A root LP that leaves more than half as many choice rows fractional goes
+# to the MIP at once: the layer programs leave 1 to 20 of 30, GPT-1.3B capped whole 597 of 701 (whose branching ran
+# 200 LPs for nothing, 47 s against 38)
+BRANCH_NODES = 400
 # a node LP stopped past this many times the root LP's simplex iterations (plus 1000) hands over to HiGHS's MIP (a
 # deterministic stop, unlike the clock). The LPs run without HiGHS's `objective_bound`: with it, a warm-started
 # node LP deep in a GPT-1T program's tree ran until the clock stopped it after 245 iterations, and without it
