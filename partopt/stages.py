@@ -64,7 +64,7 @@ class Pipeline:
     # a row of layer costs' columns and stage sums by (table, id(row), …), see `_row_spans`, `_stage_sums`,
     # `_entries` and `_chunk_sums`; an end's sends (`_end_sends`); a mesh's tensor-parallel axis
     # (`_tensor_axis`); the FLOP shares of a recomputation mode (`_flop_shares`); where the shared parameters'
-    # readers change (`_reader_changes`)
+    # readers change (`_reader_changes`) and which base layers read them (`_holds_shared`)
     _sums: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -176,7 +176,8 @@ def combined(parts: Sequence[StageTotals]) -> StageTotals:
                        sum(p.hidden_s for p in parts))
 
 
-def hidden_send(p2p_s, forward_s, backward_s):
+def hidden_send(p2p_s: float | np.ndarray, forward_s: float | np.ndarray,
+                backward_s: float | np.ndarray) -> float | np.ndarray:
     """Seconds of a chunk's round trip `p2p_s` (activations out, their gradient back) that compute hides when
     sends run on their own stream (Megatron's overlapped p2p of the interleaved schedule, docs/COSTMODEL.md
     §5b): in 1F1B's steady state the activations travel while the device runs its next task, a backward
