@@ -62,7 +62,7 @@ class Pipeline:
     # send_s by (first, last, end, receiver, cost model): the DP's tables ask for the same stages' sends many times
     _sends: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # a row of layer costs' columns and stage sums by (table, id(row), …), see `_row_spans`, `_stage_sums`,
-    # `_entries` and `_chunk_sums`; an end's sends (`_end_sends`); a mesh's tensor-parallel axis
+    # `_entries` and `_chunk_sums`; an end's sends (`_end_sends`, `_end_p2p`); a mesh's tensor-parallel axis
     # (`_tensor_axis`); the FLOP shares of a recomputation mode (`_flop_shares`); where the shared parameters'
     # readers change (`_reader_changes`) and which base layers read them (`_holds_shared`)
     _sums: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -421,6 +421,15 @@ def _end_sends(pipe: Pipeline, end: End) -> tuple[np.ndarray, list[float]]:
     return pipe._sums[key]
 
 
+def _end_p2p(pipe: Pipeline, end: End) -> np.ndarray:
+    """Per DP layer, an end's `p2p_s` (the round trip after that layer), kept per end in `pipe` as `_end_sends`: every
+    interleaved chunking of every row on the end reads it."""
+    key = ("p2p", end)
+    if key not in pipe._sums:
+        pipe._sums[key] = np.array([pipe.p2p_s(j, end) for j in range(len(pipe.layering.groups))])
+    return pipe._sums[key]
+
+
 def fits(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], options: list[list[tuple]], stages: Sequence,
          count: int, budget: float, schedule: str = "1f1b", v: int = 1) -> bool:
     """Whether the stages of a stage DP's plan (`stagedp.StageChoice`s over `options`, as `stage_table` or, for the
@@ -500,7 +509,7 @@ def _chunk_sums(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int,
     send_s = outs[lasts] + np.asarray(ins)[firsts]  # the floats `send_s` adds
     p2p_s = hidden_s = np.zeros(len(firsts))
     if pipe.overlap:
-        p2p_s = np.array([pipe.p2p_s(last, end) for last in lasts.tolist()])
+        p2p_s = _end_p2p(pipe, end)[lasts]
         hidden_s = hidden_send(p2p_s, running[:, 8], running[:, 7])
 
     def summed(x: np.ndarray) -> np.ndarray:  # stage i's chunks i, i + S, …, added in that order
