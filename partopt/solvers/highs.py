@@ -65,11 +65,10 @@ def _load(model: Model, options: Options, relaxed: bool) -> highspy.Highs:
         h.setOptionValue("objective_bound", float(options.cutoff) + 1e-6 * max(1.0, abs(options.cutoff)))
     n = model.num_vars
     inf = highspy.kHighsInf
-    col_upper = np.ones(n)
     kinds = np.full(n, highspy.HighsVarType.kInteger)
-    for j, bound in model.continuous.items():
-        col_upper[j], kinds[j] = bound, highspy.HighsVarType.kContinuous
-    h.addVars(n, np.zeros(n), col_upper)
+    for j in model.continuous:
+        kinds[j] = highspy.HighsVarType.kContinuous
+    h.addVars(n, np.zeros(n), _upper(model))
     h.changeColsCost(n, np.arange(n, dtype=np.int32), np.asarray(model.objective, dtype=float))
     if not relaxed:
         h.changeColsIntegrality(n, np.arange(n, dtype=np.int32), kinds)
@@ -120,6 +119,14 @@ def _binary(model: Model) -> np.ndarray:
     return binary
 
 
+def _upper(model: Model) -> np.ndarray:
+    """Per column of `model`, its upper bound: 1 for a 0-1 column, its own bound for a continuous one."""
+    upper = np.ones(model.num_vars)
+    for j, bound in model.continuous.items():
+        upper[j] = bound
+    return upper
+
+
 def _integral(x: np.ndarray, binary: np.ndarray) -> bool:
     """Whether every 0-1 column of the LP solution `x` is 0 or 1 within the MIP's own integrality tolerance."""
     return not np.any(np.abs(x[binary] - np.rint(x[binary])) > INTEGRALITY_TOLERANCE)
@@ -152,9 +159,7 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
     program is fractional where a lean and a fast strategy mix to meet the cap."""
     h = _load(model, Options(options.time_limit_s, options.seed, options.threads), relaxed=True)  # no cutoff (STALLED)
     n = model.num_vars
-    binary, upper = _binary(model), np.ones(n)
-    for j, bound in model.continuous.items():
-        upper[j] = bound
+    binary, upper = _binary(model), _upper(model)
     inequality = [r for r, (_, _, lo, hi) in enumerate(model.rows) if lo != hi]
     spread = _Spread.of(model, inequality, groups)
     bar = math.inf if options.cutoff is None else float(options.cutoff)  # what a solution must get under
