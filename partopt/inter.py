@@ -272,7 +272,20 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                 if time.perf_counter() > deadline:
                     raise Expired
                 if unopened and (not waiting or left[unopened[0]] <= min(rank[c] for c in waiting)):
-                    count = unopened.pop(0)
+                    count = unopened[0]
+                    # what opening it must beat: the best plan, and the waiting counts closed first when it cannot
+                    # beat their rank (its memory counted; `_may_open`)
+                    bar = min([rank[c] for c in waiting] + [best[0] if best is not None else math.inf])
+                    if bar < math.inf and not _may_open(space, count, views[count], base[count], work[count], fastest,
+                                                        bar):
+                        if best is not None and bar == best[0]:
+                            del left[count]
+                            unopened.remove(count)
+                        else:
+                            left[count] = math.nextafter(bar, math.inf)
+                            unopened.sort(key=lambda c: (left[c], -c))
+                        continue
+                    unopened.pop(0)
                     state = _open_count(space, pricer, count, views[count], base[count], work[count], best,
                                         fastest, stats,
                                         lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
@@ -344,13 +357,9 @@ def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops
     limit = best[0] if best is not None else math.inf
     mb = space.graph.dims[space.graph.batch_dim] // count
     pricer.views[mb] = g_mb
-    keys = list(space.meshes)
-    if limit < math.inf:
-        divisors = {c: rows for c, rows in fastest.items() if count % c == 0}
-        keys = [key for key in keys if _may_win(_divisor_floors(key, count, len(base_ops), work, divisors), key, count,
-                                                limit, work, space.cluster, options.overlap)]
-        if not keys:
-            return None
+    keys = list(_meshes_may_win(space, count, base_ops, work, fastest, limit))
+    if not keys:
+        return None
     pipe = pipeline_of(space.graph, space.cluster, space.layering, count, options.overlap)
     state = _Count(count, pipe, [g_mb.structural_hash(ops) for ops in base_ops],
                    [tuple(op.name for op in ops) for ops in base_ops],
@@ -431,6 +440,13 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
     def bound() -> float:  # the best plan so far, or one of this count's on the rows priced yet when it is faster
         return space.upper(pipe, costs, count, budget, stats, incumbent)
 
+    view = pricer.views[space.graph.dims[space.graph.batch_dim] // count]
+    ops = [[view.op_index[name] for name in names] for names in state.names]
+
+    def reachable(keys: list[tuple]) -> bool:  # whether a plan may beat the best, the modes not priced on `keys` too
+        roofline = {key: _floors([None] * len(ops), count, count, work, key[0][0] * key[0][1]) for key in keys}
+        return best is None or _reachable(space, view, ops, modes, count, work, best[0], costs, roofline)
+
     if (found := _unbound(space, state, stats, wanted)) is not None:
         return found, modes[:1]  # memory does not bind: recomputing more only adds time
     keys = state.keys
@@ -439,6 +455,8 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
         keys = [key for key in keys if _may_win(_floors(costs[(*key, modes[m - 1])][0], count, count, work,
                                                         key[0][0] * key[0][1]),
                                                 key, count, limit, work, space.cluster, options.overlap)]
+        if not reachable(keys):
+            return None, modes[:m]  # no plan of this count, memory counted, can beat the best: no more modes priced
         _price_mode(space, pricer, state, keys, modes[m], stats, running)
         if state.free is None:  # no plan ran on the modes before: what this one's fastest options could do
             state.free = space.best(pipe, costs, count, math.inf, stats)
@@ -447,7 +465,7 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
         if (found := _unbound(space, state, stats, wanted)) is not None:
             return found, modes[:m + 1]  # memory does not bind: recomputing more only adds time
 
-    if best is not None and not _reachable(space, pricer, state, best[0]):
+    if not reachable([]):
         return None, modes  # no plan of this count, memory counted, can beat the best: no capped ILPs for it
 
     # memory binds under every mode: one ladder for them all, each rung's ILPs of every mode priced together
@@ -481,22 +499,57 @@ def _wanted(best: tuple | None) -> float:
     return best[0] + 2e-15 if best is not None else math.inf
 
 
-def _reachable(space: _Space, pricer: Pricer, state: _Count, limit: float) -> bool:
-    """Whether a plan of `state`'s count, every mode priced with memory free, may still cost at most `limit` once
-    memory is counted (`bounds.may_reach`); False: the memory-lean options need not be priced."""
-    graph, options = space.graph, space.options
-    view = pricer.views[graph.dims[graph.batch_dim] // state.count]
-    ops = [[view.op_index[name] for name in names] for names in state.names]
-    prints = bounds.footprints(view, ops, state.modes, space.cluster.device, space.alike)
-    kept = {mode: [per_mode[m].kept_bytes for per_mode in prints] for m, mode in enumerate(state.modes)}
+def _meshes_may_win(space: _Space, count: int, base_ops: list[list[Op]], work: list[float] | None,
+                    fastest: dict[int, dict], limit: float) -> dict[tuple, list[float]]:
+    """The meshes where a stage of `count` may belong to a plan under `limit` before any of its ILPs (`_may_win`),
+    each with its layers' floors under the least recomputing mode (`_divisor_floors`, from the rows of the counts
+    opened that divide it: `fastest`, of `_search`)."""
+    divisors = {c: rows for c, rows in fastest.items() if count % c == 0}
+    floors = {key: _divisor_floors(key, count, len(base_ops), work, divisors) for key in space.meshes}
+    return {key: f for key, f in floors.items()
+            if limit == math.inf or _may_win(f, key, count, limit, work, space.cluster, space.options.overlap)}
+
+
+def _may_open(space: _Space, count: int, g_mb: Graph, base_ops: list[list[Op]], work: list[float] | None,
+              fastest: dict[int, dict], limit: float) -> bool:
+    """Whether a plan of `count` may cost at most `limit`, judged before any of its ILPs by its layers' floors and
+    their memory (`_reachable`); False proves that none can, and the count need not be opened under `limit`."""
+    floors = _meshes_may_win(space, count, base_ops, work, fastest, limit)
+    modes = _distinct_modes(g_mb, base_ops, space.options.recompute_modes)
+    return bool(floors) and _reachable(space, g_mb, base_ops, modes, count, work, limit, {}, floors)
+
+
+def _reachable(space: _Space, g_mb: Graph, ops: list[list[Op]], modes: list[str], count: int,
+               work: list[float] | None, limit: float, priced: dict, open_meshes: dict[tuple, list[float]]) -> bool:
+    """Whether a plan of `count` (`g_mb`: its microbatch view; `ops`: its base layers' ops) may still cost at most
+    `limit` once memory is counted (`bounds.may_reach`); False proves that no option not priced yet can help it: not
+    the memory-lean ones, not the `modes` still to price.
+
+    A layer costs (count · time + sync) at least its uncapped optimum on each option priced (`priced`: (submesh,
+    shape, mode) -> rows). On the meshes still open to pricing (`open_meshes`: each with its layers' floors under
+    the least recomputing mode), a mode not priced costs it at least that floor, the floor of each mode priced there
+    before it (`_floors`: recomputing more never makes a layer faster), and its roofline work with the mode's
+    rerun forward."""
+    options, device = space.options, space.cluster.device
+    prints = bounds.footprints(g_mb, ops, modes, device, space.alike)
+    kept = {mode: [per_mode[m].kept_bytes for per_mode in prints] for m, mode in enumerate(modes)}
+    objectives = {option: pricing.objectives(rows[0], count) for option, rows in priced.items()}
+    for key, floor in open_meshes.items():
+        devices = key[0][0] * key[0][1]
+        for m, mode in enumerate(modes):
+            if (*key, mode) in priced:
+                floor = [max(a, b) for a, b in zip(floor, _floors(priced[(*key, mode)][0], count, count, work, devices))]
+            elif work is not None:
+                objectives[(*key, mode)] = [max(f, count * (w + per_mode[m].rerun_s) / devices)
+                                            for f, w, per_mode in zip(floor, work, prints)]
+            else:  # no roofline under this cost model: the floors alone
+                objectives[(*key, mode)] = floor
     L, devices = len(space.layering.groups), space.cluster.num_devices
     interleaved = [[([g for a, b in chunks(L, S, v)[i::S] for g in range(a, b + 1)],
-                     inflight(i, S, state.count, "interleaved", v)) for i in range(S)]
-                   for S, v in interleaved_shapes(L, state.count, devices)] if "interleaved" in options.schedules else []
-    return bounds.may_reach(limit, {option: pricing.objectives(rows[0], state.count)
-                                    for option, rows in state.costs.items()},
-                            bounds.resident_bytes(view, ops, space.alike), kept, space.layering.groups,
-                            space.submeshes, devices, space.budget, state.count, options.overlap,
+                     inflight(i, S, count, "interleaved", v)) for i in range(S)]
+                   for S, v in interleaved_shapes(L, count, devices)] if "interleaved" in options.schedules else []
+    return bounds.may_reach(limit, objectives, bounds.resident_bytes(g_mb, ops, space.alike), kept,
+                            space.layering.groups, space.submeshes, devices, space.budget, count, options.overlap,
                             contiguous=bool({"1f1b", "zero-bubble"} & set(options.schedules)),
                             interleaved=interleaved)
 

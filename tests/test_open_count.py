@@ -1,6 +1,7 @@
-"""How a count is opened (`inter._open_count`, `_memory_free`): once a plan is known, its memory-free plan is looked
-for only under that plan, and the count is dropped when none is; before, ZB-H1's memory-free search waits while the
-other schedules' plan does not fit. Each is checked against the search that opens every count in full."""
+"""How a count is opened (`inter._open_count`, `_memory_free`, `_may_open`): once a plan is known, its memory-free
+plan is looked for only under that plan, and the count is dropped when none is; before, ZB-H1's memory-free search
+waits while the other schedules' plan does not fit; a count whose floors and memory cannot beat a bar is not opened
+under it. Each is checked against the search that opens every count in full."""
 
 import math
 
@@ -67,6 +68,35 @@ def test_a_deferred_zero_bubble_search_gives_the_plan_of_the_full_open(mib, batc
     plan = optimize(graph, cluster, workers=1)
     assert any(deferred)
     monkeypatch.setattr(inter, "_memory_free", _in_full)
+    full = optimize(graph, cluster, workers=1)
+    assert_same_plan(plan, full)
+
+
+@pytest.mark.parametrize("mib, batch", [(60, 32), (80, 64), (140, 32), (200, 64)])
+def test_a_count_judged_before_its_ilps_has_no_plan_under_its_bar_and_the_plan_stays(mib, batch, monkeypatch):
+    """A small GPT on four devices: some counts are judged, before any of their ILPs, unable to cost at most the
+    best plan or a waiting count's rank (`inter._may_open`: their layers' floors and memory), and are dropped or
+    closed later. The search of each such count alone finds no plan under that bar, and the plan is the one of the
+    search that opens every count and prices every mode."""
+    graph = gpt(hidden=256, layers=8, heads=8, seq=256, vocab=2048, batch=batch)
+    cluster = four_devices(mib)
+    judged, may_open = [], inter._may_open
+
+    def recording(space, count, *rest):
+        opens = may_open(space, count, *rest)
+        if not opens:
+            judged.append((count, rest[-1]))
+        return opens
+
+    monkeypatch.setattr(inter, "_may_open", recording)
+    plan = optimize(graph, cluster, workers=1)
+    assert judged
+    for count, bar in judged:
+        alone = optimize(graph, cluster, workers=1, microbatches=count)
+        assert "bound_gap" not in alone.solver and alone.iteration_time_s > bar
+
+    monkeypatch.setattr(inter, "_may_open", lambda *args: True)
+    monkeypatch.setattr(inter, "_reachable", lambda *args: True)
     full = optimize(graph, cluster, workers=1)
     assert_same_plan(plan, full)
 

@@ -392,3 +392,32 @@ def test_a_layer_holds_at_least_its_share_of_the_state_and_kept_activations():
                         assert cost.activation_bytes >= prints[b][m].kept_bytes / n * (1 - 1e-12)
                         checked += cost is capped
     assert checked > 5 and min(state) > 0  # some capped layers fitted, every layer holds parameters
+
+
+def test_a_layer_under_a_mode_costs_at_least_its_roofline_work_and_rerun_over_its_devices():
+    """The premise of `inter._reachable` on a mode not priced yet: on every mesh and mode, each layer's ILP optimum
+    costs count · time + sync ≥ count · (roofline work + the mode's rerun forward) / devices, memory free."""
+    from partopt.bounds import roofline_work
+    from partopt.options import Options
+    from partopt.pricing import Job, Pricer, Stats, objectives
+
+    graph = block_graph(layers=2, batch=16)
+    cluster, count = preset("p3.16xlarge", 1), 4
+    view = intra.with_batch(graph, 16 // count)
+    base = [[view.op_index[op.name] for op in ops] for ops in build_layers(graph, 64).base]
+    work = roofline_work(view, base, cluster.device)
+    modes = intra.RECOMPUTE_MODES
+    prints = footprints(view, base, modes, cluster.device)
+    margins = []
+    with Pricer(graph, Options(workers=1)) as pricer:
+        pricer.views[16 // count] = view
+        for sub, shape in [((1, 1), (1, 1)), ((1, 2), (2, 1)), ((1, 4), (2, 2)), ((1, 8), (1, 8))]:
+            mesh, n = cluster.logical_mesh(sub, shape), sub[0] * sub[1]
+            for m, mode in enumerate(modes):
+                row = [pricer.one(Job(16 // count, count, tuple(op.name for op in ops), mesh, mode, None), Stats())
+                       for ops in base]
+                for cost, w, per_mode in zip(objectives(row, count), work, prints):
+                    floor = count * (w + per_mode[m].rerun_s) / n
+                    assert cost >= floor * (1 - 1e-12)
+                    margins.append(cost / floor)
+    assert max(p[2].rerun_s for p in prints) > 0 and min(margins) < 1.5  # full recomputation reruns; a floor is near
