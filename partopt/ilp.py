@@ -123,6 +123,7 @@ class Solution:
     total: int  # strategies before reduction
     variables: int  # ILP variables
     free_bound: float | None = None  # a proven lower bound on the optimum with no memory row (None: not solved)
+    free_choice: tuple[int, ...] | None = None  # the assignment of that optimum (None: not solved)
 
     @property
     def lower_bound(self) -> float | None:
@@ -595,7 +596,7 @@ def _picks(alive: list[np.ndarray], var: list[np.ndarray], values: list[int]) ->
 
 def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
           time_limit_s: float = solvers.TIME_LIMIT_S, seed: int = 0, reduce_first: bool = True,
-          cutoff: float | None = None) -> Solution:
+          cutoff: float | None = None, free: tuple[tuple[int, ...], float] | None = None) -> Solution:
     """Choose one strategy per node: least total cost with summed memory ≤ budget.
 
     `cutoff` (with a budget): the caller has no use for an assignment costing that much or more (`total`);
@@ -605,7 +606,9 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
     With `reduce_first`, dominated strategies go first, then the graph is solved by exact
     elimination without the memory row; when that optimum fits the budget it is the answer
     (the relaxation's optimum is feasible), otherwise the full program with the memory row runs, on the graph
-    with its leaves merged into their neighbours (`fold_leaves`).
+    with its leaves merged into their neighbours (`fold_leaves`). `free`: that optimum's assignment and bound
+    (`Solution.free_choice`, `free_bound`), found by a solve of a graph with these costs (memory aside: the layer
+    priced at another cap); when that assignment does not fit the budget here, it is not solved again.
     """
     if budget is not None and min_memory(graph) > budget:
         raise InfeasibleError(
@@ -614,7 +617,8 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
     alive = reduce(graph) if reduce_first else [np.ones(len(c), dtype=bool) for c in graph.costs]
     total = sum(len(c) for c in graph.costs)
     kept = int(sum(a.sum() for a in alive))
-    if reduce_first:
+    free_choice, free_bound = free if free is not None else (None, None)
+    if reduce_first and (free is None or budget is None or graph.peak_memory(list(free_choice)) <= budget):
         reduced, remaining, steps = _eliminate(graph, alive)
         began = time.perf_counter()
         picked = minsum.solve(reduced.costs, reduced.edges)  # the rest eliminated too, when its tables are small
@@ -629,11 +633,14 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
             picked = _picks(every, var, result.values)
         choice = _recover(graph, alive, remaining, picked, steps)
         relaxed = _solution(graph, choice, result, model, kept, total)
+        free_choice, free_bound = tuple(choice), relaxed.lower_bound
         if budget is None or graph.peak_memory(choice) <= budget:
-            return replace(relaxed, free_bound=relaxed.lower_bound)
-        if cutoff is not None and relaxed.lower_bound is not None and relaxed.lower_bound >= cutoff:
-            raise InfeasibleError(f"no strategy assignment costs under {cutoff:.6g} s even with memory free",
-                                  "memory", "use more devices or a larger budget")  # the capped optimum costs more
+            return replace(relaxed, free_bound=free_bound, free_choice=free_choice)
+    elif not reduce_first:
+        free_choice = free_bound = None
+    if cutoff is not None and free_bound is not None and free_bound >= cutoff:
+        raise InfeasibleError(f"no strategy assignment costs under {cutoff:.6g} s even with memory free",
+                              "memory", "use more devices or a larger budget")  # the capped optimum costs more
     program = fold_leaves(graph, alive) if reduce_first and budget is not None else None  # leaves merged: exact
     solved, kept_here = (program.graph, reduce(program.graph)) if program is not None else (graph, alive)
     first = _cheapest(solved, kept_here) if budget is None else _leanest(solved, kept_here)
@@ -645,8 +652,7 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
     choice = [int(np.flatnonzero(a)[k]) for a, k in zip(kept_here, picks)]
     if program is not None:
         choice = program.unfold(choice, len(graph))
-    return replace(_solution(graph, choice, result, model, kept, total),
-                   free_bound=relaxed.lower_bound if reduce_first else None)
+    return replace(_solution(graph, choice, result, model, kept, total), free_bound=free_bound, free_choice=free_choice)
 
 
 def _cheapest(graph: CostGraph, alive: list[np.ndarray]) -> list[int]:

@@ -815,12 +815,12 @@ def shard_stage(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None
                 seed: int = 0, allow_zero: bool = True, data_parallel: bool = False,
                 restriction: Restriction | None = None, reduce_first: bool = True,
                 recompute: str = "none", peak_shared_by: int = 1, prefetch: bool = False,
-                cutoff: float | None = None) -> StageSharding:
+                cutoff: float | None = None, free: tuple[tuple[int, ...], float] | None = None) -> StageSharding:
     """The optimal sharding of `ops` (default: the whole graph) on `mesh` for one microbatch;
     `recompute` (none | selective | full, see `recomputed_ops`) reruns those ops' forward in backward;
     `memory_budget` is charged 1/`peak_shared_by` of the transient peak (`ilp.CostGraph`); `prefetch`: see `build`;
     `cutoff` (seconds of time + sync / microbatches, the ILP's objective): with a budget, InfeasibleError when
-    the optimum costs that much or more (`ilp.solve`)."""
+    the optimum costs that much or more (`ilp.solve`); `free`: its memory-free optimum, when known (`ilp.solve`)."""
     g = with_batch(graph, microbatch) if microbatch is not None else graph
     if ops is not None and g is not graph:
         ops = [g.op_index[op.name] for op in ops]
@@ -829,5 +829,5 @@ def shard_stage(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None
     model.costs.peak_shared_by = peak_shared_by
     if memory_budget is not None and ilp.min_memory(model.costs) > memory_budget:
         raise _memory_error(model, memory_budget)
-    solution = ilp.solve(model.costs, memory_budget, backend, time_limit_s, seed, reduce_first, cutoff)
+    solution = ilp.solve(model.costs, memory_budget, backend, time_limit_s, seed, reduce_first, cutoff, free)
     return decode(model, solution)

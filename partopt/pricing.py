@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from partopt import costmodel, intra
+from partopt import costmodel, ilp, intra
 from partopt.cluster import LogicalMesh
 from partopt.errors import InfeasibleError, SolverError
 from partopt.executors import Executor, make_executor, prepare
@@ -88,6 +88,8 @@ class Job:
     restriction: intra.Restriction | None = field(default=None, compare=False)
     share: int = 1  # layers of a stage that hold one transient peak together: the cap carries 1/share of it
     cutoff: float | None = None  # with a cap: the least count · time + sync of no use (None: any cost is of use)
+    # the layer's memory-free optimum (assignment, bound), found when it was priced at another cap: not solved again
+    free: tuple[tuple[int, ...], float] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -145,7 +147,8 @@ def price(g_mb: Graph, job: Job, options) -> Priced:
                                          data_parallel=options.data_parallel_only or options.stage_data_parallel,
                                          allow_zero=not options.stage_data_parallel, recompute=job.recompute,
                                          restriction=job.restriction, peak_shared_by=job.share, prefetch=options.overlap,
-                                         cutoff=None if job.cutoff is None else job.cutoff / job.count)
+                                         cutoff=None if job.cutoff is None else job.cutoff / job.count,
+                                         free=job.free)
     except InfeasibleError:
         if job.cap is None:
             raise  # not a memory cap: a restriction that leaves some op no strategy (its message names it)
@@ -376,7 +379,8 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
         before = r
         if not tight:  # a tighter rung may still bind: fewer microbatches in flight do not offset a smaller cap
             continue
-        capped = {key: _with_cap(jobs[key], cap, inflight, r, cutoffs[key]) for key in tight}
+        capped = {key: _with_cap(jobs[key], cap, inflight, r, cutoffs[key], last[key].sharding.solution)
+                  for key in tight}
         for key, cost in pricer.run(capped, stats).items():
             if cost is None and capped[key].cutoff is not None:
                 above[key] = (cutoffs[key], r * inflight)  # none under this cap costs less: of no use at this rung
@@ -391,9 +395,12 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
                 limit = None
 
 
-def _with_cap(job: Job, cap: float, inflight: int, share: int, cutoff: float = math.inf) -> Job:
+def _with_cap(job: Job, cap: float, inflight: int, share: int, cutoff: float = math.inf,
+              priced: ilp.Solution | None = None) -> Job:
+    """`job` under `cap`; `priced`: a solution of it at another cap, whose memory-free optimum it need not solve again."""
+    free = None if priced is None or priced.free_choice is None else (priced.free_choice, priced.free_bound)
     return Job(job.mb, job.count, job.ops, job.mesh, job.recompute, cap, inflight, job.restriction, share,
-               cutoff if cutoff < math.inf else None)
+               cutoff if cutoff < math.inf else None, free)
 
 
 def _cutoffs(keys: list, least: dict, layer_keys: list, count: int, limit: float, lengths: range,

@@ -89,3 +89,30 @@ def test_evaluate_refits_the_layers_that_took_a_looser_rung_when_together_they_o
     stage = plan.stages[0]
     assert stage.breakdown["param_bytes"] >= 16 * (vocab * h + 12 * h * h) / 2 * (1 - 1e-3)
     assert max(s.memory_bytes for s in plan.stages) <= budget
+
+
+def test_a_capped_layer_takes_its_memory_free_optimum_from_its_first_pricing(monkeypatch):
+    """Each memory-capped job of the ladder carries the memory-free optimum its layer's first pricing found
+    (`Job.free`, so `ilp.solve` does not solve it again), and the plan is the one found when every capped job
+    solves it itself."""
+    from partopt import pricing
+
+    graph, cluster = mlp(6, 64, 1024), four_devices(28)
+    jobs, price_one, with_cap = [], pricing.price, pricing._with_cap
+
+    def recording(g_mb, job, options):
+        jobs.append(job)
+        return price_one(g_mb, job, options)
+
+    monkeypatch.setattr(pricing, "price", recording)
+    plan = optimize(graph, cluster, microbatches=1, intra_only=True, workers=1, **SETTINGS)
+    capped = [job for job in jobs if job.share > 1]
+    assert capped and all(job.free is not None for job in capped)
+
+    monkeypatch.setattr(pricing, "_with_cap", lambda job, cap, inflight, share, cutoff, priced:
+                        with_cap(job, cap, inflight, share, cutoff))
+    jobs.clear()
+    again = optimize(graph, cluster, microbatches=1, intra_only=True, workers=1, **SETTINGS)
+    assert [job.free for job in jobs if job.share > 1] == [None] * len(capped)
+    assert again.iteration_time_s == plan.iteration_time_s
+    assert [s.memory_bytes for s in again.stages] == [s.memory_bytes for s in plan.stages]

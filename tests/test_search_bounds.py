@@ -182,6 +182,33 @@ def test_the_free_bound_is_the_optimum_with_memory_ignored():
     assert checked > 20
 
 
+def test_a_known_free_optimum_is_not_solved_again_and_the_answer_stays():
+    """`ilp.solve(free=...)`, as a capped layer job gets its memory-free optimum from the layer priced at another
+    cap: with a budget that optimum does not fit, the elimination does not run and the answer, its free bound and
+    free assignment are those of the solve that finds them itself; with one it fits, the solve runs as before."""
+    from unittest import mock
+
+    rng = random.Random(20261205)
+    skipped = kept = 0
+    for _ in range(80):
+        graph = random_graph(rng)
+        loose = ilp.solve(graph, sum(float(m.max()) for m in graph.memory))  # every assignment fits
+        assert loose.objective == pytest.approx(brute_force(graph, None), abs=1e-9)
+        budget = sum(float(m.max()) for m in graph.memory) * rng.uniform(0.3, 1.0)
+        if brute_force(graph, budget) is None:
+            continue
+        alone = ilp.solve(graph, budget)
+        fits = graph.peak_memory(list(loose.free_choice)) <= budget
+        with mock.patch.object(ilp, "_eliminate", wraps=ilp._eliminate) as eliminate:
+            known = ilp.solve(graph, budget, free=(loose.free_choice, loose.free_bound))
+        assert eliminate.called == fits
+        assert known.objective == pytest.approx(brute_force(graph, budget), abs=1e-9)
+        assert (known.choice, known.free_bound, known.free_choice) == (alone.choice, alone.free_bound, alone.free_choice)
+        skipped += not fits
+        kept += fits
+    assert skipped > 20 and kept > 5
+
+
 @pytest.mark.parametrize("memory_gib", [16.0, 0.007])
 def test_auto_with_skipped_modes_still_equals_the_best_forced_mode_or_beats_it(memory_gib):
     """Modes priced only on meshes where they may win: the plan is still no worse than any forced mode."""
