@@ -49,7 +49,7 @@ def alike_layers(graph: Graph, base: list[list[Op]]) -> list[int]:
     return [first.setdefault(graph.structural_hash(ops), b) for b, ops in enumerate(base)]
 
 
-def _per_layer(base: list[list[Op]], alike: Sequence[int] | None, of: Callable[[list[Op]], T]) -> list[T]:
+def per_layer(base: list[list[Op]], alike: Sequence[int] | None, of: Callable[[list[Op]], T]) -> list[T]:
     """`of(ops)` per base layer, computed once for layers alike (`alike`, from `alike_layers`; None: all differ)."""
     done: dict[int, T] = {}
     for a in alike or range(len(base)):
@@ -64,7 +64,7 @@ def roofline_work(g_mb: Graph, base: list[list[Op]], device: Device,
     its ops' `op_work`; communication only adds. None under a measured cost model."""
     if not isinstance(costmodel.active(), costmodel.Analytical):
         return None
-    return _per_layer(base, alike, lambda ops: sum(op_work(g_mb, op, device) for op in ops))
+    return per_layer(base, alike, lambda ops: sum(op_work(g_mb, op, device) for op in ops))
 
 
 def footprints(g_mb: Graph, base: list[list[Op]], modes: Sequence[str], device: Device,
@@ -75,7 +75,7 @@ def footprints(g_mb: Graph, base: list[list[Op]], modes: Sequence[str], device: 
     after the layer or by an op not recomputed; recomputing materialises every recomputed output
     once (as `intra.build` and `stages` count them); the rerun forward is each recomputed op's
     forward share of its roofline work."""
-    return _per_layer(base, alike, lambda ops: _footprint(g_mb, ops, modes, device))
+    return per_layer(base, alike, lambda ops: _footprint(g_mb, ops, modes, device))
 
 
 def _footprint(g_mb: Graph, ops: list[Op], modes: Sequence[str], device: Device) -> list[Footprint]:
@@ -126,7 +126,7 @@ def resident_bytes(g_mb: Graph, base: list[list[Op]], alike: Sequence[int] | Non
     def state(ops: list[Op]) -> float:
         params = dict.fromkeys(t for op in ops for t in op.inputs if g_mb.tensors[t].role == "param")
         return sum(costmodel.param_memory(g_mb.numel(t), g_mb.dtype_of(t), g_mb.optimizer).total for t in params)
-    return _per_layer(base, alike, state)
+    return per_layer(base, alike, state)
 
 
 def may_reach(limit: float, objectives: dict[tuple, list[float | None]], resident: Sequence[float],
@@ -165,10 +165,20 @@ def may_reach(limit: float, objectives: dict[tuple, list[float | None]], residen
     sizes = np.array([a * b for a, b in submeshes], dtype=float)
     if contiguous and _fewest_devices(options, state, held_kept, sizes, cap, budget, count) <= devices:
         return True
+    if not interleaved or not options:
+        return False
+    cost = np.array([c for _, _, c, _ in options])  # per option, per DP layer
+    blocked, cost = np.isinf(cost).astype(float), np.where(np.isinf(cost), 0.0, cost)
+    kept_of = np.array([held_kept[mode] for *_, mode in options])
+    n = np.array([n for _, n, _, _ in options], dtype=float)
     for stages in interleaved:
-        need = sum(min((n for _, n, cost, mode in options if cost[held].sum() <= cap and
-                        (state[held].sum() + in_flight * held_kept[mode][held].sum()) / n <= budget),
-                       default=math.inf) for held, in_flight in stages)
+        held = np.zeros((len(state), len(stages)))  # per DP layer, per stage: whether the stage holds it
+        for s, (layers, _) in enumerate(stages):
+            held[layers, s] = 1.0
+        in_flight = np.array([f for _, f in stages], dtype=float)
+        ok = ((blocked @ held == 0) & (cost @ held <= cap)
+              & ((state @ held)[None, :] + in_flight[None, :] * (kept_of @ held) <= budget * n[:, None]))
+        need = np.where(ok, n[:, None], math.inf).min(axis=0).sum()  # per stage its smallest submesh that can
         if need <= devices:
             return True
     return False

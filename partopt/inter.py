@@ -361,7 +361,7 @@ def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops
     if not keys:
         return None
     pipe = pipeline_of(space.graph, space.cluster, space.layering, count, options.overlap)
-    state = _Count(count, pipe, [g_mb.structural_hash(ops) for ops in base_ops],
+    state = _Count(count, pipe, bounds.per_layer(base_ops, space.alike, g_mb.structural_hash),
                    [tuple(op.name for op in ops) for ops in base_ops],
                    _distinct_modes(g_mb, base_ops, options.recompute_modes), {}, ({}, {}, {}), work, keys)
     _price_mode(space, pricer, state, keys, state.modes[0], stats, running)
