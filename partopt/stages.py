@@ -328,8 +328,8 @@ def totals(row: Sequence[LayerCost | None], pipe: Pipeline, first: int, last: in
     devices = end.shape[0] * end.shape[1]
     running = _row_spans(pipe, row)[first, last]
     time_s, sync_s, params, acts, working = running[:5]
-    fix = correction(row, pipe.layering.groups[first][0], pipe.layering.groups[last][1], pipe.shared, pipe.link,
-                     min(devices, pipe.per_node))
+    fix = _correction(pipe, row, pipe.layering.groups[first][0], pipe.layering.groups[last][1],
+                      min(devices, pipe.per_node))
     if fix is not None:
         params, sync_s = params + fix.param_bytes, sync_s + _fix_sync(fix, pipe.overlap)
     p2p_s = hidden_s = 0.0
@@ -500,8 +500,7 @@ def _chunk_sums(pipe: Pipeline, row: Sequence[LayerCost | None], sub: tuple[int,
     end = End(sub, mesh)
     runs = ~np.isnan(running[:, 0])  # a chunk with a layer that cannot run has no correction either
     for c in np.flatnonzero(runs & _holds_shared(pipe, groups[firsts, 0], groups[lasts, 1])):
-        fix = correction(row, groups[firsts[c], 0], groups[lasts[c], 1], pipe.shared, pipe.link,
-                         min(mesh[0] * mesh[1], pipe.per_node))
+        fix = _correction(pipe, row, groups[firsts[c], 0], groups[lasts[c], 1], min(mesh[0] * mesh[1], pipe.per_node))
         if fix is not None:
             params[c] += fix.param_bytes
             sync_s[c] += _fix_sync(fix, pipe.overlap)
@@ -550,10 +549,24 @@ def _corrections(row: Sequence[LayerCost | None], pipe: Pipeline, i: int, n: int
     changes = [0, *(m for m in _reader_changes(pipe, i) if m < n), n]
     out = []
     for lo, hi in zip(changes, changes[1:]):
-        fix = correction(row, first, lasts[lo], pipe.shared, pipe.link, devices)
+        fix = _correction(pipe, row, first, lasts[lo], devices)
         if fix is not None:
             out.append((lo, hi, fix))
     return out
+
+
+def _correction(pipe: Pipeline, row: Sequence[LayerCost | None], first: int, last: int,
+                devices: int) -> Correction | None:
+    """`shared.correction` of a stage of base layers [first, last] on `devices`, kept per row in `pipe`: it depends
+    only on which readers of the shared parameters the stage runs (the 1F1B and interleaved tables ask for the
+    same ones across thousands of stages)."""
+    if not pipe.shared:
+        return None
+    inside = tuple(tuple(u for u in units if first <= u <= last) for units in pipe.shared.values())
+    key = ("correction", id(row), inside, devices)
+    if key not in pipe._sums:
+        pipe._sums[key] = (row, correction(row, first, last, pipe.shared, pipe.link, devices))
+    return pipe._sums[key][1]
 
 
 def _reader_changes(pipe: Pipeline, i: int) -> list[int]:
