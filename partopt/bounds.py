@@ -121,26 +121,50 @@ def least_rerun_s(layers: list[list[Footprint]], room: float) -> float:
 
 
 def resident_bytes(g_mb: Graph, base: list[list[Op]], alike: Sequence[int] | None = None) -> list[float]:
-    """Per base layer, the training state (weights, gradients, optimizer) of the parameters its ops read, on all
-    devices together: each layer's ILP holds at least its share of it on each of its devices."""
-    def state(ops: list[Op]) -> float:
-        params = dict.fromkeys(t for op in ops for t in op.inputs if g_mb.tensors[t].role == "param")
-        return sum(costmodel.param_memory(g_mb.numel(t), g_mb.dtype_of(t), g_mb.optimizer).total for t in params)
-    return per_layer(base, alike, state)
+    """Per base layer, the training state (weights, gradients, optimizer) of the parameters only it reads, on all
+    devices together: each layer's ILP holds at least its share of it on each of its devices. A parameter read by
+    several base layers (a tied embedding) is in `shared_state` instead."""
+    readers = _readers(g_mb, base)
+    return per_layer(base, alike, lambda ops: sum(_state(g_mb, t) for t in _params(g_mb, ops) if len(readers[t]) == 1))
+
+
+def shared_state(g_mb: Graph, base: list[list[Op]]) -> list[tuple[float, list[int]]]:
+    """Each parameter read by several base layers: its training state on all devices together and its readers. A
+    stage holding any of them holds the parameter once (`shared.correction`)."""
+    return [(_state(g_mb, t), layers) for t, layers in _readers(g_mb, base).items() if len(layers) > 1]
+
+
+def _params(g_mb: Graph, ops: list[Op]) -> dict[str, None]:
+    return dict.fromkeys(t for op in ops for t in op.inputs if g_mb.tensors[t].role == "param")
+
+
+def _state(g_mb: Graph, tensor: str) -> float:
+    return costmodel.param_memory(g_mb.numel(tensor), g_mb.dtype_of(tensor), g_mb.optimizer).total
+
+
+def _readers(g_mb: Graph, base: list[list[Op]]) -> dict[str, list[int]]:
+    """Parameter -> the base layers that read it."""
+    readers: dict[str, list[int]] = {}
+    for b, ops in enumerate(base):
+        for t in _params(g_mb, ops):
+            readers.setdefault(t, []).append(b)
+    return readers
 
 
 def may_reach(limit: float, objectives: dict[tuple, list[float | None]], resident: Sequence[float],
               kept: dict[str, Sequence[float]], groups: Sequence[tuple[int, int]], submeshes: Sequence[tuple[int, int]],
               devices: int, budget: float, count: int, overlap: bool, contiguous: bool = True,
-              interleaved: Sequence[list[tuple[list[int], float]]] = ()) -> bool:
+              interleaved: Sequence[list[tuple[list[int], float]]] = (),
+              shared: Sequence[tuple[float, Sequence[int]]] = ()) -> bool:
     """Whether a plan of one microbatch count could cost at most `limit` with its memory counted; False proves
     that none can, whatever memory-lean options (`pricing.tighten`) would add.
 
     A stage on an option (`objectives` key: submesh, shape, mode) costs at least paid · Σ its base layers'
     objectives (count · time + sync, what the layer ILP minimises with memory free; a memory-capped option costs
     no less; paid = 1 − 1/count with `overlap`, as in `pricing.stage_lengths`), and holds on each of its n
-    devices at least 1/n of its layers' parameter state (`resident`) and of their kept activations per
-    microbatch in flight (`kept[mode]`; all devices together: no split divides bytes by more than its
+    devices at least 1/n of its layers' parameter state (`resident`, and once each parameter of `shared`, as
+    `shared_state` gives them, whose reader base layers it holds) and of their kept activations per microbatch in
+    flight (`kept[mode]`; all devices together: no split divides bytes by more than its
     devices). With `contiguous` (1F1B, ZB-H1) a stage of consecutive DP layers (`groups`: base layer ranges)
     holds as many microbatches as stages from it to the end, at most `count` (1F1B's; ZB-H1 holds more), and
     one DP over (first DP layer, stages left) finds the fewest devices such stages need, each under `limit`
@@ -156,6 +180,7 @@ def may_reach(limit: float, objectives: dict[tuple, list[float | None]], residen
         return np.add.reduceat(v, first) if groups else v[:0]
 
     state = per_group(resident)
+    read = [(size, per_group(np.isin(np.arange(len(resident)), layers).astype(float))) for size, layers in shared]
     held_kept = {mode: per_group(kept[mode]) for mode in {mode for _, _, mode in objectives}}
     options = []  # (submesh index, its devices, per DP layer: least cost, mode)
     for (sub, _, mode), objective in objectives.items():
@@ -163,8 +188,10 @@ def may_reach(limit: float, objectives: dict[tuple, list[float | None]], residen
         cost[np.isfinite(cost)] *= paid  # paid may be 0 (one microbatch, overlapped): a layer that cannot run stays inf
         options.append((submeshes.index(sub), sub[0] * sub[1], cost, mode))
     sizes = np.array([a * b for a, b in submeshes], dtype=float)
-    if contiguous and _fewest_devices(options, state, held_kept, sizes, cap, budget, count) <= devices:
-        return True
+    if contiguous:
+        state_ij = _spans(state) + sum((size * (_spans(by) > 0) for size, by in read), np.zeros((len(state),) * 2))
+        if _fewest_devices(options, state_ij, held_kept, sizes, cap, budget, count) <= devices:
+            return True
     if not interleaved or not options:
         return False
     cost = np.array([c for _, _, c, _ in options])  # per option, per DP layer
@@ -176,29 +203,32 @@ def may_reach(limit: float, objectives: dict[tuple, list[float | None]], residen
         for s, (layers, _) in enumerate(stages):
             held[layers, s] = 1.0
         in_flight = np.array([f for _, f in stages], dtype=float)
+        params = state @ held + sum((size * (by @ held > 0) for size, by in read), np.zeros(len(stages)))
         ok = ((blocked @ held == 0) & (cost @ held <= cap)
-              & ((state @ held)[None, :] + in_flight[None, :] * (kept_of @ held) <= budget * n[:, None]))
+              & (params[None, :] + in_flight[None, :] * (kept_of @ held) <= budget * n[:, None]))
         need = np.where(ok, n[:, None], math.inf).min(axis=0).sum()  # per stage its smallest submesh that can
         if need <= devices:
             return True
     return False
 
 
-def _fewest_devices(options: list, state: np.ndarray, kept: dict[str, np.ndarray], sizes: np.ndarray, cap: float,
+def _spans(v: np.ndarray) -> np.ndarray:
+    """[i, j]: the sum of `v` over i..j (inf entries as 0: counted apart)."""
+    prefix = np.cumsum(np.concatenate(([0.0], np.where(np.isinf(v), 0.0, v))))
+    return prefix[None, 1:] - prefix[:-1, None]
+
+
+def _fewest_devices(options: list, state_ij: np.ndarray, kept: dict[str, np.ndarray], sizes: np.ndarray, cap: float,
                     budget: float, count: int) -> float:
     """`may_reach`'s DP for stages of consecutive DP layers: the fewest devices that hold the layers in stages each
-    costing at most `cap` and fitting `budget` at its level's microbatches in flight (`state`, `kept[mode]`: per
-    DP layer, on all devices together)."""
-    def spans(v: np.ndarray) -> np.ndarray:  # [i, j]: the sum over i..j (inf entries as 0: counted apart)
-        prefix = np.cumsum(np.concatenate(([0.0], np.where(np.isinf(v), 0.0, v))))
-        return prefix[None, 1:] - prefix[:-1, None]
-
-    L = len(state)
-    state_ij, kept_ij = spans(state), {mode: spans(v) for mode, v in kept.items()}
+    costing at most `cap` and fitting `budget` at its level's microbatches in flight (`state_ij`: per stage [i, j]
+    of DP layers, its parameter state; `kept[mode]`: per DP layer; both on all devices together)."""
+    L = len(state_ij)
+    kept_ij = {mode: _spans(v) for mode, v in kept.items()}
     deepest = np.zeros((len(sizes), L, L))  # per submesh, stage [i, j]: the most levels (stages to the end) it fits at
     below = np.triu(np.ones((L, L), dtype=bool))
     for s, n, cost, mode in options:
-        ok = below & (spans(np.isinf(cost).astype(float)) == 0) & (spans(cost) <= cap)
+        ok = below & (_spans(np.isinf(cost).astype(float)) == 0) & (_spans(cost) <= cap)
         held, act = state_ij / n, kept_ij[mode] / n
         with np.errstate(divide="ignore", invalid="ignore"):
             levels = np.where(act > 0, np.floor((budget - held) / act), np.where(held <= budget, L, 0))

@@ -551,7 +551,7 @@ def _reachable(space: _Space, g_mb: Graph, ops: list[list[Op]], modes: list[str]
     return bounds.may_reach(limit, objectives, bounds.resident_bytes(g_mb, ops, space.alike), kept,
                             space.layering.groups, space.submeshes, devices, space.budget, count, options.overlap,
                             contiguous=bool({"1f1b", "zero-bubble"} & set(options.schedules)),
-                            interleaved=interleaved)
+                            interleaved=interleaved, shared=bounds.shared_state(g_mb, ops))
 
 
 def _stages_of(found, costs: dict, count: int, space: _Space) -> tuple[list[StageSpec], list, str, int]:

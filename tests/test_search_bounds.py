@@ -387,6 +387,39 @@ def test_may_reach_sums_a_dp_layers_base_layers():
     assert not may_reach(5.0, objectives, budget=2.9, **args)  # 2 + 1 = 3 bytes > 2.9
 
 
+def test_a_tied_embedding_is_held_once_by_a_stage_that_holds_any_of_its_readers():
+    """A GPT's token embedding is read by its first and last base layers: `shared_state` lists it with them, and
+    `resident_bytes` counts every other parameter in the one layer that reads it, so the two add up to the model's
+    state, each parameter once. `may_reach` charges the embedding once to a stage holding either reader or both:
+    on one device a stage of every layer fits a budget of the whole state, and of a byte less does not."""
+    from partopt.bounds import may_reach, resident_bytes, shared_state
+    from partopt.shared import shared_params
+
+    graph = block_graph(layers=3, batch=16)
+    base = build_layers(graph, 64).base
+    (tied, readers), = shared_params(graph, base).items()
+    state = {t.name: costmodel.param_memory(graph.numel(t.name), graph.dtype_of(t.name), graph.optimizer).total
+             for t in graph.params}
+    resident = resident_bytes(graph, base)
+    for b, ops in enumerate(base):
+        assert resident[b] == pytest.approx(sum(state[t] for t in {t for op in ops for t in op.inputs} - {tied}
+                                                if t in state))
+    assert shared_state(graph, base) == [(state[tied], list(readers))] and len(readers) == 2
+    total = sum(state.values())
+    assert sum(resident) + state[tied] == pytest.approx(total)
+    L = len(base)
+    args = dict(objectives={((1, 1), (1, 1), "none"): [0.0] * L}, resident=resident, kept={"none": [0.0] * L},
+                groups=[(b, b) for b in range(L)], submeshes=[(1, 1)], devices=1, count=1, overlap=False,
+                shared=shared_state(graph, base))
+    assert may_reach(1.0, budget=total, **args)
+    assert not may_reach(1.0, budget=total * (1 - 1e-6), **args)
+    # on two devices, two stages: the one holding the first layer and the one holding the last each hold it
+    least = min(max(sum(resident[:c]), sum(resident[c:])) + state[tied] for c in range(1, L))
+    assert least < total
+    assert may_reach(1.0, budget=least, **dict(args, devices=2))
+    assert not may_reach(1.0, budget=least * (1 - 1e-6), **dict(args, devices=2))
+
+
 def test_a_layer_holds_at_least_its_share_of_the_state_and_kept_activations():
     """The premise of `may_reach` on real layer ILPs: on every mesh and mode, each layer's parameter bytes per
     device are at least its parameters' training state over the mesh's devices, and its kept activation bytes
