@@ -20,6 +20,7 @@ from partopt import costmodel, intra
 from partopt.cluster import Device
 from partopt.graph import Graph, Op
 from partopt.ops import is_matmul
+from partopt.shared import shared_params
 from partopt.sharding import executed_flops, forward_share, kept_bytes
 
 T = TypeVar("T")
@@ -123,15 +124,17 @@ def least_rerun_s(layers: list[list[Footprint]], room: float) -> float:
 def resident_bytes(g_mb: Graph, base: list[list[Op]], alike: Sequence[int] | None = None) -> list[float]:
     """Per base layer, the training state (weights, gradients, optimizer) of the parameters only it reads, on all
     devices together: each layer's ILP holds at least its share of it on each of its devices. A parameter read by
-    several base layers (a tied embedding) is in `shared_state` instead."""
-    readers = _readers(g_mb, base)
-    return per_layer(base, alike, lambda ops: sum(_state(g_mb, t) for t in _params(g_mb, ops) if len(readers[t]) == 1))
+    several base layers (a tied embedding) is in `shared_state` instead. Layers alike share the sum over their
+    parameters; what they share with other layers is taken out of each one's own."""
+    shared = shared_params(g_mb, base)
+    held = per_layer(base, alike, lambda ops: sum(_state(g_mb, t) for t in _params(g_mb, ops)))
+    return [h - sum(_state(g_mb, t) for t in _params(g_mb, ops) if t in shared) for h, ops in zip(held, base)]
 
 
 def shared_state(g_mb: Graph, base: list[list[Op]]) -> list[tuple[float, list[int]]]:
-    """Each parameter read by several base layers: its training state on all devices together and its readers. A
-    stage holding any of them holds the parameter once (`shared.correction`)."""
-    return [(_state(g_mb, t), layers) for t, layers in _readers(g_mb, base).items() if len(layers) > 1]
+    """Each parameter read by several base layers (`shared.shared_params`): its training state on all devices
+    together and its readers. A stage holding any of them holds the parameter once (`shared.correction`)."""
+    return [(_state(g_mb, t), list(units)) for t, units in shared_params(g_mb, base).items()]
 
 
 def _params(g_mb: Graph, ops: list[Op]) -> dict[str, None]:
@@ -140,15 +143,6 @@ def _params(g_mb: Graph, ops: list[Op]) -> dict[str, None]:
 
 def _state(g_mb: Graph, tensor: str) -> float:
     return costmodel.param_memory(g_mb.numel(tensor), g_mb.dtype_of(tensor), g_mb.optimizer).total
-
-
-def _readers(g_mb: Graph, base: list[list[Op]]) -> dict[str, list[int]]:
-    """Parameter -> the base layers that read it."""
-    readers: dict[str, list[int]] = {}
-    for b, ops in enumerate(base):
-        for t in _params(g_mb, ops):
-            readers.setdefault(t, []).append(b)
-    return readers
 
 
 def may_reach(limit: float, objectives: dict[tuple, list[float | None]], resident: Sequence[float],

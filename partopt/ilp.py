@@ -617,8 +617,8 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
     alive = reduce(graph) if reduce_first else [np.ones(len(c), dtype=bool) for c in graph.costs]
     total = sum(len(c) for c in graph.costs)
     kept = int(sum(a.sum() for a in alive))
-    free_choice, free_bound = free if free is not None else (None, None)
-    if reduce_first and (free is None or budget is None or graph.peak_memory(list(free_choice)) <= budget):
+    free_choice, free_bound = free if free is not None and reduce_first else (None, None)
+    if reduce_first and (free_choice is None or budget is None or graph.peak_memory(list(free_choice)) <= budget):
         reduced, remaining, steps = _eliminate(graph, alive)
         began = time.perf_counter()
         picked = minsum.solve(reduced.costs, reduced.edges)  # the rest eliminated too, when its tables are small
@@ -636,8 +636,6 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
         free_choice, free_bound = tuple(choice), relaxed.lower_bound
         if budget is None or graph.peak_memory(choice) <= budget:
             return replace(relaxed, free_bound=free_bound, free_choice=free_choice)
-    elif not reduce_first:
-        free_choice = free_bound = None
     if cutoff is not None and free_bound is not None and free_bound >= cutoff:
         raise InfeasibleError(f"no strategy assignment costs under {cutoff:.6g} s even with memory free",
                               "memory", "use more devices or a larger budget")  # the capped optimum costs more
