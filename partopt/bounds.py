@@ -151,20 +151,34 @@ def may_reach(limit: float, objectives: dict[tuple, list[float | None]], residen
               interleaved: Sequence[list[tuple[list[int], float]]] = (),
               shared: Sequence[tuple[float, Sequence[int]]] = ()) -> bool:
     """Whether a plan of one microbatch count could cost at most `limit` with its memory counted; False proves
-    that none can, whatever memory-lean options (`pricing.tighten`) would add.
+    that none can, whatever memory-lean options (`pricing.tighten`) would add: no option has a stage in such a
+    plan (`options_in_reach`, which takes the same arguments)."""
+    return bool(options_in_reach(limit, objectives, resident, kept, groups, submeshes, devices, budget, count,
+                                 overlap, contiguous, interleaved, shared))
+
+
+def options_in_reach(limit: float, objectives: dict[tuple, list[float | None]], resident: Sequence[float],
+                kept: dict[str, Sequence[float]], groups: Sequence[tuple[int, int]],
+                submeshes: Sequence[tuple[int, int]], devices: int, budget: float, count: int, overlap: bool,
+                contiguous: bool = True, interleaved: Sequence[list[tuple[list[int], float]]] = (),
+                shared: Sequence[tuple[float, Sequence[int]]] = ()) -> set[tuple]:
+    """The options of `objectives` with a stage that may belong to a plan of one microbatch count costing at most
+    `limit` with its memory counted; an option left out proves that no such plan has a stage on it, whatever
+    memory-lean rows (`pricing.tighten`) it would add.
 
     A stage on an option (`objectives` key: submesh, shape, mode) costs at least paid · Σ its base layers'
     objectives (count · time + sync, what the layer ILP minimises with memory free; a memory-capped option costs
     no less; paid = 1 − 1/count with `overlap`, as in `pricing.stage_lengths`), and holds on each of its n
     devices at least 1/n of its layers' parameter state (`resident`, and once each parameter of `shared`, as
     `shared_state` gives them, whose reader base layers it holds) and of their kept activations per microbatch in
-    flight (`kept[mode]`; all devices together: no split divides bytes by more than its
-    devices). With `contiguous` (1F1B, ZB-H1) a stage of consecutive DP layers (`groups`: base layer ranges)
-    holds as many microbatches as stages from it to the end, at most `count` (1F1B's; ZB-H1 holds more), and
-    one DP over (first DP layer, stages left) finds the fewest devices such stages need, each under `limit`
-    and `budget`. An interleaved plan (`interleaved`: per shape, each stage's DP layers and its microbatches in
-    flight, `schedules.inflight`) takes for each stage its smallest submesh that can. The plan is reachable only
-    if some way needs at most `devices`. Ties and rounding lean to reachable."""
+    flight (`kept[mode]`; all devices together: no split divides bytes by more than its devices). With
+    `contiguous` (1F1B, ZB-H1) a stage of consecutive DP layers (`groups`: base layer ranges) holds as many
+    microbatches as stages from it to the end, at most `count` (1F1B's; ZB-H1 holds more): a DP from the last
+    layer (`_fewest_after`) and one from the first (`_fewest_before`) find the fewest devices such stages need
+    after and before each stage, each under `limit` and `budget`, and the stage belongs to a plan when they and
+    it fit the `devices`. An interleaved plan (`interleaved`: per shape, each stage's DP layers and its
+    microbatches in flight, `schedules.inflight`) takes for each other stage its smallest submesh that can. Ties
+    and rounding lean to reachable."""
     paid = 1.0 - 1.0 / count if overlap else 1.0
     cap, budget = limit * (1 + 1e-9), budget * (1 + 1e-9)
     first = [a for a, _ in groups]
@@ -181,13 +195,23 @@ def may_reach(limit: float, objectives: dict[tuple, list[float | None]], residen
         cost = per_group(objective)
         cost[np.isfinite(cost)] *= paid  # paid may be 0 (one microbatch, overlapped): a layer that cannot run stays inf
         options.append((submeshes.index(sub), sub[0] * sub[1], cost, mode))
+    keys, found = list(objectives), set()
     sizes = np.array([a * b for a, b in submeshes], dtype=float)
-    if contiguous:
+    if contiguous and options:
         state_ij = _spans(state) + sum((size * (_spans(by) > 0) for size, by in read), np.zeros((len(state),) * 2))
-        if _fewest_devices(options, state_ij, held_kept, sizes, cap, budget, count) <= devices:
-            return True
+        levels = _levels(options, state_ij, held_kept, cap, budget, count)
+        deepest = np.zeros((len(sizes), *levels.shape[1:]))
+        for o, (s, *_) in enumerate(options):
+            deepest[s] = np.maximum(deepest[s], levels[o])
+        after, before = _fewest_after(deepest, sizes), _fewest_before(deepest, sizes)
+        # [k - 1, i, j]: the fewest devices beside a stage [i, j] at level k, least over the levels up to k
+        beside = np.minimum.accumulate(before[1:-1, :-1, None] + after[:-1, None, 1:], axis=0)
+        for key, (_, n, _, _), level in zip(keys, options, levels):
+            i, j = np.nonzero(level >= 1)
+            if (beside[level[i, j] - 1, i, j] + n <= devices).any():
+                found.add(key)
     if not interleaved or not options:
-        return False
+        return found
     cost = np.array([c for _, _, c, _ in options])  # per option, per DP layer
     blocked, cost = np.isinf(cost).astype(float), np.where(np.isinf(cost), 0.0, cost)
     kept_of = np.array([held_kept[mode] for *_, mode in options])
@@ -200,10 +224,12 @@ def may_reach(limit: float, objectives: dict[tuple, list[float | None]], residen
         params = state @ held + sum((size * (by @ held > 0) for size, by in read), np.zeros(len(stages)))
         ok = ((blocked @ held == 0) & (cost @ held <= cap)
               & (params[None, :] + in_flight[None, :] * (kept_of @ held) <= budget * n[:, None]))
-        need = np.where(ok, n[:, None], math.inf).min(axis=0).sum()  # per stage its smallest submesh that can
-        if need <= devices:
-            return True
-    return False
+        least = np.where(ok, n[:, None], math.inf).min(axis=0)  # per stage its smallest submesh that can
+        if not np.isfinite(least).all():
+            continue  # a stage no submesh can hold
+        fit = ok & (least.sum() - least[None, :] + n[:, None] <= devices)
+        found.update(keys[o] for o in np.flatnonzero(fit.any(axis=1)))
+    return found
 
 
 def _spans(v: np.ndarray) -> np.ndarray:
@@ -212,29 +238,44 @@ def _spans(v: np.ndarray) -> np.ndarray:
     return prefix[None, 1:] - prefix[:-1, None]
 
 
-def _fewest_devices(options: list, state_ij: np.ndarray, kept: dict[str, np.ndarray], sizes: np.ndarray, cap: float,
-                    budget: float, count: int) -> float:
-    """`may_reach`'s DP for stages of consecutive DP layers: the fewest devices that hold the layers in stages each
-    costing at most `cap` and fitting `budget` at its level's microbatches in flight (`state_ij`: per stage [i, j]
-    of DP layers, its parameter state; `kept[mode]`: per DP layer; both on all devices together)."""
+def _levels(options: list, state_ij: np.ndarray, kept: dict[str, np.ndarray], cap: float, budget: float,
+            count: int) -> np.ndarray:
+    """Per option, per stage [i, j] of DP layers: the most levels (stages to the end) it fits at, costing at most
+    `cap` and fitting `budget` at its level's microbatches in flight (0: none; `state_ij`: per stage, its parameter
+    state; `kept[mode]`: per DP layer; both on all devices together)."""
     L = len(state_ij)
     kept_ij = {mode: _spans(v) for mode, v in kept.items()}
-    deepest = np.zeros((len(sizes), L, L))  # per submesh, stage [i, j]: the most levels (stages to the end) it fits at
     below = np.triu(np.ones((L, L), dtype=bool))
-    for s, n, cost, mode in options:
+    out = np.zeros((len(options), L, L), dtype=int)
+    for o, (_, n, cost, mode) in enumerate(options):
         ok = below & (_spans(np.isinf(cost).astype(float)) == 0) & (_spans(cost) <= cap)
         held, act = state_ij / n, kept_ij[mode] / n
         with np.errstate(divide="ignore", invalid="ignore"):
             levels = np.where(act > 0, np.floor((budget - held) / act), np.where(held <= budget, L, 0))
         levels = np.where(held + count * act <= budget, L, levels)  # at most `count` in flight
-        deepest[s] = np.maximum(deepest[s], np.where(ok, np.clip(levels, 0, L), 0))
-    least = math.inf
-    after = np.full(L + 1, math.inf)  # fewest devices for DP layers j.. in the stages counted so far
-    after[L] = 0.0
+        out[o] = np.where(ok, np.clip(levels, 0, L), 0)
+    return out
+
+
+def _fewest_after(deepest: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """[k, j]: the fewest devices that hold DP layers j.. in k stages, the first at level k, each fitting its level
+    (`deepest[s, i, j]`: per submesh, the most levels stage [i, j] fits at); [0, L] = 0, inf where none."""
+    L = deepest.shape[1]
+    after = np.full((L + 1, L + 1), math.inf)
+    after[0, L] = 0.0
     for k in range(1, L + 1):  # the first stage of layers j..e at level k, then k − 1 stages after it
-        step = np.where(deepest >= k, sizes[:, None, None] + after[None, None, 1:], math.inf).min(axis=(0, 2))
-        after = np.append(step, math.inf)
-        least = min(least, after[0])
-        if np.isinf(after).all():
-            break
-    return least
+        after[k, :L] = np.where(deepest >= k, sizes[:, None, None] + after[k - 1, None, None, 1:],
+                                math.inf).min(axis=(0, 2))
+    return after
+
+
+def _fewest_before(deepest: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """[k, i]: the fewest devices that hold DP layers ..i − 1 in stages before one at level k, each one level above
+    the next (0 at i = 0, inf where none): `_fewest_after` from the other end."""
+    L = deepest.shape[1]
+    before = np.full((L + 2, L + 1), math.inf)
+    before[:, 0] = 0.0
+    for k in range(L, 0, -1):  # the last stage before it, of layers a..i − 1 at level k + 1
+        before[k, 1:] = np.where(deepest >= k + 1, sizes[:, None, None] + before[k + 1, None, :L, None],
+                                 math.inf).min(axis=(0, 1))
+    return before

@@ -12,6 +12,7 @@ then cuts the DP layers into stages for each candidate microbatch count, the bes
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -152,10 +153,12 @@ class _Space:
                               bounds_only)
 
     def upper(self, pipe: Pipeline, costs: dict, count: int, budget: float, stats: Stats, cutoff: float) -> float:
-        """The iteration time of a plan of the first schedule that fits, or `cutoff` when it finds none under it: a
-        bound to prune by, found without proving it the least (`_best_schedule`'s `proven`), so not cached."""
-        found = self.run_dps(pipe, costs, count, budget, self.options.schedules[:1], stats, cutoff=cutoff,
-                             proven=False)
+        """The iteration time of a plan of the searched schedules but ZB-H1 (whose search is the slowest; ZB-H1 alone
+        when it is the only one) that fits, or `cutoff` when it finds none under it: a bound to prune by, found
+        without proving it the least (`_best_schedule`'s `proven`), so not cached. The interleaved plans count: a
+        count whose best plan is interleaved gets it as its bound at once, and its ladder prunes by it."""
+        quick = [s for s in self.options.schedules if s != "zero-bubble"] or self.options.schedules[:1]
+        found = self.run_dps(pipe, costs, count, budget, quick, stats, cutoff=cutoff, proven=False)
         return min(cutoff, found[0].total if found else math.inf)
 
     def each_mode(self, state: _Count, found, modes: list[str], stats: Stats, cutoff: float = math.inf):
@@ -349,7 +352,8 @@ def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops
     """Price `count` (`g_mb`: its microbatch view; `base_ops`: its base layers' ops; `work`: their roofline
     work) as far as its fastest options go: the least recomputing mode's layer optima on every mesh where a
     stage may still belong to a plan faster than `best` (the best plan so far, of `_search`; bounded by the
-    `fastest` rows of the counts opened before that divide this one, `_floors`), and the stage DP's plan of them
+    `fastest` rows of the counts opened before that divide this one, `_floors`, alone and with the other stages
+    and memory counted, `_reach`), and the stage DP's plan of them
     with memory ignored (`_memory_free`), looked for only under `best`: with none there (`free` None) no plan of
     the count beats `best`, as it bounds every option of the count (`_lower`). When that plan fits, it is the
     count's best (`found`); None when no mesh may win."""
@@ -357,13 +361,17 @@ def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops
     limit = best[0] if best is not None else math.inf
     mb = space.graph.dims[space.graph.batch_dim] // count
     pricer.views[mb] = g_mb
-    keys = list(_meshes_may_win(space, count, base_ops, work, fastest, limit))
+    floors = _meshes_may_win(space, count, base_ops, work, fastest, limit)
+    modes = _distinct_modes(g_mb, base_ops, options.recompute_modes)
+    if best is not None:  # only meshes where a stage of some mode may be in a plan faster than the best
+        reaching = _reach(space, g_mb, base_ops, modes, count, work, limit, {}, floors)
+        floors = {key: f for key, f in floors.items() if any((*key, mode) in reaching for mode in modes)}
+    keys = list(floors)
     if not keys:
         return None
     pipe = pipeline_of(space.graph, space.cluster, space.layering, count, options.overlap)
     state = _Count(count, pipe, bounds.per_layer(base_ops, space.alike, g_mb.structural_hash),
-                   [tuple(op.name for op in ops) for ops in base_ops],
-                   _distinct_modes(g_mb, base_ops, options.recompute_modes), {}, ({}, {}, {}), work, keys)
+                   [tuple(op.name for op in ops) for ops in base_ops], modes, {}, ({}, {}, {}), work, keys)
     _price_mode(space, pricer, state, keys, state.modes[0], stats, running)
     _set_free(space, state, best, stats)
     return state
@@ -443,9 +451,9 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
     view = pricer.views[space.graph.dims[space.graph.batch_dim] // count]
     ops = [[view.op_index[name] for name in names] for names in state.names]
 
-    def reachable(keys: list[tuple]) -> bool:  # whether a plan may beat the best, the modes not priced on `keys` too
+    def reach(keys: list[tuple], limit: float) -> set[tuple]:  # `_reach`, the modes not priced on `keys` too
         roofline = {key: _floors([None] * len(ops), count, count, work, key[0][0] * key[0][1]) for key in keys}
-        return best is None or _reachable(space, view, ops, modes, count, work, best[0], costs, roofline)
+        return _reach(space, view, ops, modes, count, work, limit, costs, roofline)
 
     if (found := _unbound(space, state, stats, wanted)) is not None:
         return found, modes[:1]  # memory does not bind: recomputing more only adds time
@@ -455,8 +463,10 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
         keys = [key for key in keys if _may_win(_floors(costs[(*key, modes[m - 1])][0], count, count, work,
                                                         key[0][0] * key[0][1]),
                                                 key, count, limit, work, space.cluster, options.overlap)]
-        if not reachable(keys):
+        reaching = reach(keys, limit)  # the next mode only on meshes where a stage of it or a later one may be in a plan
+        if best is not None and limit == best[0] and not reaching:
             return None, modes[:m]  # no plan of this count, memory counted, can beat the best: no more modes priced
+        keys = [key for key in keys if any((*key, mode) in reaching for mode in modes[m:])]
         _price_mode(space, pricer, state, keys, modes[m], stats, running)
         if state.free is None:  # no plan ran on the modes before: what this one's fastest options could do
             state.free = space.best(pipe, costs, count, math.inf, stats)
@@ -465,12 +475,13 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
         if (found := _unbound(space, state, stats, wanted)) is not None:
             return found, modes[:m + 1]  # memory does not bind: recomputing more only adds time
 
-    if not reachable([]):
+    if best is not None and not reach([], best[0]):
         return None, modes  # no plan of this count, memory counted, can beat the best: no capped ILPs for it
 
-    # memory binds under every mode: one ladder for them all, each rung's ILPs of every mode priced together
+    # memory binds under every mode: one ladder for them all, each rung's ILPs of every mode priced together, only on
+    # the options that may hold a stage of a plan under the ladder's bound
     tighten(*state.lean, state.hashes, budget, len(state.hashes), count, bound, pricer, stats, work,
-            space.cluster.num_devices, options.overlap)
+            space.cluster.num_devices, options.overlap, functools.lru_cache(maxsize=None)(lambda limit: reach([], limit)))
     return space.best(pipe, costs, count, budget, stats, cutoff=wanted), modes
 
 
@@ -513,17 +524,19 @@ def _meshes_may_win(space: _Space, count: int, base_ops: list[list[Op]], work: l
 def _may_open(space: _Space, count: int, g_mb: Graph, base_ops: list[list[Op]], work: list[float] | None,
               fastest: dict[int, dict], limit: float) -> bool:
     """Whether a plan of `count` may cost at most `limit`, judged before any of its ILPs by its layers' floors and
-    their memory (`_reachable`); False proves that none can, and the count need not be opened under `limit`."""
+    their memory (`_reach`); False proves that none can, and the count need not be opened under `limit`."""
     floors = _meshes_may_win(space, count, base_ops, work, fastest, limit)
     modes = _distinct_modes(g_mb, base_ops, space.options.recompute_modes)
-    return bool(floors) and _reachable(space, g_mb, base_ops, modes, count, work, limit, {}, floors)
+    return bool(floors) and bool(_reach(space, g_mb, base_ops, modes, count, work, limit, {}, floors))
 
 
-def _reachable(space: _Space, g_mb: Graph, ops: list[list[Op]], modes: list[str], count: int,
-               work: list[float] | None, limit: float, priced: dict, open_meshes: dict[tuple, list[float]]) -> bool:
-    """Whether a plan of `count` (`g_mb`: its microbatch view; `ops`: its base layers' ops) may still cost at most
-    `limit` once memory is counted (`bounds.may_reach`); False proves that no option not priced yet can help it: not
-    the memory-lean ones, not the `modes` still to price.
+def _reach(space: _Space, g_mb: Graph, ops: list[list[Op]], modes: list[str], count: int,
+           work: list[float] | None, limit: float, priced: dict, open_meshes: dict[tuple, list[float]]
+           ) -> set[tuple]:
+    """The options (submesh, shape, mode) that may hold a stage of a plan of `count` (`g_mb`: its microbatch view;
+    `ops`: its base layers' ops) costing at most `limit` once memory is counted (`bounds.options_in_reach`); one
+    left out proves that no row not priced yet helps it: not the memory-lean ones, not those of the `modes` still
+    to price. None: the count has no plan under `limit`.
 
     A layer costs (count · time + sync) at least its uncapped optimum on each option priced (`priced`: (submesh,
     shape, mode) -> rows). On the meshes still open to pricing (`open_meshes`: each with its layers' floors under
@@ -548,10 +561,10 @@ def _reachable(space: _Space, g_mb: Graph, ops: list[list[Op]], modes: list[str]
     interleaved = [[([g for a, b in chunks(L, S, v)[i::S] for g in range(a, b + 1)],
                      inflight(i, S, count, "interleaved", v)) for i in range(S)]
                    for S, v in interleaved_shapes(L, count, devices)] if "interleaved" in options.schedules else []
-    return bounds.may_reach(limit, objectives, bounds.resident_bytes(g_mb, ops, space.alike), kept,
-                            space.layering.groups, space.submeshes, devices, space.budget, count, options.overlap,
-                            contiguous=bool({"1f1b", "zero-bubble"} & set(options.schedules)),
-                            interleaved=interleaved, shared=bounds.shared_state(g_mb, ops))
+    return bounds.options_in_reach(limit, objectives, bounds.resident_bytes(g_mb, ops, space.alike), kept,
+                              space.layering.groups, space.submeshes, devices, space.budget, count, options.overlap,
+                              contiguous=bool({"1f1b", "zero-bubble"} & set(options.schedules)),
+                              interleaved=interleaved, shared=bounds.shared_state(g_mb, ops))
 
 
 def _stages_of(found, costs: dict, count: int, space: _Space) -> tuple[list[StageSpec], list, str, int]:

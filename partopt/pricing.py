@@ -328,7 +328,8 @@ def ladder(r: int) -> list[int]:
 
 def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: float, layers: int, count: int,
             bound: Callable[[], float], pricer: Pricer, stats: Stats, work: list[float] | None = None,
-            devices: int = 0, overlap: bool = False) -> None:
+            devices: int = 0, overlap: bool = False,
+            reach: Callable[[float], set[tuple]] | None = None) -> None:
     """Add memory-leaner options: one row of layer costs per rung r of the ladder (`RUNGS`) where a layer overflows it.
 
     Each layer's ILP alone sees only its own memory; a stage of r such layers needs each to fit its
@@ -345,7 +346,8 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
     `work` (per layer, see `stage_lengths`) a stage must also leave the rest of the model room to run
     under `bound` on the other of the cluster's `devices` (a stage on the whole cluster holds every
     layer, so only the last rung is priced for it); `overlap`: gradient reductions hide behind the
-    backward (see `stage_lengths`).
+    backward (see `stage_lengths`); `reach(limit)`: the options that may hold a stage of a plan under `limit`
+    with the other stages and memory counted (`bounds.options_in_reach`): the others are not refined.
     `costs[option]` is the list of rows of layer costs of one (submesh, shape, mode) option and
     `jobs[(layer key, option)]` its unconstrained job; each option gets one more row per rung at
     which any of its layers changed.
@@ -371,6 +373,9 @@ def tighten(costs: dict, priced: dict, jobs: dict, layer_keys: list, budget: flo
             least = {option: objectives(costs[option][0], count) for option in {key[1] for key in tight}}
             lengths = {option: stage_lengths(row, count, limit, work, devices - option[0][0] * option[0][1], overlap)
                        for option, row in least.items()}
+            if reach is not None:  # an option in no plan under the limit needs no leaner row, for any stage
+                allowed = reach(limit)
+                lengths = {option: found if option in allowed else set() for option, found in lengths.items()}
             stuck |= {key for key in tight if max(lengths[key[1]], default=0) <= before}  # nor at any later rung
             tight = [key for key in tight if key not in stuck and any(before < n <= r for n in lengths[key[1]])]
             cutoffs = _cutoffs(tight, least, layer_keys, count, limit, range(before + 1, r + 1), work, devices, overlap)

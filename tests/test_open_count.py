@@ -77,7 +77,7 @@ def test_a_count_judged_before_its_ilps_has_no_plan_under_its_bar_and_the_plan_s
     """A small GPT on four devices: some counts are judged, before any of their ILPs, unable to cost at most the
     best plan or a waiting count's rank (`inter._may_open`: their layers' floors and memory), and are dropped or
     closed later. The search of each such count alone finds no plan under that bar, and the plan is the one of the
-    search that opens every count and prices every mode."""
+    search that opens every count and prices every mode and memory rung on every mesh, with fewer ILPs."""
     graph = gpt(hidden=256, layers=8, heads=8, seq=256, vocab=2048, batch=batch)
     cluster = four_devices(mib)
     judged, may_open = [], inter._may_open
@@ -96,9 +96,15 @@ def test_a_count_judged_before_its_ilps_has_no_plan_under_its_bar_and_the_plan_s
         assert "bound_gap" not in alone.solver and alone.iteration_time_s > bar
 
     monkeypatch.setattr(inter, "_may_open", lambda *args: True)
-    monkeypatch.setattr(inter, "_reachable", lambda *args: True)
+    monkeypatch.setattr(inter, "_reach", _every_stage)
     full = optimize(graph, cluster, workers=1)
     assert_same_plan(plan, full)
+    assert plan.solver["ilps"] < full.solver["ilps"]
+
+
+def _every_stage(space, g_mb, ops, modes, count, work, limit, priced, open_meshes):
+    """`inter._reach` ruling nothing out: every option priced or open."""
+    return {*priced, *((*key, mode) for key in open_meshes for mode in modes)}
 
 
 class _Answers:

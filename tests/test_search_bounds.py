@@ -309,10 +309,10 @@ def test_alike_layers_share_their_bounds_in_every_microbatch_view():
 
 
 def reachable_by_brute_force(limit, objectives, resident, kept, sizes, devices, budget, count, overlap, stacks):
-    """`may_reach` by enumeration over one base layer per DP layer: every cut, an option per stage, each stage
-    costing at most `limit` and fitting `budget` with its state and kept activations spread over its devices,
-    min(stages to the end, count) microbatches in flight; or, per interleaved shape in `stacks`, an option per
-    stage holding its layers with its microbatches in flight."""
+    """`options_in_reach` by enumeration over one base layer per DP layer: the option of every stage of every plan,
+    each stage costing at most `limit` and fitting `budget` with its state and kept activations spread
+    over its devices, min(stages to the end, count) microbatches in flight, with every cut and an option per stage;
+    or, per interleaved shape in `stacks`, an option per stage holding its layers with its microbatches in flight."""
     paid = 1 - 1 / count if overlap else 1.0
     options = list(objectives)
 
@@ -324,19 +324,20 @@ def reachable_by_brute_force(limit, objectives, resident, kept, sizes, devices, 
         memory = sum(resident[b] + inflight * kept[option[2]][b] for b in layers) / n
         return cost <= limit and memory <= budget
 
+    found = set()
     L = len(resident)
     for cut in cuts(L):
         S = len(cut)
         for picked in itertools.product(options, repeat=S):
             if sum(sizes[o[0]] for o in picked) <= devices and all(
                     fits(range(a, b + 1), o, min(S - i, count)) for i, ((a, b), o) in enumerate(zip(cut, picked))):
-                return True
+                found |= set(picked)
     for stages in stacks:
         for picked in itertools.product(options, repeat=len(stages)):
             if sum(sizes[o[0]] for o in picked) <= devices and all(
                     fits(held, o, held_inflight) for (held, held_inflight), o in zip(stages, picked)):
-                return True
-    return False
+                found |= set(picked)
+    return found
 
 
 def cuts(layers):
@@ -348,7 +349,9 @@ def cuts(layers):
 
 
 def test_may_reach_equals_brute_force_on_random_instances():
-    from partopt.bounds import may_reach
+    """`options_in_reach` finds exactly the options of the stages of the plans that enumeration finds, and
+    `may_reach` whether there is any."""
+    from partopt.bounds import may_reach, options_in_reach
 
     rng = random.Random(20261204)
     submeshes, sizes = [(1, 1), (1, 2), (1, 4)], [1, 2, 4]
@@ -368,10 +371,10 @@ def test_may_reach_equals_brute_force_on_random_instances():
         index = {key: (submeshes.index(key[0]), *key[1:]) for key in objectives}
         expected = reachable_by_brute_force(limit, {index[k]: v for k, v in objectives.items()}, resident, kept, sizes,
                                             devices, budget, count, overlap, stacks)
-        found = may_reach(limit, objectives, resident, kept, [(b, b) for b in range(L)], submeshes, devices, budget,
-                          count, overlap, interleaved=stacks)
-        assert found == expected
-        outcomes.add(expected)
+        args = (limit, objectives, resident, kept, [(b, b) for b in range(L)], submeshes, devices, budget, count, overlap)
+        assert {index[key] for key in options_in_reach(*args, interleaved=stacks)} == expected
+        assert may_reach(*args, interleaved=stacks) == bool(expected)
+        outcomes.add(bool(expected))
     assert outcomes == {True, False}
 
 
