@@ -36,6 +36,7 @@ from partopt.intra import RECOMPUTE_MODES
 from partopt.ops import KINDS, is_matmul
 from partopt.models.transformer import ATTENTION_KERNELS
 from partopt.plan import Plan, plan_text, read_plan, write_plan
+from partopt.pricing import prepare_workers
 from partopt.profiled import read_profile
 from partopt.schedules import SCHEDULES
 from partopt.solvers import BACKENDS, TIME_LIMIT_S
@@ -523,6 +524,8 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
     The plan is re-derived (as `partopt check` does) before it is written or printed."""
     if output:
         io.check_output(output)
+    if search != "megatron" and executor == "local":
+        prepare_workers(workers)  # the pool's fork server imports partopt while the instance is read
     graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
     cost_model = read_profile(profile_file) if profile_file else None
     counts = microbatches.split(",")

@@ -195,6 +195,14 @@ class Expired(Exception):
     """The search's deadline passed while layers were being priced."""
 
 
+def prepare_workers(workers: int | None) -> None:
+    """Start the fork server of a local pool of `workers` processes (default: one per core) in the background, as a
+    `Pricer` does (`executors.prepare`; nothing for one worker): a caller with work of its own before the search,
+    such as reading the instance, lets the server import partopt beside it."""
+    if (workers or len(os.sched_getaffinity(0))) > 1:
+        prepare(price_job)
+
+
 class Pricer:
     """Runs layer ILPs: in this process, or on an executor (`options.executor`: a local pool of worker
     processes for many of them, or Ray).
@@ -219,8 +227,8 @@ class Pricer:
         self.local_s = 0.0  # seconds spent pricing in this process
         self.booting = False  # the local pool was started in the background and no worker has been seen up yet
         self.cache = {} if cache is None else cache
-        if options.executor == "local" and self.workers > 1:
-            prepare(price_job)  # the pool may start within seconds: its fork server starts now, beside the search
+        if options.executor == "local":
+            prepare_workers(self.workers)  # the pool may start within seconds: its fork server starts now
         self.prefix = (graph.name, graph.structural_hash(), options.backend, options.time_limit_s, options.seed,
                        options.memory_reserve, options.data_parallel_only, options.stage_data_parallel,
                        (options.cost_model or costmodel.ANALYTICAL).key, options.overlap)
