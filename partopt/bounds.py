@@ -1,11 +1,11 @@
 """Lower bounds that let the search skip work it can prove useless (docs/COSTMODEL.md §5b, "How the
 search skips work"): each layer's roofline work, the least recomputation a microbatch count's memory
-forces (inf: the count cannot fit at all), and whether any plan of a count can reach a time with its
-memory counted (`may_reach`).
+forces (inf: the count cannot fit at all), and which options a plan of a count that reaches a time with its
+memory counted may hold a stage on (`options_in_reach`; none: no such plan).
 
 The work bounds hold under the analytical model only (no split divides FLOPs or bytes by more than the
 devices it uses); under another model (measured times) there is no work bound and nothing is skipped by
-it. `may_reach` uses no roofline (the layer ILPs' own optima, and bytes), so it holds under any model.
+it. `options_in_reach` uses no roofline (the layer ILPs' own optima, and bytes), so it holds under any model.
 """
 
 from __future__ import annotations
@@ -145,26 +145,14 @@ def _state(g_mb: Graph, tensor: str) -> float:
     return costmodel.param_memory(g_mb.numel(tensor), g_mb.dtype_of(tensor), g_mb.optimizer).total
 
 
-def may_reach(limit: float, objectives: dict[tuple, list[float | None]], resident: Sequence[float],
-              kept: dict[str, Sequence[float]], groups: Sequence[tuple[int, int]], submeshes: Sequence[tuple[int, int]],
-              devices: int, budget: float, count: int, overlap: bool, contiguous: bool = True,
-              interleaved: Sequence[list[tuple[list[int], float]]] = (),
-              shared: Sequence[tuple[float, Sequence[int]]] = ()) -> bool:
-    """Whether a plan of one microbatch count could cost at most `limit` with its memory counted; False proves
-    that none can, whatever memory-lean options (`pricing.tighten`) would add: no option has a stage in such a
-    plan (`options_in_reach`, which takes the same arguments)."""
-    return bool(options_in_reach(limit, objectives, resident, kept, groups, submeshes, devices, budget, count,
-                                 overlap, contiguous, interleaved, shared))
-
-
 def options_in_reach(limit: float, objectives: dict[tuple, list[float | None]], resident: Sequence[float],
-                kept: dict[str, Sequence[float]], groups: Sequence[tuple[int, int]],
-                submeshes: Sequence[tuple[int, int]], devices: int, budget: float, count: int, overlap: bool,
-                contiguous: bool = True, interleaved: Sequence[list[tuple[list[int], float]]] = (),
-                shared: Sequence[tuple[float, Sequence[int]]] = ()) -> set[tuple]:
+                     kept: dict[str, Sequence[float]], groups: Sequence[tuple[int, int]],
+                     submeshes: Sequence[tuple[int, int]], devices: int, budget: float, count: int, overlap: bool,
+                     contiguous: bool = True, interleaved: Sequence[list[tuple[list[int], float]]] = (),
+                     shared: Sequence[tuple[float, Sequence[int]]] = ()) -> set[tuple]:
     """The options of `objectives` with a stage that may belong to a plan of one microbatch count costing at most
     `limit` with its memory counted; an option left out proves that no such plan has a stage on it, whatever
-    memory-lean rows (`pricing.tighten`) it would add.
+    memory-lean rows (`pricing.tighten`) it would add, and none left proves that the count has no such plan.
 
     A stage on an option (`objectives` key: submesh, shape, mode) costs at least paid · Σ its base layers'
     objectives (count · time + sync, what the layer ILP minimises with memory free; a memory-capped option costs

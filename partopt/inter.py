@@ -353,8 +353,8 @@ def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops
     work) as far as its fastest options go: the least recomputing mode's layer optima on every mesh where a
     stage may still belong to a plan faster than `best` (the best plan so far, of `_search`; bounded by the
     `fastest` rows of the counts opened before that divide this one, `_floors`, alone and with the other stages
-    and memory counted, `_reach`), and the stage DP's plan of them
-    with memory ignored (`_memory_free`), looked for only under `best`: with none there (`free` None) no plan of
+    and memory counted, `_reach`), and the stage DP's plan of them with memory ignored (`_memory_free`),
+    looked for only under `best`: with none there (`free` None) no plan of
     the count beats `best`, as it bounds every option of the count (`_lower`). When that plan fits, it is the
     count's best (`found`); None when no mesh may win."""
     options = space.options
@@ -480,8 +480,9 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
 
     # memory binds under every mode: one ladder for them all, each rung's ILPs of every mode priced together, only on
     # the options that may hold a stage of a plan under the ladder's bound
+    in_reach = functools.lru_cache(maxsize=None)(lambda limit: reach([], limit))  # a rung asks again when rows change
     tighten(*state.lean, state.hashes, budget, len(state.hashes), count, bound, pricer, stats, work,
-            space.cluster.num_devices, options.overlap, functools.lru_cache(maxsize=None)(lambda limit: reach([], limit)))
+            space.cluster.num_devices, options.overlap, in_reach)
     return space.best(pipe, costs, count, budget, stats, cutoff=wanted), modes
 
 
@@ -536,7 +537,7 @@ def _reach(space: _Space, g_mb: Graph, ops: list[list[Op]], modes: list[str], co
     """The options (submesh, shape, mode) that may hold a stage of a plan of `count` (`g_mb`: its microbatch view;
     `ops`: its base layers' ops) costing at most `limit` once memory is counted (`bounds.options_in_reach`); one
     left out proves that no row not priced yet helps it: not the memory-lean ones, not those of the `modes` still
-    to price. None: the count has no plan under `limit`.
+    to price. None at all: the count has no plan under `limit`.
 
     A layer costs (count · time + sync) at least its uncapped optimum on each option priced (`priced`: (submesh,
     shape, mode) -> rows). On the meshes still open to pricing (`open_meshes`: each with its layers' floors under
@@ -562,9 +563,9 @@ def _reach(space: _Space, g_mb: Graph, ops: list[list[Op]], modes: list[str], co
                      inflight(i, S, count, "interleaved", v)) for i in range(S)]
                    for S, v in interleaved_shapes(L, count, devices)] if "interleaved" in options.schedules else []
     return bounds.options_in_reach(limit, objectives, bounds.resident_bytes(g_mb, ops, space.alike), kept,
-                              space.layering.groups, space.submeshes, devices, space.budget, count, options.overlap,
-                              contiguous=bool({"1f1b", "zero-bubble"} & set(options.schedules)),
-                              interleaved=interleaved, shared=bounds.shared_state(g_mb, ops))
+                                   space.layering.groups, space.submeshes, devices, space.budget, count,
+                                   options.overlap, contiguous=bool({"1f1b", "zero-bubble"} & set(options.schedules)),
+                                   interleaved=interleaved, shared=bounds.shared_state(g_mb, ops))
 
 
 def _stages_of(found, costs: dict, count: int, space: _Space) -> tuple[list[StageSpec], list, str, int]:
