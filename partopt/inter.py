@@ -279,8 +279,9 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     # what opening it must beat: the best plan, and the waiting counts closed first when it cannot
                     # beat their rank (its memory counted; `_may_open`)
                     bar = min([rank[c] for c in waiting] + [best[0] if best is not None else math.inf])
-                    if bar < math.inf and not _may_open(space, count, views[count], base[count], work[count], fastest,
-                                                        bar):
+                    judged = (_may_open(space, count, views[count], base[count], work[count], fastest, bar)
+                              if bar < math.inf else None)
+                    if judged is not None and not judged:
                         if best is not None and bar == best[0]:
                             del left[count]
                             unopened.remove(count)
@@ -291,7 +292,8 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     unopened.pop(0)
                     state = _open_count(space, pricer, count, views[count], base[count], work[count], best,
                                         fastest, stats,
-                                        lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
+                                        lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1),
+                                        judged if best is not None and bar == best[0] else None)
                     if state is None:  # no mesh may win
                         del left[count]
                         continue
@@ -348,30 +350,23 @@ class _Count:
 
 def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops: list[list[Op]],
                 work: list[float] | None, best: tuple | None, fastest: dict[int, dict], stats: Stats,
-                running: Callable[[int], Callable[[int], None]]) -> _Count | None:
+                running: Callable[[int], Callable[[int], None]], keys: list[tuple] | None = None) -> _Count | None:
     """Price `count` (`g_mb`: its microbatch view; `base_ops`: its base layers' ops; `work`: their roofline
     work) as far as its fastest options go: the least recomputing mode's layer optima on every mesh where a
-    stage may still belong to a plan faster than `best` (the best plan so far, of `_search`; bounded by the
-    `fastest` rows of the counts opened before that divide this one, `_floors`, alone and with the other stages
-    and memory counted, `_reach`), and the stage DP's plan of them with memory ignored (`_memory_free`),
-    looked for only under `best`: with none there (`free` None) no plan of
-    the count beats `best`, as it bounds every option of the count (`_lower`). When that plan fits, it is the
-    count's best (`found`); None when no mesh may win."""
-    options = space.options
-    limit = best[0] if best is not None else math.inf
-    mb = space.graph.dims[space.graph.batch_dim] // count
-    pricer.views[mb] = g_mb
-    floors = _meshes_may_win(space, count, base_ops, work, fastest, limit)
-    modes = _distinct_modes(g_mb, base_ops, options.recompute_modes)
-    if best is not None:  # only meshes where a stage of some mode may be in a plan faster than the best
-        reaching = _reach(space, g_mb, base_ops, modes, count, work, limit, {}, floors)
-        floors = {key: f for key, f in floors.items() if any((*key, mode) in reaching for mode in modes)}
-    keys = list(floors)
+    stage may still belong to a plan faster than `best` (the best plan so far, of `_search`: `_may_open` at it, or
+    `keys` when the caller has judged them so), and the stage DP's plan of them with memory ignored
+    (`_memory_free`), looked for only under `best`: with none there (`free` None) no plan of the count beats
+    `best`, as it bounds every option of the count (`_lower`). When that plan fits, it is the count's best
+    (`found`); None when no mesh may win."""
+    if keys is None:
+        keys = list(space.meshes) if best is None else _may_open(space, count, g_mb, base_ops, work, fastest, best[0])
     if not keys:
         return None
-    pipe = pipeline_of(space.graph, space.cluster, space.layering, count, options.overlap)
+    pricer.views[space.graph.dims[space.graph.batch_dim] // count] = g_mb
+    pipe = pipeline_of(space.graph, space.cluster, space.layering, count, space.options.overlap)
     state = _Count(count, pipe, bounds.per_layer(base_ops, space.alike, g_mb.structural_hash),
-                   [tuple(op.name for op in ops) for ops in base_ops], modes, {}, ({}, {}, {}), work, keys)
+                   [tuple(op.name for op in ops) for ops in base_ops],
+                   _distinct_modes(g_mb, base_ops, space.options.recompute_modes), {}, ({}, {}, {}), work, keys)
     _price_mode(space, pricer, state, keys, state.modes[0], stats, running)
     _set_free(space, state, best, stats)
     return state
@@ -475,12 +470,12 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
         if (found := _unbound(space, state, stats, wanted)) is not None:
             return found, modes[:m + 1]  # memory does not bind: recomputing more only adds time
 
-    if best is not None and not reach([], best[0]):
+    in_reach = functools.lru_cache(maxsize=None)(lambda limit: reach([], limit))  # asked again when the bound moves
+    if best is not None and not in_reach(best[0]):
         return None, modes  # no plan of this count, memory counted, can beat the best: no capped ILPs for it
 
     # memory binds under every mode: one ladder for them all, each rung's ILPs of every mode priced together, only on
     # the options that may hold a stage of a plan under the ladder's bound
-    in_reach = functools.lru_cache(maxsize=None)(lambda limit: reach([], limit))  # a rung asks again when rows change
     tighten(*state.lean, state.hashes, budget, len(state.hashes), count, bound, pricer, stats, work,
             space.cluster.num_devices, options.overlap, in_reach)
     return space.best(pipe, costs, count, budget, stats, cutoff=wanted), modes
@@ -523,12 +518,14 @@ def _meshes_may_win(space: _Space, count: int, base_ops: list[list[Op]], work: l
 
 
 def _may_open(space: _Space, count: int, g_mb: Graph, base_ops: list[list[Op]], work: list[float] | None,
-              fastest: dict[int, dict], limit: float) -> bool:
-    """Whether a plan of `count` may cost at most `limit`, judged before any of its ILPs by its layers' floors and
-    their memory (`_reach`); False proves that none can, and the count need not be opened under `limit`."""
+              fastest: dict[int, dict], limit: float) -> list[tuple]:
+    """The meshes where a stage of `count`, under some mode, may belong to a plan costing at most `limit`, judged
+    before any of its ILPs by its layers' floors (`_meshes_may_win`) and with the other stages and memory counted
+    (`_reach`); none proves that no plan of the count can, and the count need not be opened under `limit`."""
     floors = _meshes_may_win(space, count, base_ops, work, fastest, limit)
     modes = _distinct_modes(g_mb, base_ops, space.options.recompute_modes)
-    return bool(floors) and bool(_reach(space, g_mb, base_ops, modes, count, work, limit, {}, floors))
+    reaching = _reach(space, g_mb, base_ops, modes, count, work, limit, {}, floors)
+    return [key for key in floors if any((*key, mode) in reaching for mode in modes)]
 
 
 def _reach(space: _Space, g_mb: Graph, ops: list[list[Op]], modes: list[str], count: int,
