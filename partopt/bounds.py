@@ -11,7 +11,7 @@ it. `options_in_reach` uses no roofline (the layer ILPs' own optima, and bytes),
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence, TypeVar
 
 import numpy as np
@@ -20,6 +20,7 @@ from partopt import costmodel, intra
 from partopt.cluster import Device
 from partopt.graph import Graph, Op
 from partopt.ops import is_matmul
+from partopt.pricing import LayerCost
 from partopt.shared import shared_params
 from partopt.sharding import executed_flops, forward_share, kept_bytes
 
@@ -119,6 +120,24 @@ def least_rerun_s(layers: list[list[Footprint]], room: float) -> float:
                    for lam in ties)
         best = min(best, max(dual, 0.0))
     return best
+
+
+def undercut(cost: LayerCost, least: float, count: int, roofline_s: float, params: float, kept: float,
+             rerun_s: float = 0.0) -> LayerCost:
+    """A layer's cost on one option that no row of the option undercuts, memory-lean rows included, for the stage
+    DPs to bound a count's plans with its memory counted before those rows are priced (`inter._relaxed_may_win`).
+    `cost` is the option's first row's, or, for a mode not priced yet, that of a mode recomputing less on the same
+    mesh, whose strategies are the same and each of which this mode slows by at least `rerun_s` per microbatch.
+
+    Every strategy of the layer costs count · time + sync ≥ `least` (a proven bound: `inter._floors`), with its sync at
+    most the layer's `sync_bound_s` (`intra.StageModel`), so its time per microbatch is at least (least − that) /
+    count; and at least `roofline_s`, and its least time with memory aside (`time_floor_s`) plus `rerun_s`. Its
+    sync is at least 0. It holds at least `params` and `kept` bytes per device (its parameter state and kept
+    activations per microbatch over the option's devices: `resident_bytes`, `footprints`), with no working set. Its
+    forward and backward are unbounded above, so every send and reduction counts as hidden behind them."""
+    time_s = max(roofline_s, cost.sharding.time_floor_s + rerun_s, (least - cost.sharding.sync_bound_s) / count)
+    return replace(cost, time_s=time_s, sync_s=0.0, reduce_s=0.0, backward_s=math.inf, forward_s=math.inf,
+                   param_bytes=params, activation_bytes=kept, working_bytes=0.0)
 
 
 def resident_bytes(g_mb: Graph, base: list[list[Op]], alike: Sequence[int] | None = None) -> list[float]:

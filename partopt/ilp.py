@@ -557,6 +557,15 @@ def _eliminate(graph: CostGraph, alive: list[np.ndarray]) -> tuple[CostGraph, li
     return reduced, remaining, steps
 
 
+def least_cost(graph: CostGraph) -> float | None:
+    """The least total of any assignment, memory aside, by exact elimination (dominated strategies first); None when
+    the elimination's tables would be too large (`minsum.solve`)."""
+    alive = reduce(graph)
+    reduced, remaining, steps = _eliminate(graph, alive)
+    picked = minsum.solve(reduced.costs, reduced.edges)
+    return None if picked is None else graph.total(_recover(graph, alive, remaining, picked, steps))
+
+
 def _recover(graph: CostGraph, alive: list[np.ndarray], remaining: list[int], picked: list[int],
              steps: list[_Step]) -> list[int]:
     """Original strategy indices from the remaining nodes' picks and the elimination steps, in reverse."""

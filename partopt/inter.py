@@ -416,7 +416,9 @@ def _price_mode(space: _Space, pricer: Pricer, state: _Count, keys: list[tuple],
     """Price every base layer of `state`'s count on the meshes `keys` under `mode`, uncapped (within the budget)."""
     mb = space.graph.dims[space.graph.batch_dim] // state.count
     layers = range(len(state.hashes))
-    jobs = {(state.hashes[b], (*key, mode)): Job(mb, state.count, state.names[b], space.meshes[key], mode, space.budget)
+    floors = _fill_binds(space, state.count)  # the rows `_relaxed_may_win` asks about carry their time floors
+    jobs = {(state.hashes[b], (*key, mode)): Job(mb, state.count, state.names[b], space.meshes[key], mode, space.budget,
+                                                 time_floor=floors)
             for key in keys for b in layers}
     priced = {key: None if isinstance(cost, Dropped) else cost  # counted in stats; no option here
               for key, cost in pricer.run(jobs, stats, running(len(jobs))).items()}
@@ -459,7 +461,8 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
                                                         key[0][0] * key[0][1]),
                                                 key, count, limit, work, space.cluster, options.overlap)]
         reaching = reach(keys, limit)  # the next mode only on meshes where a stage of it or a later one may be in a plan
-        if best is not None and limit == best[0] and not reaching:
+        if best is not None and (limit == best[0] and not reaching or m == 1 and _fill_binds(space, count)
+                                 and not _relaxed_may_win(space, state, view, ops, wanted)):
             return None, modes[:m]  # no plan of this count, memory counted, can beat the best: no more modes priced
         keys = [key for key in keys if any((*key, mode) in reaching for mode in modes[m:])]
         _price_mode(space, pricer, state, keys, modes[m], stats, running)
@@ -471,7 +474,8 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
             return found, modes[:m + 1]  # memory does not bind: recomputing more only adds time
 
     in_reach = functools.lru_cache(maxsize=None)(lambda limit: reach([], limit))  # asked again when the bound moves
-    if best is not None and not in_reach(best[0]):
+    if best is not None and (not in_reach(best[0]) or _fill_binds(space, count)
+                             and not _relaxed_may_win(space, state, view, ops, wanted)):
         return None, modes  # no plan of this count, memory counted, can beat the best: no capped ILPs for it
 
     # memory binds under every mode: one ladder for them all, each rung's ILPs of every mode priced together, only on
@@ -563,6 +567,81 @@ def _reach(space: _Space, g_mb: Graph, ops: list[list[Op]], modes: list[str], co
                                    space.layering.groups, space.submeshes, devices, space.budget, count,
                                    options.overlap, contiguous=bool({"1f1b", "zero-bubble"} & set(options.schedules)),
                                    interleaved=interleaved, shared=bounds.shared_state(g_mb, ops))
+
+
+def _fill_binds(space: _Space, count: int) -> bool:
+    """Whether a plan of `count` microbatches may have more stages than microbatches (as many as the DP's layers), so
+    that its pipeline fill may outweigh its steady state: the counts a close asks `_relaxed_may_win` about, whose rows
+    carry the time floors it needs (one more elimination per ILP, which no larger count pays for)."""
+    return count <= len(space.layering.groups)
+
+
+def _relaxed_may_win(space: _Space, state: _Count, g_mb: Graph, ops: list[list[Op]], limit: float) -> bool:
+    """Whether a plan of `state`'s count (`g_mb`: its microbatch view; `ops`: its base layers' ops) may cost under
+    `limit` with memory counted, whatever rows are still to be priced for it (the modes not priced yet, the memory
+    ladder's): the stage DPs of the searched schedules run on rows that none of an option's rows undercuts
+    (`bounds.undercut`: from its first row, or for a mode not priced yet from the least recomputing mode's on the same
+    mesh, bounded as `_reach` bounds it, by the memory-free optimum there and the mode's rerun forward at least),
+    with no shared-parameter correction (those only add sync once the shared state is left out, as `resident_bytes`
+    does).
+    1F1B's and the interleaved DPs are exact on those rows and their closed forms never fall as a stage's latency
+    or sync rises, so no plan costs less than they find; ZB-H1 is asked for its bounds alone
+    (`stagedp.zero_bubble_may_beat`), which never fall either (docs/COSTMODEL.md §5b)."""
+    count, options = state.count, space.options
+    resident = bounds.resident_bytes(g_mb, ops, space.alike)
+    prints = bounds.footprints(g_mb, ops, state.modes, space.cluster.device, space.alike)
+    rows = {(*key, mode): [_undercut_row(state, key, m, resident, prints)]
+            for key in state.keys for m, mode in enumerate(state.modes)}
+    pipe = replace(state.pipe, shared={})
+    sizes, devices = [a * b for a, b in space.submeshes], space.cluster.num_devices
+
+    def under(found) -> bool:
+        return found is not None and found.total < limit
+
+    if {"1f1b", "zero-bubble"} & set(options.schedules):
+        entries, options_of = stage_table(pipe, rows, space.submeshes, count, space.budget)
+        if "1f1b" in options.schedules and under(stagedp.solve(entries, None, sizes, devices, count, cutoff=limit)):
+            return True
+        if "zero-bubble" in options.schedules and stagedp.zero_bubble_may_beat(
+                entries, split_table(pipe, entries, options_of), sizes, devices, count, limit):
+            return True
+    if "interleaved" in options.schedules:
+        for S, v in interleaved_shapes(len(space.layering.groups), count, devices):
+            t, extra, fill, _ = interleaved_table(pipe, rows, space.submeshes, count, space.budget, S, v)
+            if under(stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill, cutoff=limit)):
+                return True
+    return False
+
+
+def _undercut_row(state: _Count, key: tuple, m: int, resident: list[float], prints: list) -> list:
+    """`bounds.undercut` of each base layer of `state`'s count on mesh `key` under its `m`-th mode (`resident`,
+    `prints`: `bounds.resident_bytes`, `bounds.footprints` of its modes): from the option's first row, bounded below by
+    its ILP within the budget (`_within_budget`); or, for a mode not priced yet, from the least recomputing mode's
+    row, slowed by at least the forward it also reruns. Rooflines count under the analytical model only, as in `_reach`."""
+    count, n, mode = state.count, key[0][0] * key[0][1], state.modes[m]
+    if state.work is None:  # a measured cost model: no roofline, no rerun bound
+        roofline, rerun = [0.0] * len(prints), [0.0] * len(prints)
+    else:
+        roofline = [(w + p[m].rerun_s) / n for w, p in zip(state.work, prints)]
+        rerun = [max(0.0, (p[m].rerun_s - p[0].rerun_s) / n) for p in prints]
+    if (*key, mode) in state.costs:
+        row, added = state.costs[(*key, mode)][0], [0.0] * len(prints)
+        least = [f if c is None else max(f, _within_budget(c, count))
+                 for c, f in zip(row, _floors(row, count, count, state.work, n))]
+    else:
+        row, added = state.costs[(*key, state.modes[0])][0], rerun
+        least = [f + count * a for f, a in zip(_floors(row, count, count, state.work, n), added)]
+    return [None if c is None else bounds.undercut(c, f, count, w, r / n, p[m].kept_bytes / n, a)
+            for c, f, w, r, p, a in zip(row, least, roofline, resident, prints, added)]
+
+
+def _within_budget(cost: pricing.LayerCost, count: int) -> float:
+    """A lower bound on the count · time + sync of any strategy of the layer of `cost` (a row's first, priced within
+    the device budget at one microbatch in flight) that fits a stage: such a strategy fits that budget too (a stage
+    holds its layers' parameters, kept activations and largest working set, each at least the layer's own, and the
+    memory-lean rows' caps imply the budget: `pricing.tighten`), so its ILP's proven bound holds (0 when it has none)."""
+    bound = cost.sharding.solution.lower_bound
+    return count * bound if bound is not None else 0.0
 
 
 def _stages_of(found, costs: dict, count: int, space: _Space) -> tuple[list[StageSpec], list, str, int]:

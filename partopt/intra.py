@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -132,6 +133,8 @@ class StageModel:
     kept: set[str] = field(default_factory=set)  # recomputed ops whose output is kept (read by an op not recomputed)
     recompute: frozenset[str] = frozenset()  # ops whose forward is rerun in backward (`recomputed_ops`)
     prefetch: bool = False  # parameter gathers hide under their consumer's compute (`prefetch_cover`)
+    sync_bound_s: float = math.inf  # per iteration, at most, whatever the assignment (`build`)
+    per_iteration: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (src, dst, seconds) of weights' uses
 
 
 def _reruns(use: Use, ops: Sequence[Op], recompute: frozenset[str]) -> bool:
@@ -295,11 +298,13 @@ def prefetch_cover(graph: Graph, op: Op, strategies: Sequence[Strategy]) -> Cove
 
 
 def _use_tables(model_graph: Graph, use: Use, src_list: list, dst_list: list[Strategy], prices: PairPrices,
-                microbatches: int, rerun: bool, cover: Cover | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                microbatches: int, rerun: bool, cover: Cover | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(seconds, copy bytes, gathered weight bytes) of one use for every pair of its ends' strategies
-    (`_use_cost`, `_use_copies`), read-only. Repeated layers and the pricing jobs of one layer (other
-    caps, in-flight counts) ask for the same tables: they are kept under all they depend on.
-    `cover`: a weight's use whose gathers are prefetched (`prefetch_cover` of its consumer)."""
+    (`_use_cost`, `_use_copies`), and a weight's seconds per iteration for every pair (else a 0-d zero), read-only.
+    Repeated layers and the pricing jobs of one layer (other caps, in-flight counts) ask for the same tables:
+    they are kept under all they depend on. `cover`: a weight's use whose gathers are prefetched
+    (`prefetch_cover` of its consumer)."""
     sources, required, grads = _ends(use, src_list, dst_list)
     nbytes = model_graph.nbytes(use.tensor)
     differentiable = _is_float(model_graph, use.tensor)
@@ -308,9 +313,9 @@ def _use_tables(model_graph: Graph, use: Use, src_list: list, dst_list: list[Str
            tuple(grads), zero, prices.mesh, prices.model, cover)
 
     def compute() -> tuple[np.ndarray, ...]:
-        cost = _use_cost(use, src_list, sources, required, grads, nbytes, differentiable, prices, microbatches, rerun,
-                         cover)
-        return (cost, *_use_copies(use, sources, required, grads, nbytes, differentiable, prices))
+        cost, iteration = _use_cost(use, src_list, sources, required, grads, nbytes, differentiable, prices,
+                                    microbatches, rerun, cover)
+        return cost, *_use_copies(use, sources, required, grads, nbytes, differentiable, prices), iteration
 
     return _kept_tables(key, compute)
 
@@ -338,11 +343,12 @@ def _relay_table(graph: Graph, flow: gradients.Flow, src_list: list, dst_list: l
 
 def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list[Placement], grads: list[Placement],
               nbytes: float, differentiable: bool, prices: PairPrices, microbatches: int, rerun: bool,
-              cover: Cover | None = None) -> np.ndarray:
+              cover: Cover | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Seconds of one use for every pair of its ends' strategies, as `_use_collectives` prices a pair:
     its collectives per microbatch (and the recomputed ones) plus its per-iteration ones over the
-    microbatches, each sum taken collective by collective in the same order (the same floats).
-    A weight's gathers with a `cover` cost only what its consumer's compute does not hide (`exposed`)."""
+    microbatches, each sum taken collective by collective in the same order (the same floats); and the
+    per-iteration seconds alone (a 0-d zero when there are none). A weight's gathers with a `cover` cost only
+    what its consumer's compute does not hide (`exposed`)."""
     gather = list(prices.reshard_seconds(sources, required, nbytes))
     per_iteration: list[np.ndarray] = []
     if use.param:
@@ -365,7 +371,9 @@ def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list
             backward = list(prices.reshard_seconds(grads, targets, nbytes).transpose(0, 2, 1))
         per_microbatch = gather + backward + (gather if rerun else [])
     start = np.zeros((len(sources), len(required)))
-    return functools.reduce(np.add, per_microbatch, start) + functools.reduce(np.add, per_iteration, start) / microbatches
+    iteration = functools.reduce(np.add, per_iteration, start)
+    return (functools.reduce(np.add, per_microbatch, start) + iteration / microbatches,
+            iteration if per_iteration else np.zeros(()))
 
 
 def exposed(gather_s: np.ndarray | float, cover_s: np.ndarray | float) -> np.ndarray:
@@ -548,6 +556,8 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
 
     params: list[str] = []
     node_of_param: dict[str, int] = {}
+    sync_bound = 0.0  # per iteration: each parameter's slowest optimizer step and each use's slowest reduction
+    per_iteration = []
     paired = set(boundary.values())
     reads_arriving: list[tuple[str, int, int]] = []  # (tensor, reader node, slot)
     uses: list[Use] = []
@@ -560,9 +570,10 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
                 if tensor not in node_of_param:
                     options = _kept(param_strategies(graph, graph.tensors[tensor], mesh, allow_zero, data_parallel),
                                     lambda s: restriction.param(tensor, s), tensor, restriction)
+                    steps = optimizer_step_times(graph, tensor, options, mesh)
+                    sync_bound += max(steps)
                     node_of_param[tensor] = costs.add_node(  # weights and optimizer state; gradients at the readers
-                        tensor, [t / microbatches for t in optimizer_step_times(graph, tensor, options, mesh)],
-                        [s.state_bytes[0] + s.state_bytes[2] for s in options])
+                        tensor, [t / microbatches for t in steps], [s.state_bytes[0] + s.state_bytes[2] for s in options])
                     strategies.append(options)
                     params.append(tensor)
                 uses.append(Use(tensor, node_of_param[tensor], node_of_op[op.output], slot, True))
@@ -602,8 +613,11 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     hubs = _add_layout_hubs(graph, mesh, costs, strategies, uses)
     for use in uses:
         cover = prefetch_cover(graph, ops[use.dst], strategies[use.dst]) if prefetch and use.param else None
-        cost, *transients = _use_tables(graph, use, strategies[use.src], strategies[use.dst], prices,
-                                        microbatches, _reruns(use, ops, rerun), cover)
+        cost, *transients, iteration = _use_tables(graph, use, strategies[use.src], strategies[use.dst], prices,
+                                                   microbatches, _reruns(use, ops, rerun), cover)
+        if iteration.ndim:
+            sync_bound += float(iteration.max())
+            per_iteration.append((use.src, use.dst, iteration))
         costs.add_edge(use.src, use.dst, cost)
         for pool, table in zip((BUFFERS, PREFETCH), transients):  # the consumer's, where they coexist
             if table.any():
@@ -611,7 +625,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     for flow in sums.flows:
         costs.add_edge(flow.src, flow.dst, _flow_table(graph, flow, strategies[flow.src], strategies[flow.dst], prices))
     return StageModel(graph, mesh, ops, params, strategies, uses, costs, microbatches, inflight, sums.flows,
-                      hubs, leaving, kept, rerun, prefetch)
+                      hubs, leaving, kept, rerun, prefetch, sync_bound, per_iteration)
 
 
 # ---------------------------------------------------------------- decoding
@@ -679,6 +693,8 @@ class StageSharding:
     solution: ilp.Solution
     least_memory_bytes: float  # a lower bound of any assignment's memory as charged (`ilp.min_memory`; exact without transients)
     least_transient_bytes: float = 0.0  # the transient peak with every buffer at its least (the whole peak, not a share)
+    sync_bound_s: float = math.inf  # per iteration, the most any assignment costs (`StageModel.sync_bound_s`)
+    time_floor_s: float = 0.0  # per microbatch, the least any assignment takes, memory aside (`time_floor`; 0: not asked)
 
     @property
     def memory_bytes(self) -> float:
@@ -782,7 +798,7 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
     breakdown.sync_s = dict(breakdown.sync_s)
     breakdown.param_sync_s = {t: dict(kinds) for t, kinds in breakdown.param_sync_s.items()}
     return StageSharding(mesh, op_choices, param_choices, breakdown, model.inflight, solution.objective, solution,
-                         ilp.min_memory(model.costs), model.costs.least_transient_peak())
+                         ilp.min_memory(model.costs), model.costs.least_transient_peak(), model.sync_bound_s)
 
 
 def _memory_error(model: StageModel, budget: float) -> InfeasibleError:
@@ -815,12 +831,14 @@ def shard_stage(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None
                 seed: int = 0, allow_zero: bool = True, data_parallel: bool = False,
                 restriction: Restriction | None = None, reduce_first: bool = True,
                 recompute: str = "none", peak_shared_by: int = 1, prefetch: bool = False,
-                cutoff: float | None = None, free: tuple[tuple[int, ...], float] | None = None) -> StageSharding:
+                cutoff: float | None = None, free: tuple[tuple[int, ...], float] | None = None,
+                time_floor: bool = False) -> StageSharding:
     """The optimal sharding of `ops` (default: the whole graph) on `mesh` for one microbatch;
     `recompute` (none | selective | full, see `recomputed_ops`) reruns those ops' forward in backward;
     `memory_budget` is charged 1/`peak_shared_by` of the transient peak (`ilp.CostGraph`); `prefetch`: see `build`;
     `cutoff` (seconds of time + sync / microbatches, the ILP's objective): with a budget, InfeasibleError when
-    the optimum costs that much or more (`ilp.solve`); `free`: its memory-free optimum, when known (`ilp.solve`)."""
+    the optimum costs that much or more (`ilp.solve`); `free`: its memory-free optimum, when known (`ilp.solve`);
+    `time_floor`: also find the least time per microbatch of any strategy (`_time_floor`)."""
     g = with_batch(graph, microbatch) if microbatch is not None else graph
     if ops is not None and g is not graph:
         ops = [g.op_index[op.name] for op in ops]
@@ -830,4 +848,19 @@ def shard_stage(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None
     if memory_budget is not None and ilp.min_memory(model.costs) > memory_budget:
         raise _memory_error(model, memory_budget)
     solution = ilp.solve(model.costs, memory_budget, backend, time_limit_s, seed, reduce_first, cutoff, free)
-    return decode(model, solution)
+    sharding = decode(model, solution)
+    return dataclasses.replace(sharding, time_floor_s=_time_floor(model)) if time_floor else sharding
+
+
+def _time_floor(model: StageModel) -> float:
+    """The least time per microbatch of any assignment of `model`, memory aside: its cost graph less the per-iteration
+    parts (each parameter's optimizer step, each weight's reduction), solved exactly (`ilp.least_cost`); 0 when that
+    elimination is too large. A hair under, for the rounding of taking those parts back out."""
+    g, params = model.costs, range(len(model.ops), len(model.ops) + len(model.params))
+    edges = dict(g.edges)
+    for u, v, table in model.per_iteration:
+        key, oriented = ((u, v), table) if u < v else ((v, u), table.T)
+        edges[key] = edges[key] - oriented / model.microbatches
+    costs = [np.zeros_like(c) if n in params else c for n, c in enumerate(g.costs)]
+    least = ilp.least_cost(ilp.CostGraph(g.names, costs, [np.zeros_like(c) for c in costs], edges))
+    return 0.0 if least is None else max(0.0, least * (1 - 1e-9))

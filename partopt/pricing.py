@@ -90,6 +90,7 @@ class Job:
     cutoff: float | None = None  # with a cap: the least count · time + sync of no use (None: any cost is of use)
     # the layer's memory-free optimum (assignment, bound), found when it was priced at another cap: not solved again
     free: tuple[tuple[int, ...], float] | None = field(default=None, compare=False)
+    time_floor: bool = False  # also its least time per microbatch over every strategy (`intra.shard_stage`)
 
 
 @dataclass
@@ -148,7 +149,7 @@ def price(g_mb: Graph, job: Job, options) -> Priced:
                                          allow_zero=not options.stage_data_parallel, recompute=job.recompute,
                                          restriction=job.restriction, peak_shared_by=job.share, prefetch=options.overlap,
                                          cutoff=None if job.cutoff is None else job.cutoff / job.count,
-                                         free=job.free)
+                                         free=job.free, time_floor=job.time_floor)
     except InfeasibleError:
         if job.cap is None:
             raise  # not a memory cap: a restriction that leaves some op no strategy (its message names it)
@@ -244,7 +245,7 @@ class Pricer:
         if (job.mb, job.ops) not in self.hashes:
             self.hashes[(job.mb, job.ops)] = g_mb.structural_hash([g_mb.op_index[n] for n in job.ops])
         return (self.prefix, job.mb, job.count, self.hashes[(job.mb, job.ops)], job.mesh, job.recompute, job.cap,
-                job.inflight, job.share, job.cutoff, _restriction_key(g_mb, job))
+                job.inflight, job.share, job.cutoff, job.time_floor, _restriction_key(g_mb, job))
 
     def __enter__(self) -> Pricer:
         return self

@@ -537,36 +537,22 @@ def zero_bubble(entries: Entries, omega: np.ndarray, sizes: list[int], devices: 
     if seeded is not None and seeded.total < cutoff:
         state["best"], state["total"] = seeded, seeded.total
 
-    def levels(count: int) -> tuple[Entries, int]:
-        """The entries of plans of `count` stages (those fitting min(count, B), at levels 1..count), and c(count)."""
-        held = min(count, microbatches)
-        return entries.held(held, count), count + held - 2
-
-    def largest_share(counts: range) -> float:
-        """The largest c(S) / S over `counts`: the rebate share a bound over those stage counts may take."""
-        return max((k + min(k, microbatches) - 2) / k for k in counts)
-
     def bound(table: Entries, share: float, count: int | None) -> DPResult | None:
-        """min_i omega_i <= sum omega / S: every plan of S stages costs at least sum (t - c(S) / S omega) + (B - 1)
-        max t + max sync, one DP with `share` c / S of each entry's omega rebated in the sum (of exactly `count`
-        stages when given). None: no plan costs less than the best."""
-        rebate = np.where(np.isfinite(table.latency), omega * share, 0.0) if share > 0 else None
-        found = solve(table, None, sizes, devices, microbatches, rebate, state["total"], count)
+        """`_rebated` under the best plan so far, its DPs counted."""
+        found = _rebated(table, omega, share, sizes, devices, microbatches, state["total"], count)
         if found is not None:
             state["rounds"] += found.rounds
         return None if found is None or found.total >= state["total"] else found
 
     def bound_from(count: int) -> DPResult | None:
-        """The bound for `count` stages or more at once: the entries fitting min(count, B) at every level, level
-        `count` as the top ("or more"), the largest share beyond it (entries fitting min(S, B) include theirs)."""
-        return bound(entries.held(min(count, microbatches), L), largest_share(range(count, deepest + 1)), count)
+        return bound(*_from(entries, count, microbatches, deepest), count)
 
     def bound_below(count: int) -> DPResult | None:
         """The bound for `count` stages or fewer in one DP: each entry at its least latency and sync over depths
         (what fits any count), any number of stages, the largest share for S <= count."""
         least = Entries(entries.latency, np.where(entries.depth >= L, entries.sync, 0.0),
                         np.where(entries.depth >= 1, L, 0))
-        return bound(least, largest_share(range(1, count + 1)), None)
+        return bound(least, _largest_share(range(1, count + 1), microbatches), None)
 
     # the stage counts from `hint` outwards (ascending without one): the likeliest first, so that a search
     # stopped at its limit has tried them; from the hint up, one bound drops every larger count at once
@@ -584,8 +570,9 @@ def zero_bubble(entries: Entries, omega: np.ndarray, sizes: list[int], devices: 
                 if rest is not None:
                     state["floor"] = min(state["floor"], rest.total)
             break
-        table, c = levels(count)
-        if start <= count < deepest and largest_share(range(count, deepest + 1)) > 0 and bound_from(count) is None:
+        table, c = _levels_of(entries, count, microbatches)
+        if start <= count < deepest and _largest_share(range(count, deepest + 1), microbatches) > 0 and (
+                bound_from(count) is None):
             ceiling = count - 1
             continue
         alone = bound(table, c / count, count)
@@ -595,6 +582,56 @@ def zero_bubble(entries: Entries, omega: np.ndarray, sizes: list[int], devices: 
     if best is None:  # stopped before any plan beat the cutoff: no stages, and how far below it one may be
         return DPResult(INF, [], INF, state["rounds"], floor) if floor < cutoff else None
     return DPResult(best.total, best.stages, best.max_latency, state["rounds"], floor if floor < best.total else None)
+
+
+def zero_bubble_may_beat(entries: Entries, omega: np.ndarray, sizes: list[int], devices: int, microbatches: int,
+                         cutoff: float) -> bool:
+    """Whether `zero_bubble`'s bounds leave a ZB-H1 plan on `entries` that may cost under `cutoff`: per stage count S
+    from 1 up, its own bound (`_rebated`), until one for S stages or more at once (`_from`) rules the rest out. The
+    bounds never fall as an entry's latency rises (each rebates at most two thirds of it), so a table whose entries
+    are at most another's bounds that one's plans too."""
+    deepest = min(entries.layers, devices)
+    for count in range(1, deepest + 1):
+        rest, share = _from(entries, count, microbatches, deepest)
+        if not _under(_rebated(rest, omega, share, sizes, devices, microbatches, cutoff, count), cutoff):
+            return False  # no plan of `count` stages or more
+        table, c = _levels_of(entries, count, microbatches)
+        if _under(_rebated(table, omega, c / count, sizes, devices, microbatches, cutoff, count), cutoff):
+            return True
+    return False
+
+
+def _under(found: DPResult | None, cutoff: float) -> bool:
+    """Whether a DP found a plan costing less than its `cutoff` (over it, the DP's result only says so)."""
+    return found is not None and found.total < cutoff
+
+
+def _levels_of(entries: Entries, count: int, microbatches: int) -> tuple[Entries, int]:
+    """The entries of ZB-H1 plans of `count` stages (those fitting min(count, B), at levels 1..count), and c(count)."""
+    held = min(count, microbatches)
+    return entries.held(held, count), count + held - 2
+
+
+def _largest_share(counts: range, microbatches: int) -> float:
+    """The largest c(S) / S over `counts`: the rebate share a ZB-H1 bound over those stage counts may take."""
+    return max((k + min(k, microbatches) - 2) / k for k in counts)
+
+
+def _from(entries: Entries, count: int, microbatches: int, deepest: int) -> tuple[Entries, float]:
+    """The table and share of the ZB-H1 bound for `count` stages or more at once: the entries fitting min(count, B)
+    at every level, level `count` as the top ("or more"), the largest share beyond it (entries fitting min(S, B)
+    include theirs)."""
+    return (entries.held(min(count, microbatches), entries.layers),
+            _largest_share(range(count, deepest + 1), microbatches))
+
+
+def _rebated(table: Entries, omega: np.ndarray, share: float, sizes: list[int], devices: int, microbatches: int,
+             cutoff: float, count: int | None) -> DPResult | None:
+    """min_i omega_i <= sum omega / S: every ZB-H1 plan of S stages costs at least sum (t - c(S) / S omega) + (B - 1)
+    max t + max sync, one DP with `share` c / S of each entry's omega rebated in the sum (of exactly `count` stages
+    when given), under `cutoff` (`solve`)."""
+    rebate = np.where(np.isfinite(table.latency), omega * share, 0.0) if share > 0 else None
+    return solve(table, None, sizes, devices, microbatches, rebate, cutoff, count)
 
 
 def as_zero_bubble(entries: Entries, omega: np.ndarray, stages: list[StageChoice], microbatches: int) -> DPResult | None:

@@ -1,0 +1,116 @@
+"""A count ruled out before its memory ladder (`inter._relaxed_may_win`): the stage DPs on rows that no option's rows
+undercut (`bounds.undercut`), built from each layer's least time per microbatch (`intra._time_floor`), the most its
+sync can be (`intra.StageModel.sync_bound_s`) and its memory over all devices, with ZB-H1 asked for its bounds
+alone (`stagedp.zero_bubble_may_beat`). Each piece against brute force or the search that rules nothing out."""
+
+import dataclasses
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from partopt import inter, intra, stagedp
+from partopt.cluster import preset
+from partopt.errors import InfeasibleError
+from partopt.inter import optimize
+from partopt.io import read_graph
+from partopt.models.gpt import gpt
+
+from test_memory_binds import assert_same_plan
+from test_zero_bubble_search import brute_table, random_cases
+
+
+def _totals(model: intra.StageModel) -> np.ndarray:
+    """The cost graph's total for every assignment, in `itertools.product` order."""
+    g = model.costs
+    return np.array([g.total(list(choice)) for choice in itertools.product(*(range(len(c)) for c in g.costs))])
+
+
+@pytest.mark.parametrize("shape, recompute", [((1, 2), "none"), ((2, 1), "full")])
+def test_the_time_floor_and_sync_bound_hold_every_assignment(shape, recompute):
+    """A two-layer MLP on two devices (62,208 assignments): priced at B and 2B microbatches, an assignment costs
+    time + sync / B and time + sync / 2B, which give its time and its sync. The floor is the least time of any
+    assignment; the sync bound is at least the most sync of any; the optimum decodes to no less time."""
+    graph = read_graph("instances/mlp-2layer.json")
+    B = 4
+    view = intra.with_batch(graph, graph.dims[graph.batch_dim] // B)
+    mesh = preset("p3.16xlarge", 1).logical_mesh((1, 2), shape)
+    at_b, at_2b = (intra.build(view, mesh, None, n, 1, recompute=recompute, prefetch=True) for n in (B, 2 * B))
+    total_b, total_2b = _totals(at_b), _totals(at_2b)
+    time_s, sync_s = 2 * total_2b - total_b, 2 * B * (total_b - total_2b)
+    assert sync_s.max() > 0 and time_s.min() > 0
+    floor = intra._time_floor(at_b)
+    assert floor == pytest.approx(time_s.min(), rel=1e-9) and floor <= time_s.min()
+    assert at_b.sync_bound_s >= sync_s.max() * (1 - 1e-12)
+    sharding = intra.shard_stage(view, mesh, microbatches=B, recompute=recompute, prefetch=True, time_floor=True)
+    assert sharding.time_floor_s == floor
+    assert sharding.breakdown.per_microbatch_s >= floor
+    assert sharding.breakdown.per_iteration_s <= at_b.sync_bound_s * (1 + 1e-12)
+
+
+def _rescaled(entries: stagedp.Entries, omega: np.ndarray, factor: np.ndarray, depth: np.ndarray):
+    """A table every entry of which is `factor` (≥ 1) times as slow, its omega the same share of its latency, with
+    the given depths (no deeper): a table the first one undercuts."""
+    latency = np.where(depth >= 1, entries.latency * factor, np.inf)
+    share = np.where(np.isfinite(entries.latency) & (entries.latency > 0), omega / entries.latency, 0.0)
+    return stagedp.Entries(latency, np.where(depth >= 1, entries.sync, 0.0), depth), share * np.where(
+        np.isfinite(latency), latency, 0.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_zero_bubble_bounds_never_rule_out_a_plan_of_a_slower_table(seed):
+    """Random tables: a slower table (each entry up to twice the latency, its omega the same share of it, a sync, no
+    deeper) whose ZB-H1 optimum (brute force) beats a cutoff is never ruled out on the faster one with no sync; nor is
+    the faster table's own optimum. No plan costs 0."""
+    rng = np.random.default_rng(seed)
+    checked = 0
+    for entries, t, extra, omega, sizes, devices, B in random_cases(seed):
+        fast = stagedp.Entries(entries.latency, np.zeros_like(entries.sync), entries.depth)
+        own = brute_table(*fast.dense(), omega, sizes, devices, B)
+        depth = np.minimum(entries.depth, rng.integers(0, entries.layers + 1, entries.depth.shape))
+        slow, slow_omega = _rescaled(entries, omega, rng.uniform(1.0, 2.0, entries.latency.shape), depth)
+        expected = brute_table(*slow.dense(), slow_omega, sizes, devices, B)
+        for target in (own, expected):
+            if math.isfinite(target):
+                checked += 1
+                assert stagedp.zero_bubble_may_beat(fast, omega, sizes, devices, B, target * (1 + 1e-9))
+        assert not stagedp.zero_bubble_may_beat(fast, omega, sizes, devices, B, 0.0)
+    assert checked
+
+
+def _devices(count: int, mib: int):
+    """One p3.16xlarge node cut to `count` devices of `mib` MiB."""
+    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=count)
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=mib * 2**20))
+
+
+@pytest.mark.parametrize("devices, mib, batch, layers", [(8, 60, 128, 8), (8, 100, 256, 16), (4, 60, 32, 8)])
+def test_a_count_ruled_out_has_no_plan_under_the_best_and_the_plan_stays(devices, mib, batch, layers, monkeypatch):
+    """Small GPTs whose memory binds: every count asked before its ladder has, when its own search (nothing ruled
+    out) finds a plan, its relaxed DPs find one under that plan's time. The search gives the plan of the search that
+    rules nothing out, with no more ILPs (on eight devices some counts are ruled out: 8 microbatches of the first, 16
+    of the second)."""
+    graph = gpt(hidden=256, layers=layers, heads=8, seq=256, vocab=2048, batch=batch)
+    cluster = _devices(devices, mib)
+    asked, relaxed = [], inter._relaxed_may_win
+
+    def recording(space, state, g_mb, ops, limit):
+        found = relaxed(space, state, g_mb, ops, limit)
+        asked.append((space, state, g_mb, ops, found))
+        return found
+
+    monkeypatch.setattr(inter, "_relaxed_may_win", recording)
+    plan = optimize(graph, cluster, workers=1)
+    monkeypatch.setattr(inter, "_relaxed_may_win", lambda *args: True)
+    full = optimize(graph, cluster, workers=1)
+    assert_same_plan(plan, full)
+    ruled_out = [state.count for _, state, *_, found in asked if not found]
+    assert bool(ruled_out) == (devices == 8)
+    assert plan.solver["ilps"] <= full.solver["ilps"]
+    for space, state, g_mb, ops, _ in asked:
+        try:
+            alone = optimize(graph, cluster, workers=1, microbatches=[state.count]).iteration_time_s
+        except InfeasibleError:  # the count has no plan that fits
+            continue
+        assert relaxed(space, state, g_mb, ops, alone * (1 + 1e-9))
