@@ -11,7 +11,7 @@ it. `options_in_reach` uses no roofline (the layer ILPs' own optima, and bytes),
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 import numpy as np
@@ -135,9 +135,16 @@ def undercut(cost: LayerCost, least: float, count: int, roofline_s: float, param
     sync is at least 0. It holds at least `params` and `kept` bytes per device (its parameter state and kept
     activations per microbatch over the option's devices: `resident_bytes`, `footprints`), with no working set. Its
     forward and backward are unbounded above, so every send and reduction counts as hidden behind them."""
-    time_s = max(roofline_s, cost.sharding.time_floor_s + rerun_s, (least - cost.sharding.sync_bound_s) / count)
-    return replace(cost, time_s=time_s, sync_s=0.0, reduce_s=0.0, backward_s=math.inf, forward_s=math.inf,
-                   param_bytes=params, activation_bytes=kept, working_bytes=0.0)
+    return floor_cost(max(roofline_s, cost.sharding.time_floor_s + rerun_s, (least - cost.sharding.sync_bound_s) / count),
+                      params, kept)
+
+
+def floor_cost(time_s: float, params: float, kept: float) -> LayerCost:
+    """A layer's cost that no strategy of it undercuts, for the stage DPs to bound plans by (`undercut`): `time_s` per
+    microbatch at least, no sync, `params` and `kept` bytes per device (per microbatch in flight) and no working set,
+    its forward and backward unbounded above so that every send and reduction counts as hidden. A bound, not a
+    solution: no sharding."""
+    return LayerCost(time_s, 0.0, params, kept, 0.0, None, reduce_s=0.0, backward_s=math.inf, forward_s=math.inf)
 
 
 def resident_bytes(g_mb: Graph, base: list[list[Op]], alike: Sequence[int] | None = None) -> list[float]:

@@ -289,6 +289,13 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                             left[count] = math.nextafter(bar, math.inf)
                             unopened.sort(key=lambda c: (left[c], -c))
                         continue
+                    if best is not None and work[count] is not None and _fill_binds(space, count) and not (
+                            _relaxed_may_win(space, count, pipeline_of(graph, cluster, layering, count, options.overlap),
+                                             _roofline_rows(space, count, views[count], base[count], work[count]),
+                                             _wanted(best))):
+                        del left[count]  # no plan of it beats the best, its layers at their rooflines: not opened
+                        unopened.remove(count)
+                        continue
                     unopened.pop(0)
                     state = _open_count(space, pricer, count, views[count], base[count], work[count], best,
                                         fastest, stats,
@@ -462,7 +469,8 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
                                                 key, count, limit, work, space.cluster, options.overlap)]
         reaching = reach(keys, limit)  # the next mode only on meshes where a stage of it or a later one may be in a plan
         if best is not None and (limit == best[0] and not reaching or m == 1 and _fill_binds(space, count)
-                                 and not _relaxed_may_win(space, state, view, ops, wanted)):
+                                 and not _relaxed_may_win(space, count, pipe, _undercut_rows(space, state, view, ops),
+                                                          wanted)):
             return None, modes[:m]  # no plan of this count, memory counted, can beat the best: no more modes priced
         keys = [key for key in keys if any((*key, mode) in reaching for mode in modes[m:])]
         _price_mode(space, pricer, state, keys, modes[m], stats, running)
@@ -474,8 +482,8 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
             return found, modes[:m + 1]  # memory does not bind: recomputing more only adds time
 
     in_reach = functools.lru_cache(maxsize=None)(lambda limit: reach([], limit))  # asked again when the bound moves
-    if best is not None and (not in_reach(best[0]) or _fill_binds(space, count)
-                             and not _relaxed_may_win(space, state, view, ops, wanted)):
+    if best is not None and (not in_reach(best[0]) or _fill_binds(space, count) and not _relaxed_may_win(
+            space, count, pipe, _undercut_rows(space, state, view, ops), wanted)):
         return None, modes  # no plan of this count, memory counted, can beat the best: no capped ILPs for it
 
     # memory binds under every mode: one ladder for them all, each rung's ILPs of every mode priced together, only on
@@ -576,23 +584,16 @@ def _fill_binds(space: _Space, count: int) -> bool:
     return count <= len(space.layering.groups)
 
 
-def _relaxed_may_win(space: _Space, state: _Count, g_mb: Graph, ops: list[list[Op]], limit: float) -> bool:
-    """Whether a plan of `state`'s count (`g_mb`: its microbatch view; `ops`: its base layers' ops) may cost under
-    `limit` with memory counted, whatever rows are still to be priced for it (the modes not priced yet, the memory
-    ladder's): the stage DPs of the searched schedules run on rows that none of an option's rows undercuts
-    (`bounds.undercut`: from its first row, or for a mode not priced yet from the least recomputing mode's on the same
-    mesh, bounded as `_reach` bounds it, by the memory-free optimum there and the mode's rerun forward at least),
-    with no shared-parameter correction (those only add sync once the shared state is left out, as `resident_bytes`
-    does).
+def _relaxed_may_win(space: _Space, count: int, pipe: Pipeline, rows: dict, limit: float) -> bool:
+    """Whether a plan of `count` microbatches may cost under `limit` with memory counted, whatever rows are still to
+    be priced for it: the stage DPs of the searched schedules run on `rows`, one per option (submesh, shape, mode)
+    that no row of the option undercuts (`_undercut_rows` in a close, `_roofline_rows` before an open), with no
+    shared-parameter correction (those only add sync once the shared state is left out, as `resident_bytes` does).
     1F1B's and the interleaved DPs are exact on those rows and their closed forms never fall as a stage's latency
     or sync rises, so no plan costs less than they find; ZB-H1 is asked for its bounds alone
     (`stagedp.zero_bubble_may_beat`), which never fall either (docs/COSTMODEL.md §5b)."""
-    count, options = state.count, space.options
-    resident = bounds.resident_bytes(g_mb, ops, space.alike)
-    prints = bounds.footprints(g_mb, ops, state.modes, space.cluster.device, space.alike)
-    rows = {(*key, mode): [_undercut_row(state, key, m, resident, prints)]
-            for key in state.keys for m, mode in enumerate(state.modes)}
-    pipe = replace(state.pipe, shared={})
+    options = space.options
+    pipe = replace(pipe, shared={})
     sizes, devices = [a * b for a, b in space.submeshes], space.cluster.num_devices
 
     def under(found) -> bool:
@@ -611,6 +612,31 @@ def _relaxed_may_win(space: _Space, state: _Count, g_mb: Graph, ops: list[list[O
             if under(stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill, cutoff=limit)):
                 return True
     return False
+
+
+def _undercut_rows(space: _Space, state: _Count, g_mb: Graph, ops: list[list[Op]]) -> dict:
+    """Per option of `state`'s count (`g_mb`: its microbatch view; `ops`: its base layers' ops), one row of layer
+    costs that none of its rows undercuts, priced or not (`_undercut_row`), for `_relaxed_may_win`."""
+    resident = bounds.resident_bytes(g_mb, ops, space.alike)
+    prints = bounds.footprints(g_mb, ops, state.modes, space.cluster.device, space.alike)
+    return {(*key, mode): [_undercut_row(state, key, m, resident, prints)]
+            for key in state.keys for m, mode in enumerate(state.modes)}
+
+
+def _roofline_rows(space: _Space, count: int, g_mb: Graph, ops: list[list[Op]], work: list[float]) -> dict:
+    """Per option of a count not opened yet (`g_mb`: its microbatch view; `ops`: its base layers' ops; `work`: their
+    roofline work), one row of layer costs no strategy undercuts (`bounds.floor_cost`), for `_relaxed_may_win`: each
+    layer at its roofline with its mode's rerun forward, its state and kept activations over the option's devices."""
+    modes = _distinct_modes(g_mb, ops, space.options.recompute_modes)
+    resident = bounds.resident_bytes(g_mb, ops, space.alike)
+    prints = bounds.footprints(g_mb, ops, modes, space.cluster.device, space.alike)
+    rows = {}
+    for sub, shape in space.meshes:
+        n = sub[0] * sub[1]
+        for m, mode in enumerate(modes):
+            rows[(sub, shape, mode)] = [[bounds.floor_cost((w + p[m].rerun_s) / n, r / n, p[m].kept_bytes / n)
+                                         for w, r, p in zip(work, resident, prints)]]
+    return rows
 
 
 def _undercut_row(state: _Count, key: tuple, m: int, resident: list[float], prints: list) -> list:

@@ -95,9 +95,9 @@ def test_a_count_ruled_out_has_no_plan_under_the_best_and_the_plan_stays(devices
     cluster = _devices(devices, mib)
     asked, relaxed = [], inter._relaxed_may_win
 
-    def recording(space, state, g_mb, ops, limit):
-        found = relaxed(space, state, g_mb, ops, limit)
-        asked.append((space, state, g_mb, ops, found))
+    def recording(space, count, pipe, rows, limit):
+        found = relaxed(space, count, pipe, rows, limit)
+        asked.append((space, count, pipe, rows, found))
         return found
 
     monkeypatch.setattr(inter, "_relaxed_may_win", recording)
@@ -105,12 +105,12 @@ def test_a_count_ruled_out_has_no_plan_under_the_best_and_the_plan_stays(devices
     monkeypatch.setattr(inter, "_relaxed_may_win", lambda *args: True)
     full = optimize(graph, cluster, workers=1)
     assert_same_plan(plan, full)
-    ruled_out = [state.count for _, state, *_, found in asked if not found]
+    ruled_out = [count for _, count, *_, found in asked if not found]
     assert bool(ruled_out) == (devices == 8)
     assert plan.solver["ilps"] <= full.solver["ilps"]
-    for space, state, g_mb, ops, _ in asked:
+    for space, count, pipe, rows, _ in asked:
         try:
-            alone = optimize(graph, cluster, workers=1, microbatches=[state.count]).iteration_time_s
+            alone = optimize(graph, cluster, workers=1, microbatches=[count]).iteration_time_s
         except InfeasibleError:  # the count has no plan that fits
             continue
-        assert relaxed(space, state, g_mb, ops, alone * (1 + 1e-9))
+        assert relaxed(space, count, pipe, rows, alone * (1 + 1e-9))
