@@ -579,8 +579,9 @@ def _reach(space: _Space, g_mb: Graph, ops: list[list[Op]], modes: list[str], co
 
 def _fill_binds(space: _Space, count: int) -> bool:
     """Whether a plan of `count` microbatches may have more stages than microbatches (as many as the DP's layers), so
-    that its pipeline fill may outweigh its steady state: the counts a close asks `_relaxed_may_win` about, whose rows
-    carry the time floors it needs (one more elimination per ILP, which no larger count pays for)."""
+    that its pipeline fill may outweigh its steady state: the counts `_relaxed_may_win` is asked about (before an open
+    once a plan is known, and in a close), whose rows carry the time floors it needs (one more elimination per ILP,
+    which no larger count pays for)."""
     return count <= len(space.layering.groups)
 
 
