@@ -1,7 +1,8 @@
 """Lower bounds that let the search skip work it can prove useless (docs/COSTMODEL.md §5b, "How the
 search skips work"): each layer's roofline work, the least recomputation a microbatch count's memory
-forces (inf: the count cannot fit at all), and which options a plan of a count that reaches a time with its
-memory counted may hold a stage on (`options_in_reach`; none: no such plan).
+forces (inf: the count cannot fit at all), which options a plan of a count that reaches a time with its
+memory counted may hold a stage on (`options_in_reach`; none: no such plan), and layer costs that no strategy
+undercuts, for the stage DPs to bound a whole count by (`undercut`, `floor_cost`).
 
 The work bounds hold under the analytical model only (no split divides FLOPs or bytes by more than the
 devices it uses); under another model (measured times) there is no work bound and nothing is skipped by
