@@ -1,7 +1,8 @@
 """A count ruled out before its memory ladder (`inter._relaxed_may_win`): the stage DPs on rows that no option's rows
 undercut (`bounds.undercut`), built from each layer's least time per microbatch (`intra._time_floor`), the most its
 sync can be (`intra.StageModel.sync_bound_s`) and its memory over all devices, with ZB-H1 asked for its bounds
-alone (`stagedp.zero_bubble_may_beat`). Each piece against brute force or the search that rules nothing out."""
+alone (`stagedp.zero_bubble_may_beat`). Each piece against brute force, every row priced, or the search that rules
+nothing out."""
 
 import dataclasses
 import itertools
@@ -114,3 +115,37 @@ def test_a_count_ruled_out_has_no_plan_under_the_best_and_the_plan_stays(devices
         except InfeasibleError:  # the count has no plan that fits
             continue
         assert relaxed(space, count, pipe, rows, alone * (1 + 1e-9))
+
+
+def test_no_row_of_an_option_undercuts_its_relaxed_row(monkeypatch):
+    """A small GPT on eight devices whose memory binds: after the search, every row of every option of each count
+    closed (its first, its other modes', its memory ladder's) takes at least the time per microbatch of the option's
+    row in `_undercut_rows` and of its row at the rooflines (`_roofline_rows`), and holds at least their parameter
+    and kept activation bytes."""
+    graph = gpt(hidden=256, layers=16, heads=8, seq=256, vocab=2048, batch=256)
+    closed, close = [], inter._close_count
+
+    def recording(space, pricer, state, best, stats, running):
+        found = close(space, pricer, state, best, stats, running)
+        view = pricer.views[graph.dims[graph.batch_dim] // state.count]
+        closed.append((space, state, view, [[view.op_index[name] for name in names] for names in state.names]))
+        return found
+
+    monkeypatch.setattr(inter, "_close_count", recording)
+    monkeypatch.setattr(inter, "_relaxed_may_win", lambda *args: True)  # every close runs its modes and ladder
+    optimize(graph, _devices(8, 100), workers=1)
+    compared = 0
+    for space, state, view, ops in closed:
+        undercut = inter._undercut_rows(space, state, view, ops)
+        roofline = inter._roofline_rows(space, state.count, view, ops, state.work)
+        for option, rows in state.costs.items():
+            for row in rows:
+                for cost, low, least in zip(row, undercut[option][0], roofline[option][0]):
+                    if cost is None:
+                        continue
+                    compared += 1
+                    for bound in (low, least):
+                        assert bound.time_s <= cost.time_s * (1 + 1e-9)
+                        assert bound.param_bytes <= cost.param_bytes * (1 + 1e-9)
+                        assert bound.activation_bytes <= cost.activation_bytes * (1 + 1e-9)
+    assert compared > 1000 and any(len(rows) > 1 for _, state, *_ in closed for rows in state.costs.values())
