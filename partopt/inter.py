@@ -609,8 +609,7 @@ def _relaxed_may_win(space: _Space, count: int, pipe: Pipeline, rows: dict, limi
             return True
     if "interleaved" in options.schedules:
         for S, v in interleaved_shapes(len(space.layering.groups), count, devices):
-            t, extra, fill, _ = interleaved_table(pipe, rows, space.submeshes, count, space.budget, S, v)
-            if under(stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill, cutoff=limit)):
+            if under(_interleaved(pipe, rows, space.submeshes, sizes, devices, count, space.budget, S, v, limit)[0]):
                 return True
     return False
 
@@ -723,11 +722,9 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
                       options_of))
     if "interleaved" in schedules:  # each shape only where it beats the plans before it (ties keep those)
         for S, v in interleaved_shapes(len(pipe.layering.groups), count, devices):
-            t, extra, fill, options_of = interleaved_table(pipe, costs, submeshes, count, budget, S, v)
             beat = min([lead, *(f[0].total for f in found if f[0] is not None)])
-            found.append((stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill, cutoff=beat,
-                                        proven=proven),
-                          "interleaved", v, options_of))
+            result, options_of = _interleaved(pipe, costs, submeshes, sizes, devices, count, budget, S, v, beat, proven)
+            found.append((result, "interleaved", v, options_of))
     if "zero-bubble" in schedules:  # only a plan faster than the others found counts (ties keep them)
         entries, options_of = table
         done = [f[0] for f in found if f[0] is not None]
@@ -759,6 +756,14 @@ def _best_schedule(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]]
         return None
     best = min(found, key=lambda f: f[0].total)
     return (replace(best[0], floor=floor if stopped and floor < best[0].total else None), *best[1:])
+
+
+def _interleaved(pipe: Pipeline, costs: dict, submeshes: list[tuple[int, int]], sizes: list[int], devices: int,
+                 count: int, budget: float, S: int, v: int, cutoff: float, proven: bool = True):
+    """The interleaved stage DP of shape (S, v) on `costs` (`stages.interleaved_table`): `stagedp.solve` on its
+    table's t / v with v · count microbatches and its fill rebated, under `cutoff`; and its options per submesh."""
+    t, extra, fill, options_of = interleaved_table(pipe, costs, submeshes, count, budget, S, v)
+    return stagedp.solve(t / v, extra, sizes, devices, v * count, rebate=-fill, cutoff=cutoff, proven=proven), options_of
 
 
 def _floors(row: list, priced: int, count: int, work: list[float] | None, devices: int) -> list[float]:
