@@ -247,13 +247,34 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
             best = (found[0].total, count, *_stages_of(found, costs, count, space))
 
     def place(state: _Count) -> None:  # a count whose memory-free plan is known: finished, or waiting to close
-        if state.free is not None:
-            left[state.count] = max(left[state.count], _lower(state.free))
-            rank[state.count] = max(left[state.count], state.free[0].total) if state.deferred else left[state.count]
+        if state.free is not None:  # no plan with a stage on a mesh left out costs under its limit
+            left[state.count] = max(left[state.count], min(_lower(state.free), state.limit))
+            rank[state.count] = (max(left[state.count], min(state.free[0].total, state.limit)) if state.deferred
+                                 else left[state.count])
+        else:
+            left[state.count] = max(left[state.count], state.limit)
         if state.found is not None or (state.free is None and best is not None):
-            finish(state.count, state.found, state.costs, state.modes[:1])  # found, or none beats the best
+            needed = min(best[0] if best is not None else math.inf,
+                         state.found[0].total if state.found is not None else math.inf)
+            if state.limit < needed:  # a mesh left out may hold a stage of a faster plan
+                widen(state, needed)
+                place(state)
+            else:
+                finish(state.count, state.found, state.costs, state.modes[:1])  # found, or none beats the best
         else:
             waiting[state.count] = state
+
+    def widen(state: _Count, limit: float) -> None:  # price the meshes left out that may hold a stage under `limit`
+        count = state.count
+        added = [key for key in _may_open(space, count, views[count], base[count], work[count], fastest, limit)
+                 if key not in state.keys]
+        state.limit = limit
+        if added:
+            _price_mode(space, pricer, state, added, state.modes[0], stats,
+                        lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
+            state.keys = [key for key in space.meshes if key in state.keys or key in added]
+            fastest[count] = {key: state.costs[(*key, state.modes[0])][0] for key in state.keys}
+            _set_free(space, state, best, stats)
 
     def loses(count: int) -> bool:  # its lower bound already loses: no more ILPs for it
         return best is not None and (left[count], count) > best[:2]
@@ -277,7 +298,8 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                 if unopened and (not waiting or left[unopened[0]] <= min(rank[c] for c in waiting)):
                     count = unopened[0]
                     # what opening it must beat: the best plan, and the waiting counts closed first when it cannot
-                    # beat their rank (its memory counted; `_may_open`)
+                    # beat their rank (its memory counted; `_may_open`). It is opened on the meshes that may; a rank
+                    # is no bound, so those left out are priced should the best land above it (`widen`)
                     bar = min([rank[c] for c in waiting] + [best[0] if best is not None else math.inf])
                     judged = (_may_open(space, count, views[count], base[count], work[count], fastest, bar)
                               if bar < math.inf else None)
@@ -300,7 +322,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     state = _open_count(space, pricer, count, views[count], base[count], work[count], best,
                                         fastest, stats,
                                         lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1),
-                                        judged if best is not None and bar == best[0] else None)
+                                        judged, bar)
                     if state is None:  # no mesh may win
                         del left[count]
                         continue
@@ -308,6 +330,10 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     place(state)
                     continue
                 state = waiting.pop(max(waiting))
+                if state.limit < (best[0] if best is not None else math.inf):  # its meshes judged under a rank
+                    widen(state, best[0] if best is not None else math.inf)
+                    place(state)
+                    continue
                 if state.deferred and best is not None and (state.free[0].total, state.count) > best[:2] and not (
                         _zero_bubble_may_win(space, state, best, stats)):
                     finish(state.count, None, state.costs, state.modes[:1])  # no plan of it beats the best
@@ -350,6 +376,7 @@ class _Count:
     lean: tuple[dict, dict, dict]  # the modes priced, for `pricing.tighten` when memory binds: rows, costs, jobs
     work: list[float] | None  # per base layer: its roofline work (`bounds.roofline_work`)
     keys: list[tuple]  # the meshes (submesh, logical shape) where a stage may win, the others skipped unpriced
+    limit: float = math.inf  # what a plan with a stage on a mesh left out costs at least (`_may_open`; inf: none)
     free: tuple | None = None  # the plan of the modes priced with memory ignored (of `_best_schedule`); None: none yet
     deferred: bool = False  # `free` is the plan of the schedules but ZB-H1, its floor ZB-H1's bound (`_open_count`)
     found: tuple | None = None  # the count's best plan, once known to be it
@@ -357,23 +384,26 @@ class _Count:
 
 def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops: list[list[Op]],
                 work: list[float] | None, best: tuple | None, fastest: dict[int, dict], stats: Stats,
-                running: Callable[[int], Callable[[int], None]], keys: list[tuple] | None = None) -> _Count | None:
+                running: Callable[[int], Callable[[int], None]], keys: list[tuple] | None = None,
+                limit: float = math.inf) -> _Count | None:
     """Price `count` (`g_mb`: its microbatch view; `base_ops`: its base layers' ops; `work`: their roofline
     work) as far as its fastest options go: the least recomputing mode's layer optima on every mesh where a
     stage may still belong to a plan faster than `best` (the best plan so far, of `_search`: `_may_open` at it, or
-    `keys` when the caller has judged them so), and the stage DP's plan of them with memory ignored
+    `keys` when the caller has judged them so under `limit`), and the stage DP's plan of them with memory ignored
     (`_memory_free`), looked for only under `best`: with none there (`free` None) no plan of the count beats
-    `best`, as it bounds every option of the count (`_lower`). When that plan fits, it is the count's best
-    (`found`); None when no mesh may win."""
+    `best` on these meshes, as it bounds every option of them (`_lower`). When that plan fits, it is the best on
+    them (`found`); the count's best when it costs no more than `limit`. None when no mesh may win."""
     if keys is None:
         keys = list(space.meshes) if best is None else _may_open(space, count, g_mb, base_ops, work, fastest, best[0])
+        limit = math.inf if best is None else best[0]
     if not keys:
         return None
     pricer.views[space.graph.dims[space.graph.batch_dim] // count] = g_mb
     pipe = pipeline_of(space.graph, space.cluster, space.layering, count, space.options.overlap)
     state = _Count(count, pipe, bounds.per_layer(base_ops, space.alike, g_mb.structural_hash),
                    [tuple(op.name for op in ops) for ops in base_ops],
-                   _distinct_modes(g_mb, base_ops, space.options.recompute_modes), {}, ({}, {}, {}), work, keys)
+                   _distinct_modes(g_mb, base_ops, space.options.recompute_modes), {}, ({}, {}, {}), work, keys,
+                   limit)
     _price_mode(space, pricer, state, keys, state.modes[0], stats, running)
     _set_free(space, state, best, stats)
     return state

@@ -138,3 +138,32 @@ def test_with_zero_bubble_deferred_memory_binds_only_when_a_memory_free_plan_is_
                      None if zero_bubble is None else dp_result(zero_bubble))
     found = inter._unbound(space, state, inter.Stats(), math.inf)
     assert found is None if binds else found[0].total == fitting
+
+
+@pytest.mark.parametrize("mib, batch, layers", [(50, 32, 8), (70, 64, 12), (100, 64, 16), (200, 64, 16)])
+def test_a_count_opened_under_a_waiting_rank_is_widened_when_the_plan_lands_above_it(mib, batch, layers, monkeypatch):
+    """A small GPT on four devices: before any plan is known, a count is opened only on the meshes that may hold a
+    stage of a plan under the least rank of the counts waiting (`inter._may_open`). A rank is not a bound (a deferred
+    count's is its other schedules' plan), and here the plan lands above it: the meshes left out are priced before
+    the count is finished or closed (`_Count.limit`). The plan is the one of the search that opens every count on
+    every mesh, with fewer ILPs."""
+    graph = gpt(hidden=256, layers=layers, heads=8, seq=256, vocab=2048, batch=batch)
+    cluster = four_devices(mib)
+    opened, open_count = [], inter._open_count
+
+    def recording(space, pricer, count, g_mb, base_ops, work, best, *rest):
+        state = open_count(space, pricer, count, g_mb, base_ops, work, best, *rest)
+        if state is not None and best is None and len(state.keys) < len(space.meshes):
+            opened.append((state, len(state.keys), state.limit))  # opened under a rank
+        return state
+
+    monkeypatch.setattr(inter, "_open_count", recording)
+    plan = optimize(graph, cluster, workers=1)
+    assert any(limit < plan.iteration_time_s and len(state.keys) > keys for state, keys, limit in opened)
+
+    monkeypatch.setattr(inter, "_open_count", open_count)
+    monkeypatch.setattr(inter, "_may_open", lambda space, *args: list(space.meshes))
+    monkeypatch.setattr(inter, "_reach", _every_stage)
+    full = optimize(graph, cluster, workers=1)
+    assert_same_plan(plan, full)
+    assert plan.solver["ilps"] < full.solver["ilps"]
