@@ -268,13 +268,13 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
         count = state.count
         added = [key for key in _may_open(space, count, views[count], base[count], work[count], fastest, limit)
                  if key not in state.keys]
-        state.limit = limit
         if added:
             _price_mode(space, pricer, state, added, state.modes[0], stats,
                         lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
             state.keys = [key for key in space.meshes if key in state.keys or key in added]
             fastest[count] = {key: state.costs[(*key, state.modes[0])][0] for key in state.keys}
             _set_free(space, state, best, stats)
+        state.limit = limit
 
     def loses(count: int) -> bool:  # its lower bound already loses: no more ILPs for it
         return best is not None and (left[count], count) > best[:2]
