@@ -131,6 +131,7 @@ class Point:
     recompute: str
     zero: bool
     sequence_parallel: bool  # every norm split along its sequence over the tensor-parallel axis (Megatron's flag)
+    shard_weights: bool  # every parameter split over the data-parallel axis, gathered for each use (ZeRO-3, FSDP)
     overlap: bool
     schedule: str  # the pipeline schedule as run (`schedules.SCHEDULES`) ...
     virtual_stages: int  # ... with this many model chunks per stage (interleaved)
@@ -196,7 +197,8 @@ def points_from_dict(data: Any, where: str = "", base: Path = Path(".")) -> Poin
             preset=cluster["preset"], nodes=cluster["nodes"], devices_per_node=cluster.get("devices_per_node"),
             tp=plan["tp"], pp=plan["pp"], dp=plan["dp"], microbatches=plan.get("microbatches"),
             recompute=plan.get("recompute", "auto"), zero=plan.get("zero", False),
-            sequence_parallel=plan.get("sequence_parallel", False), overlap=plan.get("overlap", True),
+            sequence_parallel=plan.get("sequence_parallel", False), shard_weights=plan.get("shard_weights", False),
+            overlap=plan.get("overlap", True),
             schedule=plan.get("schedule", "1f1b"), virtual_stages=plan.get("virtual_stages", 1),
             iteration_s=measured.get("iteration_s"), tflops_per_gpu=measured.get("tflops_per_gpu"),
             flops=measured.get("flops", "executed"), where=at))
@@ -233,7 +235,8 @@ def ratio(point: Point, cluster: Cluster, workers: int | None = None) -> float:
     layer ILPs on `workers` processes: default as `optimize`'s)."""
     try:
         plan = uniform(point.graph, cluster, point.tp, point.pp, point.dp, point.microbatches,
-                       zero=point.zero, sequence_parallel=point.sequence_parallel, recompute=point.recompute,
+                       zero=point.zero, sequence_parallel=point.sequence_parallel, shard_weights=point.shard_weights,
+                       recompute=point.recompute,
                        overlap=point.overlap, workers=workers,
                        schedule=point.schedule, virtual_stages=point.virtual_stages)
     except PartoptError as err:

@@ -602,6 +602,8 @@ def _emit(plan: Plan, output: str | None, as_json: bool, cluster_source: str) ->
               help="Shard optimizer state over the data-parallel axis (Megatron-LM's distributed optimizer, ZeRO-1).")
 @click.option("--sequence-parallel", is_flag=True, help="Megatron-LM's sequence parallelism: every norm of a "
               "Megatron-style plan splits its sequence over the tensor-parallel axis (otherwise the ILP chooses).")
+@click.option("--shard-weights", is_flag=True, help="ZeRO-3 / FSDP: every parameter of a Megatron-style plan split "
+              "over the data-parallel axis and gathered for each use.")
 @click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), is_flag=False, flag_value="full",
               help="Recomputation of a Megatron-style plan: auto (default: the fastest that fits), none, selective "
               "or full; --recompute alone means full. A plan file keeps its own.")
@@ -622,7 +624,8 @@ def _emit(plan: Plan, output: str | None, as_json: bool, cluster_source: str) ->
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the priced plan file to stdout.")
 def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, plan_file: str | None,
                      tp: int | None, pp: int | None, dp: int | None, microbatches: int | None,
-                     microbatch_size: int | None, zero: bool, sequence_parallel: bool, recompute: str | None,
+                     microbatch_size: int | None, zero: bool, sequence_parallel: bool, shard_weights: bool,
+                     recompute: str | None,
                      schedule: str | None, virtual_stages: int | None, solver: str, memory_reserve: float, no_overlap: bool, profile_file: str | None,
                      output: str | None, as_json: bool) -> None:
     """Price a plan of GRAPH under the cost model: a plan file (--plan) or a Megatron-style uniform
@@ -635,9 +638,9 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
         raise InstanceError("give either --plan FILE or all of --tp, --pp and --dp", "partopt evaluate",
                             "for example --plan plan.json, or --tp 8 --pp 2 --dp 4")
     if plan_file is not None and (microbatches is not None or microbatch_size is not None or zero or recompute
-                                  or no_overlap or sequence_parallel or schedule or virtual_stages):
-        raise InstanceError("--microbatches, --microbatch-size, --zero, --sequence-parallel, --recompute, --schedule, "
-                            "--virtual-stages and --no-overlap describe a Megatron-style plan, "
+                                  or no_overlap or sequence_parallel or shard_weights or schedule or virtual_stages):
+        raise InstanceError("--microbatches, --microbatch-size, --zero, --sequence-parallel, --shard-weights, --recompute, "
+                            "--schedule, --virtual-stages and --no-overlap describe a Megatron-style plan, "
                             "not a plan file", "partopt evaluate", "edit the plan file instead")
     if microbatches is not None and microbatch_size is not None:
         raise InstanceError("give --microbatches or --microbatch-size, not both", "partopt evaluate",
@@ -656,7 +659,7 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
     else:
         schedule = schedule or ("interleaved" if (virtual_stages or 1) > 1 else "1f1b")
         plan = uniform(graph, cluster, tp, pp, dp, microbatches, zero, sequence_parallel, schedule, virtual_stages or 1,
-                       recompute=recompute or "auto", overlap=not no_overlap, **options)
+                       recompute=recompute or "auto", overlap=not no_overlap, shard_weights=shard_weights, **options)
     _emit(plan, output, as_json, cluster_source)
 
 

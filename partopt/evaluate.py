@@ -24,7 +24,7 @@ from partopt.schedules import check_schedule, inflight
 from partopt.stages import StageSpec, chunks
 from partopt.layering import Layering, build_layers
 from partopt.plan import OpStrategy, ParamPlacement, Plan, tensor_table
-from partopt.sharding import ParamStrategy, Replicate, Strategy
+from partopt.sharding import ParamStrategy, Replicate, Shard, Strategy
 from partopt.units import fmt_bytes
 
 
@@ -95,9 +95,12 @@ def sequence_dims(graph: Graph, op: Op) -> set[str]:
     return set(dims) - features - {graph.batch_dim}
 
 
-def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: bool = False) -> intra.Restriction:
+def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: bool = False,
+              shard_weights: bool = False) -> intra.Restriction:
     """Axis 0 (size dp) splits the batch and holds parameter copies; axis 1 (size tp) never splits the
-    batch, and with `sequence_parallel` splits every norm along its sequence (Korthikanti et al. 2022)."""
+    batch, and with `sequence_parallel` splits every norm along its sequence (Korthikanti et al. 2022). With
+    `shard_weights` axis 0 holds each parameter split instead (ZeRO-3, FSDP: gathered for each use, its gradient
+    reduce-scattered, so weights, gradients and optimizer state are all split dp ways)."""
     batch_dim = graph.batch_dim
 
     def op_ok(op: Op, s: Strategy) -> bool:
@@ -106,12 +109,16 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
         return (dp == 1 or batch_on_0) and (tp == 1 or s.axes[1] != batch_dim) and sequence
 
     def param_ok(tensor: str, s: ParamStrategy) -> bool:
+        if shard_weights and dp > 1:
+            return isinstance(s.placement[0], Shard) and not s.zero_axes
         copies = dp == 1 or isinstance(s.placement[0], Replicate)
         return copies and (0 in s.zero_axes) == (zero and dp > 1) and 1 not in s.zero_axes
 
     return intra.Restriction(op_ok, param_ok, f"Megatron's layout (data parallel {dp} × tensor parallel {tp}"
-                                              f"{', sequence parallel' if sequence_parallel else ''})",
-                             ("megatron", dp, tp, zero and dp > 1, sequence_parallel and tp > 1))
+                                              f"{', sequence parallel' if sequence_parallel else ''}"
+                                              f"{', weights sharded' if shard_weights and dp > 1 else ''})",
+                             ("megatron", dp, tp, zero and dp > 1, sequence_parallel and tp > 1,
+                              shard_weights and dp > 1))
 
 
 def _price_layers(pricer: Pricer, cluster: Cluster, layering: Layering, count: int, spec: StageSpec,
@@ -238,10 +245,11 @@ def evaluate(graph: Graph, cluster: Cluster, plan: Plan, where: str = "plan", **
 
 def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatches: int | None = None,
             zero: bool = False, sequence_parallel: bool = False, schedule: str = "1f1b", virtual_stages: int = 1,
-            **kwargs) -> Plan:
+            shard_weights: bool = False, **kwargs) -> Plan:
     """Megatron's plan: `pp` stages of equally many layers, each on a (dp, tp) mesh of its devices.
 
-    Axis 0 splits the batch (and ZeRO-shards optimizer state with `zero`); the ILP chooses the
+    Axis 0 splits the batch (and ZeRO-shards optimizer state with `zero`, or every parameter with `shard_weights`:
+    ZeRO-3, FSDP); the ILP chooses the
     tensor-parallel sharding over axis 1, which stays inside a node when tp ≤ devices per node;
     `sequence_parallel` makes every norm split its sequence there (else the ILP may or may not).
     `microbatches` is searched when not given, as users tune it: every power-of-two count of at
@@ -291,7 +299,7 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     start = time.perf_counter()
     plans, error, cache = [], None, {}
     for count in counts:
-        restriction = _megatron(intra.with_batch(graph, batch // count), tp, dp, zero, sequence_parallel)
+        restriction = _megatron(intra.with_batch(graph, batch // count), tp, dp, zero, sequence_parallel, shard_weights)
         for mode in options.recompute_modes:
             specs = [StageSpec(first, last, submesh, (dp, tp), inflight(j % pp, pp, count, schedule, v), mode)
                      for j, (first, last) in enumerate(chunks(L, pp, v))]
@@ -303,7 +311,8 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     if not plans:
         raise error
     best = min(plans, key=lambda plan: plan.iteration_time_s)
-    best.options["megatron"] = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "sequence_parallel": sequence_parallel}  # how `partopt check` re-derives it
+    best.options["megatron"] = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "sequence_parallel": sequence_parallel,
+                                "shard_weights": shard_weights}  # how `partopt check` re-derives it
     best.solver.update(ilps=sum(p.solver["ilps"] for p in plans), ilp_time_s=sum(p.solver["ilp_time_s"] for p in plans),
                        time_s=time.perf_counter() - start, microbatch_counts=counts,
                        status="optimal" if all(p.solver["status"] == "optimal" for p in plans) else "timeout",
