@@ -134,7 +134,7 @@ def test_inspect_says_where_a_clusters_efficiencies_come_from():
     assert "fitted to 17 measured runs" in run("inspect", "dgx-a100").stdout
     # a cluster file carries its record with it; a preset without a data file has none
     assert json.loads(run("inspect", str(ROOT / "instances/clusters/p3.16xlarge.json"), "--json").stdout)[
-        "calibration"]["measured_runs"] == 7
+        "calibration"]["measured_runs"] == 10
     h100 = json.loads(run("inspect", "dgx-h100", "--json").stdout)
     assert h100["calibration"]["measured_runs"] == 4  # the fit's report: leave-one-out median 6.7 %, max 9.4 %
     assert h100["calibration"]["loo_error_median"] == pytest.approx(0.067, abs=5e-4)
