@@ -269,12 +269,14 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
         added = [key for key in _may_open(space, count, views[count], base[count], work[count], fastest, limit)
                  if key not in state.keys]
         if added:
-            _price_mode(space, pricer, state, added, state.modes[0], stats,
-                        lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
+            _price_mode(space, pricer, state, added, state.modes[0], stats, running)
             state.keys = [key for key in space.meshes if key in state.keys or key in added]
             fastest[count] = {key: state.costs[(*key, state.modes[0])][0] for key in state.keys}
             _set_free(space, state, best, stats)
         state.limit = limit
+
+    def running(jobs: int) -> Callable[[int], None]:  # the progress callback of `jobs` more, the counts left counted
+        return tally.running(jobs, len(unopened) + len(waiting) + 1)
 
     def loses(count: int) -> bool:  # its lower bound already loses: no more ILPs for it
         return best is not None and (left[count], count) > best[:2]
@@ -320,9 +322,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                         continue
                     unopened.pop(0)
                     state = _open_count(space, pricer, count, views[count], base[count], work[count], best,
-                                        fastest, stats,
-                                        lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1),
-                                        judged, bar)
+                                        fastest, stats, running, judged, bar)
                     if state is None:  # no mesh may win
                         del left[count]
                         continue
@@ -330,16 +330,16 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                     place(state)
                     continue
                 state = waiting.pop(max(waiting))
-                if state.limit < (best[0] if best is not None else math.inf):  # its meshes judged under a rank
-                    widen(state, best[0] if best is not None else math.inf)
+                incumbent = best[0] if best is not None else math.inf
+                if state.limit < incumbent:  # its meshes judged under a rank
+                    widen(state, incumbent)
                     place(state)
                     continue
                 if state.deferred and best is not None and (state.free[0].total, state.count) > best[:2] and not (
                         _zero_bubble_may_win(space, state, best, stats)):
                     finish(state.count, None, state.costs, state.modes[:1])  # no plan of it beats the best
                     continue
-                found, modes = _close_count(space, pricer, state, best, stats,
-                                            lambda jobs: tally.running(jobs, len(unopened) + len(waiting) + 1))
+                found, modes = _close_count(space, pricer, state, best, stats, running)
                 finish(state.count, space.each_mode(state, found, modes, stats, _wanted(best)), state.costs, modes)
     except (Expired, KeyboardInterrupt) as err:
         stopped = "deadline" if isinstance(err, Expired) else "interrupted"
@@ -485,6 +485,10 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
     view = pricer.views[space.graph.dims[space.graph.batch_dim] // count]
     ops = [[view.op_index[name] for name in names] for names in state.names]
 
+    def relaxed_loses() -> bool:  # `_relaxed_may_win` on rows nothing undercuts finds no plan under the best
+        return _fill_binds(space, count) and not _relaxed_may_win(space, count, pipe,
+                                                                   _undercut_rows(space, state, view, ops), wanted)
+
     def reach(keys: list[tuple], limit: float) -> set[tuple]:  # `_reach`, the modes not priced on `keys` too
         roofline = {key: _floors([None] * len(ops), count, count, work, key[0][0] * key[0][1]) for key in keys}
         return _reach(space, view, ops, modes, count, work, limit, costs, roofline)
@@ -498,9 +502,7 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
                                                         key[0][0] * key[0][1]),
                                                 key, count, limit, work, space.cluster, options.overlap)]
         reaching = reach(keys, limit)  # the next mode only on meshes where a stage of it or a later one may be in a plan
-        if best is not None and (limit == best[0] and not reaching or m == 1 and _fill_binds(space, count)
-                                 and not _relaxed_may_win(space, count, pipe, _undercut_rows(space, state, view, ops),
-                                                          wanted)):
+        if best is not None and (limit == best[0] and not reaching or m == 1 and relaxed_loses()):
             return None, modes[:m]  # no plan of this count, memory counted, can beat the best: no more modes priced
         keys = [key for key in keys if any((*key, mode) in reaching for mode in modes[m:])]
         _price_mode(space, pricer, state, keys, modes[m], stats, running)
@@ -512,8 +514,7 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
             return found, modes[:m + 1]  # memory does not bind: recomputing more only adds time
 
     in_reach = functools.lru_cache(maxsize=None)(lambda limit: reach([], limit))  # asked again when the bound moves
-    if best is not None and (not in_reach(best[0]) or _fill_binds(space, count) and not _relaxed_may_win(
-            space, count, pipe, _undercut_rows(space, state, view, ops), wanted)):
+    if best is not None and (not in_reach(best[0]) or relaxed_loses()):
         return None, modes  # no plan of this count, memory counted, can beat the best: no capped ILPs for it
 
     # memory binds under every mode: one ladder for them all, each rung's ILPs of every mode priced together, only on
