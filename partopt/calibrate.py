@@ -226,7 +226,7 @@ def point_cluster(point: Point, base: Cluster) -> Cluster:
     """The cluster a point ran on: `base` (the calibrated preset) with the point's nodes and devices."""
     cluster = base.resized(point.nodes)
     if point.devices_per_node is not None:
-        cluster = dataclasses.replace(cluster, devices_per_node=point.devices_per_node)
+        cluster = cluster.narrowed(point.devices_per_node)
     return cluster
 
 

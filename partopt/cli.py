@@ -211,7 +211,9 @@ def cluster_facts(cluster: Cluster, calibration: dict[str, Any] | None = None) -
         "matmul_efficiency": device.matmul_efficiency,
         "fp8_matmul_efficiency": device.large_gemm_efficiency("fp8"),
         "memory_efficiency": device.memory_efficiency,
-        "intra_node": link(cluster.intra_node),
+        "intra_node": {**link(cluster.intra_node), **({"lanes": [list(row) for row in cluster.intra_node.lanes],
+                                                        "lane_bandwidth_bytes_per_s": cluster.intra_node.lane_bandwidth}
+                                                       if cluster.intra_node.lanes else {})},
         "inter_node": {**link(cluster.inter_node), "shared_by_node": cluster.inter_node.shared_by_node},
         "calibration": calibration_facts(calibration),
     }
@@ -262,7 +264,9 @@ def _render_cluster(f: dict[str, Any]) -> list[Table]:
                        + (f" ({f['fp8_matmul_efficiency']:.0%} in fp8)"
                           if f["fp8_matmul_efficiency"] != f["matmul_efficiency"] else "")
                        + f", memory {f['memory_efficiency']:.0%} of HBM"),
-        ("intra-node link", link(f["intra_node"])),
+        ("intra-node link", link(f["intra_node"]) + (
+            f"; point-to-point lanes of {f['intra_node']['lane_bandwidth_bytes_per_s'] / 1e9:.4g} GB/s, a group "
+            "sees one lane's times the rings its lanes carry" if "lanes" in f["intra_node"] else "")),
         ("inter-node link", link(f["inter_node"])),
         ("inter-node NIC", nic),
         ("calibration", _calibration_text(f["calibration"])),

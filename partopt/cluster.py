@@ -12,9 +12,11 @@ from contextlib import contextmanager
 from importlib import resources
 from importlib.resources.abc import Traversable
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any, Iterator, Mapping
 
 from partopt.errors import InfeasibleError, InstanceError
+from partopt.rings import MAX_RING_MEMBERS, Lanes, ring_count
 
 FORMAT = "partopt.cluster"
 VERSION = 1
@@ -102,15 +104,42 @@ class Device:
 
 @dataclass(frozen=True)
 class Link:
-    """A network link: per-direction bandwidth and per-message latency."""
+    """A network link: per-direction bandwidth and per-message latency; inside a node without a switch,
+    the lanes that wire each pair of devices."""
 
-    bandwidth: float  # bytes/s per direction
+    bandwidth: float  # bytes/s per direction (with lanes: the most any one device has, all its lanes together)
     latency_s: float
     shared_by_node: bool = False  # True: one NIC shared by all devices of a node (p3.16xlarge)
+    lanes: Lanes | None = None  # lanes[i][j]: point-to-point lanes between devices i and j of a node; None: a switch
 
     def __post_init__(self) -> None:
         _check(self.bandwidth > 0, f"link bandwidth must be > 0, got {self.bandwidth}", "give bytes/s per direction")
         _check(self.latency_s >= 0, f"link latency must be >= 0, got {self.latency_s}", "give seconds")
+        if self.lanes is not None:
+            lanes = tuple(tuple(row) for row in self.lanes)
+            object.__setattr__(self, "lanes", lanes)
+            n = len(lanes)
+            hint = ("give a symmetric matrix of whole lane counts, 0 on the diagonal, one row per device of a node "
+                    "(nvidia-smi topo -m's NV#), or omit lanes for a switch")
+            _check(2 <= n <= MAX_RING_MEMBERS and all(len(row) == n for row in lanes),
+                   f"lanes must be a square matrix of 2 to {MAX_RING_MEMBERS} rows, got {n} rows", hint)
+            _check(all(isinstance(x, int) and x >= 0 for row in lanes for x in row), "lanes must be whole counts >= 0", hint)
+            _check(all(lanes[i][j] == lanes[j][i] for i in range(n) for j in range(n)), "lanes must be symmetric", hint)
+            _check(all(lanes[i][i] == 0 for i in range(n)), "lanes must be 0 on the diagonal", hint)
+            _check(any(map(any, lanes)), "lanes has no lane", hint)
+
+    @property
+    def lane_bandwidth(self) -> float:
+        """Bytes/s per direction of one lane: `bandwidth` shared by the most lanes any device has."""
+        return self.bandwidth / max(map(sum, self.lanes)) if self.lanes is not None else self.bandwidth
+
+    def group_bandwidth(self, members: tuple[int, ...]) -> float:
+        """Bytes/s per direction a ring collective among `members` (devices of one node) sees: `bandwidth`
+        through a switch or for a lone device (it sends nothing), else one lane's times the rings its lanes carry
+        at once (`rings.ring_count`)."""
+        if self.lanes is None or len(members) < 2:
+            return self.bandwidth
+        return self.lane_bandwidth * ring_count(self.lanes, tuple(members))
 
 
 @dataclass(frozen=True)
@@ -163,6 +192,15 @@ class Cluster:
         _check(isinstance(self.devices_per_node, int) and self.devices_per_node >= 1,
                f"cluster {self.name!r}: devices_per_node must be >= 1, got {self.devices_per_node}",
                "give a positive number of devices per node")
+        lanes = self.intra_node.lanes
+        if lanes is not None:
+            _check(len(lanes) == self.devices_per_node,
+                   f"cluster {self.name!r}: intra_node.lanes has {len(lanes)} rows for {self.devices_per_node} "
+                   f"devices per node", "give one row and column per device of a node")
+            ringless = _ringless_group(lanes)
+            _check(ringless is None, f"cluster {self.name!r}: devices {ringless} of a node form a mesh axis but "
+                   f"intra_node.lanes has no ring through them (every hop needs a lane)",
+                   "add the lanes the node has, or omit lanes when a switch connects the devices")
 
     @property
     def num_devices(self) -> int:
@@ -171,6 +209,19 @@ class Cluster:
     def resized(self, nodes: int) -> Cluster:
         """The same machine type with `nodes` nodes (InstanceError when nodes < 1)."""
         return replace(self, nodes=nodes)
+
+    def narrowed(self, devices_per_node: int) -> Cluster:
+        """The same machine using the first `devices_per_node` devices of each node (a run on part of a node, the
+        devices numbered as CUDA does): the lanes among those devices, each lane as fast as before."""
+        _check(1 <= devices_per_node <= self.devices_per_node,
+               f"cluster {self.name!r} has {self.devices_per_node} devices per node, not {devices_per_node}",
+               f"use 1 to {self.devices_per_node} devices per node")
+        link = self.intra_node
+        if link.lanes is not None:
+            lanes = tuple(row[:devices_per_node] for row in link.lanes[:devices_per_node])
+            link = (replace(link, lanes=None) if devices_per_node == 1 else
+                    replace(link, bandwidth=link.lane_bandwidth * max(map(sum, lanes)), lanes=lanes))
+        return replace(self, devices_per_node=devices_per_node, intra_node=link)
 
     def submesh_family(self, family: str = "auto") -> str:
         """The family `family` names on this cluster: "auto" is Alpa's up to `AUTO_ALPA_NODES` nodes, else powers of two."""
@@ -184,9 +235,7 @@ class Cluster:
         """Submesh shapes (nodes, devices per node) the stage DP may use, smallest first (DESIGN §6)."""
         family = self.submesh_family(family)
         m = self.devices_per_node
-        within = [t for t in _powers_of_two(m) if m % t == 0]
-        if m not in within:
-            within.append(m)
+        within = _node_widths(m)
         ks = range(2, self.nodes + 1) if family == "alpa" else [k for k in _powers_of_two(self.nodes) if k >= 2]
         return [(1, t) for t in within] + [(k, m) for k in ks]
 
@@ -216,16 +265,12 @@ class Cluster:
     def _axis(self, submesh: tuple[int, int], shape: tuple[int, int], axis: int) -> MeshAxis:
         """Price one axis: its groups' node spans decide the link; crossing groups share a node's NIC."""
         m = submesh[1]
-        a, b = shape
-        if axis == 1:  # groups of b consecutive device ids
-            groups = [[i * b + j for j in range(b)] for i in range(a)]
-        else:  # groups of stride b
-            groups = [[i * b + j for i in range(a)] for j in range(b)]
+        groups = _groups(shape, axis)
         node_sets = [[d // m for d in g] for g in groups]
         crossing = [nodes for nodes in node_sets if len(set(nodes)) > 1]
         size = shape[axis]
         if not crossing:
-            return MeshAxis(size, self.intra_node.bandwidth, self.intra_node.latency_s, False)
+            return MeshAxis(size, self._in_node_bandwidth(m, groups), self.intra_node.latency_s, False)
         share = 1
         if self.inter_node.shared_by_node:
             share = max(sum(node in nodes for nodes in crossing) for node in range(submesh[0]))
@@ -233,6 +278,46 @@ class Cluster:
         if any(len(set(nodes)) < len(nodes) for nodes in crossing):  # the ring also hops inside a node
             bandwidth = min(bandwidth, self.intra_node.bandwidth)
         return MeshAxis(size, bandwidth, self.inter_node.latency_s, True)
+
+    def _in_node_bandwidth(self, width: int, groups: list[list[int]]) -> float:
+        """The slowest of `groups` (ids of a submesh `width` devices wide, each group on one node) wherever the
+        submesh sits in a node: at offsets 0, width, 2·width, …, the places that tile a node (COSTMODEL §2)."""
+        if self.intra_node.lanes is None:
+            return self.intra_node.bandwidth
+        offsets = range(0, self.devices_per_node - width + 1, width)
+        return min(self.intra_node.group_bandwidth(tuple(o + d % width for d in g)) for o in offsets for g in groups)
+
+
+def _groups(shape: tuple[int, int], axis: int) -> list[list[int]]:
+    """The device ids of each group of `axis` on logical mesh `shape` (the placement rule, COSTMODEL §2)."""
+    a, b = shape
+    if axis == 1:  # groups of b consecutive device ids
+        return [[i * b + j for j in range(b)] for i in range(a)]
+    return [[i * b + j for i in range(a)] for j in range(b)]  # groups of stride b
+
+
+def _node_widths(m: int) -> list[int]:
+    """The widths of the submeshes inside one node of `m` devices: powers of two dividing m, and m."""
+    within = [t for t in _powers_of_two(m) if m % t == 0]
+    return within if m in within else [*within, m]
+
+
+@lru_cache(maxsize=None)
+def _ringless_group(lanes: Lanes) -> tuple[int, ...] | None:
+    """A group of a node's devices that some in-node mesh axis forms and no ring over `lanes` passes through
+    (the first found), None when every such group has one."""
+    m = len(lanes)
+    for width in _node_widths(m):
+        for t in range(1, width + 1):
+            if width % t:
+                continue
+            for axis in (0, 1):
+                for offset in range(0, m - width + 1, width):
+                    for group in _groups((width // t, t), axis):
+                        members = tuple(offset + d for d in group)
+                        if len(members) > 1 and ring_count(lanes, members) == 0:
+                            return members
+    return None
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -246,12 +331,24 @@ NVLINK_LATENCY_S = 5e-6
 INFINIBAND_LATENCY_S = 10e-6
 ETHERNET_LATENCY_S = 20e-6
 ICI_LATENCY_S = 5e-6
+# NVLink lanes between the 8 V100s of a DGX-1 / AWS p3.16xlarge node (the hybrid cube-mesh: two quads, each GPU
+# with 6 lanes of 25 GB/s per direction; `nvidia-smi topo -m`'s NV1/NV2, COSTMODEL §2 "Lanes")
+HYBRID_CUBE_MESH: Lanes = (
+    (0, 1, 1, 2, 2, 0, 0, 0),
+    (1, 0, 2, 1, 0, 2, 0, 0),
+    (1, 2, 0, 2, 0, 0, 1, 0),
+    (2, 1, 2, 0, 0, 0, 0, 1),
+    (2, 0, 0, 0, 0, 1, 1, 2),
+    (0, 2, 0, 0, 1, 0, 2, 1),
+    (0, 0, 1, 0, 1, 2, 0, 2),
+    (0, 0, 0, 1, 2, 1, 2, 0),
+)
 
 _PRESETS: dict[str, Cluster] = {
     "p3.16xlarge": Cluster(
         name="p3.16xlarge", nodes=8, devices_per_node=8,
         device=Device("V100-SXM2-16GB", {"fp16": 125 * TERA, "fp32": 15.7 * TERA}, 16 * GIB, 900 * GB),
-        intra_node=Link(150 * GB, NVLINK_LATENCY_S),
+        intra_node=Link(150 * GB, NVLINK_LATENCY_S, lanes=HYBRID_CUBE_MESH),
         inter_node=Link(3.125 * GB, ETHERNET_LATENCY_S, shared_by_node=True)),
     "dgx-a100": Cluster(
         name="dgx-a100", nodes=8, devices_per_node=8,
@@ -336,9 +433,11 @@ def cluster_from_dict(data: dict[str, Any], where: str = "") -> Cluster:
     for key, default_latency in (("intra_node", NVLINK_LATENCY_S), ("inter_node", INFINIBAND_LATENCY_S)):
         link = data[key]
         with _at(f"{root}.{key}"):
+            _check(key == "intra_node" or "lanes" not in link, "lanes wire the devices of one node",
+                   "give lanes on intra_node only")
             links[key] = Link(bandwidth=link["bandwidth_gbps"] * GB,
                               latency_s=link["latency_us"] / MICRO if "latency_us" in link else default_latency,
-                              shared_by_node=link.get("shared_by_node", False))
+                              shared_by_node=link.get("shared_by_node", False), lanes=link.get("lanes"))
     with _at(root):
         return Cluster(name=data["name"], nodes=data["nodes"], devices_per_node=data["devices_per_node"],
                        device=device, **links)
@@ -356,7 +455,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
 
     def link(l: Link) -> dict[str, Any]:
         return {"bandwidth_gbps": _num(l.bandwidth / GB), "latency_us": _num(l.latency_s * MICRO),
-                "shared_by_node": l.shared_by_node}
+                "shared_by_node": l.shared_by_node, **({"lanes": [list(row) for row in l.lanes]} if l.lanes else {})}
 
     return {
         "format": FORMAT, "version": VERSION, "name": cluster.name,

@@ -41,7 +41,7 @@ class Solved:
 def tiny(tmp_path_factory) -> Solved:
     """Solved once per session (0.5 s): tests mutate copies of its plan."""
     directory = tmp_path_factory.mktemp("tiny")
-    cluster = dataclasses.replace(preset("p3.16xlarge", 1), name="four-v100", devices_per_node=4)
+    cluster = dataclasses.replace(preset("p3.16xlarge", 1).narrowed(4), name="four-v100")
     graph = gpt(hidden=64, layers=2, heads=4, seq=32, vocab=128, batch=8, name="tiny-gpt")
     # 1F1B pinned: tests built on this plan hand-check 1F1B's figures (zero-bubble would win here)
     plan = optimize(graph, cluster, microbatches=2, layers=2, logical_shapes=[(2, 1)], workers=1, schedule="1f1b")

@@ -3,7 +3,6 @@ and PP-DP plans by their defining shape."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
@@ -16,7 +15,7 @@ from partopt.evaluate import uniform
 @pytest.fixture(scope="module")
 def small():
     graph = models.gpt(hidden=256, layers=4, heads=4, seq=128, vocab=1024, batch=16)
-    return graph, dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=4)
+    return graph, preset("p3.16xlarge", 1).narrowed(4)
 
 
 def test_megatron_finds_the_fastest_grid_point(small):

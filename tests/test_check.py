@@ -45,7 +45,7 @@ def test_a_solved_plan_checks_clean(tiny):
 def test_solved_plans_of_every_search_re_derive(tiny, search):
     options = {"microbatches": 2, "layers": 2, "workers": 1, **search}
     # inter-only puts each stage on one device: two devices for the tiny graph's two layers
-    cluster = dataclasses.replace(tiny.cluster, devices_per_node=2) if "inter_only" in search else tiny.cluster
+    cluster = tiny.cluster.narrowed(2) if "inter_only" in search else tiny.cluster
     plan = optimize(tiny.graph, cluster, **options)
     assert check.differences(plan, tiny.graph, cluster) == []
 

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from partopt.cluster import (
-    PRESETS, Cluster, Device, Link, cluster_from_dict, cluster_to_dict, nominal_preset, preset, preset_calibration,
+    HYBRID_CUBE_MESH, PRESETS, Cluster, Device, Link, cluster_from_dict, cluster_to_dict, nominal_preset, preset, preset_calibration,
 )
 from partopt.errors import InfeasibleError, InstanceError
 from partopt.io import read_cluster
@@ -26,7 +26,11 @@ EXAMPLE = {
     "nodes": 8, "devices_per_node": 8,
     "device": {"name": "V100-SXM2-16GB", "peak_tflops": {"fp16": 125, "fp32": 15.7},
                "memory_gib": 16, "memory_bandwidth_gbps": 900},
-    "intra_node": {"bandwidth_gbps": 150, "latency_us": 5},
+    "intra_node": {"bandwidth_gbps": 150, "latency_us": 5,
+                   # nvidia-smi topo -m on a p3.16xlarge / DGX-1V: NV1 = 1 lane, NV2 = 2, SYS = 0
+                   "lanes": [[0, 1, 1, 2, 2, 0, 0, 0], [1, 0, 2, 1, 0, 2, 0, 0], [1, 2, 0, 2, 0, 0, 1, 0],
+                             [2, 1, 2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 1, 1, 2], [0, 2, 0, 0, 1, 0, 2, 1],
+                             [0, 0, 1, 0, 1, 2, 0, 2], [0, 0, 0, 1, 2, 1, 2, 0]]},
     "inter_node": {"bandwidth_gbps": 3.125, "latency_us": 20, "shared_by_node": True},
 }
 
@@ -92,6 +96,7 @@ def test_logical_shape_with_wrong_device_count_is_infeasible():
 
 P3_NIC = 3.125e9  # 25 Gbit/s per node
 NVLINK = 150e9
+LANE = 25e9  # one NVLink2 lane per direction: a V100's 6 lanes share its 150e9
 
 
 def test_p3_2x8_as_2x8_axis0_shares_the_nic_among_8_groups():
@@ -102,7 +107,7 @@ def test_p3_2x8_as_2x8_axis0_shares_the_nic_among_8_groups():
     assert (a0.size, a0.crosses_nodes) == (2, True)
     assert a0.bandwidth == pytest.approx(P3_NIC / 8)
     assert a0.latency_s == pytest.approx(20e-6)
-    # Axis 1 groups are devices 0..7 and 8..15: each inside one node, on NVLink.
+    # Axis 1 groups are devices 0..7 and 8..15: each a whole node, on all 6 lanes of each GPU.
     assert (a1.size, a1.crosses_nodes, a1.bandwidth, a1.latency_s) == (8, False, NVLINK, 5e-6)
 
 
@@ -117,7 +122,7 @@ def test_p3_2x8_as_4x4_axis0_four_groups_share_the_nic():
     # Axis 0 groups {j, j+4, j+8, j+12}, j = 0..3: devices j, j+4 on node 0 and j+8, j+12 on node 1.
     a0, a1 = preset("p3.16xlarge").logical_mesh((2, 8), (4, 4)).axes
     assert a0.crosses_nodes and a0.bandwidth == pytest.approx(P3_NIC / 4)
-    assert not a1.crosses_nodes and a1.bandwidth == NVLINK  # groups 0-3, 4-7, 8-11, 12-15
+    assert not a1.crosses_nodes and a1.bandwidth == 4 * LANE  # groups 0-3, 4-7, 8-11, 12-15: quads, 4 rings
 
 
 def test_p3_4x8_as_8x4_axis0_groups_span_four_nodes():
@@ -126,10 +131,32 @@ def test_p3_4x8_as_8x4_axis0_groups_span_four_nodes():
     assert a0.bandwidth == pytest.approx(P3_NIC / 4)
 
 
-def test_axes_inside_one_node_use_nvlink():
-    for shape in [(8, 1), (4, 2), (2, 4), (1, 8)]:
-        for axis in preset("p3.16xlarge").logical_mesh((1, 8), shape).axes:
-            assert (axis.bandwidth, axis.latency_s, axis.crosses_nodes) == (NVLINK, 5e-6, False)
+# Axes inside one p3 node, by hand from the hybrid cube-mesh (tests/test_rings.py derives the ring counts): a pair
+# group's slowest member pair has 1 lane; a quad {0-3} or {4-7} carries 4 rings; the stride-2 quads {0,2,4,6} and
+# {1,3,5,7} only 2 (one Hamiltonian cycle each way, through their single-lane hops); the whole node 6.
+P3_IN_NODE = {
+    ((1, 2), (2, 1)): (LANE, None),  # pairs (0,1) 1 lane, (2,3) 2, (4,5) 1, (6,7) 2: the slowest
+    ((1, 4), (4, 1)): (4 * LANE, None),
+    ((1, 4), (2, 2)): (LANE, LANE),  # axis 0 {0,2} {1,3} (1 lane each), axis 1 {0,1} {2,3}
+    ((1, 8), (8, 1)): (NVLINK, None),
+    ((1, 8), (4, 2)): (2 * LANE, LANE),
+    ((1, 8), (2, 4)): (LANE, 4 * LANE),  # axis 0 {j, j+4}: (2,6) and (3,7) have 1 lane
+}
+
+
+@pytest.mark.parametrize("submesh, shape", list(P3_IN_NODE))
+def test_axes_inside_one_p3_node_see_their_lanes(submesh, shape):
+    for axis, expected in zip(preset("p3.16xlarge").logical_mesh(submesh, shape).axes, P3_IN_NODE[submesh, shape]):
+        assert (axis.latency_s, axis.crosses_nodes) == (5e-6, False)
+        if expected is not None:
+            assert axis.bandwidth == pytest.approx(expected)
+
+
+def test_axes_inside_a_switched_node_see_the_whole_link():
+    a100 = preset("dgx-a100")
+    for submesh in [(1, 2), (1, 4), (1, 8)]:
+        for shape in a100.logical_shapes(submesh):
+            assert all(axis.bandwidth == 300e9 for axis in a100.logical_mesh(submesh, shape).axes if axis.size > 1)
 
 
 def test_dgx_crossing_axis_gets_the_per_gpu_link():
@@ -255,7 +282,7 @@ def test_cluster_from_dict_converts_units_and_fills_defaults():
     assert cluster.device.memory_bytes == 17_179_869_184
     assert cluster.device.memory_bandwidth == 900e9
     assert (cluster.device.matmul_efficiency, cluster.device.memory_efficiency) == (0.75, 0.8)
-    assert cluster.intra_node == Link(150e9, 5e-6, False)
+    assert cluster.intra_node == Link(150e9, 5e-6, False, lanes=HYBRID_CUBE_MESH)
     assert cluster.inter_node == Link(3.125e9, 20e-6, True)
     # the preset as defined in code is the same machine (its data file adds the fitted efficiencies)
     p3 = preset("p3.16xlarge")
@@ -319,3 +346,46 @@ def test_schema_requires_fp32_peak():
     del data["device"]["peak_tflops"]["fp32"]
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(data, SCHEMA)
+
+
+# ---------------------------------------------------------------- lanes in a cluster file
+
+def _with_lanes(lanes, key="intra_node"):
+    return {**EXAMPLE, "intra_node": {k: v for k, v in EXAMPLE["intra_node"].items() if k != "lanes"},
+            key: {**EXAMPLE[key], "lanes": lanes}}
+
+
+def test_lanes_round_trip_through_a_cluster_file():
+    cluster = cluster_from_dict(EXAMPLE)
+    assert cluster.intra_node.lanes == HYBRID_CUBE_MESH and cluster.intra_node.lane_bandwidth == pytest.approx(LANE)
+    assert cluster_from_dict(cluster_to_dict(cluster)) == cluster
+    jsonschema.validate(cluster_to_dict(cluster), SCHEMA)
+
+
+@pytest.mark.parametrize("lanes, key, where, match", [
+    ([[0, 1], [2, 0]], "intra_node", "$.intra_node", "symmetric"),
+    ([[1, 1], [1, 0]], "intra_node", "$.intra_node", "diagonal"),
+    ([[0, 1], [1, 0]], "intra_node", "$", "2 rows for 8 devices"),
+    ([[0, 1], [1, 0]], "inter_node", "$.inter_node", "one node"),
+    # 8 devices wired as two rings of four lanes (0-1-2-3 and 4-5-6-7), nothing between them: the whole node
+    # as one mesh axis has no ring
+    ([[0, 1, 0, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0, 0, 0], [0, 1, 0, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0, 0, 0],
+      [0, 0, 0, 0, 0, 1, 0, 1], [0, 0, 0, 0, 1, 0, 1, 0], [0, 0, 0, 0, 0, 1, 0, 1], [0, 0, 0, 0, 1, 0, 1, 0]],
+     "intra_node", "$", "no ring"),
+])
+def test_bad_lanes_say_what_and_where(lanes, key, where, match):
+    with pytest.raises(InstanceError, match=match) as err:
+        cluster_from_dict(_with_lanes(lanes, key))
+    assert err.value.where == where and err.value.hint
+
+
+def test_a_run_on_part_of_a_p3_node_keeps_its_lanes():
+    p3 = nominal_preset("p3.16xlarge")
+    two, four = p3.narrowed(2), p3.narrowed(4)
+    assert two.intra_node.lanes == ((0, 1), (1, 0))  # devices 0 and 1: NV1
+    assert [a.bandwidth for a in two.logical_mesh((1, 2), (2, 1)).axes][0] == pytest.approx(LANE)
+    assert four.logical_mesh((1, 4), (4, 1)).axes[0].bandwidth == pytest.approx(4 * LANE)  # the quad {0,1,2,3}
+    assert four.intra_node.lane_bandwidth == pytest.approx(LANE)
+    assert p3.narrowed(1).intra_node.lanes is None and p3.narrowed(8) == p3
+    with pytest.raises(InstanceError, match="8 devices per node"):
+        p3.narrowed(9)

@@ -2,7 +2,6 @@
 optimum or says that it costs that much (`solvers.solve`, `ilp.solve`), and `pricing.layer_cutoffs` gives each
 layer the cost above which no stage the memory ladder prices can use it (docs/COSTMODEL.md §5b)."""
 
-import dataclasses
 import math
 import random
 
@@ -107,7 +106,7 @@ def test_layer_cutoffs_by_hand():
 def test_the_search_finds_the_same_plan_with_cutoffs_as_without(monkeypatch, layers, batch, memory_gib):
     """Cutoffs (capped ILPs told the cost of no use, stage DPs told the best plan) rule out work, never a plan."""
     graph = block_graph(layers=layers, batch=batch)
-    cluster = dataclasses.replace(tight_cluster(graph, memory_gib), devices_per_node=4)
+    cluster = tight_cluster(graph, memory_gib).narrowed(4)
     ruled_out = []
     run = pricing.Pricer.run
 

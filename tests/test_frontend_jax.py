@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -97,7 +96,7 @@ def test_flops_match_xla():
 
 
 def test_imported_gpt_plans_like_the_generators_gpt(imported):
-    cluster = dataclasses.replace(preset("p3.16xlarge").resized(1), devices_per_node=4)
+    cluster = preset("p3.16xlarge").resized(1).narrowed(4)
     ours = optimize(imported, cluster, workers=1, microbatches=[2])
     theirs = optimize(gpt(**CFG, dtype="fp32"), cluster, workers=1, microbatches=[2])
     assert ours.iteration_time_s == pytest.approx(theirs.iteration_time_s, rel=0.02)

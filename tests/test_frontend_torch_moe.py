@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -124,7 +123,7 @@ def test_a_small_mixtral_plans_with_its_experts_split_over_devices():
     config = mixtral(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4,
                      num_local_experts=8, vocab_size=1000)
     graph = from_hf_config(config, batch=8, seq=128, dtype="fp16")
-    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=4)
+    cluster = preset("p3.16xlarge", 1).narrowed(4)
     plan = optimize(graph, cluster, workers=1, microbatches=[1, 2], schedule="1f1b")
     assert math.isfinite(plan.iteration_time_s) and plan.iteration_time_s > 0
     experts = {name: info.placement for stage in plan.stages for name, info in stage.params.items()

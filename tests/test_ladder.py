@@ -30,7 +30,7 @@ def test_a_stage_takes_the_smallest_rung_that_holds_its_layers():
 
 
 def four_devices(mib: int):
-    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=4)
+    cluster = preset("p3.16xlarge", 1).narrowed(4)
     return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=mib * 2**20))
 
 

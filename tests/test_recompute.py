@@ -82,7 +82,7 @@ def test_full_keeps_less_than_selective_which_keeps_less_than_none():
 def tight_cluster(graph, memory_gib: float):
     """One 2-GPU p3.16xlarge-like node whose devices have `memory_gib` each (small: the searches are fast)."""
     cluster = preset("p3.16xlarge", 1)
-    return dataclasses.replace(cluster, devices_per_node=2,
+    return dataclasses.replace(cluster.narrowed(2),
                                device=dataclasses.replace(cluster.device, memory_bytes=int(memory_gib * 2**30)))
 
 

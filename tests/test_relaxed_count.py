@@ -82,7 +82,7 @@ def test_zero_bubble_bounds_never_rule_out_a_plan_of_a_slower_table(seed):
 
 def _devices(count: int, mib: int):
     """One p3.16xlarge node cut to `count` devices of `mib` MiB."""
-    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=count)
+    cluster = preset("p3.16xlarge", 1).narrowed(count)
     return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=mib * 2**20))
 
 

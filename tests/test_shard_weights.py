@@ -1,7 +1,6 @@
 """Megatron-style plans with every parameter split over the data-parallel axis (ZeRO-3, FSDP: `evaluate.uniform`'s
 `shard_weights`, `partopt evaluate --shard-weights`, a points file's `shard_weights`), against closed forms."""
 
-import dataclasses
 import json
 
 import pytest
@@ -22,7 +21,7 @@ def tiny():
 
 
 def _devices(n: int):
-    return dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=n)
+    return preset("p3.16xlarge", 1).narrowed(n)
 
 
 def _state(graph, weights: float, grads: float, optimizer: float) -> float:

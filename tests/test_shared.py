@@ -1,7 +1,6 @@
 """A parameter read by several priced layers (GPT's tied token table: the embedding and the LM head)
 is held once per stage, and its gradient is summed across the stages that hold it — by hand."""
 
-import dataclasses
 
 import pytest
 
@@ -20,7 +19,7 @@ def tied_gpt():
 
 
 def two_devices():
-    return dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    return preset("p3.16xlarge", 1).narrowed(2)
 
 
 def test_the_tied_table_is_the_only_shared_parameter():
@@ -34,7 +33,7 @@ def test_the_tied_table_is_the_only_shared_parameter():
 
 
 def one_device():
-    return dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=1)
+    return preset("p3.16xlarge", 1).narrowed(1)
 
 
 def test_one_stage_holds_the_tied_table_once():

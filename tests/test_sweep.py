@@ -29,7 +29,7 @@ def tiny_graph():
 
 
 def four_v100():
-    return dataclasses.replace(preset("p3.16xlarge", 1), name="four-v100", devices_per_node=4)
+    return dataclasses.replace(preset("p3.16xlarge", 1).narrowed(4), name="four-v100")
 
 
 def starved():

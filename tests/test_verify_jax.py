@@ -69,7 +69,7 @@ def test_compare_reports_each_kind_and_axis():
 def mlp_plan(tmp_path_factory):
     fn, args = jm.make_mlp()
     graph = from_function(fn, *args)
-    cluster = dataclasses.replace(preset("p3.16xlarge").resized(1), devices_per_node=4)
+    cluster = preset("p3.16xlarge").resized(1).narrowed(4)
     plan = optimize(graph, cluster, workers=1, microbatches=[1], data_parallel_only=True)
     return graph, plan
 
@@ -101,7 +101,7 @@ def test_verify_runs_a_plan_with_sharded_weights(mlp_plan, tmp_path):
 def test_verify_rejects_a_plan_of_another_model(tmp_path):
     fn, args = jm.make_model()
     graph = from_function(fn, *args)
-    cluster = dataclasses.replace(preset("p3.16xlarge").resized(1), devices_per_node=2)
+    cluster = preset("p3.16xlarge").resized(1).narrowed(2)
     path = tmp_path / "gpt.json"
     write_plan(optimize(graph, cluster, workers=1, microbatches=[1], data_parallel_only=True), path)
     result = CliRunner().invoke(main, ["verify", str(path), "--against", "jax", "--model", MLP])
@@ -119,7 +119,7 @@ def tied_plan(tmp_path_factory):
     """The tied model data parallel over 4 devices, written to a plan file."""
     fn, args = jm.make_tied()
     graph = from_function(fn, *args)
-    cluster = dataclasses.replace(preset("p3.16xlarge").resized(1), devices_per_node=4)
+    cluster = preset("p3.16xlarge").resized(1).narrowed(4)
     path = tmp_path_factory.mktemp("tied") / "tied.json"
     write_plan(optimize(graph, cluster, workers=1, microbatches=[1], data_parallel_only=True), path)
     return graph, read_plan(path), path
@@ -167,7 +167,7 @@ def test_a_tied_table_with_zero_over_both_axes_is_all_reduced_whole_on_each():
     with the whole table on each axis (as XLA's one all-reduce over the mesh counts), once per read."""
     fn, args = jm.make_tied()
     graph = from_function(fn, *args)
-    cluster = dataclasses.replace(preset("p3.16xlarge").resized(1), devices_per_node=4)
+    cluster = preset("p3.16xlarge").resized(1).narrowed(4)
     plan = optimize(graph, cluster, workers=1, microbatches=[1], intra_only=True, logical_shapes=[(2, 2)])
     stage = plan.stages[0]
     assert stage.logical_mesh == [2, 2] and stage.params["params/wte"].zero_axes == (0, 1)
@@ -193,7 +193,7 @@ def tied_2x2(tmp_path_factory):
     """The tied model planned intra-op only on a 2 x 2 mesh, and `verify`'s report of running it."""
     fn, args = jm.make_tied()
     graph = from_function(fn, *args)
-    cluster = dataclasses.replace(preset("p3.16xlarge").resized(1), devices_per_node=4)
+    cluster = preset("p3.16xlarge").resized(1).narrowed(4)
     plan = optimize(graph, cluster, workers=1, microbatches=[1], intra_only=True, logical_shapes=[(2, 2)])
     path = tmp_path_factory.mktemp("tied2x2") / "tied.json"
     write_plan(plan, path)

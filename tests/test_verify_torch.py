@@ -33,7 +33,7 @@ def llama_on_two_devices(directory):
     config = directory / "config.json"
     config.write_text(json.dumps(LLAMA))
     graph = from_hf_config(read_hf_config(config), batch=4, seq=8)
-    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    cluster = preset("p3.16xlarge", 1).narrowed(2)
     return config, optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(1, 2)])
 
 
@@ -212,7 +212,7 @@ def test_a_two_stage_plan_runs_pipelined_with_the_unsharded_loss_and_gradients(t
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**LLAMA, "num_hidden_layers": 2}))
     graph = from_hf_config(read_hf_config(config), batch=4, seq=8)
-    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    cluster = preset("p3.16xlarge", 1).narrowed(2)
     plan = optimize(graph, cluster, workers=1, microbatches=[2], inter_only=True)
     assert len(plan.stages) == 2 and plan.num_microbatches == 2
     report = verify_pipeline(plan, str(config))
@@ -235,7 +235,7 @@ def test_a_tied_embedding_split_across_stages_is_summed_between_its_copies(tmp_p
     config = tmp_path / "config.json"
     config.write_text(json.dumps(GPT2))
     graph = from_hf_config(read_hf_config(config), batch=4, seq=8)
-    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    cluster = preset("p3.16xlarge", 1).narrowed(2)
     plan = optimize(graph, cluster, workers=1, microbatches=[2], inter_only=True)
     assert to_dtensor(plan)["shared_params"] == {"transformer.wte.weight": {
         "stages": [0, 1], "gradients": "all_reduce between the stages' copies, once per iteration"}}
@@ -255,7 +255,7 @@ def test_a_gpt2_plan_with_a_tied_table_and_fused_zero_shards_runs_the_collective
     config = tmp_path / "config.json"
     config.write_text(json.dumps(GPT2))
     graph = from_hf_config(read_hf_config(config), batch=4, seq=8)
-    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    cluster = preset("p3.16xlarge", 1).narrowed(2)
     plan = optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(2, 1)], intra_only=True)
     report = verify_plan(plan, str(config))
     stage = report.stages[0]

@@ -30,7 +30,7 @@ def solved_llama(directory):
     config = directory / "config.json"
     config.write_text(json.dumps(LLAMA))
     graph = from_hf_config(read_hf_config(config), batch=BATCH, seq=SEQ)
-    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    cluster = preset("p3.16xlarge", 1).narrowed(2)
     return config, optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(1, 2)])
 
 

@@ -53,7 +53,7 @@ def solved(directory, config, batch, seq):
     path = directory / "config.json"
     path.write_text(json.dumps(config))
     graph = from_hf_config(read_hf_config(path), batch=batch, seq=seq)
-    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    cluster = preset("p3.16xlarge", 1).narrowed(2)
     return path, optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(1, 2)], overlap=False)
 
 
@@ -160,7 +160,7 @@ def test_the_default_plan_of_the_wider_mixtral_verifies_its_weights_gathered_aga
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**MIXTRAL, "hidden_size": 256, "max_position_embeddings": 64}))
     graph = from_hf_config(read_hf_config(path), batch=32, seq=64)
-    cluster = dataclasses.replace(preset("p3.16xlarge", 1), devices_per_node=2)
+    cluster = preset("p3.16xlarge", 1).narrowed(2)
     plan = optimize(graph, cluster, workers=1, microbatches=[1], logical_shapes=[(1, 2)])
     stage = plan.stages[0]
     split = [n for n in ("q_proj", "o_proj")

@@ -162,7 +162,7 @@ def cluster_for(gpus: int, efficiency: Efficiency | None = None) -> Cluster:
     """p3.16xlarge with `gpus` V100s: one node with fewer devices below 8, else gpus / 8 whole nodes;
     `efficiency` overrides the preset device's (matmul, memory) efficiencies."""
     if gpus < 8:
-        cluster = dataclasses.replace(preset(MACHINE, 1), devices_per_node=gpus)
+        cluster = preset(MACHINE, 1).narrowed(gpus)
     elif gpus % 8:
         raise InstanceError(f"{gpus} GPUs is not a whole number of p3.16xlarge nodes", "--max-gpus", "use 1, 2, 4 or a multiple of 8")
     else:
