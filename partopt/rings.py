@@ -27,28 +27,34 @@ def ring_cycles(lanes: Lanes, members: tuple[int, ...]) -> list[tuple[int, ...]]
 @lru_cache(maxsize=None)
 def ring_count(lanes: Lanes, members: tuple[int, ...]) -> int:
     """The most directed rings through every device of `members` that `lanes` carry at once, each lane
-    carrying one ring per direction (an integer program over the rings of `ring_cycles`, exact)."""
+    carrying one ring per direction: exact, by a depth-first search over the rings of `ring_cycles` (each taken
+    any number of times, in their order), cut where the rings taken plus the fewest lanes any member has left
+    cannot beat the best found (pure Python: pricing must not load another solver than the one a solve uses)."""
     if len(members) < 2:
         return 0
-    cycles = ring_cycles(lanes, members)
-    if not cycles:
-        return 0
-    from ortools.sat.python import cp_model  # here, not at import: every command loads clusters, few price lanes
+    cycles = [_hops(c) for c in ring_cycles(lanes, members)]
+    left = {(a, b): lanes[a][b] for a in members for b in members if a != b}
+    best = 0
 
-    model = cp_model.CpModel()
-    uses = [model.new_int_var(0, min(lanes[a][b] for a, b in _hops(c)), f"ring{k}") for k, c in enumerate(cycles)]
-    load: dict[tuple[int, int], list] = {}
-    for use, cycle in zip(uses, cycles):
-        for hop in _hops(cycle):
-            load.setdefault(hop, []).append(use)
-    for (a, b), users in load.items():
-        model.add(sum(users) <= lanes[a][b])
-    model.maximize(sum(uses))
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1  # deterministic, and the programs are tiny
-    status = solver.solve(model)
-    assert status == cp_model.OPTIMAL, solver.status_name(status)  # a bounded program with 0 feasible
-    return round(solver.objective_value)
+    def room() -> int:  # rings that may still leave every member: its lanes not yet taken
+        return min(sum(left[a, b] for b in members if b != a) for a in members)
+
+    def search(start: int, taken: int) -> None:
+        nonlocal best
+        best = max(best, taken)
+        if taken + room() <= best:
+            return
+        for k in range(start, len(cycles)):
+            hops = cycles[k]
+            if all(left[hop] > 0 for hop in hops):
+                for hop in hops:
+                    left[hop] -= 1
+                search(k, taken + 1)
+                for hop in hops:
+                    left[hop] += 1
+
+    search(0, 0)
+    return best
 
 
 def _hops(cycle: tuple[int, ...]) -> list[tuple[int, int]]:
