@@ -44,9 +44,11 @@ def graphs(draw):
 def clusters(draw):
     """Cluster file dicts with sizes and figures within the schema's bounds."""
     positive = st.floats(1e-3, 1e6, allow_nan=False)
-    data = io.cluster_to_dict(preset("p3.16xlarge", 1))
-    data.update(name=draw(st.text(min_size=1, max_size=8)),
-                nodes=draw(st.integers(1, 64)), devices_per_node=draw(POWERS))
+    devices, p3 = draw(POWERS), preset("p3.16xlarge", 1)
+    data = io.cluster_to_dict(p3.narrowed(devices) if devices <= p3.devices_per_node else p3)
+    if devices > p3.devices_per_node:
+        del data["intra_node"]["lanes"]  # the preset's lanes wire a node of 8: a larger node has a switch here
+    data.update(name=draw(st.text(min_size=1, max_size=8)), nodes=draw(st.integers(1, 64)), devices_per_node=devices)
     data["device"].update(memory_gib=draw(positive), memory_bandwidth_gbps=draw(positive))
     data["inter_node"].update(bandwidth_gbps=draw(positive), shared_by_node=draw(st.booleans()))
     return data
