@@ -19,8 +19,7 @@ def model():
 
 
 def test_only_meshes_on_one_link_mirror():
-    cluster = preset("p3.16xlarge", nodes=2)
-    node = cluster.logical_mesh
+    node = preset("dgx-a100", nodes=2).logical_mesh  # a switch: every group in a node sees the same link
     assert node((1, 8), (2, 4)).mirrors(node((1, 8), (4, 2)))
     assert node((1, 8), (8, 1)).mirrors(node((1, 8), (1, 8)))  # the size-1 axis costs nothing, whatever its link
     assert not node((1, 8), (2, 4)).mirrors(node((1, 8), (2, 4)))  # (2, 4) swapped is (4, 2), not itself
@@ -28,6 +27,11 @@ def test_only_meshes_on_one_link_mirror():
     # across two nodes the first axis crosses them and the second does not: (8, 2) is not (2, 8) swapped
     assert not node((2, 8), (8, 2)).mirrors(node((2, 8), (2, 8)))
     assert not node((2, 8), (4, 4)).mirrors(node((2, 8), (4, 4)))
+    # a p3 node's lanes (COSTMODEL §2): (2, 4)'s axes see 25 and 100 GB/s, (4, 2)'s 50 and 25; the whole node and
+    # a quad's pairs (both 1-lane) still mirror
+    p3 = preset("p3.16xlarge", nodes=2).logical_mesh
+    assert not p3((1, 8), (2, 4)).mirrors(p3((1, 8), (4, 2)))
+    assert p3((1, 8), (8, 1)).mirrors(p3((1, 8), (1, 8))) and p3((1, 4), (2, 2)).mirrors(p3((1, 4), (2, 2)))
 
 
 def test_the_search_keeps_the_mirror_with_the_smaller_second_axis():
@@ -40,7 +44,7 @@ def test_the_search_keeps_the_mirror_with_the_smaller_second_axis():
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_mirrored_meshes_price_a_layer_alike_with_memory_free_and_capped(model, recompute):
-    cluster = preset("p3.16xlarge", nodes=1)
+    cluster = preset("dgx-a100", nodes=1)
     g = intra.with_batch(model, 4)
     ops = [op for op in g.ops if op.name.startswith("l1.")]
     for shape in [(2, 4), (1, 8)]:
