@@ -106,7 +106,7 @@ def test_layer_cutoffs_by_hand():
 def test_the_search_finds_the_same_plan_with_cutoffs_as_without(monkeypatch, layers, batch, memory_gib):
     """Cutoffs (capped ILPs told the cost of no use, stage DPs told the best plan) rule out work, never a plan."""
     graph = block_graph(layers=layers, batch=batch)
-    cluster = tight_cluster(graph, memory_gib).narrowed(4)
+    cluster = tight_cluster(graph, memory_gib, devices=4)
     ruled_out = []
     run = pricing.Pricer.run
 

@@ -79,10 +79,11 @@ def test_full_keeps_less_than_selective_which_keeps_less_than_none():
     assert kept["full"].activation_bytes == pytest.approx(2 * B * S * H)
 
 
-def tight_cluster(graph, memory_gib: float):
-    """One 2-GPU p3.16xlarge-like node whose devices have `memory_gib` each (small: the searches are fast)."""
+def tight_cluster(graph, memory_gib: float, devices: int = 2):
+    """One p3.16xlarge-like node of `devices` GPUs (its first) whose devices have `memory_gib` each (small: the
+    searches are fast)."""
     cluster = preset("p3.16xlarge", 1)
-    return dataclasses.replace(cluster.narrowed(2),
+    return dataclasses.replace(cluster.narrowed(devices),
                                device=dataclasses.replace(cluster.device, memory_bytes=int(memory_gib * 2**30)))
 
 
