@@ -208,6 +208,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     space = _Space(graph, cluster, options, layering, budget, submeshes, meshes, bounds.alike_layers(graph, layering.base))
     stats, tally = Stats(), _Tally(progress)
     best: tuple | None = None  # (iteration time, count, stage specs, their rows of layer costs, schedule, v)
+    finished: list[tuple] = []  # each count's plan found, as `best`: the one returned is the fastest assembled
     views = _microbatch_views(graph, microbatch_counts(batch, options.microbatches))
     room = cluster.num_devices * budget - _state_bytes(graph)  # activation bytes all devices can hold together
     base, work, lower = {}, {}, {}  # per count: the base layers' ops, their roofline work; the iteration's lower bound
@@ -242,9 +243,12 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
         stats.counts.append(count)
         stats.recompute_modes[count] = modes
         del left[count]
-        if found is not None and (best is None or found[0].total < best[0] - 1e-15 or (
-                abs(found[0].total - best[0]) <= 1e-15 and count < best[1])):  # ties: the fewest microbatches
-            best = (found[0].total, count, *_stages_of(found, costs, count, space))
+        if found is None:
+            return
+        finished.append((found[0].total, count, *_stages_of(found, costs, count, space)))
+        if best is None or found[0].total < best[0] - 1e-15 or (
+                abs(found[0].total - best[0]) <= 1e-15 and count < best[1]):  # ties: the fewest microbatches
+            best = finished[-1]
 
     def place(state: _Count) -> None:  # a count whose memory-free plan is known: finished, or waiting to close
         if state.free is not None:  # no plan with a stage on a mesh left out costs under its limit
@@ -350,9 +354,12 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                                "give the search more time") from None
     if best is None:
         raise _no_plan(graph, cluster, budget)
-    total, count, specs, rows, schedule, v = best
-    plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start,
-                    schedule, v)
+    # The stage DP prices a send before its neighbour is placed (COSTMODEL §5b "Pipeline sends"); assembly prices it
+    # placed. Of the plans found, one per count, the fastest assembled is returned (ties: the fewest microbatches).
+    plan = min((assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start,
+                         schedule, v) for _, count, specs, rows, schedule, v in finished),
+               key=lambda p: (p.iteration_time_s, p.num_microbatches))
+    total = plan.iteration_time_s
     plan.solver["search"] = restrictions(options, batch, len(tagged_layers(graph)), len(layering.groups),
                                          family=cluster.submesh_family(options.submesh_family))
     if floor < total:  # a zero-bubble search stopped at its work limit: how much better a plan could be

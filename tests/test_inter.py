@@ -12,6 +12,7 @@ from partopt.cli import main
 from partopt.cluster import preset
 from partopt.errors import InfeasibleError
 from partopt.inter import Options, microbatch_counts, optimize
+from partopt.models.gpt import gpt
 from partopt.pricing import Dropped, Job, LayerCost, Stats, longest_stage, objectives, price
 from partopt.plan import plan_to_dict, read_plan
 from partopt.sharding import R, Shard
@@ -260,3 +261,17 @@ def test_a_search_goes_on_when_an_ilp_at_the_budget_finds_no_solution(monkeypatc
     plan = optimize(graph, cluster, microbatches=1, recompute="none", workers=1)
     assert plan.solver["dropped_options"] >= 1
     assert all(tuple(stage.logical_mesh) != (2, 1) for stage in plan.stages)
+
+
+def test_of_the_counts_finished_the_fastest_placed_plan_is_returned():
+    """The stage DP prices a send before its neighbour is placed: on several nodes, as crossing them (COSTMODEL §5b
+    "Pipeline sends"). On four p3 nodes this GPT's 16-microbatch plan has the lower table total, and the search
+    returned it (0.105 s per iteration) until the choice among the counts finished moved to their placed plans:
+    8 microbatches' is faster placed, the plan of that count searched alone."""
+    graph = gpt(hidden=1024, layers=16, heads=8, seq=256, vocab=2048, batch=128)
+    cluster = preset("p3.16xlarge", 4)
+    options = dict(workers=1, schedule="1f1b", recompute="full")
+    plan = optimize(graph, cluster, microbatches=[8, 16, 32, 64], **options)
+    alone = {c: optimize(graph, cluster, microbatches=[c], **options) for c in (8, 16)}
+    assert alone[8].iteration_time_s < alone[16].iteration_time_s
+    assert (plan.num_microbatches, plan.iteration_time_s) == (8, alone[8].iteration_time_s)
