@@ -281,11 +281,10 @@ class Cluster:
 
     def _in_node_bandwidth(self, width: int, groups: list[list[int]]) -> float:
         """The slowest of `groups` (ids of a submesh `width` devices wide, each group on one node) wherever the
-        submesh sits in a node: at offsets 0, width, 2·width, …, the places that tile a node (COSTMODEL §2)."""
+        submesh sits in a node (`_placed`, COSTMODEL §2)."""
         if self.intra_node.lanes is None:
             return self.intra_node.bandwidth
-        offsets = range(0, self.devices_per_node - width + 1, width)
-        return min(self.intra_node.group_bandwidth(tuple(o + d % width for d in g)) for o in offsets for g in groups)
+        return min(map(self.intra_node.group_bandwidth, _placed(groups, width, self.devices_per_node)))
 
 
 def _groups(shape: tuple[int, int], axis: int) -> list[list[int]]:
@@ -294,6 +293,14 @@ def _groups(shape: tuple[int, int], axis: int) -> list[list[int]]:
     if axis == 1:  # groups of b consecutive device ids
         return [[i * b + j for j in range(b)] for i in range(a)]
     return [[i * b + j for i in range(a)] for j in range(b)]  # groups of stride b
+
+
+def _placed(groups: list[list[int]], width: int, per_node: int) -> Iterator[tuple[int, ...]]:
+    """Each of `groups` (ids of a submesh `width` devices wide, each group on one node) as devices of a node of
+    `per_node`, at every place the submesh may sit: offsets 0, width, 2·width, …, the places that tile a node."""
+    for offset in range(0, per_node - width + 1, width):
+        for group in groups:
+            yield tuple(offset + d % width for d in group)
 
 
 def _node_widths(m: int) -> list[int]:
@@ -307,17 +314,9 @@ def _ringless_group(lanes: Lanes) -> tuple[int, ...] | None:
     """A group of a node's devices that some in-node mesh axis forms and no ring over `lanes` passes through
     (the first found), None when every such group has one."""
     m = len(lanes)
-    for width in _node_widths(m):
-        for t in range(1, width + 1):
-            if width % t:
-                continue
-            for axis in (0, 1):
-                for offset in range(0, m - width + 1, width):
-                    for group in _groups((width // t, t), axis):
-                        members = tuple(offset + d for d in group)
-                        if len(members) > 1 and ring_count(lanes, members) == 0:
-                            return members
-    return None
+    groups = (members for width in _node_widths(m) for t in range(1, width + 1) if width % t == 0
+              for axis in (0, 1) for members in _placed(_groups((width // t, t), axis), width, m))
+    return next((members for members in groups if len(members) > 1 and ring_count(lanes, members) == 0), None)
 
 
 def _powers_of_two(limit: int) -> list[int]:
