@@ -244,6 +244,8 @@ def test_v100_points_file_matches_the_reference():
     assert points.points[3].gpus == 8 and points.points[3].graph.dims["b"] == 32
     for gpt in (points.points[0], *points.points[4:]):  # Megatron's 96 form, REFERENCE §2, as Alpa counts with remat
         assert gpt.flops == alpa.gpt_flops(*alpa.gpt_shape(gpt.graph))
+    moe = points.points[1]  # Alpa's compute_moe_tflops with remat, as its benchmark reports the MoE rows
+    assert moe.flops == alpa.moe_flops(*alpa.moe_shape(moe.graph))
     ablation = [(p.graph.dims["h"], len(p.graph.layers), p.graph.dims["b"], p.graph.dims["v"], p.dp, p.zero,
                  p.shard_weights, p.microbatches) for p in points.points[4:]]
     assert ablation == [(2048, 8, 8, 25600, 1, False, False, 1), (3072, 8, 8, 25600, 2, True, False, 1),

@@ -56,14 +56,33 @@ def test_tflops_per_gpu_gpt_uses_the_96_form_of_the_graph():
     assert alpa.tflops_per_gpu("gpt", graph, _plan(2.464, 1, 8)) == pytest.approx(37.01, abs=0.01)
 
 
-def test_tflops_per_gpu_other_models_count_the_recomputed_forward():
+def test_moe_closed_form_is_alpas_count():
+    # alpa-projects/alpa benchmark/alpa/util.py, compute_moe_tflops, term by term for MoE-380M (REFERENCE §3:
+    # h 768, 8 layers, 8 experts, group 2048, vocabulary 32,000; FFN 8h, the function's default mlp_factor)
+    B, s, L, h, G, V, E, mlp = 1024, 1024, 8, 768, 2048, 32000, 8, 8
+    pure = B * s * h**2 * (8 + 4 * mlp) + 4 * B * s**2 * h
+    moe = (B * s * h**2 * 8 + 4 * B * s**2 * h + 8 * B * s * h**2 * mlp + 2 * B * s * h * E + 2 * (B * s) * 2 * G
+           + 2 * B * s * h * 2 * G * 2)
+    for recompute, factor in ((True, 4), (False, 3)):
+        by_hand = (pure * factor) * L / 2 + (moe * factor) * L / 2 + 6 * B * s * h * V
+        assert alpa.moe_flops(B, s, L, h, mlp * h, G, V, E, recompute) == pytest.approx(by_hand, rel=1e-12)
     graph = read_graph(ROOT / "instances" / "moe-380m.json")
-    assert alpa.tflops_per_gpu("moe", graph, _plan(1.0, 1, 1, tflops=12.5, hardware=16.0)) == 16.0
-    # a real one-GPU plan: model FLOPs (forward + backward) plus one more forward, over the iteration
-    plan = alpa.plan_with("partopt", graph, alpa.cluster_for(1), 64, "moe")
+    assert alpa.moe_shape(graph) == (B, s, L, h, mlp * h, G, V, E)
+
+
+def test_tflops_per_gpu_counts_as_alpa_counts():
+    moe = read_graph(ROOT / "instances" / "moe-380m.json")
+    flops = alpa.moe_flops(*alpa.moe_shape(moe))
+    assert alpa.tflops_per_gpu("moe", moe, _plan(2.0, 1, 4, tflops=12.5, hardware=16.0)) == pytest.approx(
+        flops / 2.0 / 4 / 1e12, rel=1e-12)  # the closed form over the iteration, whatever the plan executes
+    # Wide-ResNet: what the plan executes, as XLA counts a rematerialised executable: on a real one-GPU plan,
+    # the model FLOPs (forward + backward) plus one more forward, over the iteration
+    graph = read_graph(ROOT / "instances" / "wresnet-250m.json")
+    plan = alpa.plan_with("partopt", graph, alpa.cluster_for(1), 24, "wresnet")
     forward = sum(graph.flops(op) for op in graph.ops)
     executed = plan.throughput["tflops_per_device"] * plan.iteration_time_s * 1e12 + forward
-    assert alpa.tflops_per_gpu("moe", graph, plan) == pytest.approx(executed / plan.iteration_time_s / 1e12, rel=1e-9)
+    assert alpa.tflops_per_gpu("wresnet", graph, plan) == pytest.approx(executed / plan.iteration_time_s / 1e12,
+                                                                        rel=1e-9)
 
 
 # ---------------------------------------------------------------- cases and clusters

@@ -192,14 +192,36 @@ def gpt_shape(graph: Graph) -> tuple[int, int, int, int, int]:
     return d[graph.batch_dim], d["s"], len(graph.layers), d["h"], d["v"]
 
 
+def moe_flops(batch: int, seq: int, layers: int, hidden: int, ffn: int, group: int, vocab: int, experts: int,
+              recompute: bool = True) -> float:
+    """FLOPs of one GShard MoE training iteration as Alpa's benchmark counts them (`compute_moe_tflops`,
+    benchmark/alpa/util.py of alpa-projects/alpa): half the blocks dense, half with top-2 experts (each token's
+    FFN twice), its gate's softmax over the experts, top-2 gating over the group and the dispatch and combine
+    einsums; 4 × their forward with recompute, else 3 ×; the logits 6·B·s·h·V, never recomputed."""
+    tokens = batch * seq
+    attention = 8 * tokens * hidden**2 + 4 * batch * seq**2 * hidden
+    dense = attention + 4 * tokens * hidden * ffn
+    expert = (attention + 8 * tokens * hidden * ffn + 2 * tokens * hidden * experts + 4 * tokens * group
+              + 8 * tokens * hidden * group)
+    return (4 if recompute else 3) * (dense + expert) * layers / 2 + 6 * tokens * hidden * vocab
+
+
+def moe_shape(graph: Graph) -> tuple[int, int, int, int, int, int, int, int]:
+    """(batch, sequence, blocks, hidden, ffn, group size, vocabulary, experts) of a zoo MoE graph."""
+    d = graph.dims
+    return d[graph.batch_dim], d["s"], len(graph.layers), d["h"], d["f"], d["gs"], d["v"], d["e"]
+
+
 def tflops_per_gpu(model: str, graph: Graph, plan: Plan) -> float:
-    """The paper's per-GPU TFLOP/s of `plan`, counting the recomputed forward as Alpa's runs did: GPT
-    by the 96 closed form; MoE and Wide-ResNet by the FLOPs the plan executes (forward, backward and
-    recomputation: what `compute_moe_tflops(checkpoint_activations=True)` and XLA's flop count of a
-    rematerialised executable count)."""
+    """The paper's per-GPU TFLOP/s of `plan`, counted as Alpa's benchmark counts them, its recomputed forward
+    included: GPT by the 96 closed form, MoE by `compute_moe_tflops(checkpoint_activations=True)` (`moe_flops`),
+    both over the plan's iteration time; Wide-ResNet by the FLOPs the plan executes (forward, backward and
+    recomputation: what XLA's flop count of a rematerialised executable counts)."""
     gpus = plan.nodes * plan.devices_per_node
     if model == "gpt":
         return gpt_flops(*gpt_shape(graph)) / plan.iteration_time_s / gpus / 1e12
+    if model == "moe":
+        return moe_flops(*moe_shape(graph)) / plan.iteration_time_s / gpus / 1e12
     return float(plan.throughput["hardware_tflops_per_device"])
 
 
