@@ -72,7 +72,7 @@ def test_a_deferred_zero_bubble_search_gives_the_plan_of_the_full_open(mib, batc
     assert_same_plan(plan, full)
 
 
-@pytest.mark.parametrize("mib, batch", [(120, 32), (80, 64), (140, 32), (200, 64)])
+@pytest.mark.parametrize("mib, batch", [(120, 32), (90, 64), (140, 32), (200, 64)])
 def test_a_count_judged_before_its_ilps_has_no_plan_under_its_bar_and_the_plan_stays(mib, batch, monkeypatch):
     """A small GPT on four devices: some counts are judged, before any of their ILPs, unable to cost at most the
     best plan or a waiting count's rank (`inter._may_open`: their layers' floors and memory), and are dropped or

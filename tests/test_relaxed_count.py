@@ -86,7 +86,7 @@ def _devices(count: int, mib: int):
     return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=mib * 2**20))
 
 
-@pytest.mark.parametrize("devices, mib, batch, layers", [(8, 60, 128, 8), (8, 60, 256, 8), (4, 60, 32, 8)])
+@pytest.mark.parametrize("devices, mib, batch, layers", [(8, 60, 128, 8), (8, 80, 256, 12), (4, 60, 32, 8)])
 def test_a_count_ruled_out_has_no_plan_under_the_best_and_the_plan_stays(devices, mib, batch, layers, monkeypatch):
     """Small GPTs whose memory binds: every count asked before its ladder has, when its own search (nothing ruled
     out) finds a plan, its relaxed DPs find one under that plan's time. The search gives the plan of the search that
