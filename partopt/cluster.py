@@ -165,14 +165,24 @@ class LogicalMesh:
     def num_devices(self) -> int:
         return self.shape[0] * self.shape[1]
 
-    def mirrors(self, other: LogicalMesh) -> bool:
-        """Whether `other` is this mesh with its two axes swapped, each priced alike (an axis of size 1 costs
-        nothing, whatever its link): every sharding on one is a sharding on the other at the same cost and memory."""
-        def priced(axis: MeshAxis) -> tuple:
-            return (1,) if axis.size == 1 else (axis.size, axis.bandwidth, axis.latency_s, axis.crosses_nodes)
+    def outprices(self, other: LogicalMesh) -> bool:
+        """Whether `other` is this mesh with its two axes swapped, each of its axes no faster than this mesh's
+        axis of the same size (as many nodes crossed, no more bandwidth, no less latency; an axis of size 1 costs
+        nothing, whatever its link): every sharding on `other` is a sharding on this mesh with the same memory and
+        no more cost, as every collective's time falls with bandwidth and rises with latency."""
+        def no_slower(mine: MeshAxis, theirs: MeshAxis) -> bool:
+            if mine.size == 1 or theirs.size == 1:
+                return mine.size == theirs.size
+            return (mine.size == theirs.size and mine.crosses_nodes == theirs.crosses_nodes
+                    and mine.bandwidth >= theirs.bandwidth and mine.latency_s <= theirs.latency_s)
 
         return (self.device == other.device and self.submesh == other.submesh
-                and [priced(a) for a in self.axes] == [priced(a) for a in reversed(other.axes)])
+                and all(no_slower(a, b) for a, b in zip(self.axes, reversed(other.axes))))
+
+    def mirrors(self, other: LogicalMesh) -> bool:
+        """Whether `other` is this mesh with its two axes swapped, each priced alike: every sharding on one is a
+        sharding on the other at the same cost and memory."""
+        return self.outprices(other) and other.outprices(self)
 
 
 @dataclass(frozen=True)

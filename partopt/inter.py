@@ -28,7 +28,7 @@ from partopt.options import DEFAULT_MAX_LAYERS, Options, microbatch_counts, rest
 from partopt.plan import Plan
 from partopt.pricing import Dropped, Expired, Job, Pricer, Stats, tighten
 from partopt.schedules import SEARCHED, inflight, interleaved_shapes
-from partopt.stages import Pipeline, StageSpec, chunks, fits, interleaved_table, split_table, stage_table
+from partopt.stages import End, Pipeline, StageSpec, chunks, fits, interleaved_table, split_table, stage_table
 from partopt.units import fmt_bytes
 
 __all__ = ["DEFAULT_MAX_LAYERS", "Options", "microbatch_counts", "optimize"]
@@ -45,35 +45,19 @@ def _submeshes(cluster: Cluster, options: Options) -> list[tuple[int, int]]:
 
 
 def _shapes(cluster: Cluster, submesh: tuple[int, int], options: Options) -> list[tuple[int, int]]:
-    """The logical shapes searched on `submesh`: the options' family, less each mesh that mirrors one kept."""
+    """The logical shapes searched on `submesh`: the options' family (mirrors pruned per count, `_outpriced`)."""
     devices = submesh[0] * submesh[1]
     if options.data_parallel_only or options.stage_data_parallel:
         return [(devices, 1)]
     shapes = cluster.logical_shapes(submesh)
     if options.logical_shapes == "node_local":  # Alpa's benchmark space: the second axis stays in a node
-        shapes = [s for s in shapes if submesh[0] == 1 or cluster.devices_per_node % s[1] == 0]
-    elif isinstance(options.logical_shapes, str):
+        return [s for s in shapes if submesh[0] == 1 or cluster.devices_per_node % s[1] == 0]
+    if isinstance(options.logical_shapes, str):
         if options.logical_shapes != "all":
             raise InstanceError(f"unknown logical shape family {options.logical_shapes!r}", "logical_shapes",
                                 "use node_local, all, or a list of (a, b) shapes")
-    else:
-        shapes = [s for s in shapes if tuple(s) in {tuple(x) for x in options.logical_shapes}]
-    return _unmirrored(cluster, submesh, shapes)
-
-
-def _unmirrored(cluster: Cluster, submesh: tuple[int, int], shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """`shapes` less each (a, b) on one link whose mirror (b, a) is among them with the smaller second axis: the two
-    price every layer alike (`LogicalMesh.mirrors`), and a stage's sends gather over the second axis
-    (`stages.Pipeline`), (a − 1)/D of a microbatch's boundary on the mirror against (b − 1)/D on the same link, so
-    the mirror is never slower; it comes first in `Cluster.logical_shapes` order, where the stage DP's ties go
-    (docs/COSTMODEL.md §2, "Mirrored logical meshes")."""
-    meshes = [cluster.logical_mesh(submesh, s) for s in shapes]
-
-    def one_link(mesh: LogicalMesh) -> bool:
-        return len({(a.bandwidth, a.latency_s, a.crosses_nodes) for a in mesh.axes if a.size > 1}) <= 1
-
-    return [s for s, mesh in zip(shapes, meshes)
-            if not (one_link(mesh) and any(m.shape[1] < s[1] and m.mirrors(mesh) for m in meshes))]
+        return shapes
+    return [s for s in shapes if tuple(s) in {tuple(x) for x in options.logical_shapes}]
 
 
 def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, cache: dict | None = None,
@@ -117,6 +101,7 @@ class _Space:
     meshes: dict[tuple, LogicalMesh]  # (submesh, logical shape) -> its mesh
     alike: list[int] = field(default_factory=list)  # per base layer, the first alike (`bounds.alike_layers`)
     solved: dict = field(default_factory=dict)  # `best`'s results by what they depend on
+    outpriced: dict = field(default_factory=dict)  # per count, the meshes no stage of it needs (`_outpriced`)
 
     def best(self, pipe: Pipeline, costs: dict, count: int, budget: float, stats: Stats,
              schedules: Sequence[str] | None = None, cutoff: float = math.inf):
@@ -401,7 +386,8 @@ def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops
     `best` on these meshes, as it bounds every option of them (`_lower`). When that plan fits, it is the best on
     them (`found`); the count's best when it costs no more than `limit`. None when no mesh may win."""
     if keys is None:
-        keys = list(space.meshes) if best is None else _may_open(space, count, g_mb, base_ops, work, fastest, best[0])
+        keys = ([key for key in space.meshes if key not in _outpriced(space, count)] if best is None else
+                _may_open(space, count, g_mb, base_ops, work, fastest, best[0]))
         limit = math.inf if best is None else best[0]
     if not keys:
         return None
@@ -562,9 +548,35 @@ def _meshes_may_win(space: _Space, count: int, base_ops: list[list[Op]], work: l
     each with its layers' floors under the least recomputing mode (`_divisor_floors`, from the rows of the counts
     opened that divide it: `fastest`, of `_search`)."""
     divisors = {c: rows for c, rows in fastest.items() if count % c == 0}
-    floors = {key: _divisor_floors(key, count, len(base_ops), work, divisors) for key in space.meshes}
+    outpriced = _outpriced(space, count)
+    floors = {key: _divisor_floors(key, count, len(base_ops), work, divisors) for key in space.meshes
+              if key not in outpriced}
     return {key: f for key, f in floors.items()
             if limit == math.inf or _may_win(f, key, count, limit, work, space.cluster, space.options.overlap)}
+
+
+def _outpriced(space: _Space, count: int) -> frozenset[tuple]:
+    """The meshes no stage of a `count`-microbatch plan needs: each is another mesh of the space with its axes
+    swapped that outprices it (`LogicalMesh.outprices`: every layer's sharding as cheap or cheaper there, with the
+    same memory) and sends no slower at this count (the received slices' all-gather over the second axis, at every
+    DP boundary's microbatch bytes; the point-to-point part is alike). Moving a stage there never slows a plan, so
+    the search over the others finds the plan of the search over all (docs/COSTMODEL.md §2, "Outpriced mirrors").
+    Of two that outprice each other, the first in the space's order stays."""
+    if count not in space.outpriced:
+        pipe = pipeline_of(space.graph, space.cluster, space.layering, count, space.options.overlap)
+        edges = range(len(pipe.boundary) - 1)
+
+        def beats(key: tuple, other: tuple) -> bool:  # `key`'s mesh outprices `other`'s, its sends no slower
+            mine, theirs = End(*key), End(*other)
+            return space.meshes[key].outprices(space.meshes[other]) and all(
+                pipe.out_s(e, mine) <= pipe.out_s(e, theirs) and pipe.in_s(e + 1, mine) <= pipe.in_s(e + 1, theirs)
+                for e in edges)
+
+        order = list(space.meshes)
+        space.outpriced[count] = frozenset(
+            key for key in order for other in order
+            if other != key and beats(other, key) and not (beats(key, other) and order.index(key) < order.index(other)))
+    return space.outpriced[count]
 
 
 def _may_open(space: _Space, count: int, g_mb: Graph, base_ops: list[list[Op]], work: list[float] | None,
@@ -668,8 +680,8 @@ def _roofline_rows(space: _Space, count: int, g_mb: Graph, ops: list[list[Op]], 
     modes = _distinct_modes(g_mb, ops, space.options.recompute_modes)
     resident = bounds.resident_bytes(g_mb, ops, space.alike)
     prints = bounds.footprints(g_mb, ops, modes, space.cluster.device, space.alike)
-    rows = {}
-    for sub, shape in space.meshes:
+    rows, outpriced = {}, _outpriced(space, count)
+    for sub, shape in (key for key in space.meshes if key not in outpriced):
         n = sub[0] * sub[1]
         for m, mode in enumerate(modes):
             rows[(sub, shape, mode)] = [[bounds.floor_cost((w + p[m].rerun_s) / n, r / n, p[m].kept_bytes / n)
