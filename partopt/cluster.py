@@ -179,11 +179,6 @@ class LogicalMesh:
         return (self.device == other.device and self.submesh == other.submesh
                 and all(no_slower(a, b) for a, b in zip(self.axes, reversed(other.axes))))
 
-    def mirrors(self, other: LogicalMesh) -> bool:
-        """Whether `other` is this mesh with its two axes swapped, each priced alike: every sharding on one is a
-        sharding on the other at the same cost and memory."""
-        return self.outprices(other) and other.outprices(self)
-
 
 @dataclass(frozen=True)
 class Cluster:

@@ -22,20 +22,25 @@ def model():
     return gpt(hidden=1024, layers=4, heads=16, seq=512, vocab=8192, batch=32)
 
 
+def _mirrors(mesh, other):
+    """Whether two meshes outprice each other: one is the other with its axes swapped, each priced alike."""
+    return mesh.outprices(other) and other.outprices(mesh)
+
+
 def test_only_meshes_on_one_link_mirror():
     node = preset("dgx-a100", nodes=2).logical_mesh  # a switch: every group in a node sees the same link
-    assert node((1, 8), (2, 4)).mirrors(node((1, 8), (4, 2)))
-    assert node((1, 8), (8, 1)).mirrors(node((1, 8), (1, 8)))  # the size-1 axis costs nothing, whatever its link
-    assert not node((1, 8), (2, 4)).mirrors(node((1, 8), (2, 4)))  # (2, 4) swapped is (4, 2), not itself
-    assert node((1, 4), (2, 2)).mirrors(node((1, 4), (2, 2)))
+    assert _mirrors(node((1, 8), (2, 4)), node((1, 8), (4, 2)))
+    assert _mirrors(node((1, 8), (8, 1)), node((1, 8), (1, 8)))  # the size-1 axis costs nothing, whatever its link
+    assert not _mirrors(node((1, 8), (2, 4)), node((1, 8), (2, 4)))  # (2, 4) swapped is (4, 2), not itself
+    assert _mirrors(node((1, 4), (2, 2)), node((1, 4), (2, 2)))
     # across two nodes the first axis crosses them and the second does not: (8, 2) is not (2, 8) swapped
-    assert not node((2, 8), (8, 2)).mirrors(node((2, 8), (2, 8)))
-    assert not node((2, 8), (4, 4)).mirrors(node((2, 8), (4, 4)))
+    assert not _mirrors(node((2, 8), (8, 2)), node((2, 8), (2, 8)))
+    assert not _mirrors(node((2, 8), (4, 4)), node((2, 8), (4, 4)))
     # a p3 node's lanes (COSTMODEL §2): (2, 4)'s axes see 25 and 100 GB/s, (4, 2)'s 50 and 25; the whole node and
     # a quad's pairs (both 1-lane) still mirror
     p3 = preset("p3.16xlarge", nodes=2).logical_mesh
-    assert not p3((1, 8), (2, 4)).mirrors(p3((1, 8), (4, 2)))
-    assert p3((1, 8), (8, 1)).mirrors(p3((1, 8), (1, 8))) and p3((1, 4), (2, 2)).mirrors(p3((1, 4), (2, 2)))
+    assert not _mirrors(p3((1, 8), (2, 4)), p3((1, 8), (4, 2)))
+    assert _mirrors(p3((1, 8), (8, 1)), p3((1, 8), (1, 8))) and _mirrors(p3((1, 4), (2, 2)), p3((1, 4), (2, 2)))
 
 
 def _space(model, cluster, submesh):
@@ -94,10 +99,11 @@ def test_outpricing_is_a_mirror_no_slower_on_each_axis():
     p3 = preset("p3.16xlarge", nodes=1).logical_mesh  # (2, 4): a pair at 25 GB/s, a quad at 100; (4, 2): 50, 25
     assert p3((1, 8), (2, 4)).outprices(p3((1, 8), (4, 2))) and not p3((1, 8), (4, 2)).outprices(p3((1, 8), (2, 4)))
     assert not p3((1, 8), (2, 4)).outprices(p3((1, 8), (2, 4)))  # (2, 4) swapped is (4, 2), not itself
-    node = preset("dgx-a100", nodes=2).logical_mesh  # a switch: mirrors outprice each other, and only they
-    for a, b in [((1, 8), (2, 4)), ((1, 8), (8, 1)), ((2, 8), (8, 2)), ((2, 8), (4, 4))]:
-        pair = node(a, b), node(a, b[::-1])
-        assert pair[0].outprices(pair[1]) == pair[1].outprices(pair[0]) == pair[0].mirrors(pair[1])
+    node = preset("dgx-a100", nodes=2).logical_mesh  # a switch: in a node outpricing goes both ways (mirrors)
+    for sub, shape, both in [((1, 8), (2, 4), True), ((1, 8), (8, 1), True), ((2, 8), (8, 2), False),
+                             ((2, 8), (4, 4), False)]:  # across nodes the first axis crosses, the second does not
+        pair = node(sub, shape), node(sub, shape[::-1])
+        assert pair[0].outprices(pair[1]) is both and pair[1].outprices(pair[0]) is both
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
