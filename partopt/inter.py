@@ -559,8 +559,9 @@ def _outpriced(space: _Space, count: int) -> frozenset[tuple]:
     """The meshes no stage of a `count`-microbatch plan needs: each is another mesh of the space with its axes
     swapped that outprices it (`LogicalMesh.outprices`: every layer's sharding as cheap or cheaper there, with the
     same memory) and sends no slower at this count (the received slices' all-gather over the second axis, at every
-    DP boundary's microbatch bytes; the point-to-point part is alike). Moving a stage there never slows a plan, so
-    the search over the others finds the plan of the search over all (docs/COSTMODEL.md §2, "Mirrored and
+    DP boundary's microbatch bytes; the point-to-point part is alike). Moving a stage there slows no layer and no
+    send, so the search over the others finds the plan of the search over all, but for a shared parameter's
+    correction, which follows the sharding each mesh's ILP returns (docs/COSTMODEL.md §2, "Mirrored and
     outpriced logical meshes").
     Of two that outprice each other, the first in the space's order stays."""
     if count not in space.outpriced:
