@@ -574,10 +574,11 @@ def _outpriced(space: _Space, count: int) -> frozenset[tuple]:
                 pipe.out_s(e, mine) <= pipe.out_s(e, theirs) and pipe.in_s(e + 1, mine) <= pipe.in_s(e + 1, theirs)
                 for e in edges)
 
-        order = list(space.meshes)
+        order = {key: k for k, key in enumerate(space.meshes)}
+        mirror = {key: (key[0], key[1][::-1]) for key in order}  # the only mesh that can outprice a mesh
         space.outpriced[count] = frozenset(
-            key for key in order for other in order
-            if other != key and beats(other, key) and not (beats(key, other) and order.index(key) < order.index(other)))
+            key for key, other in mirror.items() if other != key and other in order and beats(other, key)
+            and not (beats(key, other) and order[key] < order[other]))
     return space.outpriced[count]
 
 
