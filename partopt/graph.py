@@ -107,6 +107,21 @@ class Graph:
         return [self.op_index[n] for n in names]
 
     @cached_property
+    def saved_for_backward(self) -> frozenset[str]:
+        """Op outputs kept for the backward pass (docs/COSTMODEL.md §5): those its producer's or a reader's backward
+        reads (`ops.backward_reads`), those read in another layer (a stage's boundary, the checkpoint a recomputed
+        layer restarts from) and those nobody reads (what leaves the graph); but not a reshape's output whose
+        input is kept (a view of the same elements, as each device holds them)."""
+        needed = set()
+        for op in self.ops:
+            inputs, output = opkinds.backward_reads(op)
+            needed.update(t for t, read in zip(op.inputs, inputs) if read)
+            if output or any(c.layer != op.layer for c in self.consumers[op.output]) or not self.consumers[op.output]:
+                needed.add(op.output)
+        return frozenset(t for t in needed if t in self.producers
+                         and not (self.producers[t].kind == "reshape" and self.producers[t].inputs[0] in needed))
+
+    @cached_property
     def params(self) -> list[Tensor]:
         return [t for t in self.tensors.values() if t.role == "param"]
 
@@ -164,7 +179,7 @@ class Graph:
         Two subgraphs hash alike when they differ only in names: names are replaced by
         their order of first appearance; sizes, dtypes, roles, kinds, attributes, the batch
         dim, the wiring, whether each output is read inside the ops and outside them (a layer
-        whose output leaves the graph is priced unlike one that hands it to the next), the
+        whose output leaves the graph is priced unlike one that hands it to the next) and kept for the backward, the
         optimizer (it sets parameter memory) and the GEMM precision all count (two identical transformer blocks hash alike).
         """
         ops = list(self.order if ops is None else ops)
@@ -192,9 +207,11 @@ class Graph:
 
         inside = {op.name for op in ops}
 
-        def readers(op: Op) -> tuple[bool, bool]:  # read inside the ops, outside them: the ILP pairs or completes
-            names = [c.name for c in self.consumers[op.output]]  # an output by where it goes (`intra.build`)
-            return any(n in inside for n in names), any(n not in inside for n in names)
+        def readers(op: Op) -> tuple[bool, bool, bool]:  # read inside the ops, outside them: the ILP pairs or
+            names = [c.name for c in self.consumers[op.output]]  # completes an output by where it goes
+            return (any(n in inside for n in names), any(n not in inside for n in names),  # (`intra.build`);
+                    op.output in self.saved_for_backward)  # and whether a backward keeps it
+
 
         parts = [(op.kind, tuple(tensor(t) for t in op.inputs), tensor(op.output), readers(op), attr(dict(op.attrs)))
                  for op in ops]

@@ -304,6 +304,40 @@ def forward_flops(op: "Op", graph: "Graph") -> int:
     return 0  # embedding (a gather) and reshape move bytes, they do no arithmetic
 
 
+# Elementwise functions whose backward reads none of the forward's tensors (linear in their inputs: an add,
+# a rotation by fixed angles) and those whose backward reads only their output (d relu = [y > 0], d exp = y, …).
+LINEAR_FNS = frozenset({"add", "sub", "neg", "identity", "rotary", "scale"})
+OUTPUT_FNS = frozenset({"relu", "sigmoid", "tanh", "exp"})
+
+
+def backward_reads(op: "Op") -> tuple[tuple[bool, ...], bool]:
+    """What the op's backward reads of its forward: (per input, whether it reads it; whether it reads the output).
+
+    What autograd saves (docs/COSTMODEL.md §5): a product reads its operands (each one's gradient needs the
+    other), a norm its input, softmax and relu-like functions their output, a fused attention its inputs and
+    output; adds, rotations, reshapes, sums and gathers read nothing. An elementwise function not listed
+    (gelu, silu, mul, a fused chain, an unknown name) and an opaque op keep all they read, the safe side.
+    """
+    every, none = tuple(True for _ in op.inputs), tuple(False for _ in op.inputs)
+    first = tuple(i == 0 for i in range(len(op.inputs)))
+    kind, fn = op.kind, op.attrs.get("fn")
+    if kind == "einsum":
+        return (every if len(op.inputs) >= 2 else none), False
+    if kind == "elementwise":
+        if fn in LINEAR_FNS or (fn in ("mul", "div") and len(op.inputs) == 1):  # a constant factor
+            return none, False
+        return (none, True) if fn in OUTPUT_FNS else (every, False)
+    if kind == "softmax":
+        return none, True
+    if kind in ("layernorm", "rmsnorm", "cross_entropy", "conv2d", "pool"):
+        return (every if kind == "conv2d" else first), False
+    if kind == "reduce":
+        return (every, True) if fn == "max" else (none, False)
+    if kind in ("embedding", "reshape"):
+        return none, False
+    return every, True  # attention (q, k, v, its output and statistics), opaque
+
+
 def is_matmul(op: "Op") -> bool:
     """Ops whose FLOPs are tensor-core matrix multiplies (einsum with ≥ 2 inputs, conv2d, fused attention)."""
     return (op.kind == "einsum" and len(op.inputs) >= 2) or op.kind in ("conv2d", "attention")

@@ -547,11 +547,11 @@ def op_strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None
 
 def _op_signature(graph: Graph, op: Op) -> tuple:
     """All that `_strategies` reads of an op: its kind and attributes, its tensors' dims, dtypes and roles,
-    those dims' sizes and its compute precision, but no name of the op or its tensors (strategies name
+    those dims' sizes, its compute precision and whether a backward keeps its output, but no name of the op or its tensors (strategies name
     dims, never tensors)."""
     tensors = tuple((graph.tensors[t].dims, graph.dtype_of(t), graph.tensors[t].role) for t in (*op.inputs, op.output))
     return (op.kind, repr(sorted(op.attrs.items())), tensors, tuple(graph.dims[d] for t in tensors for d in t[0]),
-            graph.compute_dtype(op))
+            graph.compute_dtype(op), op.output in graph.saved_for_backward)
 
 
 def _strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None) -> list[Strategy]:
@@ -619,8 +619,11 @@ def executed_flops(graph: Graph, op: Op) -> float:
 
 
 def kept_bytes(graph: Graph, op: Op) -> float:
-    """Bytes an op keeps for its backward (whole batch): its output; fused attention adds each query row's
-    fp32 log-sum-exp, from which its backward recomputes the scores (the value head dim is never split)."""
+    """Bytes an op keeps for its backward (whole batch): its output when a backward reads it
+    (`Graph.saved_for_backward`), else nothing; fused attention adds each query row's fp32 log-sum-exp,
+    from which its backward recomputes the scores (the value head dim is never split)."""
+    if op.output not in graph.saved_for_backward:
+        return 0.0
     if op.kind != "attention":
         return graph.nbytes(op.output)
     return graph.nbytes(op.output) + STATS_BYTES * graph.numel(op.output) / graph.dims[opkinds.attention_dims(op, graph)[1]]

@@ -102,7 +102,7 @@ def test_layer_cutoffs_by_hand():
     assert pricing.layer_cutoffs(costs, 4, 10.0, range(3, 5)) == pytest.approx([8, 8, 8, 8])
 
 
-@pytest.mark.parametrize("layers, batch, memory_gib", [(6, 32, 0.02), (8, 32, 0.01)])
+@pytest.mark.parametrize("layers, batch, memory_gib", [(6, 32, 0.015), (8, 32, 0.01)])
 def test_the_search_finds_the_same_plan_with_cutoffs_as_without(monkeypatch, layers, batch, memory_gib):
     """Cutoffs (capped ILPs told the cost of no use, stage DPs told the best plan) rule out work, never a plan."""
     graph = block_graph(layers=layers, batch=batch)

@@ -150,9 +150,10 @@ def test_gpt_layer_under_a_memory_budget_is_sequence_parallel_with_reduce_scatte
     """Megatron-SP (Korthikanti et al. 2022) on a pre-norm GPT layer, microbatch of one sequence.
 
     Without a budget the plain tensor-parallel form wins: 4 all-reduces of the [s, h] activation
-    (A bytes) per microbatch, layernorms and residual adds replicated. With a budget that the six
-    replicated [s, h] tensors (ln1, ln2, the two bias adds after proj and fc2, res1, res2) cannot
-    pay, those ops split the sequence instead (A/T each): proj and fc2 reduce-scatter their pending
+    (A bytes) per microbatch, layernorms and residual adds replicated. With a budget that the four
+    replicated [s, h] tensors kept for the backward (ln1, res1, ln2, res2: the norms' inputs and
+    outputs) cannot pay, the six replicated ops (those four and the bias adds after proj and fc2, which
+    keep nothing: only a residual add reads them) split the sequence instead (A/T each): proj and fc2 reduce-scatter their pending
     sums into them, and ln1/ln2 are all-gathered once for their readers (q and the s -> t reshape
     feeding k and v: one layout node shares the gather), 4 all-gathers + 4 reduce-scatters per
     microbatch, no all-reduce. The layernorm and bias parameters then get sequence-partial
@@ -174,21 +175,20 @@ def test_gpt_layer_under_a_memory_budget_is_sequence_parallel_with_reduce_scatte
     assert tp.breakdown.comm_s == {"all_reduce": pytest.approx(4 * all_reduce(a, n), rel=1e-12)}
     assert tp.breakdown.sync_s == {}
 
-    # memory by hand, Megatron layout, one microbatch in flight
-    activations = (a  # ln1
-                   + 6 * a / n  # q, k, v and their bias adds, head-split
-                   + a  # x_t (the reshape's output, replicated)
-                   + 2 * scores / n + a / n  # scores, probs, context
-                   + a + 3 * a  # proj (pending sum, full size); proj.add_bias, res1, ln2
-                   + 3 * f / h * a / n  # fc1, its bias add, gelu: f-split
-                   + a + 2 * a)  # fc2 (pending sum); fc2.add_bias, res2
+    # memory by hand, Megatron layout, one microbatch in flight: what the backwards read (COSTMODEL §5)
+    activations = (a  # ln1, read by q and (through the x_t view) by k and v
+                   + 3 * a / n  # q, k and v after their bias adds, head-split (the raw projections: no)
+                   + scores / n + a / n  # probs (softmax's backward reads them; the scores: no), context
+                   + 2 * a  # res1 and ln2 (the second norm's input and output; proj and its bias add: no)
+                   + 2 * f / h * a / n  # fc1's bias add and gelu: f-split (the raw fc1: no)
+                   + a)  # res2, read by the next layer (fc2 and its bias add: no)
     params = 16 * ((12 * h * h + 7 * h) / n + 6 * h)  # q,k,v,proj,fc1,fc2 weights and q,k,v,fc1 biases split
     assert tp.memory_bytes == pytest.approx(activations + params, rel=1e-12)
 
-    # those six at A/n instead of A; plus, once, the largest transient: an A-byte copy — ln1's or ln2's
+    # the four kept ones at A/n instead of A; plus, once, the largest transient: an A-byte copy — ln1's or ln2's
     # output all-gathered for its readers, or proj's or fc2's output gradient all-gathered back from
     # the sequence split (one at a time; the reduce-scatters run in place)
-    budget = activations + params - len(replicated) * (1 - 1 / n) * a + a
+    budget = activations + params - 4 * (1 - 1 / n) * a + a
     sp = intra.shard_stage(graph, row_mesh(n, BW), ops, backend="highs", microbatches=mb, memory_budget=budget,
                            allow_zero=False)
     q = by_op(sp)

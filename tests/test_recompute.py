@@ -3,9 +3,9 @@
 Hand checks follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models"): selective recomputation drops exactly the attention core's activations,
 which are quadratic in the sequence (their 5·a·s²·b bytes per layer: softmax output, dropout mask
-and output). partopt's IR has no dropout; its core keeps the scores and the probabilities, 2 + 2
-bytes per element in fp16, so selective saves 4·a·s²·b bytes per layer on one device, and the
-share of one device under a split of the heads or the batch.
+and output). partopt's IR has no dropout; of its core only the probabilities are kept (softmax's backward
+reads its output, not the scores), 2 bytes per element in fp16, so selective saves 2·a·s²·b bytes per
+layer on one device, and the share of one device under a split of the heads or the batch.
 """
 
 import dataclasses
@@ -50,16 +50,16 @@ def test_a_moe_gate_softmax_is_not_an_attention_core():
 
 
 @pytest.mark.parametrize("mesh_shape, split", [((1, 1), 1), ((2, 1), 2)])
-def test_selective_saves_the_scores_and_probabilities_and_reruns_their_forward(mesh_shape, split):
+def test_selective_saves_the_probabilities_and_reruns_the_core_forward(mesh_shape, split):
     graph = block_graph()
     ops = block_ops(graph)
     mesh = preset("p3.16xlarge", 1).logical_mesh((1, mesh_shape[0] * mesh_shape[1]), mesh_shape)
     data_parallel = split > 1  # the batch split over the mesh: every activation's local share is 1/split
     plain = intra.shard_stage(graph, mesh, ops, data_parallel=data_parallel)
     selective = intra.shard_stage(graph, mesh, ops, data_parallel=data_parallel, recompute="selective")
-    core = 2 * (2 * B * HEADS * S * S)  # scores and probs, fp16, [b, n, s, t]
+    core = 2 * B * HEADS * S * S  # probs, fp16, [b, n, s, t]; the scores are not kept, recomputed or not
     assert plain.breakdown.activation_bytes - selective.breakdown.activation_bytes == pytest.approx(core / split)
-    # the working set holds the three recomputed outputs once: scores, probs and context [b, s, n, d]
+    # the working set holds the recomputed outputs a backward reads once: probs and context [b, s, n, d]
     assert selective.breakdown.working_bytes == pytest.approx((core + 2 * B * S * H) / split)
     # recomputation reruns the three ops' forward: the two einsums' 2·b·n·s·t·d FLOPs each and the softmax
     chosen = {oc.op: oc.strategy for oc in selective.ops}
@@ -97,7 +97,7 @@ def best_forced(graph, cluster, **kwargs):
     return times
 
 
-@pytest.mark.parametrize("memory_gib", [16.0, 0.007])
+@pytest.mark.parametrize("memory_gib", [16.0, 0.0065])
 def test_auto_is_never_worse_than_any_forced_mode(memory_gib):
     graph = block_graph(layers=2, batch=16)
     cluster = tight_cluster(graph, memory_gib)
