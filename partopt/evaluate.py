@@ -193,15 +193,17 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
         rows = [_price_layers(pricer, cluster, layering, count, spec, r, stats, share) for spec, r in zip(specs, restrictions)]
         plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start,
                         schedule, virtual_stages)
+    devices = len(plan.stages) // virtual_stages
     for i, stage in enumerate(plan.stages):
         if stage.memory_bytes > budget:
+            held = plan.stages[i % devices::devices]  # the chunks its devices hold (`assemble`: `combined`)
             raise InfeasibleError(
                 f"stage {i} needs {fmt_bytes(stage.memory_bytes)} per device (parameter state "
-                f"{fmt_bytes(stage.breakdown['param_bytes'])} + {stage.inflight_microbatches:g} × "
-                f"{fmt_bytes(stage.breakdown['activation_bytes'])} activations + {fmt_bytes(stage.breakdown['working_bytes'])} "
-                f"{'(with the other chunks on its devices) ' if virtual_stages > 1 else ''}"
-                f"working set and transient buffers), over the budget {fmt_bytes(budget)} "
-                f"by {fmt_bytes(stage.memory_bytes - budget)}", f"{where}.stages[{i}]",
+                f"{fmt_bytes(sum(s.breakdown['param_bytes'] for s in held))} + {stage.inflight_microbatches:g} × "
+                f"{fmt_bytes(sum(s.breakdown['activation_bytes'] for s in held))} activations + "
+                f"{fmt_bytes(max(s.breakdown['working_bytes'] for s in held))} working set and transient buffers"
+                f"{f', its devices holding {virtual_stages} chunks' if virtual_stages > 1 else ''}), over the budget "
+                f"{fmt_bytes(budget)} by {fmt_bytes(stage.memory_bytes - budget)}", f"{where}.stages[{i}]",
                 "use more devices per stage, more stages, ZeRO (--zero), or more microbatches")
     return plan
 

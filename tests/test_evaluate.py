@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,29 @@ def test_a_stage_over_its_memory_says_by_how_much(small_gpt):
     plan = optimize(small_gpt, cluster, microbatches=8)
     with pytest.raises(InfeasibleError, match=r"stage 0 needs .* over the budget .* by "):
         evaluate(small_gpt, cluster, plan, memory_reserve=0.99999)
+
+
+def test_an_interleaved_stage_over_its_memory_adds_up_the_chunks_its_devices_hold(small_gpt):
+    """The message's parts are the device group's: parameter state and kept activations summed over its
+    chunks, the largest working set; they add up to the total it reports (fmt_bytes keeps 3 digits)."""
+    cluster = preset("p3.16xlarge", 1)
+    kwargs = dict(schedule="interleaved", virtual_stages=2, recompute="none")
+    need = uniform(small_gpt, cluster, 1, 2, 4, 8, **kwargs).stages[0].memory_bytes
+    tight = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=need / 2 / 0.9))
+    with pytest.raises(InfeasibleError) as err:
+        uniform(small_gpt, tight, 1, 2, 4, 8, **kwargs)
+    text = str(err.value)
+    assert "its devices holding 2 chunks" in text
+    found = re.search(r"needs (.+?) per device \(parameter state (.+?) \+ ([\d.]+) × (.+?) activations "
+                      r"\+ (.+?) working set", text)
+    total, param, inflight, kept, working = (_bytes(x) if i != 2 else float(x) for i, x in enumerate(found.groups()))
+    assert param + inflight * kept + working == pytest.approx(total, rel=1e-2)
+
+
+def _bytes(text: str) -> float:
+    """'1.5 KiB' -> 1536.0 (fmt_bytes's form)."""
+    number, unit = text.split()
+    return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
 
 
 def test_uniform_degrees_must_multiply_to_the_cluster_and_divide_the_layers(small_gpt):
