@@ -83,9 +83,21 @@ def test_korthikanti_points_carry_reference_figures_and_agree_with_the_paper_tim
         seen.add((name, p.recompute))
     assert seen == {(n, m) for n in KORTHIKANTI for m in ("selective", "full")}
     assert KORTHIKANTI["530B"][5] / KORTHIKANTI["530B"][4] == pytest.approx(1.29, abs=0.01)
-    unfitted = [p.label for p in calibrate.read_points(POINTS / "dgx-a100-unfitted.json").points]
-    assert [label for label in unfitted if label.startswith("1T")] == [
-        "1T, 512 GPUs, tp 8 × pp 64 × dp 1, batch 512, sequence parallel + selective recomputation"]
+
+
+def test_v100_resnet_points_are_the_published_throughputs_as_run():
+    """NVIDIA's ResNet-50 v1.5 on DGX-1 V100 16 GB (DeepLearningExamples, pytorch-21.03): 367 and 2,855 images/s in
+    fp32 at 112 per GPU, 1,200 and 8,322 in AMP at 256, on 1 and 8 GPUs; data parallel, one microbatch, no
+    recomputation, as PyTorch DDP ran them. A ResNet-50's parameters: 25,557,032 (torchvision's count)."""
+    runs = [p for p in calibrate.read_points(POINTS / "p3.16xlarge.json").points if p.label.startswith("ResNet-50")]
+    published = {("fp32", 1): (112, 367), ("fp32", 8): (112, 2855), ("fp16", 1): (256, 1200), ("fp16", 8): (256, 8322)}
+    assert len(runs) == 4
+    for p in runs:
+        per_gpu, images_per_s = published[(p.graph.dtype, p.gpus)]
+        assert p.graph.dims["b"] == per_gpu * p.gpus and p.iteration_s == pytest.approx(per_gpu * p.gpus / images_per_s,
+                                                                                         rel=1e-5)
+        assert (p.tp, p.pp, p.dp, p.microbatches, p.recompute, p.overlap) == (1, 1, p.gpus, 1, "none", True)
+        assert p.graph.num_params == 25_557_032 and p.graph.optimizer == "sgd"
 
 
 def test_h100_points_run_the_schedules_their_sources_name():
