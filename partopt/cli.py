@@ -922,7 +922,8 @@ def _percent(x: float | None) -> str:
 @click.argument("points_file", metavar="POINTS")
 @click.option("--preset", "preset_name", required=True, type=click.Choice(PRESETS), help="The cluster preset to fit.")
 @click.option("--fit", "fit_names", help="Comma-separated parameters to fit instead of the points file's `fit` "
-              "(e.g. matmul_efficiency,intra_bus_efficiency: try a set without editing the file).")
+              "(e.g. matmul_efficiency,intra_bus_efficiency: try a set without editing the file). Empty (--fit ''): "
+              "fit nothing, price the points at the preset's values (an out-of-sample check).")
 @click.option("-o", "--output", type=click.Path(),
               help="Write the preset's data file here: a cluster file with the fitted values and their provenance "
               "(partopt/presets/<preset>.json in the package makes it the preset).")
@@ -934,10 +935,12 @@ def calibrate_command(points_file: str, preset_name: str, fit_names: str | None,
     printing each point's fitted and leave-one-out error (docs/COSTMODEL.md §7)."""
     from partopt import calibrate  # numpy-heavy fitting, needed by this command only
 
+    names = None if fit_names is None else [n.strip() for n in fit_names.split(",") if n.strip()]
+    if output and names == []:
+        raise click.UsageError("--fit '' fits nothing: there is no data file to write (drop -o)")
     if output:
         io.check_output(output)
     points = calibrate.read_points(points_file)
-    names = None if fit_names is None else [n.strip() for n in fit_names.split(",") if n.strip()]
     with console(stderr=True).status(f"fitting {preset_name} to {len(points.points)} points …"):
         result = calibrate.fit(points, preset_name, names, where="--fit" if names is not None else None,
                                workers=workers)
@@ -951,6 +954,16 @@ def calibrate_command(points_file: str, preset_name: str, fit_names: str | None,
                        f"{value:.4g}", "fitted" if fitted else "kept", calibrate.PARAMETERS[name].doc)
     out.print(params)
     table = Table(title=f"{preset_name}: predicted / measured throughput − 1", title_justify="left")
+    if not result.fitted:  # a check: every error is out of sample, at the preset's values
+        for column in ("point", "error at the preset's values", "source"):
+            table.add_column(column)
+        for r in result.results:
+            table.add_row(Text(r.label), _percent(r.error), Text(r.source))
+        out.print(table)
+        errors = sorted(abs(r.error) for r in result.results)
+        out.print(f"|error| at the preset's values (nothing fitted): median {statistics.median(errors):.1%}, "
+                  f"max {errors[-1]:.1%}; {result.evaluations} point predictions (plans priced)")
+        return
     for column in ("point", "fitted error", "leave-one-out error", "source"):
         table.add_column(column)
     for r in result.results:

@@ -238,23 +238,21 @@ def test_v100_points_file_matches_the_reference():
 
     points = calibrate.read_points(V100_POINTS)
     assert points.fit == ("matmul_efficiency", "memory_efficiency")
-    alpas = [p for p in points.points if p.source.startswith("Zheng")]  # the ResNet-50 runs: test_calibrate_points
-    assert len(points.points) == len(alpas) + 4
-    assert [p.tflops_per_gpu or p.iteration_s for p in alpas] == [
+    assert [p.tflops_per_gpu or p.iteration_s for p in points.points] == [
         45.07, 45.46, 8.30, 2.464, 68.44, 61.95, 66.41, 52.35, 57.83, 53.21]  # REFERENCE §3: Figure 7, the 2.6B run,
     # the intra-op ablation's data-parallel, ZeRO-2 and ZeRO-3 columns
     assert points.points[3].gpus == 8 and points.points[3].graph.dims["b"] == 32
-    for gpt in (alpas[0], *alpas[4:]):  # Megatron's 96 form, REFERENCE §2, as Alpa counts with remat
+    for gpt in (points.points[0], *points.points[4:]):  # Megatron's 96 form, REFERENCE §2, as Alpa counts with remat
         assert gpt.flops == alpa.gpt_flops(*alpa.gpt_shape(gpt.graph))
     moe = points.points[1]  # Alpa's compute_moe_tflops with remat, as its benchmark reports the MoE rows
     assert moe.flops == alpa.moe_flops(*alpa.moe_shape(moe.graph))
     ablation = [(p.graph.dims["h"], len(p.graph.layers), p.graph.dims["b"], p.graph.dims["v"], p.dp, p.zero,
-                 p.shard_weights, p.microbatches) for p in alpas[4:]]
+                 p.shard_weights, p.microbatches) for p in points.points[4:]]
     assert ablation == [(2048, 8, 8, 25600, 1, False, False, 1), (3072, 8, 8, 25600, 2, True, False, 1),
                         (4096, 8, 8, 25600, 4, True, False, 1), (3072, 8, 8, 25600, 2, False, True, 1),
                         (4096, 8, 8, 25600, 4, False, True, 1), (5760, 8, 8, 25600, 8, False, True, 1)]
     # priced as the Alpa reproduction prices Alpa's runs: every cost additive where there is communication
-    assert [p.overlap for p in alpas] == [p.gpus == 1 for p in alpas]
+    assert [p.overlap for p in points.points] == [p.gpus == 1 for p in points.points]
 
 
 # ---------------------------------------------------------------- the command and bad files
@@ -280,6 +278,25 @@ def test_command_prints_errors_and_writes_the_file(tmp_path, monkeypatch):
     assert written["device"]["memory_efficiency"] == preset("p3.16xlarge").device.memory_efficiency  # kept
     assert [e["label"] for e in written["calibration"]["errors"]] == list(wants)
     assert written["calibration"]["fitted"] == {"matmul_efficiency": pytest.approx(fitted, abs=1e-6)}
+
+
+def test_an_empty_fit_prices_the_points_at_the_presets_values(tmp_path, monkeypatch):
+    """`--fit ''` fits nothing: each point's error is the preset's prediction against it (an out-of-sample check),
+    and there is no data file to write."""
+    wants = {"a": 0.5, "b": 0.8}
+    points = _points_dict([(k, _gpt(64, 2), 1, 1, 1, 1) for k in wants], [1.0] * 2)
+    monkeypatch.setattr(calibrate, "ratio", lambda point, c, **_: c.device.matmul_efficiency / wants[point.label])
+    path = tmp_path / "points.json"
+    path.write_text(json.dumps({**points, "fit": ["matmul_efficiency"]}))
+    result = _run("calibrate", str(path), "--preset", "p3.16xlarge", "--fit", "", "--workers", "1")
+    assert result.exit_code == 0, result.output
+    shipped = preset("p3.16xlarge").device.matmul_efficiency  # not refitted
+    errors = [shipped / want - 1 for want in wants.values()]
+    assert all(f"{e:+.1%}" in result.output for e in errors)
+    assert "error at the preset's values" in result.output and "leave-one-out" not in result.output
+    assert f"median {sum(map(abs, errors)) / 2:.1%}, max {max(map(abs, errors)):.1%}" in result.output
+    refused = _run("calibrate", str(path), "--preset", "p3.16xlarge", "--fit", "", "-o", str(tmp_path / "x.json"))
+    assert refused.exit_code == 2 and "fits nothing" in refused.stderr and not (tmp_path / "x.json").exists()
 
 
 def test_fit_on_the_command_line_overrides_the_files(tmp_path, monkeypatch):
