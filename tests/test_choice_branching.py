@@ -82,6 +82,20 @@ def test_a_cutoff_at_the_optimum_leaves_no_solution_and_one_above_keeps_it():
         assert above.objective == pytest.approx(optimum, abs=1e-9)
 
 
+def test_a_cutoff_program_with_no_solution_under_it_yet_goes_to_the_mip(monkeypatch, settled):
+    """Branching proves "nothing under the cutoff" only by closing every node under it; past UNDER_CUTOFF_NODES
+    LPs with no solution found it hands over, and HiGHS's MIP gives the same answers."""
+    monkeypatch.setattr(highs, "UNDER_CUTOFF_NODES", 1)
+    for graph, budget in CASES[:15]:
+        optimum = brute_force(graph, budget)
+        with pytest.raises(InfeasibleError):  # nothing is under a cutoff at the optimum
+            ilp.solve(graph, budget, "highs", reduce_first=False, cutoff=optimum)
+        above = ilp.solve(graph, budget, "highs", reduce_first=False, cutoff=optimum + 1e-3)
+        assert above.objective == pytest.approx(optimum, abs=1e-9)
+    assert settled and all(alone or lps == 1 for alone, lps in settled)  # a handover after one LP, no later
+    assert [alone for alone, _ in settled].count(False) >= 15  # each cutoff at an optimum not proved at the root
+
+
 def test_only_programs_made_of_choice_rows_branch():
     graph, budget = CASES[0]
     alive = ilp.reduce(graph)

@@ -168,7 +168,8 @@ def solve(model: Model, backend: str = "highs", time_limit_s: float = TIME_LIMIT
 
     `cutoff` (objective units): the caller has no use for a solution costing that much or more, so the backend
     may prune every branch whose bound reaches it (HiGHS: `objective_bound`; CP-SAT and CBC: the objective as a
-    row). A solve whose best solution is at or above it, or that finds none, returns status "cutoff" (no
+    row). A solve whose best solution is at or above it (within 1e-9 relatively: a MIP may return one at the
+    bound, rounded under it), or that finds none, returns status "cutoff" (no
     values): the optimum is at least `cutoff`, or the program is infeasible. A solution below it is the
     optimum, as without a cutoff."""
     run = _backend(backend)
@@ -180,7 +181,7 @@ def solve(model: Model, backend: str = "highs", time_limit_s: float = TIME_LIMIT
                            f"give {WORK_UNITS[backend]}, or math.inf for none")
     result = run(model, Options(time_limit_s=time_limit_s, seed=seed, work_limit=work,
                                 relaxation_first=relaxation_first, cutoff=cutoff))
-    if cutoff is not None and (result.status == "infeasible" or (result.objective is not None
-                                                                  and result.objective >= cutoff)):
+    if cutoff is not None and (result.status == "infeasible" or (  # at it: within 1e-9 relatively, as `highs._under`
+            result.objective is not None and result.objective >= cutoff - 1e-9 * max(1.0, abs(cutoff)))):
         return Result("cutoff", None, None, None, result.time_s, result.backend, result.work)
     return result

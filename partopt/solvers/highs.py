@@ -28,6 +28,12 @@ INTEGRALITY_TOLERANCE = 1e-6  # HiGHS's mip_feasibility_tolerance: how far from 
 # to the MIP at once: the layer programs leave 1 to 20 of 30, GPT-1.3B capped whole 597 of 701 (whose branching ran
 # 200 LPs for nothing, 47 s against 38)
 BRANCH_NODES = 400
+# LPs a program with a cutoff branches without finding a solution under it before HiGHS's MIP takes over: where
+# no solution is under the cutoff, branching must close every node whose LP bound is, and a memory cap's LP bound
+# can lie far below (a GPT-39B block under a tight rung: LP bound under the cutoff 367, integer optimum 7,667;
+# branching ran 400 LPs in 8.4 s before its handover, where HiGHS's MIP, with its cuts on the memory row, proves
+# it in 1.3 s; docs/benchmarks.md, "Cut-off programs handed over")
+UNDER_CUTOFF_NODES = 50
 # a node LP stopped past this many times the root LP's simplex iterations (plus 1000) hands over to HiGHS's MIP (a
 # deterministic stop, unlike the clock). The LPs run without HiGHS's `objective_bound`: with it, a warm-started
 # node LP deep in a GPT-1T program's tree ran until the clock stopped it after 245 iterations, and without it
@@ -150,8 +156,9 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
             start: float) -> tuple[Result | None, dict[int, float], int]:
     """Best-first branch and bound over the choice rows `groups` of the shrunk `model`, each node an LP that
     HiGHS warm-starts from its parent's optimal basis: (the optimum, {}, LPs solved), or (None, the best start found
-    for HiGHS's MIP, LPs solved) when it hands over: at BRANCH_NODES LPs, the work or time limit, a node LP stopped
-    short (STALLED), a root LP far from integral, or a 0-1 column that the choices leave fractional.
+    for HiGHS's MIP, LPs solved) when it hands over: at BRANCH_NODES LPs, at UNDER_CUTOFF_NODES with a cutoff and
+    no solution under it yet, the work or time limit, a node LP stopped short (STALLED), a root LP far from
+    integral, or a 0-1 column that the choices leave fractional.
 
     A node whose LP leaves some choice row fractional splits it in two: its columns with the larger LP values
     are forbidden in one child, kept alone in the other. The row split is the one whose mix is widest on the
@@ -177,6 +184,8 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
 
     while queue and _under(queue[0][0], bar):
         if nodes >= limit or time.perf_counter() - start > options.time_limit_s:
+            return handover()
+        if incumbent is None and options.cutoff is not None and nodes >= UNDER_CUTOFF_NODES:
             return handover()
         _, _, forbidden, basis = heapq.heappop(queue)
         if basis is not None:
