@@ -179,8 +179,9 @@ class Graph:
         Two subgraphs hash alike when they differ only in names: names are replaced by
         their order of first appearance; sizes, dtypes, roles, kinds, attributes, the batch
         dim, the wiring, whether each output is read inside the ops and outside them (a layer
-        whose output leaves the graph is priced unlike one that hands it to the next) and kept for the backward, the
-        optimizer (it sets parameter memory) and the GEMM precision all count (two identical transformer blocks hash alike).
+        whose output leaves the graph is priced unlike one that hands it to the next) and kept for
+        the backward, the optimizer (it sets parameter memory) and the GEMM precision all count
+        (two identical transformer blocks hash alike).
         """
         ops = list(self.order if ops is None else ops)
         tensor_ids: dict[str, int] = {}
@@ -207,11 +208,12 @@ class Graph:
 
         inside = {op.name for op in ops}
 
-        def readers(op: Op) -> tuple[bool, bool, bool]:  # read inside the ops, outside them: the ILP pairs or
-            names = [c.name for c in self.consumers[op.output]]  # completes an output by where it goes
-            return (any(n in inside for n in names), any(n not in inside for n in names),  # (`intra.build`);
-                    op.output in self.saved_for_backward)  # and whether a backward keeps it
-
+        def readers(op: Op) -> tuple[bool, bool, bool]:
+            """Read inside the ops, outside them (the ILP pairs or completes an output by where it goes,
+            `intra.build`), and kept for the backward (its memory)."""
+            names = [c.name for c in self.consumers[op.output]]
+            return (any(n in inside for n in names), any(n not in inside for n in names),
+                    op.output in self.saved_for_backward)
 
         parts = [(op.kind, tuple(tensor(t) for t in op.inputs), tensor(op.output), readers(op), attr(dict(op.attrs)))
                  for op in ops]

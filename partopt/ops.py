@@ -321,7 +321,7 @@ def backward_reads(op: "Op") -> tuple[tuple[bool, ...], bool]:
     every, none = tuple(True for _ in op.inputs), tuple(False for _ in op.inputs)
     first = tuple(i == 0 for i in range(len(op.inputs)))
     kind, fn = op.kind, op.attrs.get("fn")
-    if kind == "einsum":
+    if kind in ("einsum", "conv2d"):  # a one-operand einsum is a transpose or a sum: linear
         return (every if len(op.inputs) >= 2 else none), False
     if kind == "elementwise":
         if fn in LINEAR_FNS or (fn in ("mul", "div") and len(op.inputs) == 1):  # a constant factor
@@ -329,8 +329,8 @@ def backward_reads(op: "Op") -> tuple[tuple[bool, ...], bool]:
         return (none, True) if fn in OUTPUT_FNS else (every, False)
     if kind == "softmax":
         return none, True
-    if kind in ("layernorm", "rmsnorm", "cross_entropy", "conv2d", "pool"):
-        return (every if kind == "conv2d" else first), False
+    if kind in ("layernorm", "rmsnorm", "cross_entropy", "pool"):  # x, not the parameters or labels after it
+        return first, False
     if kind == "reduce":
         return (every, True) if fn == "max" else (none, False)
     if kind in ("embedding", "reshape"):

@@ -547,8 +547,8 @@ def op_strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None
 
 def _op_signature(graph: Graph, op: Op) -> tuple:
     """All that `_strategies` reads of an op: its kind and attributes, its tensors' dims, dtypes and roles,
-    those dims' sizes, its compute precision and whether a backward keeps its output, but no name of the op or its tensors (strategies name
-    dims, never tensors)."""
+    those dims' sizes, its compute precision and whether a backward keeps its output, but no name of the op or
+    its tensors (strategies name dims, never tensors)."""
     tensors = tuple((graph.tensors[t].dims, graph.dtype_of(t), graph.tensors[t].role) for t in (*op.inputs, op.output))
     return (op.kind, repr(sorted(op.attrs.items())), tensors, tuple(graph.dims[d] for t in tensors for d in t[0]),
             graph.compute_dtype(op), op.output in graph.saved_for_backward)
