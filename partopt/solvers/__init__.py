@@ -156,6 +156,12 @@ def _backend(name: str) -> Callable[[Model, Options], Result]:
     return importlib.import_module(f"partopt.solvers.{name}").solve
 
 
+def under(value: float, bar: float) -> bool:
+    """Whether `value` is under a cutoff `bar` by more than 1e-9 relatively (a solution at the bar, rounded under it,
+    is not); everything is under an infinite bar."""
+    return bar == math.inf or value < bar - 1e-9 * max(1.0, abs(bar))
+
+
 def solve(model: Model, backend: str = "highs", time_limit_s: float = TIME_LIMIT_S, seed: int = 0,
           work_limit: float | None = None, relaxation_first: bool = False, cutoff: float | None = None) -> Result:
     """Solve `model` with the named backend, stopping at `work_limit` (in its WORK_UNITS; None: its
@@ -181,7 +187,7 @@ def solve(model: Model, backend: str = "highs", time_limit_s: float = TIME_LIMIT
                            f"give {WORK_UNITS[backend]}, or math.inf for none")
     result = run(model, Options(time_limit_s=time_limit_s, seed=seed, work_limit=work,
                                 relaxation_first=relaxation_first, cutoff=cutoff))
-    if cutoff is not None and (result.status == "infeasible" or (  # at it: within 1e-9 relatively, as `highs._under`
-            result.objective is not None and result.objective >= cutoff - 1e-9 * max(1.0, abs(cutoff)))):
+    if cutoff is not None and (result.status == "infeasible" or (result.objective is not None
+                                                                  and not under(result.objective, cutoff))):
         return Result("cutoff", None, None, None, result.time_s, result.backend, result.work)
     return result

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
-from partopt.solvers import Model, Options, Result
+from partopt.solvers import Model, Options, Result, under
 
 MAX_NODES = 2**31 - 1  # HiGHS's integer options are 32-bit; this is its "no limit"
 INTEGRALITY_TOLERANCE = 1e-6  # HiGHS's mip_feasibility_tolerance: how far from 0 or 1 its MIP accepts a 0-1 value
@@ -182,7 +182,7 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
     def handover() -> tuple[None, dict[int, float], int]:  # HiGHS's MIP goes on from the best solution found
         return None, dict(enumerate(incumbent.tolist())) if incumbent is not None else model.start, nodes
 
-    while queue and _under(queue[0][0], bar):
+    while queue and under(queue[0][0], bar):
         if nodes >= limit or time.perf_counter() - start > options.time_limit_s:
             return handover()
         if incumbent is None and options.cutoff is not None and nodes >= UNDER_CUTOFF_NODES:
@@ -205,7 +205,7 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
         if status != highspy.HighsModelStatus.kOptimal:  # numerical trouble, a stalled LP: HiGHS's MIP takes over
             return handover()
         bound = h.getInfo().objective_function_value
-        if not _under(bound, bar):
+        if not under(bound, bar):
             continue
         solution = h.getSolution()
         x = np.asarray(solution.col_value)
@@ -232,11 +232,6 @@ def _better(x: np.ndarray, incumbent: np.ndarray | None, bar: float, original: M
     """The solution `x` of the shrunk `model` and its objective when it gets under `bar`, else the incumbent and bar."""
     objective = original.value(_values(x, model, scale))
     return (x, objective) if objective < bar else (incumbent, bar)
-
-
-def _under(bound: float, bar: float) -> bool:
-    """Whether a node of LP bound `bound` may hold a solution under the incumbent's `bar` (relative tolerance 1e-9)."""
-    return bar == math.inf or bound < bar - 1e-9 * max(1.0, abs(bar))
 
 
 @dataclass(frozen=True)
