@@ -17,11 +17,11 @@ from partopt.cluster import Cluster
 from partopt.errors import InfeasibleError, InstanceError
 from partopt.graph import Graph, Op
 from partopt.ops import NORM_KINDS
-from partopt.assemble import assemble
+from partopt.assemble import assemble, pipeline_of
 from partopt.options import Options, microbatch_counts
 from partopt.pricing import Job, LayerCost, Pricer, Stats, ladder, rung
 from partopt.schedules import check_schedule, inflight
-from partopt.stages import StageSpec, chunks
+from partopt.stages import End, Pipeline, StageSpec, chunks, totals
 from partopt.layering import Layering, build_layers
 from partopt.plan import OpStrategy, ParamPlacement, Plan, tensor_table
 from partopt.sharding import ParamStrategy, Replicate, Shard, Strategy
@@ -121,11 +121,13 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
                               shard_weights and dp > 1))
 
 
-def _price_layers(pricer: Pricer, cluster: Cluster, layering: Layering, count: int, spec: StageSpec,
+def _price_layers(pricer: Pricer, cluster: Cluster, pipe: Pipeline, count: int, spec: StageSpec,
                   restriction: intra.Restriction, stats: Stats, budget: float | None = None) -> list[LayerCost | None]:
-    """The stage's base layers priced on its mesh under `restriction` (others None: not in this stage).
+    """The stage's base layers priced on its mesh under `restriction` (others None: not in this stage); `pipe`: the
+    plan's pipeline (`assemble.pipeline_of`), whose stage accountant (`stages.totals`) says what the stage holds.
 
-    With a `budget`, the stage's n layers are fitted to it together on the search's ladder of caps
+    With a `budget`, each layer takes its fastest strategy within the budget (the stage DP's first row) when the
+    stage fits with all of them. Else the stage's n layers are fitted to it together on the search's ladder of caps
     (`pricing.ladder` of the rung r = `pricing.rung(n)`): each layer within its even share budget / r
     with the stage's in-flight microbatches and 1/r of its transient peak (so that together they
     fit: the stage holds one peak), else within the first looser rung it fits (a small embedding
@@ -135,42 +137,45 @@ def _price_layers(pricer: Pricer, cluster: Cluster, layering: Layering, count: i
     """
     mb = pricer.graph.dims[pricer.graph.batch_dim] // count
     mesh = cluster.logical_mesh(spec.submesh, spec.shape)
+    layering = pipe.layering
     first, last = layering.groups[spec.first][0], layering.groups[spec.last][1]
+    names = {b: tuple(op.name for op in layering.base[b]) for b in range(first, last + 1)}
+
+    def held(row: list[LayerCost | None]) -> float:  # the stage's memory per device with these costs
+        return totals(row, pipe, spec.first, spec.last, End(spec.submesh, spec.shape)).memory_bytes(spec.inflight)
+
+    if budget is not None:  # the fastest within the budget, when the stage holds them together (no share binds)
+        fastest = [pricer.one(Job(mb, count, names[b], mesh, spec.recompute, budget, 1, restriction), stats)
+                   if b in names else None for b in range(len(layering.base))]
+        if all(isinstance(fastest[b], LayerCost) for b in names) and held(fastest) <= budget:
+            return fastest
     rungs = ladder(rung(last - first + 1)) if budget is not None else []
     row: list[LayerCost | None] = [None] * len(layering.base)
     loose: list[int] = []  # layers past their even share
     for b in range(first, last + 1):
-        names = tuple(op.name for op in layering.base[b])
         even = False
         for r in rungs:  # the even share first, then looser caps
-            cost = pricer.one(Job(mb, count, names, mesh, spec.recompute, budget / r, spec.inflight, restriction, r),
+            cost = pricer.one(Job(mb, count, names[b], mesh, spec.recompute, budget / r, spec.inflight, restriction, r),
                               stats)
             if isinstance(cost, LayerCost):
                 even = r == rungs[0]
                 break
         else:  # the stage will not fit: the check in `price` says by how much
-            cost = pricer.one(Job(mb, count, names, mesh, spec.recompute, None, 1, restriction), stats)
+            cost = pricer.one(Job(mb, count, names[b], mesh, spec.recompute, None, 1, restriction), stats)
         if budget is not None and not even:
             loose.append(b)
         row[b] = cost
-    if loose and _stage_bytes(row, spec.inflight) > budget:
+    if loose and held(row) > budget:
         # layers past their even share overflow together (a block beside an embedding, each given the whole
         # budget): cap them at what the others leave, shared evenly, each with its whole working set, so that
         # the stage fits whenever they do; a layer that does not fit keeps its rung and `price` reports it
         others = sum(c.memory_bytes(spec.inflight) for b, c in enumerate(row) if c is not None and b not in loose)
         cap = (budget - others) / len(loose)
         for b in loose if cap > 0 else []:
-            cost = pricer.one(Job(mb, count, tuple(op.name for op in layering.base[b]), mesh, spec.recompute, cap,
-                                  spec.inflight, restriction), stats)
+            cost = pricer.one(Job(mb, count, names[b], mesh, spec.recompute, cap, spec.inflight, restriction), stats)
             if isinstance(cost, LayerCost):
                 row[b] = cost
     return row
-
-
-def _stage_bytes(row: list[LayerCost | None], inflight: int) -> float:
-    """A stage's memory per device from its layers' costs: each one's state and kept activations, one working set."""
-    costs = [c for c in row if c is not None]
-    return sum(c.param_bytes + inflight * c.activation_bytes for c in costs) + max(c.working_bytes for c in costs)
 
 
 def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs: list[StageSpec],
@@ -190,7 +195,8 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
     with costmodel.using(options.cost_model), Pricer(graph, options, cache) as pricer:
         # a device of an interleaved plan holds its v chunks together: each chunk's layers share budget / v
         share = budget / virtual_stages if fit_memory else None
-        rows = [_price_layers(pricer, cluster, layering, count, spec, r, stats, share) for spec, r in zip(specs, restrictions)]
+        pipe = pipeline_of(graph, cluster, layering, count, options.overlap)
+        rows = [_price_layers(pricer, cluster, pipe, count, spec, r, stats, share) for spec, r in zip(specs, restrictions)]
         plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start,
                         schedule, virtual_stages)
     devices = len(plan.stages) // virtual_stages

@@ -209,6 +209,24 @@ def _bytes(text: str) -> float:
     return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
 
 
+@pytest.mark.parametrize("room", [1.0005, 1.05, 1.2])
+def test_a_stage_with_room_for_every_layers_fastest_strategy_is_priced_at_them(room):
+    """A uniform plan's stage fits the budget with each layer at its fastest strategy within the budget: evaluate
+    prices it so, whatever the budget above that stage's memory. The ladder's even share (budget / rung of the
+    stage's layers) binds the larger layer here, so fitting the layers to it first priced the stage slower, and
+    the slower the less room: 14.8 % slower at 1.0005 and 1.05, 6.1 % at 1.2."""
+    graph = models.gpt(hidden=512, layers=2, heads=8, seq=256, vocab=8192, batch=16)
+    cluster = preset("p3.16xlarge", 1).narrowed(4)
+    fastest = uniform(graph, cluster, 4, 1, 1, 1, recompute="none")
+    need = fastest.stages[0].memory_bytes
+    device = dataclasses.replace(cluster.device, memory_bytes=need * room / (1 - costmodel.DEFAULT_MEMORY_RESERVE))
+    tight = dataclasses.replace(cluster, device=device)
+    budget = costmodel.memory_budget(device)
+    plan = uniform(graph, tight, 4, 1, 1, 1, recompute="none")
+    assert plan.iteration_time_s == fastest.iteration_time_s
+    assert plan.stages[0].memory_bytes == need <= budget
+
+
 def test_uniform_degrees_must_multiply_to_the_cluster_and_divide_the_layers(small_gpt):
     cluster = preset("p3.16xlarge", 1)
     with pytest.raises(InfeasibleError, match="tp × pp × dp = 16 but the cluster has 8 devices"):
