@@ -102,6 +102,13 @@ class _Space:
     alike: list[int] = field(default_factory=list)  # per base layer, the first alike (`bounds.alike_layers`)
     solved: dict = field(default_factory=dict)  # `best`'s results by what they depend on
     outpriced: dict = field(default_factory=dict)  # per count, the meshes no stage of it needs (`_outpriced`)
+    pipes: dict = field(default_factory=dict)  # per count, its `Pipeline` (`pipe`)
+
+    def pipe(self, count: int) -> Pipeline:
+        """The pipeline of `count` microbatches (`assemble.pipeline_of`), made once: its stage sums are kept in it."""
+        if count not in self.pipes:
+            self.pipes[count] = pipeline_of(self.graph, self.cluster, self.layering, count, self.options.overlap)
+        return self.pipes[count]
 
     def best(self, pipe: Pipeline, costs: dict, count: int, budget: float, stats: Stats,
              schedules: Sequence[str] | None = None, cutoff: float = math.inf):
@@ -303,7 +310,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
                             unopened.sort(key=lambda c: (left[c], -c))
                         continue
                     if best is not None and work[count] is not None and _fill_binds(space, count) and not (
-                            _relaxed_may_win(space, count, pipeline_of(graph, cluster, layering, count, options.overlap),
+                            _relaxed_may_win(space, count, space.pipe(count),
                                              _roofline_rows(space, count, views[count], base[count], work[count]),
                                              _wanted(best))):
                         del left[count]  # no plan of it beats the best, its layers at their rooflines: not opened
@@ -392,7 +399,7 @@ def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops
     if not keys:
         return None
     pricer.views[space.graph.dims[space.graph.batch_dim] // count] = g_mb
-    pipe = pipeline_of(space.graph, space.cluster, space.layering, count, space.options.overlap)
+    pipe = space.pipe(count)
     state = _Count(count, pipe, bounds.per_layer(base_ops, space.alike, g_mb.structural_hash),
                    [tuple(op.name for op in ops) for ops in base_ops],
                    _distinct_modes(g_mb, base_ops, space.options.recompute_modes), {}, ({}, {}, {}), work, keys,
@@ -565,7 +572,7 @@ def _outpriced(space: _Space, count: int) -> frozenset[tuple]:
     outpriced logical meshes").
     Of two that outprice each other, the first in the space's order stays."""
     if count not in space.outpriced:
-        pipe = pipeline_of(space.graph, space.cluster, space.layering, count, space.options.overlap)
+        pipe = space.pipe(count)
         edges = range(len(pipe.boundary) - 1)
 
         def beats(key: tuple, other: tuple) -> bool:  # `key`'s mesh outprices `other`'s, its sends no slower
