@@ -953,22 +953,19 @@ def calibrate_command(points_file: str, preset_name: str, fit_names: str | None,
         params.add_row(name, calibrate.PARAMETERS[name].unit, f"{result.start[name]:.4g}" if fitted else "",
                        f"{value:.4g}", "fitted" if fitted else "kept", calibrate.PARAMETERS[name].doc)
     out.print(params)
+    checked = not result.fitted  # a check: every error is out of sample, at the preset's values
     table = Table(title=f"{preset_name}: predicted / measured throughput − 1", title_justify="left")
-    if not result.fitted:  # a check: every error is out of sample, at the preset's values
-        for column in ("point", "error at the preset's values", "source"):
-            table.add_column(column)
-        for r in result.results:
-            table.add_row(Text(r.label), _percent(r.error), Text(r.source))
-        out.print(table)
+    for column in ("point", *(("error at the preset's values",) if checked else ("fitted error", "leave-one-out error")),
+                   "source"):
+        table.add_column(column)
+    for r in result.results:
+        table.add_row(Text(r.label), _percent(r.error), *(() if checked else (_percent(r.loo_error),)), Text(r.source))
+    out.print(table)
+    if checked:
         errors = sorted(abs(r.error) for r in result.results)
         out.print(f"|error| at the preset's values (nothing fitted): median {statistics.median(errors):.1%}, "
                   f"max {errors[-1]:.1%}; {result.evaluations} point predictions (plans priced)")
         return
-    for column in ("point", "fitted error", "leave-one-out error", "source"):
-        table.add_column(column)
-    for r in result.results:
-        table.add_row(Text(r.label), _percent(r.error), _percent(r.loo_error), Text(r.source))
-    out.print(table)
     loo = sorted(abs(r.loo_error) for r in result.results if r.loo_error is not None)
     if loo:
         out.print(f"leave-one-out |error|: median {statistics.median(loo):.1%}, max {loo[-1]:.1%}; "
