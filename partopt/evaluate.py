@@ -21,7 +21,7 @@ from partopt.assemble import assemble, pipeline_of
 from partopt.options import Options, microbatch_counts
 from partopt.pricing import Job, LayerCost, Pricer, Stats, ladder, rung
 from partopt.schedules import check_schedule, inflight
-from partopt.stages import End, Pipeline, StageSpec, chunks, totals
+from partopt.stages import End, Pipeline, StageSpec, StageTotals, chunks, combined, totals
 from partopt.layering import Layering, build_layers
 from partopt.plan import OpStrategy, ParamPlacement, Plan, tensor_table
 from partopt.sharding import ParamStrategy, Replicate, Shard, Strategy
@@ -202,12 +202,14 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
     devices = len(plan.stages) // virtual_stages
     for i, stage in enumerate(plan.stages):
         if stage.memory_bytes > budget:
-            held = plan.stages[i % devices::devices]  # the chunks its devices hold (`assemble`: `combined`)
+            # what its devices hold: the chunks they run, summed as `assemble` sums them (`stages.combined`)
+            held = combined([StageTotals(0.0, 0.0, 0.0, s.breakdown["param_bytes"], s.breakdown["activation_bytes"],
+                                         s.breakdown["working_bytes"], None) for s in plan.stages[i % devices::devices]])
             raise InfeasibleError(
                 f"stage {i} needs {fmt_bytes(stage.memory_bytes)} per device (parameter state "
-                f"{fmt_bytes(sum(s.breakdown['param_bytes'] for s in held))} + {stage.inflight_microbatches:g} × "
-                f"{fmt_bytes(sum(s.breakdown['activation_bytes'] for s in held))} activations + "
-                f"{fmt_bytes(max(s.breakdown['working_bytes'] for s in held))} working set and transient buffers"
+                f"{fmt_bytes(held.param_bytes)} + {stage.inflight_microbatches:g} × "
+                f"{fmt_bytes(held.activation_bytes)} activations + "
+                f"{fmt_bytes(held.working_bytes)} working set and transient buffers"
                 f"{f', its devices holding {virtual_stages} chunks' if virtual_stages > 1 else ''}), over the budget "
                 f"{fmt_bytes(budget)} by {fmt_bytes(stage.memory_bytes - budget)}", f"{where}.stages[{i}]",
                 "use more devices per stage, more stages, ZeRO (--zero), or more microbatches")
