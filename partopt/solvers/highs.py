@@ -34,11 +34,17 @@ BRANCH_NODES = 400
 # branching ran 400 LPs in 8.4 s before its handover, where HiGHS's MIP, with its cuts on the memory row, proves
 # it in 1.3 s; docs/benchmarks.md, "Cut-off programs handed over")
 UNDER_CUTOFF_NODES = 50
-# a node LP stopped past this many times the root LP's simplex iterations (plus 1000) hands over to HiGHS's MIP (a
-# deterministic stop, unlike the clock). The LPs run without HiGHS's `objective_bound`: with it, a warm-started
+# a node LP stopped past this many times the root LP's simplex iterations (plus 1000) has stalled (a deterministic
+# stop, unlike the clock). The LPs run without HiGHS's `objective_bound`: with it, a warm-started
 # node LP deep in a GPT-1T program's tree ran until the clock stopped it after 245 iterations, and without it
 # the same LP took 80 iterations in 0.02 s (docs/benchmarks.md, "Choice branching")
 STALLED = 5
+# a node LP that ends neither optimal nor infeasible from its parent's basis (stalled, or HiGHS's kUnknown) is solved
+# again from scratch, as the root was, under the same limit; only if that fails too does HiGHS's MIP take over. A
+# GPT-39B block program (full recomputation under a rung's cap) lost its 19th LP warm after 78 iterations and took
+# HiGHS's MIP 4.0 s; from scratch that LP took 695 iterations (the root 781) and branching ended at 23 LPs in 0.7 s
+# (docs/benchmarks.md, "A node LP lost from its parent's basis")
+SETTLED = (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible)
 
 
 def _new_highs() -> highspy.Highs:
@@ -200,6 +206,10 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
             h.setOptionValue("simplex_iteration_limit", STALLED * h.getInfo().simplex_iteration_count + 1000)
         nodes += 1
         status = h.getModelStatus()
+        if status not in SETTLED and basis is not None:  # stalled, or lost (kUnknown), from its parent's basis
+            h.clearSolver()
+            h.run()
+            status = h.getModelStatus()
         if status == highspy.HighsModelStatus.kInfeasible:
             continue
         if status != highspy.HighsModelStatus.kOptimal:  # numerical trouble, a stalled LP: HiGHS's MIP takes over
