@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import highspy
 import numpy as np
 import pytest
 
@@ -71,6 +72,45 @@ def test_a_handover_at_the_node_budget_keeps_the_optimum(monkeypatch, settled, n
     for graph, budget in CASES:
         _check_optimal(graph, budget)
     assert [alone for alone, _ in settled].count(False) > len(CASES) // 2
+
+
+class _LosesOneWarmLP(highspy.Highs):
+    """HiGHS that reports the first LP it runs from a given basis as lost (`kUnknown`), as it did on a GPT-39B block
+    program (docs/benchmarks.md, "A node LP lost from its parent's basis"); every later LP as HiGHS solves it."""
+
+    lost = 0  # LPs reported lost, over every instance
+
+    def __init__(self):
+        super().__init__()
+        self.warm = self.losing = self.spent = False
+
+    def setBasis(self, *args):
+        self.warm = True
+        return super().setBasis(*args)
+
+    def clearSolver(self):
+        self.warm = False
+        return super().clearSolver()
+
+    def run(self):
+        self.losing = self.warm and not self.spent
+        self.spent |= self.losing
+        _LosesOneWarmLP.lost += self.losing
+        return super().run()
+
+    def getModelStatus(self):
+        return highspy.HighsModelStatus.kUnknown if self.losing else super().getModelStatus()
+
+
+def test_a_node_lp_lost_from_its_parents_basis_is_solved_again_from_scratch(monkeypatch, settled):
+    """A node LP that ends neither optimal nor infeasible warm is solved again cold: the branching still settles
+    every program alone (it handed such a program over to HiGHS's MIP before) at the brute-force optimum."""
+    monkeypatch.setattr(highs, "_new_highs", _LosesOneWarmLP)
+    monkeypatch.setattr(_LosesOneWarmLP, "lost", 0)
+    for graph, budget in CASES:
+        _check_optimal(graph, budget)
+    assert _LosesOneWarmLP.lost >= 10  # the programs that branched past their root lost an LP each
+    assert len(settled) == len(CASES) and all(alone for alone, _ in settled)
 
 
 def test_a_cutoff_at_the_optimum_leaves_no_solution_and_one_above_keeps_it():

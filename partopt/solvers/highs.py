@@ -163,8 +163,8 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
     """Best-first branch and bound over the choice rows `groups` of the shrunk `model`, each node an LP that
     HiGHS warm-starts from its parent's optimal basis: (the optimum, {}, LPs solved), or (None, the best start found
     for HiGHS's MIP, LPs solved) when it hands over: at BRANCH_NODES LPs, at UNDER_CUTOFF_NODES with a cutoff and
-    no solution under it yet, the work or time limit, a node LP stopped short (STALLED), a root LP far from
-    integral, or a 0-1 column that the choices leave fractional.
+    no solution under it yet, the work or time limit, a node LP not settled even from scratch (STALLED, SETTLED),
+    a root LP far from integral, or a 0-1 column that the choices leave fractional.
 
     A node whose LP leaves some choice row fractional splits it in two: its columns with the larger LP values
     are forbidden in one child, kept alone in the other. The row split is the one whose mix is widest on the
