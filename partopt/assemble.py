@@ -77,15 +77,16 @@ def pipeline_of(graph: Graph, cluster: Cluster, layering: Layering, count: int, 
 
 def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count: int,
              specs: list[StageSpec], rows: list[list[LayerCost]], stats: Stats, elapsed: float,
-             schedule: str = "1f1b", virtual_stages: int = 1) -> Plan:
+             schedule: str = "1f1b", virtual_stages: int = 1, pipe: Pipeline | None = None) -> Plan:
     """The plan of fixed stages, each with its base layers' costs (`rows[i]`, on the stage's mesh),
     run under `schedule` (interleaved: `specs` are the S·v virtual stages in model order, chunk j on
-    the devices of stage j mod S, each spec's `inflight` its devices').
+    the devices of stage j mod S, each spec's `inflight` its devices'). `pipe`: the count's pipeline when the
+    caller has it (`pipeline_of`; its stage sums are kept in it), else made here.
 
     Stage latency and memory come from the stage accountant, as in the stage DP's table, so a plan
     evaluated again prices to the same number.
     """
-    pipe = pipeline_of(graph, cluster, layering, count, options.overlap)
+    pipe = pipe or pipeline_of(graph, cluster, layering, count, options.overlap)
     batch, mb = pipe.batch, pipe.mb
     num_stages = len(specs) // virtual_stages
     placed = place(cluster, [spec.submesh for spec in specs[:num_stages]])

@@ -169,12 +169,12 @@ def _price_layers(pricer: Pricer, cluster: Cluster, pipe: Pipeline, count: int, 
         # layers past their even share overflow together (a block beside an embedding, each given the whole
         # budget): cap them at what the others leave, shared evenly, each with its whole working set, so that
         # the stage fits whenever they do; a layer that does not fit keeps its rung and `price` reports it
+        # (a new row: `pipe` keeps the sums of the one `held` read, by its identity)
         others = sum(c.memory_bytes(spec.inflight) for b, c in enumerate(row) if c is not None and b not in loose)
         cap = (budget - others) / len(loose)
-        for b in loose if cap > 0 else []:
-            cost = pricer.one(Job(mb, count, names[b], mesh, spec.recompute, cap, spec.inflight, restriction), stats)
-            if isinstance(cost, LayerCost):
-                row[b] = cost
+        refitted = {b: pricer.one(Job(mb, count, names[b], mesh, spec.recompute, cap, spec.inflight, restriction), stats)
+                    for b in (loose if cap > 0 else [])}
+        row = [refitted[b] if isinstance(refitted.get(b), LayerCost) else c for b, c in enumerate(row)]
     return row
 
 
@@ -198,7 +198,7 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
         pipe = pipeline_of(graph, cluster, layering, count, options.overlap)
         rows = [_price_layers(pricer, cluster, pipe, count, spec, r, stats, share) for spec, r in zip(specs, restrictions)]
         plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start,
-                        schedule, virtual_stages)
+                        schedule, virtual_stages, pipe)
     devices = len(plan.stages) // virtual_stages
     for i, stage in enumerate(plan.stages):
         if stage.memory_bytes > budget:

@@ -349,7 +349,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     # The stage DP prices a send before its neighbour is placed (COSTMODEL §5b "Pipeline sends"); assembly prices it
     # placed. Of the plans found, one per count, the fastest assembled is returned (ties: the fewest microbatches).
     plan = min((assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start,
-                         schedule, v) for _, count, specs, rows, schedule, v in finished),
+                         schedule, v, space.pipe(count)) for _, count, specs, rows, schedule, v in finished),
                key=lambda p: (p.iteration_time_s, p.num_microbatches))
     total = plan.iteration_time_s
     plan.solver["search"] = restrictions(options, batch, len(tagged_layers(graph)), len(layering.groups),
