@@ -60,9 +60,10 @@ def solve(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray],
         for names, table in mine:
             axes = sorted(range(len(names)), key=lambda a: scope.index(names[a]))
             shape = [sizes[m] if m in names else 1 for m in scope]
-            total = total + np.transpose(table, axes).reshape(shape)
-        steps.append((v, scope[:-1], total.argmin(axis=-1)))
-        factors.append((scope[:-1], total.min(axis=-1)))
+            np.add(total, np.transpose(table, axes).reshape(shape), out=total)
+        best = total.argmin(axis=-1)  # the least read back through it: one pass over the table, not two
+        steps.append((v, scope[:-1], best))
+        factors.append((scope[:-1], np.take_along_axis(total, best[..., None], axis=-1)[..., 0]))
     choice: dict[int, int] = {}
     for v, neighbours, best in reversed(steps):
         choice[v] = int(best[tuple(choice[m] for m in neighbours)])
