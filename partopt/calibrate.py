@@ -133,6 +133,7 @@ class Point:
     sequence_parallel: bool  # every norm split along its sequence over the tensor-parallel axis (Megatron's flag)
     shard_weights: bool  # every parameter split over the data-parallel axis, gathered for each use (ZeRO-3, FSDP)
     overlap: bool
+    memory_reserve: float | None  # the fraction of device memory kept free when pricing it (None: partopt's default)
     schedule: str  # the pipeline schedule as run (`schedules.SCHEDULES`) ...
     virtual_stages: int  # ... with this many model chunks per stage (interleaved)
     iteration_s: float | None  # the measured figure: an iteration time ...
@@ -198,7 +199,7 @@ def points_from_dict(data: Any, where: str = "", base: Path = Path(".")) -> Poin
             tp=plan["tp"], pp=plan["pp"], dp=plan["dp"], microbatches=plan.get("microbatches"),
             recompute=plan.get("recompute", "auto"), zero=plan.get("zero", False),
             sequence_parallel=plan.get("sequence_parallel", False), shard_weights=plan.get("shard_weights", False),
-            overlap=plan.get("overlap", True),
+            overlap=plan.get("overlap", True), memory_reserve=plan.get("memory_reserve"),
             schedule=plan.get("schedule", "1f1b"), virtual_stages=plan.get("virtual_stages", 1),
             iteration_s=measured.get("iteration_s"), tflops_per_gpu=measured.get("tflops_per_gpu"),
             flops=measured.get("flops", "executed"), where=at))
@@ -236,8 +237,8 @@ def ratio(point: Point, cluster: Cluster, workers: int | None = None) -> float:
     try:
         plan = uniform(point.graph, cluster, point.tp, point.pp, point.dp, point.microbatches,
                        zero=point.zero, sequence_parallel=point.sequence_parallel, shard_weights=point.shard_weights,
-                       recompute=point.recompute,
-                       overlap=point.overlap, workers=workers,
+                       recompute=point.recompute, overlap=point.overlap, workers=workers,
+                       **({} if point.memory_reserve is None else {"memory_reserve": point.memory_reserve}),
                        schedule=point.schedule, virtual_stages=point.virtual_stages)
     except PartoptError as err:
         raise type(err)(err.cause, f"{point.where} ({point.label}): {err.where}" if err.where else point.where,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -25,8 +25,8 @@ from partopt.graph import Graph, Op
 from partopt.units import fmt_bytes, fmt_seconds
 from partopt.sharding import (
     PairPrices, ParamStrategy, Placement, Strategy, as_gradient_target, collectives_time, fmt, forward_share,
-    gradient_placement, local_bytes, op_strategies, param_strategies, param_sync_collectives,
-    R, Shard, reshard_collectives, reshard_copy_bytes, shards, tensor_placements,
+    gradient_placement, local_bytes, op_strategies, pair_table, param_eager_collectives, param_strategies,
+    param_sync_collectives, R, Shard, reshard_collectives, reshard_copy_bytes, shards, tensor_placements,
 )
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -178,9 +178,10 @@ def _use_collectives(model_graph: Graph, use: Use, src_strategy, dst_strategy: S
     if use.param:
         p: ParamStrategy = src_strategy
         gather = reshard_collectives(p.placement, required, nbytes, mesh)
-        # gathered for the forward and again for the backward (FSDP-style)
+        # gathered for the forward and again for the backward, its partial sums reduced into the stored split (FSDP)
+        eager = param_eager_collectives(grad, p, nbytes, mesh) if differentiable else []
         per_it = param_sync_collectives(grad, p, nbytes, mesh) if differentiable else []
-        return UseCollectives(gather, gather, per_it)
+        return UseCollectives(gather, gather + eager, per_it)
     out: Placement = src_strategy.output
     backward = []
     if differentiable and use.gradient:
@@ -197,14 +198,6 @@ def _ends(use: Use, src_list: list, dst_list: list[Strategy]) -> tuple[list[Plac
     sources = [s.placement for s in src_list] if use.param else [s.output for s in src_list]
     required = [d.inputs[use.slot] for d in dst_list]
     return sources, required, [gradient_placement(q, d.axes) for q, d in zip(required, dst_list)]
-
-
-def accumulator_bytes(graph: Graph, tensor: str, strategy: Strategy, slot: int, mesh: LogicalMesh) -> float:
-    """Bytes per device of the buffer a consumer accumulates a parameter's gradient in over the
-    microbatches: the gradient in the consumer's layout (Partial holds it whole), which is reduced
-    into the parameter's own placement only once per iteration (`param_sync_collectives`)."""
-    grads = costmodel.param_memory(graph.numel(tensor), graph.dtype_of(tensor), graph.optimizer).grads
-    return local_bytes(grads, gradient_placement(strategy.inputs[slot], strategy.axes), mesh)
 
 
 def _sizes(graph: Graph, tensor: str) -> tuple[int, ...]:
@@ -315,7 +308,7 @@ def _use_tables(model_graph: Graph, use: Use, src_list: list, dst_list: list[Str
     def compute() -> tuple[np.ndarray, ...]:
         cost, iteration = _use_cost(use, src_list, sources, required, grads, nbytes, differentiable, prices,
                                     microbatches, rerun, cover)
-        return cost, *_use_copies(use, sources, required, grads, nbytes, differentiable, prices), iteration
+        return cost, *_use_copies(use, src_list, sources, required, grads, nbytes, differentiable, prices), iteration
 
     return _kept_tables(key, compute)
 
@@ -352,11 +345,13 @@ def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list
     gather = list(prices.reshard_seconds(sources, required, nbytes))
     per_iteration: list[np.ndarray] = []
     if use.param:
-        if cover is None:
-            per_microbatch = gather + gather  # gathered for the forward and again for the backward
+        eager = list(_eager_table(src_list, grads, nbytes, prices)) if differentiable else []
+        if cover is None:  # gathered for the forward and again for the backward, then its partial sums reduced
+            per_microbatch = gather + gather + eager
         else:
-            whole = functools.reduce(np.add, gather, np.zeros((len(sources), len(required))))
-            per_microbatch = [exposed(whole, np.asarray(c)[None, :]) for c in cover]
+            zero = np.zeros((len(sources), len(required)))
+            sides = (functools.reduce(np.add, gather, zero), functools.reduce(np.add, gather + eager, zero))
+            per_microbatch = [exposed(side, np.asarray(c)[None, :]) for side, c in zip(sides, cover)]
         if differentiable:  # the same for every microbatch count: kept apart from the use's tables
             def sync() -> tuple[np.ndarray, ...]:
                 return (prices.step_table(lambda p, g: param_sync_collectives(g, p, nbytes, prices.mesh),
@@ -376,25 +371,43 @@ def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list
             iteration if per_iteration else np.zeros(()))
 
 
+def _eager_table(src_list: list[ParamStrategy], grads: list[Placement], nbytes: float, prices: PairPrices) -> np.ndarray:
+    """Seconds of the i-th per-microbatch reduction of a weight's gradient (`param_eager_collectives`) for every pair
+    of its strategies and its consumer's gradient layouts, as [i, a, b]; kept like the sync tables."""
+    def eager() -> tuple[np.ndarray, ...]:
+        return (prices.step_table(lambda p, g: param_eager_collectives(g, p, nbytes, prices.mesh), src_list, grads,
+                                  len(prices.mesh.shape)),)
+
+    return _kept_tables(("eager", nbytes, tuple(src_list), tuple(grads), prices.mesh, prices.model), eager)[0]
+
+
 def exposed(gather_s: np.ndarray | float, cover_s: np.ndarray | float) -> np.ndarray:
     """Seconds of a prefetched gather that its cover does not hide: max(0, gather - cover)."""
     return np.maximum(0.0, gather_s - cover_s)
 
 
-def _use_copies(use: Use, sources: list[Placement], required: list[Placement], grads: list[Placement],
-                nbytes: float, differentiable: bool, prices: PairPrices) -> tuple[np.ndarray, np.ndarray]:
+def _use_copies(use: Use, src_list: list, sources: list[Placement], required: list[Placement],
+                grads: list[Placement], nbytes: float, differentiable: bool,
+                prices: PairPrices) -> tuple[np.ndarray, np.ndarray]:
     """(copy, gathered weight) bytes per device one use materialises while its consumer runs, per
     strategy pair: transients of the consumer (docs/COSTMODEL.md §5).
 
     A parameter gathered for the op (stored sharded where the op needs more of it: FSDP/ZeRO-3)
     is a copy of the needed layout, forward and again backward; it also counts as the weight a
-    prefetch gathers one op ahead. An activation resharded by an all-gather or all-to-all is a copy
-    beside the source, forward; its gradient likewise, backward (the larger of the two, which
-    never coexist). In-place collectives and local slices copy nothing (`reshard_copy_bytes`).
+    prefetch gathers one op ahead. In the backward its gradient, in the op's layout, sits beside it
+    until it is reduce-scattered into the stored split (`param_eager_collectives`). An activation
+    resharded by an all-gather or all-to-all is a copy beside the source, forward; its gradient
+    likewise, backward (the larger of the two, which never coexist). In-place collectives and local
+    slices copy nothing (`reshard_copy_bytes`).
     """
     copies = prices.copy_table(sources, required, nbytes)
     if use.param:
-        return copies, copies
+        if not differentiable:
+            return copies, copies
+        mesh = prices.mesh
+        reduced = pair_table(lambda p, g: local_bytes(nbytes, g, mesh) if param_eager_collectives(g, p, nbytes, mesh)
+                             else 0.0, src_list, grads)
+        return copies + reduced, copies
     if differentiable and use.gradient:
         targets = [as_gradient_target(o) for o in sources]
         copies = np.maximum(copies, prices.copy_table(grads, targets, nbytes).T)
@@ -513,9 +526,10 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     `restriction` filters strategies further. `recompute` (a mode of `recomputed_ops`) picks ops
     that keep for backward only the outputs read by ops not recomputed, and rerun their forward
     (compute and forward collectives) once during their backward, holding all their outputs
-    once while they do. Memory (docs/COSTMODEL.md §5): op nodes hold their kept output and their
-    weights' gradient buffers, parameter nodes weights and optimizer state, and each use's copies
-    (gathered weights, all-gather/all-to-all and layout-hub copies) are transients of its consumer.
+    once while they do. Memory (docs/COSTMODEL.md §5): op nodes hold their kept output, parameter
+    nodes weights, optimizer state and a gradient buffer per read, in the stored placement, and each
+    use's copies (gathered weights and their gradients before the reduction, all-gather/all-to-all and
+    layout-hub copies) are transients of its consumer.
     `prefetch`: a weight's gathers run ahead of its consumer, under compute (`prefetch_cover`, `exposed`).
     """
     restriction = restriction or Restriction()
@@ -535,7 +549,6 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
         readers = graph.consumers[op.output]
         if op.output not in boundary and not any(c.name in inside for c in readers):
             leaving.add(op.name)
-        weights = [slot for slot, t in enumerate(op.inputs) if graph.tensors[t].role == "param"]
         cost, memory, copies = [], [], []
         for s in options:
             forward, backward = _leaving(graph, op, s, mesh) if op.name in leaving else ([], [])
@@ -546,8 +559,6 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
                 memory.append(s.memory_bytes * ((inflight if op.name in kept else 0) + 1))
             else:
                 memory.append(s.memory_bytes * inflight)
-            # the gradients of its weights accumulate in this op's layout (per iteration, once)
-            memory[-1] += sum(accumulator_bytes(graph, op.inputs[slot], s, slot, mesh) for slot in weights)
             copies.append(_leaving_copy(graph, op, s, mesh) if op.name in leaving else 0.0)
         node_of_op[op.output] = costs.add_node(op.name, cost, memory)
         if any(copies):
@@ -556,6 +567,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
 
     params: list[str] = []
     node_of_param: dict[str, int] = {}
+    reads = Counter(t for op in ops for t in op.inputs if graph.tensors[t].role == "param")  # each accumulates apart
     sync_bound = 0.0  # per iteration: each parameter's slowest optimizer step and each use's slowest reduction
     per_iteration = []
     paired = set(boundary.values())
@@ -572,8 +584,9 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
                                     lambda s: restriction.param(tensor, s), tensor, restriction)
                     steps = optimizer_step_times(graph, tensor, options, mesh)
                     sync_bound += max(steps)
-                    node_of_param[tensor] = costs.add_node(  # weights and optimizer state; gradients at the readers
-                        tensor, [t / microbatches for t in steps], [s.state_bytes[0] + s.state_bytes[2] for s in options])
+                    node_of_param[tensor] = costs.add_node(  # weights, optimizer state, a gradient buffer per read
+                        tensor, [t / microbatches for t in steps],
+                        [s.state_bytes[0] + reads[tensor] * s.state_bytes[1] + s.state_bytes[2] for s in options])
                     strategies.append(options)
                     params.append(tensor)
                 uses.append(Use(tensor, node_of_param[tensor], node_of_op[op.output], slot, True))
@@ -741,11 +754,10 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
         pay(c.per_iteration, breakdown.sync_s, bucketed=True)
         if use.param:
             pay(c.per_iteration, breakdown.param_sync_s.setdefault(use.tensor, defaultdict(float)), bucketed=True)
-            if model.prefetch:
-                op = model.ops[use.dst]
-                gather = collectives_time(c.forward, mesh)
-                for side in prefetch_cover(g, op, [chosen[use.dst]]):
-                    breakdown.prefetched_s += gather - float(exposed(gather, side[0]))
+            if model.prefetch:  # each side's gathers (and the backward's reduction) under that side's compute
+                for steps, cover in zip((c.forward, c.backward), prefetch_cover(g, model.ops[use.dst], [chosen[use.dst]])):
+                    side = collectives_time(steps, mesh)
+                    breakdown.prefetched_s += side - float(exposed(side, cover[0]))
         if _reruns(use, model.ops, model.recompute):
             breakdown.recompute_s += collectives_time(c.recomputed(use.param), mesh)
         if not use.param:
@@ -777,16 +789,12 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
         op_choices.append(OpChoice(op.name, s, describe(g, op, s, outgoing[n], mesh), tuple(outgoing[n])))
     breakdown.transient_bytes = model.costs.transient_peak(choice)
     breakdown.working_bytes += breakdown.transient_bytes
-    accumulated: dict[str, float] = defaultdict(float)  # gradient buffers, in their readers' layouts
-    for use in model.uses:
-        if use.param:
-            accumulated[use.tensor] += accumulator_bytes(g, use.tensor, chosen[use.dst], use.slot, mesh)
+    reads = Counter(use.tensor for use in model.uses if use.param)  # a gradient buffer per read
     param_choices = []
     for i, tensor in enumerate(model.params):
         n = len(model.ops) + i
         p: ParamStrategy = chosen[n]
-        # as held: the gradient part is what its readers accumulate, not the gradient at p's placement
-        p = dataclasses.replace(p, state_bytes=(p.state_bytes[0], accumulated[tensor], p.state_bytes[2]))
+        p = dataclasses.replace(p, state_bytes=(p.state_bytes[0], reads[tensor] * p.state_bytes[1], p.state_bytes[2]))
         breakdown.param_bytes += p.memory_bytes
         for part, size in zip(STATE_PARTS, p.state_bytes):
             breakdown.state_bytes[part] += size
@@ -803,11 +811,8 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
 
 def _memory_error(model: StageModel, budget: float) -> InfeasibleError:
     """Name the liveness point, the tensors that dominate it, the bytes needed and the budget."""
-    def reads_weights(op: Op) -> bool:
-        return any(model.graph.tensors[t].role == "param" for t in op.inputs)
-
-    labels = [f"{op.output} (activation{' and weight gradients' if reads_weights(op) else ''})"
-              for op in model.ops] + [f"{p} (weights and optimizer state)" for p in model.params]
+    labels = ([f"{op.output} (activation)" for op in model.ops]
+              + [f"{p} (weights, gradient and optimizer state)" for p in model.params])
     least = [(float(m.min()), label) for label, m in zip(labels, model.costs.memory)]
     least.append((model.costs.least_transient_peak(), "transient buffers"))
     need = ilp.min_memory(model.costs)

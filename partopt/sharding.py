@@ -714,20 +714,33 @@ def param_sync_collectives(grad: Placement, param: ParamStrategy, nbytes: float,
     they are reduced into the parameter's placement. On a ZeRO axis the all-reduce becomes a
     reduce-scatter plus an all-gather of the updated weights (and a complete gradient needs
     only that all-gather). A gradient that changes its split on both axes is one all-to-all over the
-    mesh, priced as any resharding (`is_mesh_all_to_all`).
+    mesh, priced as any resharding (`is_mesh_all_to_all`). The partial sums of a weight stored split
+    are not here: they are reduce-scattered every microbatch (`param_eager_collectives`).
     """
     template = _sync_template(_pattern(grad, param.placement), param.zero_axes, mesh.shape)
     if template is None:
         return reshard_collectives(grad, param.placement, nbytes, mesh)
-    return [(kind, axis, nbytes / divisor) for kind, axis, divisor in template]
+    return [(kind, axis, nbytes / divisor) for kind, axis, divisor, eager in template if not eager]
+
+
+def param_eager_collectives(grad: Placement, param: ParamStrategy, nbytes: float,
+                            mesh: LogicalMesh) -> list[tuple[str, int, float]]:
+    """Per-microbatch gradient reduction of one parameter: on each axis where the parameter is stored split and its
+    consumer's gradient `grad` holds partial sums (a weight gathered for use: FSDP, ZeRO-3), the reduce-scatter into
+    the stored shard, right after the consumer's backward, as PyTorch FSDP and DeepSpeed ZeRO-3 run it; so the
+    gradient accumulates over microbatches as that shard (docs/COSTMODEL.md §5, "Gradient accumulation buffers")."""
+    template = _sync_template(_pattern(grad, param.placement), param.zero_axes, mesh.shape)
+    return [] if template is None else [(kind, axis, nbytes / divisor) for kind, axis, divisor, eager in template
+                                        if eager]
 
 
 @functools.lru_cache(maxsize=1 << 12)
 def _sync_template(pattern: tuple, zero_axes: tuple[int, ...],
-                   shape: tuple[int, ...]) -> tuple[tuple[str, int, int], ...] | None:
-    """`param_sync_collectives` for any size: each step's buffer as the divisor of the tensor's bytes, or None
-    for one all-to-all over the mesh (a resharding). Memoised per `_pattern` of (gradient, placement), ZeRO axes
-    and mesh shape: all it reads (it compares dims, never reads their names)."""
+                   shape: tuple[int, ...]) -> tuple[tuple[str, int, int, bool], ...] | None:
+    """The steps of `param_sync_collectives` and `param_eager_collectives` for any size: each step's buffer as the
+    divisor of the tensor's bytes, and whether it runs every microbatch; or None for one all-to-all over the mesh (a
+    resharding). Memoised per `_pattern` of (gradient, placement), ZeRO axes and mesh shape: all it reads (it
+    compares dims, never reads their names)."""
     grad, placement = _patterned(pattern, len(shape))
     mesh = MeshShape(shape)
     if is_mesh_all_to_all(grad, placement, mesh):
@@ -739,10 +752,10 @@ def _sync_template(pattern: tuple, zero_axes: tuple[int, ...],
         if axis in zero_axes:
             divisor = shards(grad, mesh, skip_axis=axis)
             if isinstance(g, Partial):
-                steps.append(("reduce_scatter", axis, divisor))
-            steps.append(("all_gather", axis, divisor))
+                steps.append(("reduce_scatter", axis, divisor, False))
+            steps.append(("all_gather", axis, divisor, False))
             continue
         kind = axis_collective(g, p)
         if kind is not None:
-            steps.append((kind, axis, buffer_divisor(kind, grad, mesh, axis)))
+            steps.append((kind, axis, buffer_divisor(kind, grad, mesh, axis), kind == "reduce_scatter"))
     return tuple(steps)

@@ -17,8 +17,8 @@ from partopt import gradients, intra, sharding
 from partopt.cluster import preset
 from partopt.io import read_graph
 from partopt.sharding import (
-    P, R, Shard, as_gradient_target, collectives_time, gradient_placement, reshard_collectives,
-    reshard_copy_bytes, reshard_time, tensor_placements,
+    P, R, Shard, as_gradient_target, collectives_time, gradient_placement, local_bytes, param_eager_collectives,
+    reshard_collectives, reshard_copy_bytes, reshard_time, tensor_placements,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,8 +53,11 @@ def reference(model: intra.StageModel) -> tuple[dict, dict]:
                 cost[a, b] = (collectives_time(c.per_microbatch + again, mesh)
                               + collectives_time(c.per_iteration, mesh, bucketed=True) / model.microbatches)
                 required = d.inputs[use.slot]
-                if use.param:
-                    copy[a, b] = prefetch[a, b] = reshard_copy_bytes(s.placement, required, nbytes, mesh)
+                if use.param:  # the gathered weight; in the backward beside it the gradient until its reduce-scatter
+                    prefetch[a, b] = reshard_copy_bytes(s.placement, required, nbytes, mesh)
+                    grad = gradient_placement(required, d.axes)
+                    eager = intra._is_float(g, use.tensor) and param_eager_collectives(grad, s, nbytes, mesh)
+                    copy[a, b] = prefetch[a, b] + (local_bytes(nbytes, grad, mesh) if eager else 0.0)
                     continue
                 forward = reshard_copy_bytes(s.output, required, nbytes, mesh)
                 backward = 0.0

@@ -143,10 +143,10 @@ def test_budget_below_the_smallest_footprint_names_the_point_tensors_bytes_and_b
     # the least footprint: each weight's Adam state split 4 ways, each output split 4 ways
     need = 2 * 16 * 128 * 128 / 4 + 2 * 1024 * 128 * 4 / 4
     assert f"at least {need / 1024:.3g} KiB" in line
-    # an op's least: its output split 4 ways (128 KiB) and its weight's fp32 gradient accumulated in
-    # its layout, split 4 ways (16 KiB); a weight's: fp32 weights and Adam's m, v split 4 ways (48 KiB)
-    assert ("largest: y1 (activation and weight gradients) 144 KiB, y0 (activation and weight gradients) 144 KiB, "
-            "w1 (weights and optimizer state) 48 KiB") in line
+    # an op's least: its output split 4 ways (128 KiB); a weight's: fp32 weights, their gradient (accumulated
+    # in the stored split) and Adam's m, v, each split 4 ways (64 KiB)
+    assert ("largest: y1 (activation) 128 KiB, y0 (activation) 128 KiB, "
+            "w1 (weights, gradient and optimizer state) 64 KiB") in line
 
 
 def test_merging_never_changes_the_optimum_on_instances():

@@ -10,7 +10,7 @@ from partopt import ilp, intra
 from partopt.errors import InfeasibleError
 from partopt.sharding import R, Shard
 
-from test_intra import mlp, row_mesh
+from test_intra import LAUNCH, mlp, row_mesh
 
 B, H = 64, 128  # mlp(2, B, H): x[b,h0] -> fc0 (w0[h0,h1]) -> y0 -> fc1 (w1[h1,h2]) -> y1, fp32, Adam
 W = H * H * 4  # bytes of one fp32 weight (its gradient too)
@@ -28,28 +28,48 @@ def solve_and_model(graph, mesh, restriction, **kw):
     return stage, model.costs.peak_memory(stage.solution.choice)
 
 
-def test_fsdp_gathered_weights_count_once_plus_one_prefetched_and_gradients_accumulate_whole():
+def test_fsdp_gathered_weights_count_once_plus_one_prefetched_and_gradients_accumulate_split():
     """ZeRO-3/FSDP on 4 devices: both ops split the batch, both weights are stored split 4 ways by
-    their first dim, so each op all-gathers its weight, forward and backward."""
+    their first dim, so each op all-gathers its weight, forward and backward, and reduce-scatters
+    its gradient into the stored split after each microbatch's backward."""
     graph, mesh = mlp(2, B, H), row_mesh(4)
     dp = (None, "b")
     restriction = pinned({"fc0": dp, "fc1": dp}, {"w0": ((R, Shard("h0")), ()), "w1": ((R, Shard("h1")), ())})
     stage, ilp_memory = solve_and_model(graph, mesh, restriction)
     bd = stage.breakdown
-    # state per weight: fp32 weights W/4 and Adam's m, v 2W/4, stored split; the gradient accumulates
-    # in fc's layout: fc splits b, which the weight lacks, so each device sums a whole partial
-    # gradient (Partial: W bytes) until the iteration's reduce-scatter — not W/4 as stored
-    assert bd.state_bytes == {"weights": 2 * W / 4, "gradients": 2 * W, "optimizer": 2 * 2 * W / 4}
-    assert [p.strategy.state_bytes for p in stage.params] == [(W / 4, W, 2 * W / 4)] * 2
-    # transients: fc0's gathered w0 (W) while fc0 runs, fc1's (W) while fc1 runs — the max of the
-    # two, not their sum — plus the next op's weight prefetched beside it (at most the largest, W);
-    # y0 and y1 stay batch-split (no activation copies)
-    assert bd.transient_bytes == 2 * W
+    # state per weight, stored split 4 ways: fp32 weights W/4, the gradient W/4 (fc splits b, which the
+    # weight lacks, so each device computes a whole partial gradient, W bytes, which is reduce-scattered
+    # right away and accumulates as the stored split) and Adam's m, v 2W/4
+    assert bd.state_bytes == {"weights": 2 * W / 4, "gradients": 2 * W / 4, "optimizer": 2 * 2 * W / 4}
+    assert [p.strategy.state_bytes for p in stage.params] == [(W / 4, W / 4, 2 * W / 4)] * 2
+    # transients: while fc1 runs its backward, its gathered w1 (W) and w1's whole partial gradient before
+    # the reduce-scatter (W); fc0 the same — the max of the two, not their sum — plus the next op's weight
+    # prefetched beside it (at most the largest, W); y0 and y1 stay batch-split (no activation copies)
+    assert bd.transient_bytes == 3 * W
     # kept activations: y0 and y1 split 4 ways; one microbatch in flight
     assert bd.activation_bytes == 2 * Y / 4
-    expected = 2 * W / 4 + 2 * W + 4 * W / 4 + 2 * Y / 4 + 2 * W
+    expected = 2 * W / 4 + 2 * W / 4 + 4 * W / 4 + 2 * Y / 4 + 3 * W
     assert stage.memory_bytes == expected
     assert ilp_memory == expected  # the ILP's memory row charges the same
+
+
+def test_fsdp_reduces_each_microbatch_and_plain_data_parallelism_once_per_iteration():
+    """The collectives of those two plans at 3 microbatches, priced by hand on 4 devices in a row at 10 GB/s with no
+    latency: a weight stored split (FSDP) is reduce-scattered after every microbatch, W bytes over 4 devices,
+    (4 - 1) / 4 · W / bw each (ring), and nothing is left for the iteration; a replicated weight's partial sums
+    are all-reduced once per iteration, 2 (4 - 1) / 4 · W / bw, in the gradient buckets (no launch of their own)."""
+    graph, mesh = mlp(2, B, H), row_mesh(4)
+    dp = (None, "b")
+    bw = 10e9
+    fsdp = pinned({"fc0": dp, "fc1": dp}, {"w0": ((R, Shard("h0")), ()), "w1": ((R, Shard("h1")), ())})
+    bd = intra.shard_stage(graph, mesh, restriction=fsdp, microbatches=3).breakdown
+    assert bd.comm_s["reduce_scatter"] == pytest.approx(2 * (LAUNCH + 3 / 4 * W / bw), rel=1e-12)
+    assert bd.comm_s["all_gather"] == pytest.approx(2 * 2 * (LAUNCH + 3 / 4 * W / bw), rel=1e-12)  # forward, backward
+    assert not any(bd.sync_s.get(kind) for kind in ("reduce_scatter", "all_reduce"))
+    plain = pinned({"fc0": dp, "fc1": dp}, {"w0": ((R, R), ()), "w1": ((R, R), ())})
+    bd = intra.shard_stage(graph, mesh, restriction=plain, microbatches=3).breakdown
+    assert not any(bd.comm_s.get(kind) for kind in ("reduce_scatter", "all_reduce", "all_gather"))
+    assert bd.sync_s["all_reduce"] == pytest.approx(2 * (2 * 3 / 4 * W / bw), rel=1e-12)
 
 
 def test_replicated_data_parallel_has_no_transient_and_its_gradient_matches_the_stored_layout():

@@ -3,7 +3,9 @@
 The test device of tests/test_intra.py is compute bound with latency-free links, so each figure is
 written out by hand: a matmul of the FSDP MLP computes c = 6·b·h²/4 / peak per device (forward c/3,
 backward 2c/3), and each weight (W bytes, stored split 4 ways) is all-gathered forward and backward,
-g = launch + (3/4)·W / bw each. Prefetched, a gather costs only max(0, g − cover), the cover being
+g = launch + (3/4)·W / bw each, and its gradient reduce-scattered into the stored split after the
+backward, the same g (a ring moves (3/4)·W either way). Prefetched, the forward's gather costs only
+max(0, g − cover) and the backward's gather and reduce-scatter max(0, 2g − cover), the cover being
 its consumer's forward or backward compute.
 """
 
@@ -29,21 +31,21 @@ def fsdp(bw: float, prefetch: bool):
 
 
 @pytest.mark.parametrize("bw, exposed_per_op", [
-    # g = launch + 3 MiB / 1 GB/s ≈ 3.1 ms: above the forward's c/3 ≈ 2.1 ms, below the backward's 2c/3 ≈ 4.3 ms
-    (1e9, lambda g: (g - C / 3) + 0.0),
-    # g ≈ 0.3 ms: both hidden
+    # g = launch + 3 MiB / 1 GB/s ≈ 3.1 ms: above the forward's c/3 ≈ 2.1 ms; 2g above the backward's 2c/3 ≈ 4.3 ms
+    (1e9, lambda g: (g - C / 3) + (2 * g - 2 * C / 3)),
+    # g ≈ 0.3 ms: both sides hidden
     (1e10, lambda g: 0.0),
     # g ≈ 31 ms: both exposed beyond their covers
-    (1e8, lambda g: (g - C / 3) + (g - 2 * C / 3)),
+    (1e8, lambda g: (g - C / 3) + (2 * g - 2 * C / 3)),
 ])
 def test_a_prefetched_gather_costs_what_its_consumers_compute_does_not_hide(bw, exposed_per_op):
     g = LAUNCH + 3 / 4 * W / bw
     additive, prefetched = fsdp(bw, prefetch=False), fsdp(bw, prefetch=True)
-    assert additive.breakdown.per_microbatch_s == pytest.approx(2 * C + 2 * 2 * g, rel=1e-9)
+    assert additive.breakdown.per_microbatch_s == pytest.approx(2 * C + 2 * 3 * g, rel=1e-9)
     assert prefetched.breakdown.per_microbatch_s == pytest.approx(2 * C + 2 * exposed_per_op(g), rel=1e-9)
-    # the gathers stay listed in full; what prefetching hides is its own figure
+    # the gathers and reductions stay listed in full; what prefetching hides is its own figure
     assert prefetched.breakdown.comm_s == pytest.approx(additive.breakdown.comm_s, rel=1e-12)
-    assert prefetched.breakdown.prefetched_s == pytest.approx(2 * (2 * g - exposed_per_op(g)), rel=1e-9)
+    assert prefetched.breakdown.prefetched_s == pytest.approx(2 * (3 * g - exposed_per_op(g)), rel=1e-9)
     # the ILP prices the decoded assignment alike (microbatches = 1: per iteration adds once)
     for stage in (additive, prefetched):
         assert stage.objective == pytest.approx(stage.breakdown.per_microbatch_s + stage.breakdown.per_iteration_s,

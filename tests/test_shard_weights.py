@@ -37,14 +37,14 @@ def _state(graph, weights: float, grads: float, optimizer: float) -> float:
 @pytest.mark.parametrize("dp", [2, 4])
 def test_weights_split_over_the_data_parallel_axis(tiny, dp):
     """Every parameter is stored split along the data-parallel axis 0, with no ZeRO axis besides. Per device: the
-    weights and the optimizer state at 1/dp, the gradient whole (it accumulates in its readers' data-parallel
-    layout until the iteration's reduce-scatter: docs/COSTMODEL.md, "Gradient accumulation buffers"); plain data
-    parallelism holds all three whole, and ZeRO-2 the optimizer state at 1/dp."""
+    weights, the gradient and the optimizer state at 1/dp (the gradient is reduce-scattered into the stored split
+    after each microbatch's backward and accumulates there, as FSDP runs it: docs/COSTMODEL.md, "Gradient
+    accumulation buffers"); plain data parallelism holds all three whole, and ZeRO-2 the optimizer state at 1/dp."""
     cluster = _devices(dp)
     sharded = uniform(tiny, cluster, 1, 1, dp, 1, recompute="none", overlap=False, shard_weights=True)
     stage = sharded.stages[0]
     assert stage.params and all(isinstance(p.placement[0], Shard) and not p.zero_axes for p in stage.params.values())
-    assert stage.breakdown["param_bytes"] == pytest.approx(_state(tiny, 1 / dp, 1, 1 / dp), rel=1e-12)
+    assert stage.breakdown["param_bytes"] == pytest.approx(_state(tiny, 1 / dp, 1 / dp, 1 / dp), rel=1e-12)
     plain = uniform(tiny, cluster, 1, 1, dp, 1, recompute="none", overlap=False)
     assert plain.stages[0].breakdown["param_bytes"] == pytest.approx(_state(tiny, 1, 1, 1), rel=1e-12)
     zero = uniform(tiny, cluster, 1, 1, dp, 1, recompute="none", overlap=False, zero=True)
