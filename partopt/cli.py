@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from partopt import baselines, check, io, models, validate
-from partopt.cluster import AUTO_ALPA_NODES, PRESETS, SUBMESH_FAMILIES, Cluster, Link, preset, preset_calibration
+from partopt.cluster import AUTO_ALPA_NODES, MAX_NODES, PRESETS, SUBMESH_FAMILIES, Cluster, Link, preset, preset_calibration
 from partopt.costmodel import training_flops
 from partopt.evaluate import evaluate as evaluate_plan, uniform
 from partopt.errors import InstanceError, PartoptError
@@ -289,7 +289,7 @@ def _calibration_text(c: dict[str, Any] | None) -> str:
 
 @main.command()
 @click.argument("source", metavar="FILE")
-@click.option("--nodes", type=click.IntRange(min=1), help="Resize a cluster to this many nodes.")
+@click.option("--nodes", type=click.IntRange(min=1, max=MAX_NODES), help="Resize a cluster to this many nodes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the facts as one JSON object.")
 def inspect(source: str, nodes: int | None, as_json: bool) -> None:
     """Summarise a graph or cluster FILE (or a cluster preset by name)."""
@@ -479,7 +479,7 @@ def _render_plan(plan: Plan, calibration: dict[str, Any] | None) -> list[Table]:
 @main.command()
 @click.argument("graph_file", metavar="GRAPH")
 @click.option("--cluster", "cluster_source", required=True, help="Cluster file or preset name.")
-@click.option("--nodes", type=click.IntRange(min=1), help="Resize the cluster to this many nodes.")
+@click.option("--nodes", type=click.IntRange(min=1, max=MAX_NODES), help="Resize the cluster to this many nodes.")
 @click.option("--microbatches", default="auto", show_default=True,
               help="Microbatch count, counts to search (64,128,256), or auto (every power of two dividing the batch).")
 @click.option("--layers", type=click.IntRange(min=1), default=DEFAULT_MAX_LAYERS, show_default=True,
@@ -593,7 +593,7 @@ def _emit(plan: Plan, output: str | None, as_json: bool, cluster_source: str) ->
 @main.command("evaluate")
 @click.argument("graph_file", metavar="GRAPH")
 @click.option("--cluster", "cluster_source", required=True, help="Cluster file or preset name.")
-@click.option("--nodes", type=click.IntRange(min=1), help="Resize the cluster to this many nodes.")
+@click.option("--nodes", type=click.IntRange(min=1, max=MAX_NODES), help="Resize the cluster to this many nodes.")
 @click.option("--plan", "plan_file", type=click.Path(), help="A plan file to price as written.")
 @click.option("--tp", type=click.IntRange(min=1), help="Tensor-parallel degree of a Megatron-style plan.")
 @click.option("--pp", type=click.IntRange(min=1), help="Pipeline stages of a Megatron-style plan.")
@@ -894,7 +894,7 @@ def draw_command(plan_file: str, output: str, schedule: str | None, virtual_stag
 @click.argument("plan_file", metavar="PLAN")
 @click.option("--graph", "graph_file", required=True, help="The graph file the plan was made for.")
 @click.option("--cluster", "cluster_source", required=True, help="Cluster file or preset name.")
-@click.option("--nodes", type=click.IntRange(min=1), help="Resize the cluster to this many nodes.")
+@click.option("--nodes", type=click.IntRange(min=1, max=MAX_NODES), help="Resize the cluster to this many nodes.")
 @click.option("--profile", "profile_file", type=click.Path(),
               help="Measured op times and collective bandwidths (a partopt.profile file); the analytical model prices the rest.")
 def check_command(plan_file: str, graph_file: str, cluster_source: str, nodes: int | None,

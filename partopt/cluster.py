@@ -8,6 +8,8 @@ explains the logical-mesh placement rule and how groups share a node's NIC.
 from __future__ import annotations
 
 import json
+import math
+from collections import Counter
 from contextlib import contextmanager
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -16,7 +18,7 @@ from functools import lru_cache
 from typing import Any, Iterator, Mapping
 
 from partopt.errors import InfeasibleError, InstanceError
-from partopt.rings import MAX_RING_MEMBERS, Lanes, ring_count
+from partopt.rings import MAX_LANES, MAX_RING_MEMBERS, Lanes, ring_count
 
 FORMAT = "partopt.cluster"
 VERSION = 1
@@ -44,6 +46,7 @@ SUBMESH_FAMILIES: tuple[str, ...] = ("auto", "alpa", "power_of_two")
 # "auto" searches Alpa's family (every node count) up to this many nodes, powers of two beyond: the stage DP's
 # table and work grow with the number of submesh shapes, and Alpa's family at 384 nodes has 387 of them
 AUTO_ALPA_NODES = 16
+MAX_NODES = 10**6  # the most nodes a cluster, sweep or plan file (their schemas) and `--nodes` may give
 
 
 def _check(condition: bool, cause: str, hint: str) -> None:
@@ -123,7 +126,8 @@ class Link:
                     "(nvidia-smi topo -m's NV#), or omit lanes for a switch")
             _check(2 <= n <= MAX_RING_MEMBERS and all(len(row) == n for row in lanes),
                    f"lanes must be a square matrix of 2 to {MAX_RING_MEMBERS} rows, got {n} rows", hint)
-            _check(all(isinstance(x, int) and x >= 0 for row in lanes for x in row), "lanes must be whole counts >= 0", hint)
+            _check(all(isinstance(x, int) and 0 <= x <= MAX_LANES for row in lanes for x in row),
+                   f"lanes must be whole counts from 0 to {MAX_LANES}", hint)
             _check(all(lanes[i][j] == lanes[j][i] for i in range(n) for j in range(n)), "lanes must be symmetric", hint)
             _check(all(lanes[i][i] == 0 for i in range(n)), "lanes must be 0 on the diagonal", hint)
             _check(any(map(any, lanes)), "lanes has no lane", hint)
@@ -248,7 +252,7 @@ class Cluster:
         """Logical meshes (D/t, t) of a submesh of D devices, for every divisor t of D ascending."""
         self._check_submesh(submesh)
         d = submesh[0] * submesh[1]
-        return [(d // t, t) for t in range(1, d + 1) if d % t == 0]
+        return [(d // t, t) for t in divisors(d)]
 
     def logical_mesh(self, submesh: tuple[int, int], shape: tuple[int, int]) -> LogicalMesh:
         """The logical mesh `shape` on `submesh`, each axis priced by the placement rule of COSTMODEL.md."""
@@ -268,17 +272,24 @@ class Cluster:
                                   hint="use one of Cluster.submesh_shapes()")
 
     def _axis(self, submesh: tuple[int, int], shape: tuple[int, int], axis: int) -> MeshAxis:
-        """Price one axis: its groups' node spans decide the link; crossing groups share a node's NIC."""
+        """Price one axis: its groups' node spans decide the link; crossing groups share a node's NIC.
+
+        Only the groups within the first `period` device ids are built (one node for the default logical
+        meshes, not a million): past it the nodes repeat the pattern, each hosting the parts of as many groups
+        as its counterpart in the first period. A group of axis 1 lies within one period; one of axis 0 runs
+        through every period, so it crosses nodes whenever there are two periods."""
         m = submesh[1]
-        groups = _groups(shape, axis)
+        period = math.lcm(shape[1], m)
+        groups = _groups((period // shape[1], shape[1]), axis)
         node_sets = [[d // m for d in g] for g in groups]
-        crossing = [nodes for nodes in node_sets if len(set(nodes)) > 1]
+        repeated = axis == 0 and period < submesh[0] * m
+        crossing = [nodes for nodes in node_sets if repeated or len(set(nodes)) > 1]
         size = shape[axis]
         if not crossing:
             return MeshAxis(size, self._in_node_bandwidth(m, groups), self.intra_node.latency_s, False)
         share = 1
-        if self.inter_node.shared_by_node:
-            share = max(sum(node in nodes for nodes in crossing) for node in range(submesh[0]))
+        if self.inter_node.shared_by_node:  # the most crossing groups any node is in
+            share = max(Counter(node for nodes in crossing for node in set(nodes)).values())
         bandwidth = self.inter_node.bandwidth / share
         if any(len(set(nodes)) < len(nodes) for nodes in crossing):  # the ring also hops inside a node
             bandwidth = min(bandwidth, self.intra_node.bandwidth)
@@ -289,7 +300,7 @@ class Cluster:
         submesh sits in a node (`_placed`, COSTMODEL §2)."""
         if self.intra_node.lanes is None:
             return self.intra_node.bandwidth
-        return min(map(self.intra_node.group_bandwidth, _placed(groups, width, self.devices_per_node)))
+        return min(map(self.intra_node.group_bandwidth, set(_placed(groups, width, self.devices_per_node))))
 
 
 def _groups(shape: tuple[int, int], axis: int) -> list[list[int]]:
@@ -322,6 +333,12 @@ def _ringless_group(lanes: Lanes) -> tuple[int, ...] | None:
     groups = (members for width in _node_widths(m) for t in range(1, width + 1) if width % t == 0
               for axis in (0, 1) for members in _placed(_groups((width // t, t), axis), width, m))
     return next((members for members in groups if len(members) > 1 and ring_count(lanes, members) == 0), None)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of the positive integer `n`, ascending, found in pairs up to its square root."""
+    small = [t for t in range(1, math.isqrt(n) + 1) if n % t == 0]
+    return small + [n // t for t in reversed(small) if t * t != n]
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -290,6 +290,8 @@ def _validate(g: Graph) -> None:
         if t.dtype is not None and t.dtype not in DTYPE_BYTES:
             _fail(where, f"unknown dtype {t.dtype!r}", f"use one of {sorted(DTYPE_BYTES)}")
 
+    if not g.ops:
+        _fail("ops", "the graph has no ops", "add at least one op")
     produced_by: dict[str, str] = {}
     seen_ops: set[str] = set()
     for i, op in enumerate(g.ops):

@@ -6,12 +6,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from partopt import costmodel, intra
+from partopt.cluster import divisors
 from partopt.errors import InfeasibleError, InstanceError
 from partopt.pricing import RUNGS
 from partopt.schedules import SCHEDULES, SEARCHED
 from partopt.solvers import TIME_LIMIT_S
 
 DEFAULT_MAX_LAYERS = 64  # every block up to 64 (GPT-39B: 48); more are grouped (docs/benchmarks.md)
+COUNTED_BATCH = 2**40  # batches up to this have their divisors counted (`divisors`: 2**20 steps at most)
 
 
 @dataclass(frozen=True)
@@ -87,11 +89,10 @@ def restrictions(options: Options, batch: int, layers: int, dp_layers: int, *, f
     found = []
     if dp_layers < layers:
         found.append(f"stages cut between {dp_layers} groups of the {layers} layers (--layers {options.layers})")
-    if options.microbatches == "auto":
-        counts, divisors = microbatch_counts(batch, "auto"), [d for d in range(1, batch + 1) if batch % d == 0]
-        if len(counts) < len(divisors):
-            found.append(f"microbatch counts: the {len(counts)} powers of two dividing the batch of {batch} "
-                         f"(of its {len(divisors)} divisors)")
+    if options.microbatches == "auto" and batch & (batch - 1):  # not a power of two: other divisors are left out
+        of = f"of its {len(divisors(batch))} divisors" if batch <= COUNTED_BATCH else "not its other divisors"
+        found.append(f"microbatch counts: the {len(microbatch_counts(batch, 'auto'))} powers of two dividing the "
+                     f"batch of {batch} ({of})")
     if not (options.intra_only or options.inter_only or options.data_parallel_only):
         found.append("submeshes: " + ("whole nodes and powers of two within a node" if family == "alpa"
                                       else "powers of two of nodes and of devices within a node")

@@ -14,6 +14,9 @@ from itertools import permutations
 Lanes = tuple[tuple[int, ...], ...]  # lanes[i][j]: lanes between devices i and j of a node, symmetric
 
 MAX_RING_MEMBERS = 8  # the rings of a group are enumerated: (n - 1)! of them, 5,040 for 8 devices
+# The most lanes between two devices: a GPU has at most 18 NVLinks (H100). `ring_count` recurses once per ring
+# taken, at most a device's lanes (7 · 18) deep; 10**30 lanes overflowed the stack
+MAX_LANES = 18
 
 
 def ring_cycles(lanes: Lanes, members: tuple[int, ...]) -> list[tuple[int, ...]]:

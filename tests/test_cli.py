@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from partopt import io
 from partopt.cli import main
-from partopt.cluster import PRESETS, preset
+from partopt.cluster import MAX_NODES, PRESETS, preset
 from partopt.ops import is_matmul
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,6 +185,19 @@ def test_unknown_preset_lists_the_presets():
 def test_nodes_zero_is_refused():
     result = run("inspect", "p3.16xlarge", "--nodes", "0")
     assert result.exit_code == 2 and "Traceback" not in result.output + result.stderr
+
+
+@pytest.mark.parametrize("command", [
+    ["inspect", "p3.16xlarge"],
+    ["solve", str(ROOT / "instances" / "mlp-2layer.json"), "--cluster", "p3.16xlarge"],
+    ["evaluate", str(ROOT / "instances" / "mlp-2layer.json"), "--cluster", "p3.16xlarge", "--tp", "1", "--pp", "1"],
+    ["check", "plan.json", "--graph", str(ROOT / "instances" / "mlp-2layer.json"), "--cluster", "p3.16xlarge"],
+])
+def test_nodes_beyond_the_files_limit_are_refused(command):
+    # cluster, sweep and plan files hold at most MAX_NODES nodes; --nodes 10^9 made `solve` run for hours
+    result = run(*command, "--nodes", str(MAX_NODES + 1))
+    assert result.exit_code == 2 and "Traceback" not in result.output + result.stderr
+    assert "'--nodes'" in result.stderr and f"{MAX_NODES + 1} is not in the range 1<=x<={MAX_NODES}" in result.stderr
 
 
 def test_nodes_on_a_graph_is_refused():

@@ -12,10 +12,11 @@ import jsonschema
 import pytest
 
 from partopt.cluster import (
-    HYBRID_CUBE_MESH, PRESETS, Cluster, Device, Link, cluster_from_dict, cluster_to_dict, nominal_preset, preset, preset_calibration,
+    HYBRID_CUBE_MESH, MAX_NODES, PRESETS, Cluster, Device, Link, cluster_from_dict, cluster_to_dict, divisors, nominal_preset, preset, preset_calibration,
 )
 from partopt.errors import InfeasibleError, InstanceError
 from partopt.io import read_cluster
+from partopt.rings import MAX_LANES
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "partopt" / "schemas" / "cluster.schema.json").read_text())
@@ -377,6 +378,46 @@ def test_bad_lanes_say_what_and_where(lanes, key, where, match):
     with pytest.raises(InstanceError, match=match) as err:
         cluster_from_dict(_with_lanes(lanes, key))
     assert err.value.where == where and err.value.hint
+
+
+def test_a_huge_lane_count_is_refused_at_its_place(tmp_path):
+    lanes = [row[:] for row in EXAMPLE["intra_node"]["lanes"]]
+    lanes[0][1] = lanes[1][0] = 10**30  # ring_count would recurse once per ring: RecursionError
+    path = tmp_path / "lanes-huge.json"
+    path.write_text(json.dumps(_with_lanes(lanes)))
+    with pytest.raises(InstanceError, match=f"at most {MAX_LANES}") as err:
+        read_cluster(path)
+    assert err.value.where in (f"{path}: $.intra_node.lanes[0][1]", f"{path}: $.intra_node.lanes[1][0]")
+    with pytest.raises(InstanceError, match=f"0 to {MAX_LANES}"):
+        Link(150e9, 5e-6, lanes=((0, MAX_LANES + 1), (MAX_LANES + 1, 0)))
+    assert SCHEMA["$defs"]["link"]["properties"]["lanes"]["items"]["items"]["maximum"] == MAX_LANES
+
+
+def test_the_most_lanes_allowed_are_counted_quickly():
+    most = [[0 if i == j else MAX_LANES for j in range(4)] for i in range(4)]
+    cluster = cluster_from_dict({**_with_lanes(most), "devices_per_node": 4})  # checks every axis has a ring
+    whole = cluster.logical_mesh((1, 4), (4, 1)).axes[0]
+    assert whole.bandwidth == pytest.approx(cluster.intra_node.bandwidth)  # 3 · MAX_LANES rings, every lane busy
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_a_million_nodes_price_their_axes_as_two_nodes_do(width):
+    # a node's NIC is shared by the groups crossing it, whatever the node count: the axes of 10^6 p3 nodes
+    # are those of 2 (pricing them group by group took hours)
+    big, small = nominal_preset("p3.16xlarge").resized(MAX_NODES), nominal_preset("p3.16xlarge").resized(2)
+    assert [dataclasses.replace(a, size=0) for a in big.logical_mesh((MAX_NODES, 8), (MAX_NODES * 8 // width, width)).axes] \
+        == [dataclasses.replace(a, size=0) for a in small.logical_mesh((2, 8), (16 // width, width)).axes]
+
+
+def test_divisors_are_found_in_pairs():
+    assert all(divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 500))
+
+
+def test_the_schemas_bound_nodes_as_the_cli_does():
+    plan = json.loads((ROOT / "partopt" / "schemas" / "plan.schema.json").read_text())
+    sweep = json.loads((ROOT / "partopt" / "schemas" / "sweep.schema.json").read_text())
+    assert SCHEMA["properties"]["nodes"]["maximum"] == plan["properties"]["nodes"]["maximum"] == MAX_NODES
+    assert sweep["properties"]["nodes"]["items"]["maximum"] == MAX_NODES
 
 
 def test_a_run_on_part_of_a_p3_node_keeps_its_lanes():

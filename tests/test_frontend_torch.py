@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from partopt import io, models
 from partopt.cli import main
 from partopt.cluster import preset
-from partopt.errors import PartoptError
+from partopt.errors import InstanceError, PartoptError
 from partopt.costmodel import training_flops
-from partopt.frontends.torch import FrontendError, _Atoms, from_hf_config, from_module
+from partopt.frontends.torch import FrontendError, _Atoms, from_hf_config, from_module, read_hf_config
 from partopt.inter import optimize
 from partopt.ops import Behaviour, behaviours, is_matmul
 
@@ -376,6 +376,37 @@ def test_cli_import_hf_without_model_type_is_one_line(tmp_path):
                                        "--batch", "2", "--seq", "2"])
     assert result.exit_code == 2
     assert result.output.count("\n") == 1 and "no model_type" in result.output
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("data, place, cause", [
+    ({**LLAMA, "num_attention_heads": 3}, "", "hidden size (64) is not a multiple of the number of attention heads (3)"),
+    ({**LLAMA, "hidden_size": "big"}, "", "Field 'hidden_size' expected int, got str"),
+    ({**LLAMA, "hidden_size": -64}, ": $.hidden_size", "hidden_size must be a positive integer, got -64"),
+    ({**LLAMA, "vocab_size": -1}, ": $.vocab_size", "vocab_size must be a positive integer, got -1"),
+    ({**LLAMA, "rope_scaling": {"type": "bogus", "factor": 2.0}}, ": $.rope_scaling", "unknown rope_type 'bogus'"),
+    ({"model_type": "gpt2", "n_embd": -64}, ": $.n_embd", "hidden_size must be a positive integer"),  # the file's name
+])
+def test_bad_hf_config_values_are_one_line_at_the_field(tmp_path, data, place, cause):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(data))
+    result = CliRunner().invoke(main, ["import", "hf", str(config), "-o", str(tmp_path / "g.json"),
+                                       "--batch", "4", "--seq", "16"])
+    assert result.exit_code == 2, result.output
+    error = result.stderr.splitlines()[-1]
+    assert error.startswith(f"error: {config}{place}: ") and cause in error and "(hint: " in error
+
+
+def test_an_hf_size_torch_refuses_names_the_config(tmp_path):
+    config = tmp_path / "config.json"  # gpt2's n_inner (its MLP width) has no common name to check up front
+    config.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": VOCAB,
+                                  "n_positions": 16, "n_inner": -5}))
+    with pytest.raises(InstanceError, match="negative dimension -5") as err:
+        from_hf_config(read_hf_config(config), batch=4, seq=16)
+    assert err.value.where == "config (gpt2)"
 
 
 def mlp_source(tmp_path, hidden: int, activation: str, batch: int):

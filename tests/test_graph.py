@@ -162,6 +162,12 @@ def test_graph_rejects_a_dim_repeated_in_one_tensor():
              [("op", "elementwise", ["x"], "y")])
 
 
+def test_graph_rejects_a_graph_without_ops():
+    with pytest.raises(InstanceError) as info:
+        make({"b": 2}, {"x": (["b"], "input"), "w": (["b"], "param")}, [])
+    assert info.value.where == "ops" and "no ops" in info.value.cause and info.value.hint
+
+
 # ---------------------------------------------------------------- resized views
 
 def _merge_graph() -> Graph:

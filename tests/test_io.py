@@ -3,6 +3,7 @@ the file layout, and one clear one-line InstanceError per kind of bad input."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jsonschema
@@ -246,6 +247,17 @@ def test_bad_file_is_a_one_line_instance_error_at_its_place(name):
     assert cause in err.cause
     assert err.hint
     assert "\n" not in err.line()
+
+
+def test_a_graph_file_without_ops_names_the_ops_field(tmp_path):
+    path = tmp_path / "empty-ops.json"
+    path.write_text(json.dumps({"format": "partopt.graph", "version": 1, "name": "mlp", "dtype": "fp32",
+                                "batch_dim": "b", "dims": {"b": 1024, "h": 128},
+                                "tensors": {"x": {"dims": ["b", "h"], "role": "input"},
+                                            "w": {"dims": ["h"], "role": "param"}}, "ops": []}))
+    with pytest.raises(InstanceError) as info:
+        io.read_graph(path)
+    assert info.value.where == f"{path}: $.ops" and "no ops" in info.value.cause
 
 
 def test_duplicate_key_deep_inside_names_its_path(tmp_path):

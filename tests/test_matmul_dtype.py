@@ -86,7 +86,8 @@ def test_an_unknown_matmul_dtype_is_refused_where_it_is_given(tmp_path):
     with pytest.raises(InstanceError) as err:
         dataclasses.replace(models.generate("llama", **ARGS), matmul_dtype="int32")
     assert err.value.where == "matmul_dtype"
-    data = io.graph_to_dict(Graph("g", {"m": 2}, {"x": Tensor("x", ("m",), "input")}, []))
+    data = io.graph_to_dict(Graph("g", {"m": 2}, {"x": Tensor("x", ("m",), "input"), "y": Tensor("y", ("m",), "output")},
+                                  [Op("neg", "elementwise", ("x",), "y")]))
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({**data, "matmul_dtype": "fp4"}))
     with pytest.raises(InstanceError) as err:

@@ -8,6 +8,15 @@ from partopt.bench import alpa
 from partopt.options import Options, restrictions
 
 
+def test_auto_microbatches_of_a_huge_batch_are_described_without_listing_its_divisors():
+    # listing the divisors of 3 · 2^61 one by one never ended, whatever --deadline said
+    found = restrictions(Options(), batch=3 * 2**61, layers=4, dp_layers=4, family="alpa")
+    assert any(f"the 62 powers of two dividing the batch of {3 * 2**61} (not its other divisors)" in r for r in found)
+    assert not any("microbatch" in r for r in restrictions(Options(), batch=2**62, layers=4, dp_layers=4, family="alpa"))
+    # a prime up to COUNTED_BATCH still has its divisors counted (in pairs, up to its square root)
+    assert any("(of its 2 divisors)" in r for r in restrictions(Options(), 1099511627689, 4, 4, family="alpa"))
+
+
 def test_auto_microbatches_name_the_divisors_left_out():
     # 12 = 2² · 3 has six divisors (1, 2, 3, 4, 6, 12), of which 1, 2 and 4 are powers of two
     found = restrictions(Options(), batch=12, layers=4, dp_layers=4, family="alpa")

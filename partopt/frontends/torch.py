@@ -21,7 +21,8 @@ from typing import Any, Iterable, Sequence
 
 from networkx.utils import UnionFind
 
-from partopt.errors import PartoptError
+from partopt.errors import InstanceError, PartoptError
+from partopt.io import at, json_path
 from partopt.graph import Graph, Op, Tensor
 from partopt.models.builder import require_choice
 from partopt.models.transformer import ATTENTION_KERNELS
@@ -39,6 +40,9 @@ _ELEMENTWISE = {"add", "sub", "mul", "div", "pow", "silu", "gelu", "relu", "tanh
 _NO_OUTPUT = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "_assert_async"}
 # a router and its experts map whole or fail: as opaque ops their experts' FLOPs would go unpriced
 _ROUTING = {"topk", "experts"}
+# the sizes a Hugging Face config gives under transformers' common names (gpt2's n_embd is hidden_size)
+HF_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+            "max_position_embeddings")
 
 
 class FrontendError(PartoptError):
@@ -1065,8 +1069,7 @@ def from_module(module: Any, example_inputs: Sequence[Any], *, name: str | None 
     except PartoptError:
         raise
     except Exception as err:  # torch raises many kinds; the user needs its first line
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise FrontendError(f"torch.export failed: {first}", type(module).__name__,
+        raise FrontendError(f"torch.export failed: {_first_line(err)}", type(module).__name__,
                             "make the module exportable (torch.export docs), with static shapes") from None
     importer = _Importer(module, program, dtype, opaque, attention_kernel, causal_mask)
     importer.run()
@@ -1081,6 +1084,7 @@ def from_module(module: Any, example_inputs: Sequence[Any], *, name: str | None 
 
 def read_hf_config(path: str | Path) -> Any:
     """A transformers config object from a config.json (its `model_type` picks the class); no download."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     try:
@@ -1094,10 +1098,47 @@ def read_hf_config(path: str | Path) -> Any:
                             "(it names its model_type, e.g. \"llama\" or \"gpt2\")")
     model_type = data.pop("model_type")
     try:
-        return AutoConfig.for_model(model_type, **data)
+        config = AutoConfig.for_model(model_type, **data)
+    except StrictDataclassError as err:  # a field's type or a rule between fields: the cause names them
+        raise InstanceError(f"transformers refuses the {model_type!r} config: {_first_line(err.__cause__ or err)}",
+                            str(path), "fix the field it names") from None
     except (ValueError, KeyError, TypeError) as err:
         raise FrontendError(f"transformers cannot build a {model_type!r} config: {err}", str(path),
                             "check model_type and the fields") from None
+    _check_hf_sizes(config, data, str(path))
+    _check_hf_rope(config, data, str(path))
+    return config
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _check_hf_sizes(config: Any, data: dict[str, Any], where: str) -> None:
+    """Each of HF_SIZES the config has is a positive integer: transformers takes -64 and torch then fails on a
+    negative tensor dimension, naming no field. The place is the file's own name of it (gpt2's n_embd)."""
+    for size in HF_SIZES:
+        value = getattr(config, size, None)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            field = config.attribute_map.get(size, size)
+            raise InstanceError(f"{size} must be a positive integer, got {value!r}",
+                                at(where, json_path([field if field in data else size])),
+                                "give the model's size (the config.json of its Hugging Face repository)")
+
+
+def _check_hf_rope(config: Any, data: dict[str, Any], where: str) -> None:
+    """Every rotary embedding's rope_type is one transformers builds: it warns about an unknown one here and
+    fails with a bare KeyError when it builds the model."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    parameters = getattr(config, "rope_parameters", None) or {}
+    for rope in [parameters] if "rope_type" in parameters else [p for p in parameters.values() if isinstance(p, dict)]:
+        if rope.get("rope_type", "default") not in ("default", *ROPE_INIT_FUNCTIONS):
+            field = next((k for k in ("rope_parameters", "rope_scaling") if k in data), "rope_parameters")
+            raise InstanceError(f"unknown rope_type {rope['rope_type']!r}", at(where, json_path([field])),
+                                f"use one of default, {', '.join(ROPE_INIT_FUNCTIONS)}")
 
 
 def from_hf_config(config: Any, *, batch: int, seq: int, dtype: str | None = None, name: str | None = None,
@@ -1128,6 +1169,9 @@ def _hf_model(config: Any, where: str) -> Any:
             model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         except ValueError as err:
             raise FrontendError(f"transformers cannot build the model: {err}", where) from None
+        except RuntimeError as err:  # torch refusing a tensor of a size HF_SIZES does not name (gpt2's n_inner -5)
+            raise InstanceError(f"transformers cannot build the model: {_first_line(err)}", where,
+                                "check the config's sizes") from None
     return model.eval()
 
 
