@@ -134,6 +134,7 @@ class Point:
     shard_weights: bool  # every parameter split over the data-parallel axis, gathered for each use (ZeRO-3, FSDP)
     overlap: bool
     memory_reserve: float | None  # the fraction of device memory kept free when pricing it (None: partopt's default)
+    check_memory: bool  # False: the run is priced as run, each layer at its fastest, whatever memory the model gives it
     schedule: str  # the pipeline schedule as run (`schedules.SCHEDULES`) ...
     virtual_stages: int  # ... with this many model chunks per stage (interleaved)
     iteration_s: float | None  # the measured figure: an iteration time ...
@@ -200,6 +201,7 @@ def points_from_dict(data: Any, where: str = "", base: Path = Path(".")) -> Poin
             recompute=plan.get("recompute", "auto"), zero=plan.get("zero", False),
             sequence_parallel=plan.get("sequence_parallel", False), shard_weights=plan.get("shard_weights", False),
             overlap=plan.get("overlap", True), memory_reserve=plan.get("memory_reserve"),
+            check_memory=plan.get("check_memory", True),
             schedule=plan.get("schedule", "1f1b"), virtual_stages=plan.get("virtual_stages", 1),
             iteration_s=measured.get("iteration_s"), tflops_per_gpu=measured.get("tflops_per_gpu"),
             flops=measured.get("flops", "executed"), where=at))
@@ -238,6 +240,7 @@ def ratio(point: Point, cluster: Cluster, workers: int | None = None) -> float:
         plan = uniform(point.graph, cluster, point.tp, point.pp, point.dp, point.microbatches,
                        zero=point.zero, sequence_parallel=point.sequence_parallel, shard_weights=point.shard_weights,
                        recompute=point.recompute, overlap=point.overlap, workers=workers,
+                       check_memory=point.check_memory,
                        **({} if point.memory_reserve is None else {"memory_reserve": point.memory_reserve}),
                        schedule=point.schedule, virtual_stages=point.virtual_stages)
     except PartoptError as err:

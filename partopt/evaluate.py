@@ -100,7 +100,9 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
     """Axis 0 (size dp) splits the batch and holds parameter copies; axis 1 (size tp) never splits the
     batch, and with `sequence_parallel` splits every norm along its sequence (Korthikanti et al. 2022). With
     `shard_weights` axis 0 holds each parameter split instead (ZeRO-3, FSDP: gathered for each use, its gradient
-    reduce-scattered, so weights, gradients and optimizer state are all split dp ways)."""
+    reduce-scattered, so weights, gradients and optimizer state are all split dp ways); a parameter none of whose
+    dims dp divides (a bias of 96 heads over 384 ranks), which ZeRO-3 splits flattened, stays a copy with its
+    optimizer state split: the nearest its placements come."""
     batch_dim = graph.batch_dim
 
     def op_ok(op: Op, s: Strategy) -> bool:
@@ -109,10 +111,10 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
         return (dp == 1 or batch_on_0) and (tp == 1 or s.axes[1] != batch_dim) and sequence
 
     def param_ok(tensor: str, s: ParamStrategy) -> bool:
-        if shard_weights and dp > 1:
+        if shard_weights and dp > 1 and any(graph.dims[d] % dp == 0 for d in graph.tensors[tensor].dims):
             return isinstance(s.placement[0], Shard) and not s.zero_axes
         copies = dp == 1 or isinstance(s.placement[0], Replicate)
-        return copies and (0 in s.zero_axes) == (zero and dp > 1) and 1 not in s.zero_axes
+        return copies and (0 in s.zero_axes) == ((zero or shard_weights) and dp > 1) and 1 not in s.zero_axes
 
     return intra.Restriction(op_ok, param_ok, f"Megatron's layout (data parallel {dp} × tensor parallel {tp}"
                                               f"{', sequence parallel' if sequence_parallel else ''}"
@@ -180,13 +182,14 @@ def _price_layers(pricer: Pricer, cluster: Cluster, pipe: Pipeline, count: int, 
 
 def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs: list[StageSpec],
           restrictions: list[intra.Restriction] | None, options: Options, where: str = "plan",
-          fit_memory: bool = False, cache: dict | None = None, schedule: str = "1f1b", virtual_stages: int = 1) -> Plan:
+          fit_memory: bool = False, cache: dict | None = None, schedule: str = "1f1b", virtual_stages: int = 1,
+          check_memory: bool = True) -> Plan:
     """The plan of fixed stages (`specs`, run under `schedule`: see `assemble`), each priced by the intra-op ILP under its restriction
     (None: every strategy allowed); `fit_memory` makes each stage's layers choose strategies that
     fit the device memory together (see `_price_layers`), rather than the fastest. `cache` keeps
     the layer solutions across calls (`pricing.Pricer`'s, shared with `optimize`).
 
-    Raises InfeasibleError when a stage's memory exceeds the budget.
+    Raises InfeasibleError when a stage's memory exceeds the budget, unless `check_memory` is off.
     """
     start = time.perf_counter()
     stats = Stats()
@@ -201,7 +204,7 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
                         schedule, virtual_stages, pipe)
     devices = len(plan.stages) // virtual_stages
     for i, stage in enumerate(plan.stages):
-        if stage.memory_bytes > budget:
+        if check_memory and stage.memory_bytes > budget:
             # what its devices hold: the chunks they run, summed as `assemble` sums them (`stages.combined`)
             held = combined([StageTotals(0.0, 0.0, 0.0, s.breakdown["param_bytes"], s.breakdown["activation_bytes"],
                                          s.breakdown["working_bytes"], None) for s in plan.stages[i % devices::devices]])
@@ -255,7 +258,7 @@ def evaluate(graph: Graph, cluster: Cluster, plan: Plan, where: str = "plan", **
 
 def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatches: int | None = None,
             zero: bool = False, sequence_parallel: bool = False, schedule: str = "1f1b", virtual_stages: int = 1,
-            shard_weights: bool = False, **kwargs) -> Plan:
+            shard_weights: bool = False, check_memory: bool = True, **kwargs) -> Plan:
     """Megatron's plan: `pp` stages of equally many layers, each on a (dp, tp) mesh of its devices.
 
     Axis 0 splits the batch (and ZeRO-shards optimizer state with `zero`, or every parameter with `shard_weights`:
@@ -267,6 +270,8 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     recomputes alike: the `recompute` keyword's mode, or (auto, the default) the fastest that fits.
     `schedule` runs the pipeline (`schedules.SCHEDULES`); interleaved with v = `virtual_stages` is
     Megatron's: pp·v chunks of equally many layers, chunk j on stage j mod pp, B a multiple of pp.
+    `check_memory=False` prices a run known to have fit (a calibration point) whatever the memory model says of
+    it: each layer at its fastest strategy, no stage refused.
     """
     where = f"--tp {tp} --pp {pp} --dp {dp}"
     if min(tp, pp, dp) < 1:
@@ -315,7 +320,8 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
                      for j, (first, last) in enumerate(chunks(L, pp, v))]
             try:
                 plans.append(price(graph, cluster, layering, count, specs, [restriction] * len(specs), options, where,
-                                   fit_memory=True, cache=cache, schedule=schedule, virtual_stages=v))
+                                   fit_memory=check_memory, cache=cache, schedule=schedule, virtual_stages=v,
+                                   check_memory=check_memory))
             except InfeasibleError as err:
                 error = err  # the smallest microbatch's leanest mode: its overflow is the one worth reporting
     if not plans:

@@ -75,32 +75,32 @@ TABLE_2 = tuple(
      for g, t in ((384, 144), (768, 88), (1536, 44))] +
     [Run(f"530B ZeRO-3, {g} GPUs", *GPT_530B, 1, 1, g, batch, batch // g, t, zero3=True)
      for g, batch, t in ((640, 2560, 138), (1120, 2240, 98), (2240, 2240, 48))])
-ZERO_3 = ("not priced: ZeRO-3 shards the weights over data parallelism, which evaluate.uniform cannot express "
-          "(its zero shards optimizer state only)")
-
 
 def predict(run: Run, cluster: Cluster) -> float:
-    """Predicted per-GPU TFLOP/s of `run` priced as run (1F1B, full recomputation, no overlap), 96 form."""
+    """Predicted per-GPU TFLOP/s of `run` priced as run (1F1B, full recomputation, no overlap; ZeRO-3 as weights and
+    optimizer state split over the data-parallel ranks, `uniform`'s shard_weights), 96 form."""
     graph = models.generate("gpt", hidden=run.hidden, layers=run.layers, heads=run.heads, seq=SEQ, vocab=VOCAB,
                             batch=run.batch)
     dp = run.gpus // (run.tp * run.pp)
     plan = uniform(graph, cluster.resized(run.gpus // cluster.devices_per_node), run.tp, run.pp, dp,
-                   run.batch // (dp * run.microbatch), recompute="full", overlap=False)
+                   run.batch // (dp * run.microbatch), recompute="full", overlap=False, zero=run.zero3,
+                   shard_weights=run.zero3)
     return gpt_flops(run.batch, SEQ, run.layers, run.hidden, VOCAB) / plan.iteration_time_s / run.gpus / 1e12
 
 
-def _table(title: str, rows: list[tuple[str, float, float | None, str]], console: Console) -> list[float]:
-    """Print predicted vs published rows; the |errors| of the priced ones."""
+def _table(title: str, rows: list[tuple[str, float, float | None, str]], console: Console,
+           unit: str = "TFLOP/s") -> list[float]:
+    """Print predicted vs published rows (a throughput in `unit`); the |errors| of the priced ones."""
     table = Table(title=title, title_justify="left")
-    for column in ("run", "published TFLOP/s", "predicted", "error"):
+    for column in ("run", f"published {unit}", "predicted", "error"):
         table.add_column(column)
     errors = []
     for label, published, predicted, note in rows:
         if predicted is None:
-            table.add_row(label, f"{published:.0f}", "—", note)
+            table.add_row(label, f"{published:.4g}", "—", note)
             continue
         errors.append(abs(predicted / published - 1))
-        table.add_row(label, f"{published:.0f}", f"{predicted:.1f}", f"{predicted / published - 1:+.1%}")
+        table.add_row(label, f"{published:.4g}", f"{predicted:.4g}", f"{predicted / published - 1:+.1%}")
     console.print(table)
     if errors:
         console.print(f"median |error| {statistics.median(errors):.1%}, max {max(errors):.1%} "
@@ -111,9 +111,6 @@ def _table(title: str, rows: list[tuple[str, float, float | None, str]], console
 def _runs(runs: tuple[Run, ...], cluster: Cluster) -> list[tuple[str, float, float | None, str]]:
     rows = []
     for run in runs:
-        if run.zero3:
-            rows.append((run.label, run.published, None, ZERO_3))
-            continue
         try:
             rows.append((run.label, run.published, predict(run, cluster), ""))
         except PartoptError as err:
@@ -121,17 +118,19 @@ def _runs(runs: tuple[Run, ...], cluster: Cluster) -> list[tuple[str, float, flo
     return rows
 
 
-def _unfitted(cluster: Cluster) -> list[tuple[str, float, float | None, str]]:
-    points = calibrate.read_points(UNFITTED)
+def _unfitted(cluster: Cluster, timed: bool) -> list[tuple[str, float, float | None, str]]:
+    """The unfitted points measured in TFLOP/s per GPU, or (`timed`) by iteration time, as sequences per second."""
     rows = []
-    for point in points.points:
-        assert point.tflops_per_gpu is not None
+    for point in calibrate.read_points(UNFITTED).points:
+        if (point.iteration_s is not None) != timed:
+            continue
+        published = point.graph.dims[point.graph.batch_dim] / point.iteration_s if timed else point.tflops_per_gpu
         try:
             ratio = calibrate.ratio(point, calibrate.point_cluster(point, cluster))
         except PartoptError as err:
-            rows.append((point.label, point.tflops_per_gpu, None, f"not priced: {err.cause}"))
+            rows.append((point.label, published, None, f"not priced: {err.cause}"))
             continue
-        rows.append((point.label, point.tflops_per_gpu, point.tflops_per_gpu * ratio, ""))
+        rows.append((point.label, published, published * ratio, ""))
     return rows
 
 
@@ -153,7 +152,10 @@ def main(cluster_file: str | None, tables: tuple[str, ...]) -> None:
     if "2" in tables:
         _table(f"Held out: {SOURCE}, Table 2 (ZeRO-3 vs PTD-P), never fitted", _runs(TABLE_2, cluster), console)
     if "unfitted" in tables:
-        _table("Kept out of the fit (plans the model cannot represent): " + UNFITTED.name, _unfitted(cluster), console)
+        _table("Kept out of the fit (plans the model cannot represent): " + UNFITTED.name, _unfitted(cluster, False),
+               console)
+        _table("Out of sample: LLM Foundry's FSDP runs of MPT, " + UNFITTED.name, _unfitted(cluster, True), console,
+               "sequences/s")
     console.print(f"{time.perf_counter() - start:.0f} s (a shared 2-core machine)")
 
 

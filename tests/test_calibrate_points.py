@@ -106,15 +106,59 @@ def test_h100_points_run_the_schedules_their_sources_name():
     stages and "the first model chunk on the first stage has only the embedding" (arXiv 2407.21783 §3.3.2), so
     its 126 layers and the embedding and output chunks fill pp × v = 16 × 8 chunks; the 8B ran without a
     pipeline; the 70B ran virtual pipeline 5."""
-    by_label = {p.label.split(",")[0] + f" {p.gpus}": p for p in calibrate.read_points(POINTS / "dgx-h100.json").points}
+    by_label = {p.label.split(",")[0] + f" {p.gpus}": p for p in calibrate.read_points(POINTS / "dgx-h100.json").points
+                if not p.label.startswith("MPT")}
     assert {label: (p.schedule, p.virtual_stages) for label, p in by_label.items()} == {
         "Llama 3 405B 8192": ("interleaved", 8), "Llama 3 405B 16384": ("interleaved", 8),
         "NeMo Llama3 8B FP8 8": ("1f1b", 1), "NeMo Llama3 70B FP8 64": ("interleaved", 5)}
     for label in ("Llama 3 405B 8192", "Llama 3 405B 16384"):
         p = by_label[label]
         assert p.pp * p.virtual_stages == 126 + 2  # one layer per chunk, the embedding and output chunks alone
+        # "without activation checkpointing" (§3.3.2): priced as run, its memory unchecked
+        assert p.recompute == "none" and not p.check_memory
     for p in by_label.values():
         assert p.microbatches % p.pp == 0 or p.schedule != "interleaved"  # Megatron's rule for interleaving
+
+
+# MosaicML LLM Foundry's tables (scripts/train/benchmarking/README.md), per row: (model, seq, GPUs) -> MicroBatchSize,
+# GradAccum, GlobalBatchSize, Throughput (T/s), Activation Checkpointing; NumParams by (model, seq)
+LLM_FOUNDRY = {
+    "dgx-h100.json": {  # "H100 80GB BF16"
+        ("70B", 2048, 64): (8, 4, 2048, 66523, True), ("30B", 4096, 8): (1, 21, 168, 14419, True),
+        ("30B", 2048, 8): (3, 21, 504, 16022, True), ("13B", 4096, 8): (10, 3, 240, 37740, True),
+        ("13B", 2048, 8): (2, 1, 16, 38336, False), ("7B", 4096, 8): (16, 2, 256, 68893, True),
+        ("7B", 2048, 8): (6, 1, 48, 85144, False), ("3B", 4096, 8): (5, 6, 240, 167712, False),
+        ("1B", 4096, 8): (7, 4, 224, 308282, False), ("1B", 2048, 8): (14, 1, 112, 363645, False)},
+    "dgx-a100-unfitted.json": {  # "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
+        ("70B", 2048, 64): (8, 4, 2048, 26274, True), ("30B", 4096, 8): (1, 21, 168, 6513, True),
+        ("30B", 2048, 8): (3, 21, 504, 7330, True), ("13B", 4096, 8): (10, 3, 240, 16482, True),
+        ("13B", 2048, 8): (2, 3, 48, 18097, False), ("7B", 4096, 8): (16, 2, 256, 29472, True),
+        ("7B", 2048, 8): (6, 2, 96, 37130, False), ("3B", 4096, 8): (5, 6, 240, 75658, False),
+        ("3B", 2048, 8): (10, 2, 160, 86491, False), ("1B", 4096, 8): (7, 4, 224, 142457, False),
+        ("1B", 2048, 8): (14, 4, 448, 164109, False)},
+}
+MPT_PARAMS = {("70B", 2048): 64862437376, ("30B", 4096): 29989894144, ("30B", 2048): 29975214080,
+              ("13B", 4096): 12864440320, ("13B", 2048): 12853954560, ("7B", 4096): 6667247616,
+              ("7B", 2048): 6658859008, ("3B", 4096): 2657080320, ("3B", 2048): 2651837440,
+              ("1B", 4096): 1320144896, ("1B", 2048): 1315950592}
+
+
+@pytest.mark.parametrize("name", sorted(LLM_FOUNDRY))
+def test_mpt_runs_are_llm_foundry_rows_as_run(name):
+    """LLM Foundry's rows, transcribed: the iteration is the global batch's tokens over the table's throughput, the
+    graph has the table's NumParams, and the plan is the run's: FSDP full shard over every GPU, GradAccum
+    microbatches, activation checkpointing as full recomputation (H100: fitted; A100: kept out, out of sample)."""
+    table = LLM_FOUNDRY[name]
+    runs = [p for p in calibrate.read_points(POINTS / name).points if p.label.startswith("MPT")]
+    assert len(runs) == len(table)
+    for p in runs:
+        model, seq = p.label.split(",")[0][4:], p.graph.dims["s"]
+        micro, accum, batch, tokens_per_s, checkpointing = table[(model, seq, p.gpus)]
+        assert p.graph.dims["b"] == batch == micro * accum * p.gpus
+        assert p.iteration_s == pytest.approx(batch * seq / tokens_per_s, rel=1e-12)
+        assert p.graph.num_params == MPT_PARAMS[(model, seq)] and p.graph.dtype == "bf16"
+        assert (p.tp, p.pp, p.dp, p.microbatches, p.zero, p.shard_weights) == (1, 1, p.gpus, accum, True, True)
+        assert p.recompute == ("full" if checkpointing else "none") and p.memory_reserve == 0
 
 
 def test_no_held_out_run_is_a_calibration_point():

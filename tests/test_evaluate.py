@@ -227,6 +227,22 @@ def test_a_stage_with_room_for_every_layers_fastest_strategy_is_priced_at_them(r
     assert plan.stages[0].memory_bytes == need <= budget
 
 
+def test_a_run_known_to_fit_is_priced_as_run_whatever_memory_the_model_gives_it():
+    """`uniform(check_memory=False)` (a calibration point's `check_memory: false`): a stage the memory model puts at
+    twice the device's memory is priced as on a device with room for it, each layer at its fastest strategy, where the
+    default check refuses it."""
+    graph = models.gpt(hidden=512, layers=2, heads=8, seq=256, vocab=8192, batch=16)
+    cluster = preset("p3.16xlarge", 1).narrowed(4)
+    roomy = uniform(graph, cluster, 4, 1, 1, 1, recompute="none")
+    need = roomy.stages[0].memory_bytes
+    small = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=need / 2))
+    with pytest.raises(InfeasibleError, match="over the budget"):
+        uniform(graph, small, 4, 1, 1, 1, recompute="none")
+    as_run = uniform(graph, small, 4, 1, 1, 1, recompute="none", check_memory=False)
+    assert as_run.iteration_time_s == roomy.iteration_time_s
+    assert as_run.stages[0].memory_bytes == need > costmodel.memory_budget(small.device)
+
+
 def test_uniform_degrees_must_multiply_to_the_cluster_and_divide_the_layers(small_gpt):
     cluster = preset("p3.16xlarge", 1)
     with pytest.raises(InfeasibleError, match="tp × pp × dp = 16 but the cluster has 8 devices"):

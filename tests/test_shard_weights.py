@@ -52,6 +52,17 @@ def test_weights_split_over_the_data_parallel_axis(tiny, dp):
     assert sharded.options["megatron"]["shard_weights"] and not plain.options["megatron"]["shard_weights"]
 
 
+def test_a_parameter_no_rank_count_divides_stays_a_copy_with_its_optimizer_state_split():
+    """Over 3 ranks none of the tiny GPT's dims (256, 1024, 64, 4, 128) divides: ZeRO-3 would split each parameter
+    flattened, which placements cannot say, so each stays a copy with its optimizer state split 3 ways (ZeRO-1's
+    layout): weights and gradients whole, optimizer state at 1/3."""
+    graph = gpt(hidden=256, layers=2, heads=4, seq=128, vocab=1024, batch=6)
+    plan = uniform(graph, _devices(3), 1, 1, 3, 1, recompute="none", overlap=False, shard_weights=True)
+    stage = plan.stages[0]
+    assert all(not isinstance(p.placement[0], Shard) and tuple(p.zero_axes) == (0,) for p in stage.params.values())
+    assert stage.breakdown["param_bytes"] == pytest.approx(_state(graph, 1, 1, 1 / 3), rel=1e-12)
+
+
 def test_one_device_has_nothing_to_split(tiny):
     """With one data-parallel rank the flag changes nothing: the same plan, iteration and memory."""
     cluster = _devices(1)
