@@ -4,7 +4,8 @@ The plan is first validated (`partopt.validate`), then priced again by `partopt.
 on the graph and cluster with its own options (backend, memory reserve, layers, recompute): the
 devices each stage gets, its latency, forward share, sends, synchronisation, memory and in-flight
 microbatches, the iteration time, peak memory and throughput must all come back within a relative
-1e-6, and every stage's memory must fit the device's budget.
+1e-6, every stage's memory must fit the device's budget, and every op and parameter of a stage's layers
+must have its entry (pricing would fill one left out, and an export would drop it).
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def compare(plan: Plan, derived: Plan) -> list[Difference]:
     for i, (mine, theirs) in enumerate(zip(plan.stages, derived.stages)):
         found += [Difference(f"$.stages[{i}].{name}", getattr(mine, name), getattr(theirs, name))
                   for name in STAGE_FIELDS if not _same(getattr(mine, name), getattr(theirs, name))]
+        # every op and parameter of the stage's layers has its entry: pricing fills one left out, an export drops it
+        found += [Difference(f"$.stages[{i}].{field}.{name}", "no entry", f"an entry: {what} has one")
+                  for field, what in (("ops", "every op of the stage's layers"), ("params", "every parameter they read"))
+                  for name in getattr(theirs, field) if name not in getattr(mine, field)]
     return found
 
 

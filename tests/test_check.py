@@ -72,6 +72,17 @@ def test_an_edited_memory_is_reported(tiny, tmp_path):
     assert "$.stages[0].memory_bytes: the plan says" in result.stdout
 
 
+@pytest.mark.parametrize("field", ["ops", "params"])
+def test_an_op_or_parameter_left_out_is_reported(tiny, tmp_path, field):
+    """A stage that lists no entry for one of its ops or parameters re-derives the same figures (pricing chooses
+    one) but does not say how that one is sharded, and an export would drop it: reported by name."""
+    data = json.loads(Path(tiny.plan_file).read_text())
+    name = next(iter(data["stages"][0][field]))
+    result = check_cli(tiny, edited(tiny, tmp_path, lambda d: d["stages"][0][field].pop(name)))
+    assert result.exit_code == 1
+    assert f"$.stages[0].{field}.{name}: the plan says 'no entry'" in result.stdout
+
+
 def test_swapped_devices_are_reported(tiny, tmp_path):
     def swap(d):
         d["stages"][0]["devices"], d["stages"][1]["devices"] = d["stages"][1]["devices"], d["stages"][0]["devices"]
