@@ -2,7 +2,7 @@
 
 The plan is first validated (`partopt.validate`), then priced again by `partopt.evaluate.evaluate`
 on the graph and cluster with its own options (backend, memory reserve, layers, recompute): the
-devices each stage gets, its latency, forward share, sends, synchronisation, memory and in-flight
+devices each stage gets, the graph layers it covers, its latency, forward share, sends, synchronisation, memory and in-flight
 microbatches, the iteration time, peak memory and throughput must all come back within a relative
 1e-6, every stage's memory must fit the device's budget, and every op and parameter of a stage's layers
 must have its entry (pricing would fill one left out, and an export would drop it).
@@ -23,8 +23,8 @@ from partopt.solvers import BACKENDS
 from partopt.validate import check_against, check_plan, close, mismatches
 
 PLAN_FIELDS = ("num_microbatches", "microbatch_size", "iteration_time_s", "memory_peak_bytes")
-STAGE_FIELDS = ("layers", "submesh", "logical_mesh", "devices", "stage_time_s", "forward_s", "send_time_s",
-                "sync_time_s", "memory_bytes", "inflight_microbatches")
+STAGE_FIELDS = ("layers", "graph_layers", "submesh", "logical_mesh", "devices", "stage_time_s", "forward_s",
+                "send_time_s", "sync_time_s", "memory_bytes", "inflight_microbatches")
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,14 @@ def test_an_edited_memory_is_reported(tiny, tmp_path):
     assert "$.stages[0].memory_bytes: the plan says" in result.stdout
 
 
+def test_edited_graph_layers_are_reported(tiny, tmp_path):
+    """A stage's `graph_layers` (which `export --to megatron` counts layers by) must be the layers it covers."""
+    stored = json.loads(Path(tiny.plan_file).read_text())["stages"][1]["graph_layers"]
+    result = check_cli(tiny, edited(tiny, tmp_path, lambda d: d["stages"][1].__setitem__("graph_layers", [0, 1000])))
+    assert result.exit_code == 1
+    assert f"$.stages[1].graph_layers: the plan says [0, 1000], re-derived {stored!r}" in result.stdout
+
+
 @pytest.mark.parametrize("field", ["ops", "params"])
 def test_an_op_or_parameter_left_out_is_reported(tiny, tmp_path, field):
     """A stage that lists no entry for one of its ops or parameters re-derives the same figures (pricing chooses
