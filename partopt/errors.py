@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of a third-party exception's message (its type's name when it has none): what a one-line
+    error can quote of it."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 class PartoptError(Exception):
     """Base of every error the CLI reports without a traceback (exit code 2).
 

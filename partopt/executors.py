@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-from partopt.errors import PartoptError
+from partopt.errors import PartoptError, first_line
 
 KINDS = ("local", "ray")
 PROBE_TIMEOUT_S = 5.0  # to open a TCP connection to a Ray cluster's address before handing it to Ray
@@ -221,8 +221,7 @@ class RayExecutor:
                     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
             except (ConnectionError, ValueError, RuntimeError) as err:
                 where = "local Ray instance" if address is None else f"Ray cluster at {address}"
-                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise PartoptError(f"cannot start or reach the {where}: {first}",
+                raise PartoptError(f"cannot start or reach the {where}: {first_line(err)}",
                                    "executor ray" if address is None else "--ray-address",
                                    "start one with `ray start --head`, check the address, "
                                    "or use the local executor") from None

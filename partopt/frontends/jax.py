@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from partopt.errors import PartoptError
+from partopt.errors import PartoptError, first_line
 from partopt.frontends.draft import Draft, UnsupportedError
 from partopt.frontends.values import NoMapping, Scope, Value, Values
 from partopt.graph import Graph
@@ -82,7 +82,7 @@ def trace(fn: Callable[..., Any], *abstract_args: Any, params_argnum: int = 0, o
     try:
         closed = jax.make_jaxpr(fn)(*abstract_args)
     except Exception as err:  # the user's function fails to trace: say so in one line
-        raise PartoptError(f"tracing {title} failed: {type(err).__name__}: {str(err).splitlines()[0]}", title,
+        raise PartoptError(f"tracing {title} failed: {type(err).__name__}: {first_line(err)}", title,
                            "call the function with these arguments in plain JAX first") from None
     importer = _Importer(opaque)
     args: list[Value] = []

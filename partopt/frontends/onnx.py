@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper, shape_inference
 
-from partopt.errors import InstanceError
+from partopt.errors import InstanceError, first_line
 from partopt.frontends.draft import INTEGER_DTYPES, UnsupportedError
 from partopt.frontends.values import NoMapping, Scope, Value, Values
 from partopt.graph import Graph
@@ -42,7 +42,7 @@ def from_model(source: str | Path | onnx.ModelProto, opaque: bool = False, name:
     try:
         inferred = shape_inference.infer_shapes(model, strict_mode=True)
     except Exception as err:  # onnx raises its own InferenceError and friends
-        raise InstanceError(f"shape inference failed: {str(err).splitlines()[0]}", where,
+        raise InstanceError(f"shape inference failed: {first_line(err)}", where,
                             "check the model with onnx.checker.check_model") from None
     return _Importer(inferred.graph, where, opaque).run(name or inferred.graph.name or Path(where).stem)
 
@@ -55,7 +55,7 @@ def _load(source: str | Path | onnx.ModelProto, where: str) -> onnx.ModelProto:
     except OSError as err:
         raise InstanceError(f"cannot read: {err.strerror or err}", where) from None
     except Exception as err:  # a file that is not a protobuf ModelProto
-        raise InstanceError(f"not an ONNX model: {str(err).splitlines()[0]}", where, "give an .onnx file") from None
+        raise InstanceError(f"not an ONNX model: {first_line(err)}", where, "give an .onnx file") from None
 
 
 def _dtype(elem_type: int, where: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 
 from networkx.utils import UnionFind
 
-from partopt.errors import InstanceError, PartoptError
+from partopt.errors import InstanceError, PartoptError, first_line
 from partopt.io import at, json_path
 from partopt.graph import Graph, Op, Tensor
 from partopt.models.builder import require_choice
@@ -1069,7 +1069,7 @@ def from_module(module: Any, example_inputs: Sequence[Any], *, name: str | None 
     except PartoptError:
         raise
     except Exception as err:  # torch raises many kinds; the user needs its first line
-        raise FrontendError(f"torch.export failed: {_first_line(err)}", type(module).__name__,
+        raise FrontendError(f"torch.export failed: {first_line(err)}", type(module).__name__,
                             "make the module exportable (torch.export docs), with static shapes") from None
     importer = _Importer(module, program, dtype, opaque, attention_kernel, causal_mask)
     importer.run()
@@ -1100,7 +1100,7 @@ def read_hf_config(path: str | Path) -> Any:
     try:
         config = AutoConfig.for_model(model_type, **data)
     except StrictDataclassError as err:  # a field's type or a rule between fields: the cause names them
-        raise InstanceError(f"transformers refuses the {model_type!r} config: {_first_line(err.__cause__ or err)}",
+        raise InstanceError(f"transformers refuses the {model_type!r} config: {first_line(err.__cause__ or err)}",
                             str(path), "fix the field it names") from None
     except (ValueError, KeyError, TypeError) as err:
         raise FrontendError(f"transformers cannot build a {model_type!r} config: {err}", str(path),
@@ -1108,12 +1108,6 @@ def read_hf_config(path: str | Path) -> Any:
     _check_hf_sizes(config, data, str(path))
     _check_hf_rope(config, data, str(path))
     return config
-
-
-def _first_line(err: BaseException) -> str:
-    """The first line of an exception's message (its type's name when it has none)."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _check_hf_sizes(config: Any, data: dict[str, Any], where: str) -> None:
@@ -1170,7 +1164,7 @@ def _hf_model(config: Any, where: str) -> Any:
         except ValueError as err:
             raise FrontendError(f"transformers cannot build the model: {err}", where) from None
         except RuntimeError as err:  # torch refusing a tensor of a size HF_SIZES does not name (gpt2's n_inner -5)
-            raise InstanceError(f"transformers cannot build the model: {_first_line(err)}", where,
+            raise InstanceError(f"transformers cannot build the model: {first_line(err)}", where,
                                 "check the config's sizes") from None
     return model.eval()
 
