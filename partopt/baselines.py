@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 
 from partopt import costmodel
-from partopt.cluster import Cluster
+from partopt.cluster import Cluster, divisors
 from partopt.errors import InfeasibleError
 from partopt.evaluate import uniform
 from partopt.graph import Graph
@@ -31,8 +31,8 @@ def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32, **options
     state = costmodel.param_memory(graph.num_params, graph.dtype, graph.optimizer).total
     best: Plan | None = None
     last_error: InfeasibleError | None = None
-    for tp in (t for t in range(1, min(g, m) + 1) if g % t == 0):
-        for pp in (p for p in range(1, g // tp + 1) if (g // tp) % p == 0 and layers % p == 0):
+    for tp in (t for t in divisors(g) if t <= m):
+        for pp in (p for p in divisors(g // tp) if layers % p == 0):
             dp = g // (tp * pp)
             if ((tp * dp) % m and m % (tp * dp)) or state / (tp * pp) > cluster.device.memory_bytes:
                 continue

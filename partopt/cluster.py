@@ -330,7 +330,7 @@ def _ringless_group(lanes: Lanes) -> tuple[int, ...] | None:
     """A group of a node's devices that some in-node mesh axis forms and no ring over `lanes` passes through
     (the first found), None when every such group has one."""
     m = len(lanes)
-    groups = (members for width in _node_widths(m) for t in range(1, width + 1) if width % t == 0
+    groups = (members for width in _node_widths(m) for t in divisors(width)
               for axis in (0, 1) for members in _placed(_groups((width // t, t), axis), width, m))
     return next((members for members in groups if len(members) > 1 and ring_count(lanes, members) == 0), None)
 
