@@ -315,9 +315,16 @@ def _validate(g: Graph) -> None:
         produced_by[op.output] = op.name
         _check_shape(g, i, op)
 
+    read = {t for op in g.ops for t in op.inputs}
     for name, t in g.tensors.items():
         if t.role in ("activation", "output") and name not in produced_by:
             _fail(f"tensors.{name}", f"{t.role} tensor is produced by no op", "produce it with an op, or give it role 'input'")
+        if t.role == "param" and name not in read:
+            _fail(f"tensors.{name}", "parameter is read by no op: no plan would place it, and its memory would be "
+                  "left out", "remove it, or read it in the op that uses it")
+    if g.batch_dim is not None and not any(g.batch_dim in t.dims for t in g.tensors.values() if t.role == "input"):
+        _fail("batch_dim", f"batch dim {g.batch_dim!r} is on no input tensor, so no microbatch would split the data",
+              "name the dim the inputs carry samples along, or omit batch_dim")
 
     dag = _dependency_graph(g)
     if not nx.is_directed_acyclic_graph(dag):

@@ -207,6 +207,8 @@ BAD_CASES = {
     "duplicate-dim.json": ("$.dims", "key 'h' appears twice (values 8 and 16)"),
     "produced-twice.json": ("$.ops[1] (act_again)", "tensor 'y' is produced twice"),
     "produced-never.json": ("$.tensors.orphan", "produced by no op"),
+    "param-unread.json": ("$.tensors.w_spare", "parameter is read by no op"),
+    "batch-dim-on-no-input.json": ("$.batch_dim", "batch dim 'g' is on no input tensor"),
     "cycle.json": ("$.ops (first -> second)", "cycle"),
     "einsum-output-dim.json": ("$.ops[0] (fc)", "output dims ['g'] appear in no input"),
     "conv-3d-input.json": ("$.ops[0] (conv)", "conv2d tensors are 4-D"),
