@@ -42,7 +42,8 @@ def op_work(g_mb: Graph, op: Op, device: Device) -> float:
     if op.kind == "reshape":
         return 0.0
     moved = sum(g_mb.nbytes(t) for t in op.inputs) + g_mb.nbytes(op.output)
-    return costmodel.compute_time(executed_flops(g_mb, op), 2 * moved, device, g_mb.compute_dtype(op), is_matmul(op))
+    return costmodel.compute_time(executed_flops(g_mb, op), 2 * moved, device, g_mb.compute_dtype(op), is_matmul(op),
+                                  op.kind == "attention")
 
 
 def alike_layers(graph: Graph, base: list[list[Op]]) -> list[int]:

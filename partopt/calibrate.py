@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from partopt import io, models
-from partopt.cluster import MICRO, PRESETS, Cluster, Link, cluster_to_dict, nominal_preset, preset
+from partopt.cluster import DICT_DIGITS, MICRO, PRESETS, Cluster, Link, cluster_to_dict, nominal_preset, preset
 from partopt.errors import InstanceError, PartoptError
 from partopt.evaluate import uniform
 from partopt.executors import make_executor
@@ -77,8 +77,11 @@ PARAMETERS: dict[str, Parameter] = {p.name: p for p in (
               lambda c, n: c.device.matmul_efficiency,
               lambda c, n, v: _device(matmul_efficiency=v)(c)),
     Parameter("fp8_matmul_efficiency", "fraction", "fraction of the fp8 peak large fp8 GEMMs reach", True, 0.0,
-              lambda c, n: c.device.large_gemm_efficiency("fp8"),
+              lambda c, n: c.device.large_kernel_efficiency("fp8"),
               lambda c, n, v: _device(fp8_matmul_efficiency=v)(c)),
+    Parameter("attention_efficiency", "fraction", "fraction of peak large fused-attention kernels reach", True, 0.0,
+              lambda c, n: c.device.large_kernel_efficiency("bf16", attention=True),
+              lambda c, n, v: _device(attention_efficiency=v)(c)),
     Parameter("memory_efficiency", "fraction", "fraction of HBM bandwidth streaming ops reach", True, 0.0,
               lambda c, n: c.device.memory_efficiency,
               lambda c, n, v: _device(memory_efficiency=v)(c)),
@@ -281,14 +284,20 @@ class Calibration:
     results: tuple[PointResult, ...]
     evaluations: int  # point predictions made (each prices one plan)
 
+    @property
+    def fitted_values(self) -> dict[str, float]:
+        """The fitted values to the digits a cluster file keeps (`cluster.DICT_DIGITS`), so that the data file's
+        device and its record of the fit say the same."""
+        return {n: float(f"{self.values[n]:.{DICT_DIGITS}g}") for n in self.fitted}
+
     def cluster(self) -> Cluster:
         """The preset with the fitted values."""
-        return with_values(preset(self.preset), nominal_preset(self.preset), {n: self.values[n] for n in self.fitted})
+        return with_values(preset(self.preset), nominal_preset(self.preset), self.fitted_values)
 
     def to_dict(self, points: str) -> dict[str, Any]:
         """The preset's data file: a cluster file with the fitted values and their provenance."""
         return {**cluster_to_dict(self.cluster()), "calibration": {
-            "points": points, "fitted": {n: self.values[n] for n in self.fitted},
+            "points": points, "fitted": self.fitted_values,
             "errors": [{"label": r.label, "source": r.source, "error": r.error, "loo_error": r.loo_error}
                        for r in self.results]}}
 

@@ -209,7 +209,9 @@ def cluster_facts(cluster: Cluster, calibration: dict[str, Any] | None = None) -
         "memory_bytes_total": device.memory_bytes * n,
         "memory_bandwidth_bytes_per_s": device.memory_bandwidth,
         "matmul_efficiency": device.matmul_efficiency,
-        "fp8_matmul_efficiency": device.large_gemm_efficiency("fp8"),
+        "fp8_matmul_efficiency": device.large_kernel_efficiency("fp8"),
+        "attention_efficiency": device.large_kernel_efficiency("bf16", attention=True),
+        "matmul_half_flops": device.matmul_half_flops,
         "memory_efficiency": device.memory_efficiency,
         "intra_node": {**link(cluster.intra_node), **({"lanes": [list(row) for row in cluster.intra_node.lanes],
                                                         "lane_bandwidth_bytes_per_s": cluster.intra_node.lane_bandwidth}
@@ -263,6 +265,10 @@ def _render_cluster(f: dict[str, Any]) -> list[Table]:
         ("efficiency", f"matmul {f['matmul_efficiency']:.0%} of peak"
                        + (f" ({f['fp8_matmul_efficiency']:.0%} in fp8)"
                           if f["fp8_matmul_efficiency"] != f["matmul_efficiency"] else "")
+                       + (f", fused attention {f['attention_efficiency']:.0%}"
+                          if f["attention_efficiency"] != f["matmul_efficiency"] else "")
+                       + (f" for large GEMMs, half that at {f['matmul_half_flops'] / 1e9:.4g} GFLOP per call"
+                          if f["matmul_half_flops"] else "")
                        + f", memory {f['memory_efficiency']:.0%} of HBM"),
         ("intra-node link", link(f["intra_node"]) + (
             f"; point-to-point lanes of {f['intra_node']['lane_bandwidth_bytes_per_s'] / 1e9:.4g} GB/s, a group "

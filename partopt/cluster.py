@@ -70,6 +70,7 @@ class Device:
     memory_efficiency: float = 0.8  # fraction of HBM bandwidth streaming ops reach (placeholder)
     matmul_half_flops: float = 0.0  # GEMM size (FLOPs per call) reaching half of matmul_efficiency; 0: no curve
     fp8_matmul_efficiency: float | None = None  # fraction of the fp8 peak a large fp8 GEMM reaches; None: as 16-bit
+    attention_efficiency: float | None = None  # fraction of peak a large fused-attention kernel reaches; None: as a GEMM
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
@@ -88,12 +89,19 @@ class Device:
         _check(self.fp8_matmul_efficiency is None or _fraction_ok(self.fp8_matmul_efficiency),
                f"{who}: fp8_matmul_efficiency {self.fp8_matmul_efficiency} is not in (0, 1]",
                "a fraction of the fp8 peak, e.g. 0.6, or omit it to use matmul_efficiency")
+        _check(self.attention_efficiency is None or _fraction_ok(self.attention_efficiency),
+               f"{who}: attention_efficiency {self.attention_efficiency} is not in (0, 1]",
+               "a fraction of peak, e.g. 0.4, or omit it to use matmul_efficiency")
         _check(self.matmul_half_flops >= 0, f"{who}: matmul_half_flops {self.matmul_half_flops} is negative",
                "give the GEMM size in FLOPs at which matmuls reach half their efficiency, or 0 for none")
 
-    def large_gemm_efficiency(self, dtype: str) -> float:
-        """Fraction of peak(`dtype`) a large GEMM reaches: `fp8_matmul_efficiency` for fp8 when set (fp8
-        GEMMs reach less of their doubled peak than 16-bit ones of theirs), else `matmul_efficiency`."""
+    def large_kernel_efficiency(self, dtype: str, attention: bool = False) -> float:
+        """Fraction of peak(`dtype`) a large matmul kernel reaches: `attention_efficiency` for fused attention
+        when set (its softmax and reductions between the GEMMs keep it below a GEMM), `fp8_matmul_efficiency`
+        for fp8 GEMMs when set (they reach less of their doubled peak than 16-bit ones of theirs), else
+        `matmul_efficiency`."""
+        if attention and self.attention_efficiency is not None:
+            return self.attention_efficiency
         if dtype == "fp8" and self.fp8_matmul_efficiency is not None:
             return self.fp8_matmul_efficiency
         return self.matmul_efficiency
@@ -449,7 +457,8 @@ def cluster_from_dict(data: dict[str, Any], where: str = "") -> Cluster:
             matmul_efficiency=dev.get("matmul_efficiency", Device.matmul_efficiency),
             memory_efficiency=dev.get("memory_efficiency", Device.memory_efficiency),
             matmul_half_flops=dev.get("matmul_half_gflop", 0.0) * GIGA,
-            fp8_matmul_efficiency=dev.get("fp8_matmul_efficiency"))
+            fp8_matmul_efficiency=dev.get("fp8_matmul_efficiency"),
+            attention_efficiency=dev.get("attention_efficiency"))
     links = {}
     for key, default_latency in (("intra_node", NVLINK_LATENCY_S), ("inter_node", INFINIBAND_LATENCY_S)):
         link = data[key]
@@ -491,6 +500,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             # written only when set, so that files of devices without a curve stay as they were
             **({"matmul_half_gflop": _num(dev.matmul_half_flops / GIGA)} if dev.matmul_half_flops else {}),
             **({"fp8_matmul_efficiency": dev.fp8_matmul_efficiency} if dev.fp8_matmul_efficiency is not None else {}),
+            **({"attention_efficiency": dev.attention_efficiency} if dev.attention_efficiency is not None else {}),
         },
         "intra_node": link(cluster.intra_node),
         "inter_node": link(cluster.inter_node),

@@ -90,26 +90,28 @@ def p2p_time(nbytes: float, link: Link) -> float:
     return nbytes / link.bandwidth + link.latency_s
 
 
-def compute_time(flops: float, nbytes: float, device: Device, dtype: str, matmul: bool) -> float:
+def compute_time(flops: float, nbytes: float, device: Device, dtype: str, matmul: bool,
+                 attention: bool = False) -> float:
     """Roofline seconds: max(FLOPs / (peak · eff), bytes / (HBM bw · mem eff)).
 
-    Matmuls run at peak(dtype) × `matmul_efficiency(flops, device, dtype)`; other arithmetic at the fp32
-    (vector) peak, unscaled.
+    Matmuls run at peak(dtype) × `matmul_efficiency(flops, device, dtype, attention)` (fused attention is a
+    matmul with an efficiency of its own); other arithmetic at the fp32 (vector) peak, unscaled.
     """
     _check_nonnegative("flops", flops)
     _check_nonnegative("nbytes", nbytes)
-    rate = device.peak(dtype) * matmul_efficiency(flops, device, dtype) if matmul else device.peak(VECTOR_DTYPE)
+    rate = (device.peak(dtype) * matmul_efficiency(flops, device, dtype, attention) if matmul
+            else device.peak(VECTOR_DTYPE))
     return max(flops / rate if flops else 0.0, nbytes / (device.memory_bandwidth * device.memory_efficiency))
 
 
-def matmul_efficiency(flops: float, device: Device, dtype: str = "bf16") -> float:
+def matmul_efficiency(flops: float, device: Device, dtype: str = "bf16", attention: bool = False) -> float:
     """Fraction of peak(`dtype`) a GEMM of `flops` (one call on one device) reaches: eff_max · F / (F + F_half).
 
     Small GEMMs (tensor parallelism makes them small) fill the tensor cores less; the curve rises
-    monotonically to eff_max = `device.large_gemm_efficiency(dtype)` (`matmul_efficiency`, or
-    `fp8_matmul_efficiency` for fp8 GEMMs) and is half of it at `device.matmul_half_flops`.
-    A device without a curve (F_half = 0) runs every GEMM at eff_max exactly."""
-    top = device.large_gemm_efficiency(dtype)
+    monotonically to eff_max = `device.large_kernel_efficiency(dtype, attention)` (`matmul_efficiency`, or
+    `fp8_matmul_efficiency` for fp8 GEMMs, or `attention_efficiency` for fused attention), and is half of it at
+    `device.matmul_half_flops`, whatever the dtype. A device without a curve (F_half = 0) runs every GEMM at eff_max exactly."""
+    top = device.large_kernel_efficiency(dtype, attention)
     if device.matmul_half_flops == 0.0:
         return top
     return top * flops / (flops + device.matmul_half_flops)
@@ -194,7 +196,7 @@ class Analytical:
 
     def op_time(self, kind: str, shapes: tuple[tuple[int, ...], ...], dtype: str, flops: float, nbytes: float,
                 device: Device, matmul: bool) -> float:
-        return compute_time(flops, nbytes, device, dtype, matmul)
+        return compute_time(flops, nbytes, device, dtype, matmul, kind == "attention")
 
     def collective_time(self, kind: str, nbytes: float, axis: MeshAxis, bucketed: bool = False) -> float:
         return collective_time(kind, nbytes, axis, bucketed)

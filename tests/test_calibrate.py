@@ -61,6 +61,17 @@ def test_a_gemm_at_half_size_takes_twice_as_long():
     assert costmodel.compute_time(0.0, 8e3, _device(half_flops=1e9), "fp16", True) == pytest.approx(8e3 / 0.8e12)
 
 
+def test_every_kernel_follows_the_curve_to_its_own_maximum():
+    """One half point in FLOPs for every matmul kernel, each curve rising to its own maximum: a 16-bit GEMM to
+    0.6 of 100 TFLOP/s, an fp8 one to 0.5 of 200, a fused attention to 0.3 of 100."""
+    device = Device("d", {"fp16": 100e12, "fp8": 200e12, "fp32": 10e12}, 2**34, 1e12, matmul_efficiency=0.6,
+                    matmul_half_flops=1e9, fp8_matmul_efficiency=0.5, attention_efficiency=0.3)
+    for flops in (1e8, 1e10, 1e13):
+        for dtype, attention, rate in (("fp16", False, 60e12), ("fp8", False, 100e12), ("fp16", True, 30e12)):
+            by_hand = flops / (rate * flops / (flops + 1e9))  # (F + F_half) / rate
+            assert costmodel.compute_time(flops, 0.0, device, dtype, True, attention) == pytest.approx(by_hand)
+
+
 def test_curve_parameter_round_trips_through_the_cluster_file():
     base = preset("p3.16xlarge")
     curved = calibrate.with_values(base, nominal_preset("p3.16xlarge"), {"matmul_half_gflop": 2.5})
