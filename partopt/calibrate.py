@@ -79,9 +79,6 @@ PARAMETERS: dict[str, Parameter] = {p.name: p for p in (
     Parameter("fp8_matmul_efficiency", "fraction", "fraction of the fp8 peak large fp8 GEMMs reach", True, 0.0,
               lambda c, n: c.device.large_kernel_efficiency("fp8"),
               lambda c, n, v: _device(fp8_matmul_efficiency=v)(c)),
-    Parameter("attention_efficiency", "fraction", "fraction of peak large fused-attention kernels reach", True, 0.0,
-              lambda c, n: c.device.large_kernel_efficiency("bf16", attention=True),
-              lambda c, n, v: _device(attention_efficiency=v)(c)),
     Parameter("memory_efficiency", "fraction", "fraction of HBM bandwidth streaming ops reach", True, 0.0,
               lambda c, n: c.device.memory_efficiency,
               lambda c, n, v: _device(memory_efficiency=v)(c)),
@@ -98,6 +95,10 @@ PARAMETERS: dict[str, Parameter] = {p.name: p for p in (
               lambda c, n: c.intra_node.latency_s * MICRO, lambda c, n, v: _link(c, "intra_node", latency_s=v / MICRO)),
     Parameter("inter_latency_us", "µs", "latency per message (ring step) between nodes", False, 1.0,
               lambda c, n: c.inter_node.latency_s * MICRO, lambda c, n, v: _link(c, "inter_node", latency_s=v / MICRO)),
+    # last, so that `identifiable` tries the parameters it tried before this one first
+    Parameter("attention_efficiency", "fraction", "fraction of peak large fused-attention kernels reach", True, 0.0,
+              lambda c, n: c.device.large_kernel_efficiency("bf16", attention=True),
+              lambda c, n, v: _device(attention_efficiency=v)(c)),
 )}
 
 

@@ -109,8 +109,9 @@ def matmul_efficiency(flops: float, device: Device, dtype: str = "bf16", attenti
 
     Small GEMMs (tensor parallelism makes them small) fill the tensor cores less; the curve rises
     monotonically to eff_max = `device.large_kernel_efficiency(dtype, attention)` (`matmul_efficiency`, or
-    `fp8_matmul_efficiency` for fp8 GEMMs, or `attention_efficiency` for fused attention), and is half of it at
-    `device.matmul_half_flops`, whatever the dtype. A device without a curve (F_half = 0) runs every GEMM at eff_max exactly."""
+    `fp8_matmul_efficiency` for fp8 GEMMs, or `attention_efficiency` for fused attention), and is half of it
+    at `device.matmul_half_flops`, whatever the dtype. A device without a curve (F_half = 0) runs every GEMM
+    at eff_max exactly."""
     top = device.large_kernel_efficiency(dtype, attention)
     if device.matmul_half_flops == 0.0:
         return top
