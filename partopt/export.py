@@ -552,6 +552,11 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
                                "setting to every stage", "stages[*].recompute",
                                "plan with --recompute none, selective or full to export to Megatron-LM, or export "
                                "with --to jax or --to dtensor")
+    if plan.virtual_stages > 1 and S == 1:  # Megatron-LM asserts pipeline-model-parallel size > 1 when interleaving
+        raise _not_expressible(f"the plan interleaves {plan.virtual_stages} chunks on one pipeline stage, and "
+                               "Megatron-LM's interleaved schedule needs at least 2", "schedule",
+                               "plan with --schedule 1f1b (one stage runs its layers in order alike), or export "
+                               "with --to jax or --to dtensor")
     counts = _layer_counts(plan)
     if plan.virtual_stages > 1 and len(set(counts)) > 1:
         k = counts.index(next(c for c in counts if c != counts[0]))

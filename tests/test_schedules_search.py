@@ -267,6 +267,16 @@ def test_evaluate_prices_megatrons_interleaved_schedule_as_run(megatron_interlea
     assert export.training(plan)["schedule"] == "interleaved" and export.training(plan)["virtual_stages"] == 2
 
 
+def test_an_interleaved_plan_of_one_stage_is_not_exported_to_megatron(megatron_interleaved):
+    """Megatron-LM asserts pipeline-model-parallel size > 1 under the interleaved schedule (its arguments.py):
+    --num-layers-per-virtual-pipeline-stage with --pipeline-model-parallel-size 1 would not start."""
+    graph, _ = megatron_interleaved
+    plan = uniform(graph, CLUSTER, 1, 1, 8, 4, schedule="interleaved", virtual_stages=2, recompute="none")
+    assert len(plan.stages) // plan.virtual_stages == 1
+    with pytest.raises(export.NotExpressibleError, match="interleaves 2 chunks on one pipeline stage"):
+        export.to_megatron(plan)
+
+
 def test_zero_bubble_is_priced_with_its_weight_pass_and_not_exported_to_megatron(megatron_interleaved):
     graph, _ = megatron_interleaved
     plan = uniform(graph, CLUSTER, 2, 2, 2, 8, schedule="zero-bubble", recompute="none")
