@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from partopt import io, models
-from partopt.cluster import DICT_DIGITS, MICRO, PRESETS, Cluster, Link, cluster_to_dict, nominal_preset, preset
+from partopt.cluster import MICRO, PRESETS, Cluster, Link, cluster_to_dict, file_number, nominal_preset, preset
 from partopt.errors import InstanceError, PartoptError
 from partopt.evaluate import uniform
 from partopt.executors import make_executor
@@ -287,9 +287,9 @@ class Calibration:
 
     @property
     def fitted_values(self) -> dict[str, float]:
-        """The fitted values to the digits a cluster file keeps (`cluster.DICT_DIGITS`), so that the data file's
+        """The fitted values as a cluster file writes numbers (`cluster.file_number`), so that the data file's
         device and its record of the fit say the same."""
-        return {n: float(f"{self.values[n]:.{DICT_DIGITS}g}") for n in self.fitted}
+        return {n: file_number(self.values[n]) for n in self.fitted}
 
     def cluster(self) -> Cluster:
         """The preset with the fitted values."""

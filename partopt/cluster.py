@@ -473,7 +473,7 @@ def cluster_from_dict(data: dict[str, Any], where: str = "") -> Cluster:
                        device=device, **links)
 
 
-def _num(x: float) -> float | int:
+def file_number(x: float) -> float | int:
     """A float rounded to DICT_DIGITS significant digits, as an int when whole (clean, exact JSON)."""
     value = float(f"{x:.{DICT_DIGITS}g}")
     return int(value) if value.is_integer() else value
@@ -484,7 +484,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
     dev = cluster.device
 
     def link(l: Link) -> dict[str, Any]:
-        return {"bandwidth_gbps": _num(l.bandwidth / GB), "latency_us": _num(l.latency_s * MICRO),
+        return {"bandwidth_gbps": file_number(l.bandwidth / GB), "latency_us": file_number(l.latency_s * MICRO),
                 "shared_by_node": l.shared_by_node, **({"lanes": [list(row) for row in l.lanes]} if l.lanes else {})}
 
     return {
@@ -492,13 +492,13 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
         "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
         "device": {
             "name": dev.name,
-            "peak_tflops": {k: _num(v / TERA) for k, v in dev.peak_flops.items()},
-            "memory_gib": _num(dev.memory_bytes / GIB),
-            "memory_bandwidth_gbps": _num(dev.memory_bandwidth / GB),
+            "peak_tflops": {k: file_number(v / TERA) for k, v in dev.peak_flops.items()},
+            "memory_gib": file_number(dev.memory_bytes / GIB),
+            "memory_bandwidth_gbps": file_number(dev.memory_bandwidth / GB),
             "matmul_efficiency": dev.matmul_efficiency,
             "memory_efficiency": dev.memory_efficiency,
             # written only when set, so that files of devices without a curve stay as they were
-            **({"matmul_half_gflop": _num(dev.matmul_half_flops / GIGA)} if dev.matmul_half_flops else {}),
+            **({"matmul_half_gflop": file_number(dev.matmul_half_flops / GIGA)} if dev.matmul_half_flops else {}),
             **({"fp8_matmul_efficiency": dev.fp8_matmul_efficiency} if dev.fp8_matmul_efficiency is not None else {}),
             **({"attention_efficiency": dev.attention_efficiency} if dev.attention_efficiency is not None else {}),
         },
