@@ -280,7 +280,8 @@ class Cluster:
                                   hint="use one of Cluster.submesh_shapes()")
 
     def _axis(self, submesh: tuple[int, int], shape: tuple[int, int], axis: int) -> MeshAxis:
-        """Price one axis: its groups' node spans decide the link; crossing groups share a node's NIC.
+        """Price one axis: its groups' node spans decide the link; crossing groups share a node's NIC, or use
+        as many NICs as they have members on a node where each device has its own (COSTMODEL §2).
 
         Only the groups within the first `period` device ids are built (one node for the default logical
         meshes, not a million): past it the nodes repeat the pattern, each hosting the parts of as many groups
@@ -295,10 +296,10 @@ class Cluster:
         size = shape[axis]
         if not crossing:
             return MeshAxis(size, self._in_node_bandwidth(m, groups), self.intra_node.latency_s, False)
-        share = 1
-        if self.inter_node.shared_by_node:  # the most crossing groups any node is in
-            share = max(Counter(node for nodes in crossing for node in set(nodes)).values())
-        bandwidth = self.inter_node.bandwidth / share
+        if self.inter_node.shared_by_node:  # the most crossing groups any node is in share its one NIC
+            bandwidth = self.inter_node.bandwidth / max(Counter(node for nodes in crossing for node in set(nodes)).values())
+        else:  # a NIC per device: a group runs a ring per member it has on a node, each leaving by its own NIC
+            bandwidth = self.inter_node.bandwidth * min(min(Counter(nodes).values()) for nodes in crossing)
         if any(len(set(nodes)) < len(nodes) for nodes in crossing):  # the ring also hops inside a node
             bandwidth = min(bandwidth, self.intra_node.bandwidth)
         return MeshAxis(size, bandwidth, self.inter_node.latency_s, True)

@@ -60,18 +60,20 @@ def collective_bytes(kind: str, nbytes: float, n: int) -> float:
     return _RING_FACTOR[kind] * (n - 1) / n * nbytes
 
 
-def collective_time(kind: str, nbytes: float, axis: MeshAxis, bucketed: bool = False) -> float:
+def collective_time(kind: str, nbytes: float, axis: MeshAxis, calls: float = 1.0) -> float:
     """Seconds of a ring `kind` on one mesh axis; `nbytes` is the full (gathered/reduced) buffer per device.
 
     all-reduce 2(n-1)/n·S/bw + 2(n-1)·a; all-gather, reduce-scatter, all-to-all (n-1)/n·S/bw + (n-1)·a;
-    each call adds COLLECTIVE_LAUNCH_S. A `bucketed` collective rides in one large call with many
-    others (gradient synchronisation, which DDP and Megatron fuse into buckets of tens of MB):
-    only its bandwidth term counts, the bucket's fixed part being negligible against its bytes.
+    plus `calls` times a call's fixed part (COLLECTIVE_LAUNCH_S and the ring's latency steps,
+    `collective_overhead`): 1 for a call of its own; 0 for a tensor riding in a large bucket (gradient
+    synchronisation, which DDP and Megatron fuse into buckets of tens of MB, whose fixed part is negligible
+    against its bytes); a fraction for one of the tensors one call moves together (a layer's weights, gathered
+    or reduce-scattered as one flat buffer by FSDP, ZeRO-3 or XLA's collective combiners: each pays its share).
     """
     sent = collective_bytes(kind, nbytes, axis.size)
     if sent == 0.0:
         return 0.0
-    return sent / axis.bandwidth + (0.0 if bucketed else collective_overhead(kind, axis))
+    return sent / axis.bandwidth + (calls * collective_overhead(kind, axis) if calls else 0.0)
 
 
 def collective_overhead(kind: str, axis: MeshAxis) -> float:
@@ -182,8 +184,9 @@ class CostModel(Protocol):
         """Seconds of one op's forward and backward on one device: `shapes` are its local input and
         output shapes, `flops` its local training FLOPs, `nbytes` the bytes it moves."""
 
-    def collective_time(self, kind: str, nbytes: float, axis: MeshAxis, bucketed: bool = False) -> float:
-        """Seconds of collective `kind` over a full buffer of `nbytes` on one mesh axis."""
+    def collective_time(self, kind: str, nbytes: float, axis: MeshAxis, calls: float = 1.0) -> float:
+        """Seconds of collective `kind` over a full buffer of `nbytes` on one mesh axis, paying `calls` times a
+        call's fixed part (0: it rides in a bucket; a fraction: its share of a call it makes with others)."""
 
     def p2p_time(self, nbytes: float, link: Link) -> float:
         """Seconds to send `nbytes` point to point over `link`."""
@@ -199,8 +202,8 @@ class Analytical:
                 device: Device, matmul: bool) -> float:
         return compute_time(flops, nbytes, device, dtype, matmul, kind == "attention")
 
-    def collective_time(self, kind: str, nbytes: float, axis: MeshAxis, bucketed: bool = False) -> float:
-        return collective_time(kind, nbytes, axis, bucketed)
+    def collective_time(self, kind: str, nbytes: float, axis: MeshAxis, calls: float = 1.0) -> float:
+        return collective_time(kind, nbytes, axis, calls)
 
     def p2p_time(self, nbytes: float, link: Link) -> float:
         return p2p_time(nbytes, link)

@@ -112,6 +112,7 @@ class Use:
     slot: int
     param: bool
     gradient: bool = True  # False: the gradient travels through the tensor's gradient-sum node
+    calls: float = 1.0  # a weight's share of the calls that gather the layer's weights (`weight_call_shares`)
 
 
 @dataclass
@@ -135,6 +136,20 @@ class StageModel:
     prefetch: bool = False  # parameter gathers hide under their consumer's compute (`prefetch_cover`)
     sync_bound_s: float = math.inf  # per iteration, at most, whatever the assignment (`build`)
     per_iteration: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (src, dst, seconds) of weights' uses
+
+
+def weight_call_shares(graph: Graph, ops: Sequence[Op], uses: list[Use]) -> list[Use]:
+    """`uses` with each weight's use carrying its share of one collective call: its bytes over the bytes of all the
+    weight uses of its reader's layer. Runtimes move a layer's weights together, not one call per tensor: FSDP
+    gathers a layer's flat parameter in one all-gather per pass and reduce-scatters its gradient in one call, ZeRO-3
+    and XLA's collective combiners coalesce alike. So a layer whose weights are all gathered pays one call's fixed
+    part per collective (docs/COSTMODEL.md §4), and one gathering some of them a share of it (a call it pays at least)."""
+    total: Counter = Counter()
+    for u in uses:
+        if u.param:
+            total[ops[u.dst].layer] += graph.nbytes(u.tensor)
+    return [dataclasses.replace(u, calls=graph.nbytes(u.tensor) / total[ops[u.dst].layer]) if u.param else u
+            for u in uses]
 
 
 def _reruns(use: Use, ops: Sequence[Op], recompute: frozenset[str]) -> bool:
@@ -302,8 +317,8 @@ def _use_tables(model_graph: Graph, use: Use, src_list: list, dst_list: list[Str
     nbytes = model_graph.nbytes(use.tensor)
     differentiable = _is_float(model_graph, use.tensor)
     zero = tuple(p.zero_axes for p in src_list) if use.param else ()
-    key = (use.param, differentiable, use.gradient, rerun, microbatches, nbytes, tuple(sources), tuple(required),
-           tuple(grads), zero, prices.mesh, prices.model, cover)
+    key = (use.param, differentiable, use.gradient, use.calls, rerun, microbatches, nbytes, tuple(sources),
+           tuple(required), tuple(grads), zero, prices.mesh, prices.model, cover)
 
     def compute() -> tuple[np.ndarray, ...]:
         cost, iteration = _use_cost(use, src_list, sources, required, grads, nbytes, differentiable, prices,
@@ -342,10 +357,10 @@ def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list
     microbatches, each sum taken collective by collective in the same order (the same floats); and the
     per-iteration seconds alone (a 0-d zero when there are none). A weight's gathers with a `cover` cost only
     what its consumer's compute does not hide (`exposed`)."""
-    gather = list(prices.reshard_seconds(sources, required, nbytes))
+    gather = list(prices.reshard_seconds(sources, required, nbytes, use.calls))
     per_iteration: list[np.ndarray] = []
     if use.param:
-        eager = list(_eager_table(src_list, grads, nbytes, prices)) if differentiable else []
+        eager = list(_eager_table(src_list, grads, nbytes, prices, use.calls)) if differentiable else []
         if cover is None:  # gathered for the forward and again for the backward, then its partial sums reduced
             per_microbatch = gather + gather + eager
         else:
@@ -355,7 +370,7 @@ def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list
         if differentiable:  # the same for every microbatch count: kept apart from the use's tables
             def sync() -> tuple[np.ndarray, ...]:
                 return (prices.step_table(lambda p, g: param_sync_collectives(g, p, nbytes, prices.mesh),
-                                          src_list, grads, 2 * len(prices.mesh.shape), bucketed=True),)
+                                          src_list, grads, 2 * len(prices.mesh.shape), calls=0),)
 
             key = ("sync", nbytes, tuple(src_list), tuple(grads), prices.mesh, prices.model)
             per_iteration = list(_kept_tables(key, sync)[0])
@@ -371,14 +386,15 @@ def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list
             iteration if per_iteration else np.zeros(()))
 
 
-def _eager_table(src_list: list[ParamStrategy], grads: list[Placement], nbytes: float, prices: PairPrices) -> np.ndarray:
+def _eager_table(src_list: list[ParamStrategy], grads: list[Placement], nbytes: float, prices: PairPrices,
+                 calls: float) -> np.ndarray:
     """Seconds of the i-th per-microbatch reduction of a weight's gradient (`param_eager_collectives`) for every pair
     of its strategies and its consumer's gradient layouts, as [i, a, b]; kept like the sync tables."""
     def eager() -> tuple[np.ndarray, ...]:
         return (prices.step_table(lambda p, g: param_eager_collectives(g, p, nbytes, prices.mesh), src_list, grads,
-                                  len(prices.mesh.shape)),)
+                                  len(prices.mesh.shape), calls),)
 
-    return _kept_tables(("eager", nbytes, tuple(src_list), tuple(grads), prices.mesh, prices.model), eager)[0]
+    return _kept_tables(("eager", nbytes, calls, tuple(src_list), tuple(grads), prices.mesh, prices.model), eager)[0]
 
 
 def exposed(gather_s: np.ndarray | float, cover_s: np.ndarray | float) -> np.ndarray:
@@ -620,6 +636,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
 
     sums = gradients.plan(graph, uses, {n: op for n, op in enumerate(ops)}, producer, len(costs), mesh)
     uses = [dataclasses.replace(u, gradient=False) if i in sums.forward_only else u for i, u in enumerate(uses)]
+    uses = weight_call_shares(graph, ops, uses)
     for tensor, options in sums.nodes:
         costs.add_node(f"gradient of {tensor}", [0.0] * len(options))
         strategies.append(options)
@@ -744,19 +761,19 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
 
     prices = costmodel.active()
 
-    def pay(steps, into: dict[str, float], bucketed: bool = False) -> None:
+    def pay(steps, into: dict[str, float], calls: float = 1.0) -> None:
         for kind, axis, size in steps:
-            into[kind] += prices.collective_time(kind, size, mesh.axes[axis], bucketed)
+            into[kind] += prices.collective_time(kind, size, mesh.axes[axis], calls)
 
     for use in model.uses:
         c = _use_collectives(g, use, chosen[use.src], chosen[use.dst], mesh)
-        pay(c.per_microbatch, breakdown.comm_s)
-        pay(c.per_iteration, breakdown.sync_s, bucketed=True)
+        pay(c.per_microbatch, breakdown.comm_s, use.calls)
+        pay(c.per_iteration, breakdown.sync_s, calls=0)
         if use.param:
-            pay(c.per_iteration, breakdown.param_sync_s.setdefault(use.tensor, defaultdict(float)), bucketed=True)
+            pay(c.per_iteration, breakdown.param_sync_s.setdefault(use.tensor, defaultdict(float)), calls=0)
             if model.prefetch:  # each side's gathers (and the backward's reduction) under that side's compute
                 for steps, cover in zip((c.forward, c.backward), prefetch_cover(g, model.ops[use.dst], [chosen[use.dst]])):
-                    side = collectives_time(steps, mesh)
+                    side = collectives_time(steps, mesh, use.calls)
                     breakdown.prefetched_s += side - float(exposed(side, cover[0]))
         if _reruns(use, model.ops, model.recompute):
             breakdown.recompute_s += collectives_time(c.recomputed(use.param), mesh)

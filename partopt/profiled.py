@@ -45,16 +45,16 @@ class Profiled:
             return measured
         return self.fallback.op_time(kind, shapes, dtype, flops, nbytes, device, matmul)
 
-    def collective_time(self, kind: str, nbytes: float, axis: MeshAxis, bucketed: bool = False) -> float:
-        """Ring bytes per device / measured bus bandwidth, plus the measured latency unless bucketed."""
+    def collective_time(self, kind: str, nbytes: float, axis: MeshAxis, calls: float = 1.0) -> float:
+        """Ring bytes per device / measured bus bandwidth, plus `calls` times the measured latency (0: bucketed)."""
         measured = self.collectives.get((kind, axis.size, axis.crosses_nodes))
         if measured is None:
-            return self.fallback.collective_time(kind, nbytes, axis, bucketed)
+            return self.fallback.collective_time(kind, nbytes, axis, calls)
         bus_bandwidth, latency_s = measured
         sent = costmodel.collective_bytes(kind, nbytes, axis.size)
         if sent == 0.0:
             return 0.0
-        return sent / bus_bandwidth + (0.0 if bucketed else latency_s)
+        return sent / bus_bandwidth + calls * latency_s
 
     def p2p_time(self, nbytes: float, link: Link) -> float:
         return self.fallback.p2p_time(nbytes, link)

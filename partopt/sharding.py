@@ -297,9 +297,10 @@ def reshard_copy_bytes(src: Placement, dst: Placement, nbytes: float, mesh: Logi
     return local_bytes(nbytes, dst, mesh) if any(kind in COPYING for kind, _, _ in steps) else 0.0
 
 
-def collectives_time(steps: Sequence[tuple[str, int, float]], mesh: LogicalMesh, bucketed: bool = False) -> float:
+def collectives_time(steps: Sequence[tuple[str, int, float]], mesh: LogicalMesh, calls: float = 1.0) -> float:
+    """Seconds of `steps` in order, each paying `calls` times a call's fixed part (`costmodel.collective_time`)."""
     model = costmodel.active()
-    return sum(model.collective_time(kind, size, mesh.axes[axis], bucketed) for kind, axis, size in steps)
+    return sum(model.collective_time(kind, size, mesh.axes[axis], calls) for kind, axis, size in steps)
 
 
 def reshard_time(src: Placement, dst: Placement, nbytes: float, mesh: LogicalMesh) -> float:
@@ -347,20 +348,20 @@ class PairPrices:
             steps = self._steps[key] = _reshard_steps(src, dst, nbytes, self.mesh, self.model)
         return steps
 
-    def step_seconds(self, steps: Sequence[Step], bucketed: bool = False) -> tuple[float, ...]:
-        """Seconds of each collective of `steps`; their sum in order is `collectives_time(steps)`."""
+    def step_seconds(self, steps: Sequence[Step], calls: float = 1.0) -> tuple[float, ...]:
+        """Seconds of each collective of `steps`; their sum in order is `collectives_time(steps, mesh, calls)`."""
         times = []
         for kind, axis, size in steps:
-            key = (kind, axis, size, bucketed)
+            key = (kind, axis, size, calls)
             t = self._seconds.get(key)
             if t is None:
-                t = self._seconds[key] = self.model.collective_time(kind, size, self.mesh.axes[axis], bucketed)
+                t = self._seconds[key] = self.model.collective_time(kind, size, self.mesh.axes[axis], calls)
             times.append(t)
         return tuple(times)
 
-    def seconds(self, steps: Sequence[Step], bucketed: bool = False) -> float:
-        """`collectives_time(steps, mesh, bucketed)`, from memoised step times (same order, same sum)."""
-        return sum(self.step_seconds(steps, bucketed))
+    def seconds(self, steps: Sequence[Step], calls: float = 1.0) -> float:
+        """`collectives_time(steps, mesh, calls)`, from memoised step times (same order, same sum)."""
+        return sum(self.step_seconds(steps, calls))
 
     def _layout(self, srcs: Sequence[Placement], dsts: Sequence[Placement]) -> tuple[np.ndarray, list[int]]:
         """A resharding table's structure, the same for any size of the tensor: per pair (srcs[a], dsts[b]) the
@@ -400,14 +401,15 @@ class PairPrices:
             steps = self._steps_at[key] = _sized(self._kinds[kind][0], nbytes, self.mesh)
         return steps
 
-    def reshard_seconds(self, srcs: Sequence[Placement], dsts: Sequence[Placement], nbytes: float) -> np.ndarray:
+    def reshard_seconds(self, srcs: Sequence[Placement], dsts: Sequence[Placement], nbytes: float,
+                        calls: float = 1.0) -> np.ndarray:
         """Seconds of the i-th resharding collective from srcs[a] to dsts[b], as [i, a, b]
-        (one row per mesh axis, 0 past the last collective): each entry `step_seconds(reshard(...))`."""
+        (one row per mesh axis, 0 past the last collective): each entry `step_seconds(reshard(...), calls)`."""
         index, kinds = self._layout(srcs, dsts)
         depth = len(self.mesh.shape)
         rows = []
         for kind in kinds:
-            times = self.step_seconds(self._sized_steps(kind, nbytes))
+            times = self.step_seconds(self._sized_steps(kind, nbytes), calls)
             rows.append(times + (0.0,) * (depth - len(times)))
         return np.moveaxis(np.array(rows, dtype=float)[index], 2, 0)
 
@@ -419,11 +421,11 @@ class PairPrices:
         return np.array(copies, dtype=float)[index]
 
     def step_table(self, steps: Callable[[Any, Any], Sequence[Step]], srcs: Sequence, dsts: Sequence,
-                   depth: int, bucketed: bool = False) -> np.ndarray:
+                   depth: int, calls: float = 1.0) -> np.ndarray:
         """Seconds of the i-th collective of `steps(s, d)` for every pair, as [i, a, b] (0 past its
         last): summed over i in order, each entry is `collectives_time(steps(s, d))` to the bit."""
         def padded(s, d) -> tuple[float, ...]:
-            times = self.step_seconds(steps(s, d), bucketed)
+            times = self.step_seconds(steps(s, d), calls)
             return times + (0.0,) * (depth - len(times))
 
         return np.moveaxis(pair_table(padded, srcs, dsts), 2, 0)

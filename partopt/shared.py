@@ -73,7 +73,7 @@ def correction(row: Sequence, first: int, last: int, shared: dict[str, tuple[int
             gradient = copies[keep][0][1]
             sharing = devices if link.shared_by_node else 1
             group = MeshAxis(2, link.bandwidth / sharing, link.latency_s, crosses_nodes=True)
-            result.sync_s[ALL_REDUCE_KEY] += costmodel.active().collective_time("all_reduce", gradient, group, bucketed=True)
+            result.sync_s[ALL_REDUCE_KEY] += costmodel.active().collective_time("all_reduce", gradient, group, calls=0)
     return result
 
 

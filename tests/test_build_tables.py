@@ -50,8 +50,8 @@ def reference(model: intra.StageModel) -> tuple[dict, dict]:
             for b, d in enumerate(options[use.dst]):
                 c = intra._use_collectives(g, use, s, d, mesh)
                 again = c.recomputed(use.param) if rerun else []
-                cost[a, b] = (collectives_time(c.per_microbatch + again, mesh)
-                              + collectives_time(c.per_iteration, mesh, bucketed=True) / model.microbatches)
+                cost[a, b] = (collectives_time(c.per_microbatch + again, mesh, use.calls)
+                              + collectives_time(c.per_iteration, mesh, calls=0) / model.microbatches)
                 required = d.inputs[use.slot]
                 if use.param:  # the gathered weight; in the backward beside it the gradient until its reduce-scatter
                     prefetch[a, b] = reshard_copy_bytes(s.placement, required, nbytes, mesh)

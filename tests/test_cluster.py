@@ -175,6 +175,23 @@ def test_axis_is_priced_by_its_slowest_group():
     assert a0.crosses_nodes and a0.bandwidth == pytest.approx(2.5e9)
 
 
+def test_a_crossing_group_runs_a_ring_per_member_per_node_on_per_device_nics():
+    """NCCL runs a ring (channel) per NIC: a group with k members on each node it spans crosses nodes on k NICs at
+    once, each carrying 1/k of the data, so it sees k times one NIC, capped by the node's link its rings also hop.
+    By hand on 8 DGX H100 nodes (a 50 GB/s NIC per GPU, NVLink 450 GB/s):"""
+    h100 = preset("dgx-h100")
+    mesh = h100.logical_mesh((8, 8), (64, 1))
+    assert mesh.axes[0].bandwidth == pytest.approx(8 * 50e9)  # all 64: 8 members per node, 8 NICs < 450
+    a0, a1 = h100.logical_mesh((8, 8), (16, 4)).axes  # axis 0 groups {j, j+4, ...}: 2 members per node
+    assert a0.bandwidth == pytest.approx(2 * 50e9) and a1.bandwidth == pytest.approx(450e9)
+    a0, _ = h100.logical_mesh((8, 8), (8, 8)).axes  # stride-8 groups: one member per node, its own NIC
+    assert a0.bandwidth == pytest.approx(50e9)
+    # 2 nodes x 6 devices as (3, 4), a NIC per device: axis 1 group 4-7 has 2 members on each node (4,5 | 6,7):
+    # 2 x 10e9; axis 0 groups {j, j+4, j+8} have 1 member on some node ({0,4} | {8}): 10e9
+    a0, a1 = _toy(6, 100e9, 10e9, False).logical_mesh((2, 6), (3, 4)).axes
+    assert a1.bandwidth == pytest.approx(20e9) and a0.bandwidth == pytest.approx(10e9)
+
+
 def test_crossing_ring_with_intra_hops_is_capped_by_the_intra_link():
     cluster = _toy(8, 100e9, 200e9, False)  # a (hypothetical) network faster than the node's link
     a0, _ = cluster.logical_mesh((2, 8), (4, 4)).axes  # groups have 2 members per node

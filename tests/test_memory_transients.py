@@ -7,10 +7,12 @@ row (`ilp.CostGraph.peak_memory`) and the decoded breakdown must both reproduce 
 import pytest
 
 from partopt import ilp, intra
+from partopt.cluster import Cluster, Link
 from partopt.errors import InfeasibleError
+from partopt.graph import Graph, Op, Tensor
 from partopt.sharding import R, Shard
 
-from test_intra import LAUNCH, mlp, row_mesh
+from test_intra import FAST, LAUNCH, mlp, row_mesh
 
 B, H = 64, 128  # mlp(2, B, H): x[b,h0] -> fc0 (w0[h0,h1]) -> y0 -> fc1 (w1[h1,h2]) -> y1, fp32, Adam
 W = H * H * 4  # bytes of one fp32 weight (its gradient too)
@@ -70,6 +72,32 @@ def test_fsdp_reduces_each_microbatch_and_plain_data_parallelism_once_per_iterat
     bd = intra.shard_stage(graph, mesh, restriction=plain, microbatches=3).breakdown
     assert not any(bd.comm_s.get(kind) for kind in ("reduce_scatter", "all_reduce", "all_gather"))
     assert bd.sync_s["all_reduce"] == pytest.approx(2 * (2 * 3 / 4 * W / bw), rel=1e-12)
+
+
+def _two_weights(layers: tuple[int, int]) -> Graph:
+    """x[b,h0] -> fc0 (w0[h0,h1], W bytes) -> fc1 (w1[h1,h2], 3W bytes) -> y1, fp32; `layers`: the ops' layer tags."""
+    dims = {"b": B, "h0": H, "h1": H, "h2": 3 * H}
+    tensors = {"x": Tensor("x", ("b", "h0"), "input"), "w0": Tensor("w0", ("h0", "h1"), "param"),
+               "w1": Tensor("w1", ("h1", "h2"), "param"), "y0": Tensor("y0", ("b", "h1")),
+               "y1": Tensor("y1", ("b", "h2"), "output")}
+    ops = [Op("fc0", "einsum", ("x", "w0"), "y0", layers[0]), Op("fc1", "einsum", ("y0", "w1"), "y1", layers[1])]
+    return Graph("two-weights", dims, tensors, ops, "b", "fp32")
+
+
+def test_fsdp_moves_a_layers_weights_in_one_call_per_collective():
+    """FSDP on 4 devices in a row at 10 GB/s and 2 µs per ring step: a layer's weights are gathered (forward, and
+    again backward) and their gradients reduce-scattered as one flat buffer, so the layer pays one call's fixed part,
+    LAUNCH + 3 · 2 µs, per collective, each weight its share by bytes (1/4 and 3/4 here), and every byte as before,
+    3/4 · (W + 3W) / bw. Two layers of one weight each pay the fixed part twice."""
+    bw, step = 10e9, 2e-6
+    mesh = Cluster("row", 1, 4, FAST, Link(bw, step), Link(bw, step)).logical_mesh((1, 4), (1, 4))
+    fsdp = pinned({"fc0": (None, "b"), "fc1": (None, "b")},
+                  {"w0": ((R, Shard("h0")), ()), "w1": ((R, Shard("h1")), ())})
+    fixed, moved = LAUNCH + 3 * step, 3 / 4 * (W + 3 * W) / bw
+    for layers, calls in (((0, 0), 1), ((0, 1), 2)):
+        bd = intra.shard_stage(_two_weights(layers), mesh, restriction=fsdp, microbatches=3).breakdown
+        assert bd.comm_s["all_gather"] == pytest.approx(2 * (calls * fixed + moved), rel=1e-12)  # forward, backward
+        assert bd.comm_s["reduce_scatter"] == pytest.approx(calls * fixed + moved, rel=1e-12)
 
 
 def test_replicated_data_parallel_has_no_transient_and_its_gradient_matches_the_stored_layout():
