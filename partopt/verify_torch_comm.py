@@ -33,6 +33,7 @@ from partopt.sharding import SMALL_BYTES, MeshShape, Partial, Placement, R, Shar
 
 TOP_LEVEL = "(top level)"  # the loss, gradient synchronisation: outside every module
 MATMULS = ("linear", "matmul", "mm", "bmm", "addmm", "einsum")  # aten ops whose input gradient reads the weight
+NORMS = ("layernorm", "rmsnorm", "layer_norm", "rms_norm", "batch_norm")  # their input gradient reads the scale
 BACKWARD = "(backward)"  # the backward's calls, compared over the stage
 FP32 = 4  # bytes per element: verify runs in fp32 whatever dtype the plan was priced in
 _INPUT = re.compile(r"(\S+) \[[^\]]*\]")
@@ -217,10 +218,11 @@ def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | N
                     done.add(("backward", module, t, leaving))
                     result += planned_reshard(grad, as_gradient_target(layouts[k]), nbytes, mesh, module, True)
                 grad = as_gradient_target(layouts[k])
-    # a sharded parameter gathered for its reader, inside the op: in the forward, and for a matmul again in the
-    # backward, where its input's gradient reads the weight (DTensor's autograd keeps the op's operands as stored,
-    # not what its dispatch gathered: FSDP's second gather, which the plan prices too; docs/FRONTENDS.md); an
-    # experts module gathers each torch parameter once, its chunks together (`verify_torch_moe.expert_parallel`)
+    # a sharded parameter gathered for its reader, inside the op: in the forward, and for a matmul or a norm's
+    # scale again in the backward, where its input's gradient reads the weight (DTensor's autograd keeps the op's
+    # operands as stored, not what its dispatch gathered: FSDP's second gather, which the plan prices too;
+    # docs/FRONTENDS.md); an experts module gathers each torch parameter once, its chunks together
+    # (`verify_torch_moe.expert_parallel`)
     experts, chunks, gathered = expert_modules(plan), _torch_params(stage), set()
     for op, info in stage.ops.items():
         inputs = op_inputs(info.explanation)
@@ -236,7 +238,9 @@ def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | N
                 names = chunks[whole]
             nbytes = sum(_numel(plan, n) for n in names) * FP32
             result += planned_reshard(stage.params[t].placement, need, nbytes, mesh, module_of(op))
-            if (expert is None and op.rpartition(".")[2] in MATMULS
+            aten = op.rpartition(".")[2]
+            reads_weight = aten in MATMULS or (aten in NORMS and inputs.index(t) == 1)  # a norm's scale, not its shift
+            if (expert is None and reads_weight
                     and any(plan.tensors[u]["role"] not in ("param", "input") for u in inputs if u != t)):
                 result += planned_reshard(stage.params[t].placement, need, nbytes, mesh, module_of(op), backward=True)
     for module, axes in (summed or {}).items():

@@ -153,10 +153,13 @@ def test_experts_weights_placed_differently_are_refused(mixtral_plan):
 
 
 def test_the_default_plan_of_the_wider_mixtral_verifies_its_weights_gathered_again_in_the_backward(tmp_path):
-    """With its default pricing (gathers prefetched under compute) the wider Mixtral's plan stores q_proj and
-    o_proj split and computes them data parallel: DTensor's dispatch gathers each weight for the forward
-    matmul and again for its input's gradient (autograd keeps the weight as stored), as the plan prices; the
-    verifier predicts both gathers, 256 x 256 fp32 each, and loss, gradients and collectives match."""
+    """With its default pricing (gathers prefetched under compute, a layer's weights gathered in one call) the
+    wider Mixtral's plan stores its weights split and computes data parallel: DTensor's dispatch gathers each
+    weight for the forward and again for its input's gradient wherever that gradient reads it (autograd keeps
+    the weight as stored), as the plan prices: every matmul weight with an activation operand (q, k, v, o, the
+    router, the LM head; the experts' are gathered once, their module's own case) and every norm's scale. The
+    verifier predicts those gathers, fp32: q and o 256 x 256, k and v 256 x 128 (2 KV heads of 64), the router
+    256 x 8, the LM head 256 x 64, the three RMSNorm scales 256; loss, gradients and collectives match."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**MIXTRAL, "hidden_size": 256, "max_position_embeddings": 64}))
     graph = from_hf_config(read_hf_config(path), batch=32, seq=64)
@@ -169,4 +172,5 @@ def test_the_default_plan_of_the_wider_mixtral_verifies_its_weights_gathered_aga
     report = verify_plan(plan, str(path))
     assert report.ok, report.lines()
     again = [c for c in report.stages[0].planned if c["kind"] == "all_gather" and c["backward"]]
-    assert sorted(c["bytes"] for c in again) == [256 * 256 * 4] * 2
+    assert sorted(c["bytes"] for c in again) == sorted([256 * 256 * 4] * 2 + [256 * 128 * 4] * 2 + [256 * 8 * 4]
+                                                       + [256 * 64 * 4] + [256 * 4] * 3)
