@@ -73,7 +73,7 @@ def collective_time(kind: str, nbytes: float, axis: MeshAxis, calls: float = 1.0
     sent = collective_bytes(kind, nbytes, axis.size)
     if sent == 0.0:
         return 0.0
-    return sent / axis.bandwidth + (calls * collective_overhead(kind, axis) if calls else 0.0)
+    return sent / axis.bandwidth + calls * collective_overhead(kind, axis)
 
 
 def collective_overhead(kind: str, axis: MeshAxis) -> float:

@@ -225,8 +225,8 @@ def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | N
     # (`verify_torch_moe.expert_parallel`)
     experts, chunks, gathered = expert_modules(plan), _torch_params(stage), set()
     for op, info in stage.ops.items():
-        inputs = op_inputs(info.explanation)
-        for t, need in zip(inputs, info.inputs):
+        inputs, aten = op_inputs(info.explanation), op.rpartition(".")[2]
+        for slot, (t, need) in enumerate(zip(inputs, info.inputs)):
             if t not in stage.params:
                 continue
             names, expert = [t], _expert_of(t, experts)
@@ -238,8 +238,7 @@ def planned_calls(plan: Plan, index: int, summed: dict[str, tuple[int, ...]] | N
                 names = chunks[whole]
             nbytes = sum(_numel(plan, n) for n in names) * FP32
             result += planned_reshard(stage.params[t].placement, need, nbytes, mesh, module_of(op))
-            aten = op.rpartition(".")[2]
-            reads_weight = aten in MATMULS or (aten in NORMS and inputs.index(t) == 1)  # a norm's scale, not its shift
+            reads_weight = aten in MATMULS or (aten in NORMS and slot == 1)  # a norm's scale, not its shift
             if (expert is None and reads_weight
                     and any(plan.tensors[u]["role"] not in ("param", "input") for u in inputs if u != t)):
                 result += planned_reshard(stage.params[t].placement, need, nbytes, mesh, module_of(op), backward=True)
