@@ -611,7 +611,7 @@ def _emit(plan: Plan, output: str | None, as_json: bool, cluster_source: str) ->
 @click.option("--zero", "--distributed-optimizer", "zero", is_flag=True,
               help="Shard optimizer state over the data-parallel axis (Megatron-LM's distributed optimizer, ZeRO-1).")
 @click.option("--sequence-parallel", is_flag=True, help="Megatron-LM's sequence parallelism: every norm of a "
-              "Megatron-style plan splits its sequence over the tensor-parallel axis (otherwise the ILP chooses).")
+              "Megatron-style plan splits its sequence over the tensor-parallel axis (otherwise it runs on every rank).")
 @click.option("--shard-weights", is_flag=True, help="ZeRO-3 / FSDP: every parameter of a Megatron-style plan split "
               "over the data-parallel axis and gathered for each use.")
 @click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), is_flag=False, flag_value="full",

@@ -1,9 +1,11 @@
 """Price a given plan under the cost model: a plan file (partopt's or hand-edited), or a
-Megatron-style uniform plan (P equal stages, each on a (D, T) mesh: batch over D, the ILP over T).
+Megatron-style uniform plan (P equal stages, each on a (D, T) mesh: batch over D, Megatron's tensor
+parallelism over T).
 
 Both fix the stages and restrict the intra-op ILP instead of searching: a plan file pins each
 listed op and parameter to its recorded strategy (ops it leaves out are chosen by the ILP), a
-uniform plan pins mesh axis 0 to data parallelism. The stages are then assembled exactly as
+uniform plan pins mesh axis 0 to data parallelism and axis 1 to Megatron's layout (the ILP picks among the
+few strategies that leaves). The stages are then assembled exactly as
 `optimize` assembles its own, so a plan that `solve` wrote evaluates to its own iteration time.
 """
 
@@ -86,29 +88,59 @@ def _pinned(op_entries: dict[str, OpStrategy], param_entries: dict[str, ParamPla
     return intra.Restriction(op_ok, param_ok, f"the plan ({where}; a split must divide its dim on the mesh)")
 
 
-def sequence_dims(graph: Graph, op: Op) -> set[str]:
-    """A norm's dims besides the batch and its features (those its scale and shift carry, else its
-    last dim): the sequence, which Megatron's sequence parallelism splits over the tensor-parallel axis."""
-    dims = graph.tensors[op.output].dims
+def _features(graph: Graph, op: Op) -> set[str]:
+    """A norm's features: the dims its scale and shift carry, else its last dim."""
     params = [t for t in op.inputs[1:] if graph.tensors[t].role == "param"]
-    features = {d for t in params for d in graph.tensors[t].dims} if params else {dims[-1]}
-    return set(dims) - features - {graph.batch_dim}
+    return {d for t in params for d in graph.tensors[t].dims} if params else set(graph.tensors[op.output].dims[-1:])
+
+
+def sequence_dims(graph: Graph, op: Op) -> set[str]:
+    """A norm's dims besides the batch and its features: the sequence, which Megatron's sequence parallelism
+    splits over the tensor-parallel axis."""
+    return set(graph.tensors[op.output].dims) - _features(graph, op) - {graph.batch_dim}
+
+
+def tensor_parallel_dims(graph: Graph) -> set[str]:
+    """The dims Megatron's tensor parallelism splits: the dims of matmul and embedding weights other than the
+    residual stream's (the norms' features) and the batch — heads, head features, the MLP's hidden, the vocabulary."""
+    weights = {d for op in graph.ops if op.kind in ("einsum", "embedding") for t in op.inputs
+               if graph.tensors[t].role == "param" for d in graph.tensors[t].dims}
+    residual = {d for op in graph.ops if op.kind in NORM_KINDS for d in _features(graph, op)}
+    return weights - residual - {graph.batch_dim}
 
 
 def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: bool = False,
               shard_weights: bool = False) -> intra.Restriction:
-    """Axis 0 (size dp) splits the batch and holds parameter copies; axis 1 (size tp) never splits the
-    batch, and with `sequence_parallel` splits every norm along its sequence (Korthikanti et al. 2022). With
-    `shard_weights` axis 0 holds each parameter split instead (ZeRO-3, FSDP: gathered for each use, its gradient
-    reduce-scattered, so weights, gradients and optimizer state are all split dp ways); a parameter none of whose
-    dims dp divides (a bias of 96 heads over 384 ranks), which ZeRO-3 splits flattened, stays a copy with its
-    optimizer state split: the nearest its placements come."""
+    """Axis 0 (size dp) splits the batch and holds parameter copies; axis 1 (size tp) is Megatron's tensor
+    parallelism (Shoeybi et al. 2019): an op that reads a matmul or embedding weight splits one of
+    `tensor_parallel_dims` (column-parallel: its output; row-parallel: the contraction, summed by an all-reduce),
+    and every other op splits one too or is replicated, as Megatron-LM runs the norms, residual adds and biases of
+    the residual stream on every rank. With `sequence_parallel` (Korthikanti et al. 2022) the norms split their
+    sequence, and the residual stream's other ops may too (the all-reduce becomes a reduce-scatter and an
+    all-gather). With `shard_weights` axis 0 holds each parameter split instead (ZeRO-3, FSDP: gathered for
+    each use, its gradient reduce-scattered, so weights, gradients and optimizer state are all split dp ways); a
+    parameter none of whose dims dp divides (a bias of 96 heads over 384 ranks), which ZeRO-3 splits flattened,
+    stays a copy with its optimizer state split: the nearest its placements come."""
     batch_dim = graph.batch_dim
+    split = tensor_parallel_dims(graph)
+    norms = [op for op in graph.ops if op.kind in NORM_KINDS]
+    residual = {d for op in norms for d in _features(graph, op)}
+    sequence = {d for op in norms for d in sequence_dims(graph, op)}
+
+    def reads_a_split_weight(op: Op) -> bool:
+        return any(graph.tensors[t].role == "param" and split & set(graph.tensors[t].dims) for t in op.inputs)
 
     def op_ok(op: Op, s: Strategy) -> bool:
-        batch_on_0 = s.axes[0] == (batch_dim if batch_dim in graph.behaviours(op) else None)
-        sequence = not (sequence_parallel and tp > 1 and op.kind in NORM_KINDS) or s.axes[1] in sequence_dims(graph, op)
-        return (dp == 1 or batch_on_0) and (tp == 1 or s.axes[1] != batch_dim) and sequence
+        if dp > 1 and s.axes[0] != (batch_dim if batch_dim in graph.behaviours(op) else None):
+            return False
+        if tp == 1:
+            return True
+        if sequence_parallel and op.kind in NORM_KINDS:
+            return s.axes[1] in sequence_dims(graph, op)
+        if reads_a_split_weight(op):
+            return s.axes[1] in split
+        in_stream = sequence_parallel and residual <= set(graph.tensors[op.output].dims)
+        return s.axes[1] is None or s.axes[1] in split or (in_stream and s.axes[1] in sequence)
 
     def param_ok(tensor: str, s: ParamStrategy) -> bool:
         if shard_weights and dp > 1 and any(graph.dims[d] % dp == 0 for d in graph.tensors[tensor].dims):
@@ -262,9 +294,8 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     """Megatron's plan: `pp` stages of equally many layers, each on a (dp, tp) mesh of its devices.
 
     Axis 0 splits the batch (and ZeRO-shards optimizer state with `zero`, or every parameter with `shard_weights`:
-    ZeRO-3, FSDP); the ILP chooses the
-    tensor-parallel sharding over axis 1, which stays inside a node when tp ≤ devices per node;
-    `sequence_parallel` makes every norm split its sequence there (else the ILP may or may not).
+    ZeRO-3, FSDP); axis 1 runs Megatron's tensor parallelism (`_megatron`), inside a node when tp ≤ devices
+    per node; `sequence_parallel` splits the norms along their sequence there (else they run on every rank).
     `microbatches` is searched when not given, as users tune it: every power-of-two count of at
     least pp whose microbatch splits over dp; the fastest plan that fits wins. Every stage
     recomputes alike: the `recompute` keyword's mode, or (auto, the default) the fastest that fits.
