@@ -100,13 +100,17 @@ def sequence_dims(graph: Graph, op: Op) -> set[str]:
     return set(graph.tensors[op.output].dims) - _features(graph, op) - {graph.batch_dim}
 
 
+def residual_dims(graph: Graph) -> set[str]:
+    """The residual stream's features: the dims the graph's norms carry scales for."""
+    return {d for op in graph.ops if op.kind in NORM_KINDS for d in _features(graph, op)}
+
+
 def tensor_parallel_dims(graph: Graph) -> set[str]:
     """The dims Megatron's tensor parallelism splits: the dims of matmul and embedding weights other than the
-    residual stream's (the norms' features) and the batch — heads, head features, the MLP's hidden, the vocabulary."""
+    residual stream's and the batch — heads, head features, the MLP's hidden units, the vocabulary."""
     weights = {d for op in graph.ops if op.kind in ("einsum", "embedding") for t in op.inputs
                if graph.tensors[t].role == "param" for d in graph.tensors[t].dims}
-    residual = {d for op in graph.ops if op.kind in NORM_KINDS for d in _features(graph, op)}
-    return weights - residual - {graph.batch_dim}
+    return weights - residual_dims(graph) - {graph.batch_dim}
 
 
 def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: bool = False,
@@ -122,10 +126,8 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
     parameter none of whose dims dp divides (a bias of 96 heads over 384 ranks), which ZeRO-3 splits flattened,
     stays a copy with its optimizer state split: the nearest its placements come."""
     batch_dim = graph.batch_dim
-    split = tensor_parallel_dims(graph)
-    norms = [op for op in graph.ops if op.kind in NORM_KINDS]
-    residual = {d for op in norms for d in _features(graph, op)}
-    sequence = {d for op in norms for d in sequence_dims(graph, op)}
+    split, residual = tensor_parallel_dims(graph), residual_dims(graph)
+    sequence = {d for op in graph.ops if op.kind in NORM_KINDS for d in sequence_dims(graph, op)}
 
     def reads_a_split_weight(op: Op) -> bool:
         return any(graph.tensors[t].role == "param" and split & set(graph.tensors[t].dims) for t in op.inputs)
