@@ -117,8 +117,9 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
               shard_weights: bool = False) -> intra.Restriction:
     """Axis 0 (size dp) splits the batch and holds parameter copies; axis 1 (size tp) is Megatron's tensor
     parallelism (Shoeybi et al. 2019): an op that reads a matmul or embedding weight splits one of
-    `tensor_parallel_dims` (column-parallel: its output; row-parallel: the contraction, summed by an all-reduce),
-    and every other op splits one too or is replicated, as Megatron-LM runs the norms, residual adds and biases of
+    `tensor_parallel_dims` (column-parallel: its output; row-parallel: the contraction, summed by an all-reduce;
+    where tp divides none of them, a vocabulary of 50,257 that Megatron-LM pads, it runs whole on every rank, an
+    upper bound), and every other op splits one too or is replicated, as Megatron-LM runs the norms, residual adds and biases of
     the residual stream on every rank. With `sequence_parallel` (Korthikanti et al. 2022) the norms split their
     sequence, and the residual stream's other ops may too (the all-reduce becomes a reduce-scatter and an
     all-gather). With `shard_weights` axis 0 holds each parameter split instead (ZeRO-3, FSDP: gathered for
@@ -132,6 +133,9 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
     def reads_a_split_weight(op: Op) -> bool:
         return any(graph.tensors[t].role == "param" and split & set(graph.tensors[t].dims) for t in op.inputs)
 
+    def splits_evenly(op: Op) -> bool:
+        return any(graph.dims[d] % tp == 0 for d in split & set(graph.behaviours(op)))
+
     def op_ok(op: Op, s: Strategy) -> bool:
         if dp > 1 and s.axes[0] != (batch_dim if batch_dim in graph.behaviours(op) else None):
             return False
@@ -139,8 +143,8 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
             return True
         if sequence_parallel and op.kind in NORM_KINDS:
             return s.axes[1] in sequence_dims(graph, op)
-        if reads_a_split_weight(op):
-            return s.axes[1] in split
+        if reads_a_split_weight(op):  # whole on every rank when tp divides none of its dims (Megatron pads them)
+            return s.axes[1] in split or (s.axes[1] is None and not splits_evenly(op))
         in_stream = sequence_parallel and residual <= set(graph.tensors[op.output].dims)
         return s.axes[1] is None or s.axes[1] in split or (in_stream and s.axes[1] in sequence)
 

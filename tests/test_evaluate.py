@@ -146,6 +146,16 @@ def test_uniform_tensor_parallelism_is_megatrons_layout(small_gpt, sequence_para
         {"q": "n", "k": "n", "v": "n", "proj": "n", "fc1": "f", "fc2": "f"}
 
 
+def test_a_vocabulary_tensor_parallelism_cannot_split_runs_whole_on_every_rank():
+    """GPT-2's 50,257 tokens do not split 2 ways (Megatron-LM pads the table to a multiple of 128 · tp): the embedding
+    and the head run whole on every tensor-parallel rank, an upper bound, while the layers keep Megatron's split."""
+    graph = models.gpt(hidden=256, layers=4, heads=4, seq=128, vocab=50257, batch=16)
+    plan = uniform(graph, preset("p3.16xlarge", 1), tp=2, pp=1, dp=4, microbatches=2)
+    axes = {name: entry.axes[1] for name, entry in plan.stages[0].ops.items()}
+    assert axes["embed.tokens"] is None and axes["head.logits"] is None
+    assert (axes["l0.q"], axes["l0.fc1"]) == ("n", "f")
+
+
 def test_sequence_parallel_splits_every_norm_along_the_sequence_on_the_tensor_axis(small_gpt):
     """Megatron-LM's --sequence-parallel: the layernorms of (b, s, h) split s over the tensor-parallel
     axis, and the plan says so to `check` and to the Megatron export."""
