@@ -119,10 +119,10 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
     parallelism (Shoeybi et al. 2019): an op that reads a matmul or embedding weight splits one of
     `tensor_parallel_dims` (column-parallel: its output; row-parallel: the contraction, summed by an all-reduce;
     where tp divides none of them, a vocabulary of 50,257 that Megatron-LM pads, it runs whole on every rank, an
-    upper bound), and every other op splits one too or is replicated, as Megatron-LM runs the norms, residual adds and biases of
-    the residual stream on every rank. With `sequence_parallel` (Korthikanti et al. 2022) the norms split their
-    sequence, and the residual stream's other ops may too (the all-reduce becomes a reduce-scatter and an
-    all-gather). With `shard_weights` axis 0 holds each parameter split instead (ZeRO-3, FSDP: gathered for
+    upper bound), and every other op splits one too or is replicated, as Megatron-LM runs the norms, residual adds
+    and biases of the residual stream on every rank. With `sequence_parallel` (Korthikanti et al. 2022) the norms
+    split their sequence, and the residual stream's other ops may too (the all-reduce becomes a reduce-scatter and
+    an all-gather). With `shard_weights` axis 0 holds each parameter split instead (ZeRO-3, FSDP: gathered for
     each use, its gradient reduce-scattered, so weights, gradients and optimizer state are all split dp ways); a
     parameter none of whose dims dp divides (a bias of 96 heads over 384 ranks), which ZeRO-3 splits flattened,
     stays a copy with its optimizer state split: the nearest its placements come."""

@@ -141,7 +141,8 @@ def test_uniform_tensor_parallelism_is_megatrons_layout(small_gpt, sequence_para
         [("all-reduce", activation)]
     assert moved == {name: each for name in ("ln1", "proj", "ln2", "fc2")}
     stream = "s" if sequence_parallel else None
-    assert {name: ops[name].axes[1] for name in ("ln1", "res1", "ln2", "res2")} == dict.fromkeys(("ln1", "res1", "ln2", "res2"), stream)
+    stream_ops = ("ln1", "res1", "ln2", "res2")
+    assert {name: ops[name].axes[1] for name in stream_ops} == dict.fromkeys(stream_ops, stream)
     assert {name: ops[name].axes[1] for name in ("q", "k", "v", "proj", "fc1", "fc2")} == \
         {"q": "n", "k": "n", "v": "n", "proj": "n", "fc1": "f", "fc2": "f"}
 
