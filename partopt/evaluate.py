@@ -110,7 +110,19 @@ def tensor_parallel_dims(graph: Graph) -> set[str]:
     residual stream's and the batch — heads, head features, the MLP's hidden units, the vocabulary."""
     weights = {d for op in graph.ops if op.kind in ("einsum", "embedding") for t in op.inputs
                if graph.tensors[t].role == "param" for d in graph.tensors[t].dims}
-    return weights - residual_dims(graph) - {graph.batch_dim}
+    return weights - residual_dims(graph) - batch_dims(graph)
+
+
+def batch_dims(graph: Graph) -> set[str]:
+    """The batch and the dims reshapes carry it in as their outer part (an MoE layer's tokens `(b, s) -> m`, then
+    its groups `m -> (g, c)`): splitting one of them on the data-parallel axis splits the batch."""
+    carriers, size = {graph.batch_dim}, 0
+    while size < len(carriers):
+        size = len(carriers)
+        for op in graph.ops:
+            carriers |= {whole for whole, parts in (op.attrs.get("merge") or {}).items() if parts[0] in carriers}
+            carriers |= {parts[0] for whole, parts in (op.attrs.get("split") or {}).items() if whole in carriers}
+    return carriers
 
 
 def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: bool = False,
@@ -126,7 +138,7 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
     each use, its gradient reduce-scattered, so weights, gradients and optimizer state are all split dp ways); a
     parameter none of whose dims dp divides (a bias of 96 heads over 384 ranks), which ZeRO-3 splits flattened,
     stays a copy with its optimizer state split: the nearest its placements come."""
-    batch_dim = graph.batch_dim
+    batch = batch_dims(graph)
     split, residual = tensor_parallel_dims(graph), residual_dims(graph)
     sequence = {d for op in graph.ops if op.kind in NORM_KINDS for d in sequence_dims(graph, op)}
 
@@ -137,7 +149,7 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
         return any(graph.dims[d] % tp == 0 for d in split & set(graph.behaviours(op)))
 
     def op_ok(op: Op, s: Strategy) -> bool:
-        if dp > 1 and s.axes[0] != (batch_dim if batch_dim in graph.behaviours(op) else None):
+        if dp > 1 and (s.axes[0] not in batch if batch & set(graph.behaviours(op)) else s.axes[0] is not None):
             return False
         if tp == 1:
             return True

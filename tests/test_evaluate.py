@@ -12,7 +12,7 @@ from partopt import costmodel, io, models
 from partopt.cli import main
 from partopt.cluster import preset
 from partopt.errors import InfeasibleError, InstanceError
-from partopt.evaluate import evaluate, uniform
+from partopt.evaluate import batch_dims, evaluate, uniform
 from partopt.export import megatron_config
 from partopt.inter import optimize
 from partopt.plan import ParamPlacement, read_plan, write_plan
@@ -155,6 +155,15 @@ def test_a_vocabulary_tensor_parallelism_cannot_split_runs_whole_on_every_rank()
     axes = {name: entry.axes[1] for name, entry in plan.stages[0].ops.items()}
     assert axes["embed.tokens"] is None and axes["head.logits"] is None
     assert (axes["l0.q"], axes["l0.fc1"]) == ("n", "f")
+
+
+def test_data_parallelism_follows_the_batch_through_reshapes():
+    """An MoE layer carries its batch through reshapes, each time as the outer part: (b, s) -> bs, bs -> (g, gs), and
+    back. The data-parallel axis splits whichever of them an op has (before, the flatten had no strategy at all)."""
+    graph = io.read_graph(INSTANCES / "moe-layer.json")
+    assert batch_dims(graph) == {"b", "bs", "g"}
+    plan = uniform(graph, preset("p3.16xlarge", 1), tp=2, pp=1, dp=4)
+    assert {entry.axes[0] for entry in plan.stages[0].ops.values()} == {"b", "bs", "g"}
 
 
 def test_sequence_parallel_splits_every_norm_along_the_sequence_on_the_tensor_axis(small_gpt):
