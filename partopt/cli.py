@@ -284,6 +284,19 @@ def calibration_record(source: str) -> dict[str, Any] | None:
     return io.load_json(source).get("calibration") if Path(source).exists() else preset_calibration(source)
 
 
+def _megatron_text(m: dict[str, Any]) -> str:
+    """What a Megatron-style plan prices, in Megatron-LM's terms (docs/COSTMODEL.md §5b "Megatron's layout")."""
+    text = f"Megatron-LM's: tp {m['tp']} × pp {m['pp']} × dp {m['dp']}"
+    if m["tp"] > 1:
+        text += ("; norms and residual adds split along the sequence (--sequence-parallel)" if m["sequence_parallel"]
+                 else "; norms and residual adds on every tensor-parallel rank (no --sequence-parallel)")
+    if m.get("shard_weights"):
+        text += "; every weight split over the data-parallel ranks (ZeRO-3, FSDP)"
+    elif m["zero"]:
+        text += "; optimizer state split over the data-parallel ranks (--use-distributed-optimizer)"
+    return text
+
+
 def _calibration_text(c: dict[str, Any] | None) -> str:
     if c is None:
         return "none recorded: placeholder or hand-set efficiencies (`partopt calibrate` fits them, docs/COSTMODEL.md §7)"
@@ -456,6 +469,7 @@ def _render_plan(plan: Plan, calibration: dict[str, Any] | None) -> list[Table]:
         ("schedule", plan.schedule + (f", {plan.virtual_stages} virtual stages per stage (stage j runs on stage "
                                       f"j mod {len(plan.stages) // plan.virtual_stages}'s devices)"
                                       if plan.virtual_stages > 1 else "")),
+        *([("layout", _megatron_text(plan.options["megatron"]))] if "megatron" in plan.options else []),
         ("microbatches", f"{plan.num_microbatches} × {plan.microbatch_size} samples"),
         ("throughput", f"{plan.throughput['samples_per_s']:.4g} samples/s, "
                        f"{plan.throughput['tflops_per_device']:.3g} TFLOP/s per device"),

@@ -308,6 +308,17 @@ def test_evaluate_cli_prints_the_plan_and_refuses_mixed_arguments(tmp_path):
     assert mixed.exit_code == 2 and "give either --plan FILE or all of --tp, --pp and --dp" in mixed.stderr
 
 
+@pytest.mark.parametrize("flags, says", [
+    ([], "norms and residual adds on every tensor-parallel rank (no --sequence-parallel)"),
+    (["--sequence-parallel", "--zero"], "split along the sequence (--sequence-parallel); optimizer state split")])
+def test_evaluate_cli_says_which_megatron_layout_it_priced(flags, says):
+    result = CliRunner().invoke(main, ["evaluate", str(INSTANCES / "mlp-2layer.json"), "--cluster", "p3.16xlarge",
+                                       "--nodes", "1", "--tp", "2", "--pp", "1", "--dp", "4", *flags],
+                                env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "Megatron-LM's: tp 2 × pp 1 × dp 4" in result.stdout and says in result.stdout
+
+
 @pytest.mark.parametrize("tp,pp,dp", [(2, 2, 2), (4, 2, 1)])
 def test_megatron_arguments_re_read_into_a_uniform_plan_evaluate_to_the_same_time(tp, pp, dp):
     """A Megatron-style plan, exported as Megatron-LM arguments and read back, prices the same. Its norms split the
