@@ -150,6 +150,8 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
                        "optimizer_s": optimizer_s,
                        "recompute_s": sum(row[b].sharding.breakdown.recompute_s for b in range(first, last + 1)),
                        "prefetched_s": sum(row[b].sharding.breakdown.prefetched_s for b in range(first, last + 1)),
+                       **({"tp_overlapped_s": tp_hidden} if (tp_hidden := sum(
+                           row[b].sharding.breakdown.tp_overlapped_s for b in range(first, last + 1))) else {}),
                        "param_bytes": sums.param_bytes, "activation_bytes": sums.activation_bytes,
                        "working_bytes": sums.working_bytes,
                        "transient_bytes": max(row[b].sharding.breakdown.transient_bytes for b in range(first, last + 1)),

@@ -136,6 +136,7 @@ class Point:
     zero: bool
     sequence_parallel: bool  # every norm split along its sequence over the tensor-parallel axis (Megatron's flag)
     shard_weights: bool  # every parameter split over the data-parallel axis, gathered for each use (ZeRO-3, FSDP)
+    tp_comm_overlap: bool  # tensor-parallel collectives hidden under the GEMMs (Megatron's --tp-comm-overlap)
     overlap: bool
     memory_reserve: float | None  # the fraction of device memory kept free when pricing it (None: partopt's default)
     check_memory: bool  # False: the run is priced as run, each layer at its fastest, whatever memory the model gives it
@@ -204,7 +205,7 @@ def points_from_dict(data: Any, where: str = "", base: Path = Path(".")) -> Poin
             tp=plan["tp"], pp=plan["pp"], dp=plan["dp"], microbatches=plan.get("microbatches"),
             recompute=plan.get("recompute", "auto"), zero=plan.get("zero", False),
             sequence_parallel=plan.get("sequence_parallel", False), shard_weights=plan.get("shard_weights", False),
-            overlap=plan.get("overlap", True), memory_reserve=plan.get("memory_reserve"),
+            tp_comm_overlap=plan.get("tp_comm_overlap", False), overlap=plan.get("overlap", True), memory_reserve=plan.get("memory_reserve"),
             check_memory=plan.get("check_memory", True),
             schedule=plan.get("schedule", "1f1b"), virtual_stages=plan.get("virtual_stages", 1),
             iteration_s=measured.get("iteration_s"), tflops_per_gpu=measured.get("tflops_per_gpu"),
@@ -243,6 +244,7 @@ def ratio(point: Point, cluster: Cluster, workers: int | None = None) -> float:
     try:
         plan = uniform(point.graph, cluster, point.tp, point.pp, point.dp, point.microbatches,
                        zero=point.zero, sequence_parallel=point.sequence_parallel, shard_weights=point.shard_weights,
+                       tp_comm_overlap=point.tp_comm_overlap,
                        recompute=point.recompute, overlap=point.overlap, workers=workers,
                        check_memory=point.check_memory,
                        **({} if point.memory_reserve is None else {"memory_reserve": point.memory_reserve}),

@@ -88,7 +88,8 @@ def differences(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan",
             derived = uniform(graph, cluster, layout["tp"], layout["pp"], layout["dp"], plan.num_microbatches,
                               layout["zero"], layout.get("sequence_parallel", False), plan.schedule, plan.virtual_stages,
                               recompute=plan.stages[0].recompute, shard_weights=layout.get("shard_weights", False),
-                              overlap=plan.options.get("overlap", False), **options)
+                              overlap=plan.options.get("overlap", False),
+                              tp_comm_overlap=layout.get("tp_comm_overlap", False), **options)
         else:
             derived = evaluate(graph, cluster, plan, where=where, **options)
     except InfeasibleError as err:

@@ -290,6 +290,8 @@ def _megatron_text(m: dict[str, Any]) -> str:
     if m["tp"] > 1:
         text += ("; norms and residual adds split along the sequence (--sequence-parallel)" if m["sequence_parallel"]
                  else "; norms and residual adds on every tensor-parallel rank (no --sequence-parallel)")
+    if m.get("tp_comm_overlap"):
+        text += "; its collectives hidden under the GEMMs (--tp-comm-overlap)"
     if m.get("shard_weights"):
         text += "; every weight split over the data-parallel ranks (ZeRO-3, FSDP)"
     elif m["zero"]:
@@ -628,6 +630,8 @@ def _emit(plan: Plan, output: str | None, as_json: bool, cluster_source: str) ->
               "Megatron-style plan splits its sequence over the tensor-parallel axis (otherwise it runs on every rank).")
 @click.option("--shard-weights", is_flag=True, help="ZeRO-3 / FSDP: every parameter of a Megatron-style plan split "
               "over the data-parallel axis and gathered for each use.")
+@click.option("--tp-comm-overlap", is_flag=True, help="Megatron-LM's --tp-comm-overlap (with --sequence-parallel): "
+              "tensor-parallel all-gathers and reduce-scatters hidden under the weights' GEMMs (docs/COSTMODEL.md §5b).")
 @click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), is_flag=False, flag_value="full",
               help="Recomputation of a Megatron-style plan: auto (default: the fastest that fits), none, selective "
               "or full; --recompute alone means full. A plan file keeps its own.")
@@ -649,7 +653,7 @@ def _emit(plan: Plan, output: str | None, as_json: bool, cluster_source: str) ->
 def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, plan_file: str | None,
                      tp: int | None, pp: int | None, dp: int | None, microbatches: int | None,
                      microbatch_size: int | None, zero: bool, sequence_parallel: bool, shard_weights: bool,
-                     recompute: str | None,
+                     tp_comm_overlap: bool, recompute: str | None,
                      schedule: str | None, virtual_stages: int | None, solver: str, memory_reserve: float, no_overlap: bool, profile_file: str | None,
                      output: str | None, as_json: bool) -> None:
     """Price a plan of GRAPH under the cost model: a plan file (--plan) or a Megatron-style uniform
@@ -662,8 +666,10 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
         raise InstanceError("give either --plan FILE or all of --tp, --pp and --dp", "partopt evaluate",
                             "for example --plan plan.json, or --tp 8 --pp 2 --dp 4")
     if plan_file is not None and (microbatches is not None or microbatch_size is not None or zero or recompute
-                                  or no_overlap or sequence_parallel or shard_weights or schedule or virtual_stages):
-        raise InstanceError("--microbatches, --microbatch-size, --zero, --sequence-parallel, --shard-weights, --recompute, "
+                                  or no_overlap or sequence_parallel or shard_weights or tp_comm_overlap or schedule
+                                  or virtual_stages):
+        raise InstanceError("--microbatches, --microbatch-size, --zero, --sequence-parallel, --shard-weights, "
+                            "--tp-comm-overlap, --recompute, "
                             "--schedule, --virtual-stages and --no-overlap describe a Megatron-style plan, "
                             "not a plan file", "partopt evaluate", "edit the plan file instead")
     if microbatches is not None and microbatch_size is not None:
@@ -683,7 +689,8 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
     else:
         schedule = schedule or ("interleaved" if (virtual_stages or 1) > 1 else "1f1b")
         plan = uniform(graph, cluster, tp, pp, dp, microbatches, zero, sequence_parallel, schedule, virtual_stages or 1,
-                       recompute=recompute or "auto", overlap=not no_overlap, shard_weights=shard_weights, **options)
+                       recompute=recompute or "auto", overlap=not no_overlap, shard_weights=shard_weights,
+                       tp_comm_overlap=tp_comm_overlap, **options)
     _emit(plan, output, as_json, cluster_source)
 
 

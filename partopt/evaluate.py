@@ -128,16 +128,17 @@ def batch_dims(graph: Graph) -> set[str]:
 def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: bool = False,
               shard_weights: bool = False) -> intra.Restriction:
     """Axis 0 (size dp) splits the batch and holds parameter copies; axis 1 (size tp) is Megatron's tensor
-    parallelism (Shoeybi et al. 2019): an op that reads a matmul or embedding weight splits one of
-    `tensor_parallel_dims` (column-parallel: its output; row-parallel: the contraction, summed by an all-reduce;
-    where tp divides none of them, a vocabulary of 50,257 that Megatron-LM pads, it runs whole on every rank, an
-    upper bound), and every other op splits one too or is replicated, as Megatron-LM runs the norms, residual adds
-    and biases of the residual stream on every rank. With `sequence_parallel` (Korthikanti et al. 2022) the norms
-    split their sequence, and the residual stream's other ops may too (the all-reduce becomes a reduce-scatter and
-    an all-gather). With `shard_weights` axis 0 holds each parameter split instead (ZeRO-3, FSDP: gathered for
-    each use, its gradient reduce-scattered, so weights, gradients and optimizer state are all split dp ways); a
-    parameter none of whose dims dp divides (a bias of 96 heads over 384 ranks), which ZeRO-3 splits flattened,
-    stays a copy with its optimizer state split: the nearest its placements come."""
+    parallelism (Shoeybi et al. 2019). An op that reads a matmul or embedding weight splits one of
+    `tensor_parallel_dims`, whose shard each rank keeps: column-parallel its output, row-parallel the contraction,
+    summed by an all-reduce (where tp divides none of them, a vocabulary of 50,257 that Megatron-LM pads, it runs
+    whole on every rank, an upper bound). Every other op splits one too or is replicated, as Megatron-LM runs the
+    norms, residual adds and biases of the residual stream on every rank, each rank holding their parameters whole.
+    With `sequence_parallel` (Korthikanti et al. 2022) the norms split their sequence, and the residual stream's
+    other ops may too (the all-reduce becomes a reduce-scatter and an all-gather). With `shard_weights` axis 0 holds
+    each parameter split instead (ZeRO-3, FSDP: gathered for each use, its gradient reduce-scattered, so weights,
+    gradients and optimizer state are all split dp ways); a parameter none of whose dims dp divides (a bias of 96
+    heads over 384 ranks), which ZeRO-3 splits flattened, stays a copy with its optimizer state split: the nearest
+    its placements come."""
     batch = batch_dims(graph)
     split, residual = tensor_parallel_dims(graph), residual_dims(graph)
     sequence = {d for op in graph.ops if op.kind in NORM_KINDS for d in sequence_dims(graph, op)}
@@ -160,7 +161,14 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
         in_stream = sequence_parallel and residual <= set(graph.tensors[op.output].dims)
         return s.axes[1] is None or s.axes[1] in split or (in_stream and s.axes[1] in sequence)
 
+    def held_as_megatron_does(tensor: str, s: ParamStrategy) -> bool:  # on the tensor-parallel axis
+        dims = [d for d in graph.tensors[tensor].dims if d in split and graph.dims[d] % tp == 0]
+        kept = s.placement[1]
+        return isinstance(kept, Shard) and kept.dim in dims if dims else isinstance(kept, Replicate)
+
     def param_ok(tensor: str, s: ParamStrategy) -> bool:
+        if tp > 1 and not held_as_megatron_does(tensor, s):
+            return False
         if shard_weights and dp > 1 and any(graph.dims[d] % dp == 0 for d in graph.tensors[tensor].dims):
             return isinstance(s.placement[0], Shard) and not s.zero_axes
         copies = dp == 1 or isinstance(s.placement[0], Replicate)
@@ -320,11 +328,15 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     `schedule` runs the pipeline (`schedules.SCHEDULES`); interleaved with v = `virtual_stages` is
     Megatron's: pp·v chunks of equally many layers, chunk j on stage j mod pp, B a multiple of pp.
     `check_memory=False` prices a run known to have fit (a calibration point) whatever the memory model says of
-    it: each layer at its fastest strategy, no stage refused.
+    it: each layer at its fastest strategy, no stage refused. The keyword `tp_comm_overlap` (an `Options` field) is
+    Megatron-LM's `--tp-comm-overlap`, which needs `sequence_parallel`, as Megatron-LM asserts.
     """
     where = f"--tp {tp} --pp {pp} --dp {dp}"
     if min(tp, pp, dp) < 1:
         raise InstanceError("tp, pp and dp must be at least 1", where, "give positive degrees")
+    if kwargs.get("tp_comm_overlap") and not (sequence_parallel and tp > 1):
+        raise InstanceError("tensor-parallel comm overlap needs sequence parallelism and tp > 1 (Megatron-LM asserts "
+                            "it)", "--tp-comm-overlap", "add --sequence-parallel, or drop --tp-comm-overlap")
     if tp * pp * dp != cluster.num_devices:
         raise InfeasibleError(f"tp × pp × dp = {tp * pp * dp} but the cluster has {cluster.num_devices} devices",
                               where, "choose degrees whose product is the device count")
@@ -377,7 +389,8 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
         raise error
     best = min(plans, key=lambda plan: plan.iteration_time_s)
     best.options["megatron"] = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "sequence_parallel": sequence_parallel,
-                                "shard_weights": shard_weights}  # how `partopt check` re-derives it
+                                "shard_weights": shard_weights,  # how `partopt check` re-derives it
+                                "tp_comm_overlap": options.tp_comm_overlap}
     best.solver.update(ilps=sum(p.solver["ilps"] for p in plans), ilp_time_s=sum(p.solver["ilp_time_s"] for p in plans),
                        time_s=time.perf_counter() - start, microbatch_counts=counts,
                        status="optimal" if all(p.solver["status"] == "optimal" for p in plans) else "timeout",

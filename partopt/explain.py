@@ -45,6 +45,8 @@ def explain(plan: Plan) -> list[StageExplanation]:
             time_s[f"{_label(kind)} (per microbatch)"] = B * seconds
         if bd.get("prefetched_s"):
             time_s["weight gathers hidden by prefetch"] = -B * bd["prefetched_s"]
+        if bd.get("tp_overlapped_s"):
+            time_s["tensor-parallel collectives hidden under the GEMMs"] = -B * bd["tp_overlapped_s"]
         if stage.send_time_s:
             time_s["point-to-point send"] = B * stage.send_time_s
         if bd.get("send_hidden_s"):

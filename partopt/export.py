@@ -574,6 +574,7 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
             "num_layers": sum(counts), "layers_per_stage": counts,
             "first_stage_layers": first, "last_stage_layers": last,
             "sequence_parallel": roles[0].sequence_parallel and tp > 1,
+            "tp_comm_overlap": bool(plan.options.get("megatron", {}).get("tp_comm_overlap")),
             "distributed_optimizer": zero, "recompute": recomputation(plan.stages[0]),
             "overlap_grad_reduce": bool(plan.options.get("overlap", False)),
             "attention_backend": "flash" if fused_attention(plan) else None,
@@ -602,6 +603,8 @@ def to_megatron(plan: Plan) -> list[str]:
     args += ["--micro-batch-size", str(c["micro_batch_size"]), "--global-batch-size", str(c["global_batch_size"])]
     if c["sequence_parallel"]:
         args.append("--sequence-parallel")
+    if c["tp_comm_overlap"]:
+        args.append("--tp-comm-overlap")
     if c["distributed_optimizer"]:
         args.append("--use-distributed-optimizer")
     if c["overlap_grad_reduce"]:

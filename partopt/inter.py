@@ -84,6 +84,10 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
         options = options or Options(**kwargs)
     except TypeError as err:
         raise PartoptError(f"unknown option: {err}", "optimize", f"use one of {list(Options.__dataclass_fields__)}") from None
+    if options.tp_comm_overlap:
+        raise InstanceError("tensor-parallel comm overlap prices Megatron's layout, which the search does not keep",
+                            "tp_comm_overlap", "price a Megatron-style plan: uniform(..., tp_comm_overlap=True) or "
+                            "partopt evaluate --tp-comm-overlap")
     with costmodel.using(options.cost_model):
         return _search(graph, cluster, options, progress, cache)
 

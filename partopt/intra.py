@@ -134,6 +134,7 @@ class StageModel:
     kept: set[str] = field(default_factory=set)  # recomputed ops whose output is kept (read by an op not recomputed)
     recompute: frozenset[str] = frozenset()  # ops whose forward is rerun in backward (`recomputed_ops`)
     prefetch: bool = False  # parameter gathers hide under their consumer's compute (`prefetch_cover`)
+    tp_overlap: bool = False  # tensor-parallel activation collectives hide under the weights' GEMMs (`decode`)
     sync_bound_s: float = math.inf  # per iteration, at most, whatever the assignment (`build`)
     per_iteration: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (src, dst, seconds) of weights' uses
 
@@ -535,7 +536,8 @@ def _add_layout_hubs(graph: Graph, mesh: LogicalMesh, costs: ilp.CostGraph, stra
 
 def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, microbatches: int = 1,
           inflight: int = 1, allow_zero: bool = True, data_parallel: bool = False,
-          restriction: Restriction | None = None, *, recompute: str = "none", prefetch: bool = False) -> StageModel:
+          restriction: Restriction | None = None, *, recompute: str = "none", prefetch: bool = False,
+          tp_overlap: bool = False) -> StageModel:
     """The stage's cost graph; `graph` must already be at microbatch size (see `with_batch`).
 
     `data_parallel` restricts every op to splitting the batch dim and every parameter to copies;
@@ -547,6 +549,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     use's copies (gathered weights and their gradients before the reduction, all-gather/all-to-all and
     layout-hub copies) are transients of its consumer.
     `prefetch`: a weight's gathers run ahead of its consumer, under compute (`prefetch_cover`, `exposed`).
+    `tp_overlap`: Megatron-LM's `--tp-comm-overlap` on a (dp, tp) mesh, priced when the stage is decoded (`decode`).
     """
     restriction = restriction or Restriction()
     force_dim = graph.batch_dim if data_parallel else None
@@ -655,7 +658,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     for flow in sums.flows:
         costs.add_edge(flow.src, flow.dst, _flow_table(graph, flow, strategies[flow.src], strategies[flow.dst], prices))
     return StageModel(graph, mesh, ops, params, strategies, uses, costs, microbatches, inflight, sums.flows,
-                      hubs, leaving, kept, rerun, prefetch, sync_bound, per_iteration)
+                      hubs, leaving, kept, rerun, prefetch, tp_overlap, sync_bound, per_iteration)
 
 
 # ---------------------------------------------------------------- decoding
@@ -677,6 +680,7 @@ class Breakdown:
     activation_bytes: float = 0.0  # kept for backward, one microbatch, per device
     recompute_s: float = 0.0  # per microbatch: the forward compute and collectives recomputation reruns
     prefetched_s: float = 0.0  # per microbatch: the part of comm_s (weights' gathers) hidden under compute
+    tp_overlapped_s: float = 0.0  # per microbatch: the part of comm_s (tensor-parallel activations) hidden under GEMMs
     # per device, held once: one microbatch's full activations while recomputing (0 without) plus
     # the transient buffers at their peak (`transient_bytes`, docs/COSTMODEL.md §5)
     working_bytes: float = 0.0
@@ -686,7 +690,7 @@ class Breakdown:
 
     @property
     def per_microbatch_s(self) -> float:
-        return self.compute_s + sum(self.comm_s.values()) - self.prefetched_s + self.recompute_s
+        return self.compute_s + sum(self.comm_s.values()) - self.prefetched_s - self.tp_overlapped_s + self.recompute_s
 
     @property
     def per_iteration_s(self) -> float:
@@ -752,6 +756,23 @@ def describe(graph: Graph, op: Op, strategy: Strategy, outgoing: Sequence[tuple[
     return text + (" → " + "; ".join(parts) if parts else "")
 
 
+TENSOR_AXIS = 1  # the tensor-parallel axis of Megatron's (dp, tp) meshes (`evaluate._megatron`)
+
+
+def tp_overlap_hidden(graph: Graph, ops: Sequence[Op], chosen: Sequence[Strategy], tensor_parallel: Sequence[list],
+                      mesh: LogicalMesh) -> float:
+    """Seconds per microbatch of tensor-parallel activation collectives that Megatron-LM's `--tp-comm-overlap`
+    (Transformer Engine's userbuffers) hides under the GEMMs of the weights: on each side, forward and backward,
+    min(the collectives' time, the weight GEMMs' compute), pooled over the layer (docs/COSTMODEL.md §5b)."""
+    gemms = [0.0, 0.0]
+    for op, s in zip(ops, chosen):
+        if op.kind == "einsum" and any(graph.tensors[t].role == "param" for t in op.inputs):
+            share = forward_share(op)
+            gemms[0] += s.compute_s * share
+            gemms[1] += s.compute_s * (1.0 - share)
+    return sum(min(collectives_time(steps, mesh), gemm) for steps, gemm in zip(tensor_parallel, gemms))
+
+
 def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
     """Strategies, cost breakdown and explanations of a solved stage."""
     g, mesh, choice = model.graph, model.mesh, solution.choice
@@ -765,9 +786,17 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
         for kind, axis, size in steps:
             into[kind] += prices.collective_time(kind, size, mesh.axes[axis], calls)
 
+    tensor_parallel = [[], []]  # forward, backward: activation collectives on the tensor-parallel axis
+
+    def on_tensor_axis(side: int, steps: list) -> None:
+        tensor_parallel[side].extend(step for step in steps if step[1] == TENSOR_AXIS)
+
     for use in model.uses:
         c = _use_collectives(g, use, chosen[use.src], chosen[use.dst], mesh)
         pay(c.per_microbatch, breakdown.comm_s, use.calls)
+        if not use.param:
+            on_tensor_axis(0, c.forward)
+            on_tensor_axis(1, c.backward)
         pay(c.per_iteration, breakdown.sync_s, calls=0)
         if use.param:
             pay(c.per_iteration, breakdown.param_sync_s.setdefault(use.tensor, defaultdict(float)), calls=0)
@@ -782,6 +811,7 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
     for flow in model.flows:
         steps = gradients.collectives(g, flow, chosen[flow.src], chosen[flow.dst], mesh)
         pay(steps, breakdown.comm_s)
+        on_tensor_axis(1, steps)
         if flow.owner is not None:
             outgoing[flow.owner].extend(steps)
     op_choices = []
@@ -791,6 +821,8 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
             forward, backward = _leaving(g, op, s, mesh)
             outgoing[n].extend(forward + backward)
             pay(forward + backward, breakdown.comm_s)
+            on_tensor_axis(0, forward)
+            on_tensor_axis(1, backward)
             if op.name in model.recompute:
                 breakdown.recompute_s += collectives_time(forward, mesh)
         breakdown.compute_s += s.compute_s
@@ -804,6 +836,8 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
         else:
             breakdown.activation_bytes += s.memory_bytes
         op_choices.append(OpChoice(op.name, s, describe(g, op, s, outgoing[n], mesh), tuple(outgoing[n])))
+    if model.tp_overlap:
+        breakdown.tp_overlapped_s = tp_overlap_hidden(g, model.ops, chosen, tensor_parallel, mesh)
     breakdown.transient_bytes = model.costs.transient_peak(choice)
     breakdown.working_bytes += breakdown.transient_bytes
     reads = Counter(use.tensor for use in model.uses if use.param)  # a gradient buffer per read
@@ -852,7 +886,7 @@ def shard_stage(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None
                 memory_budget: float | None = None, backend: str = "highs", time_limit_s: float = solvers.TIME_LIMIT_S,
                 seed: int = 0, allow_zero: bool = True, data_parallel: bool = False,
                 restriction: Restriction | None = None, reduce_first: bool = True,
-                recompute: str = "none", peak_shared_by: int = 1, prefetch: bool = False,
+                recompute: str = "none", peak_shared_by: int = 1, prefetch: bool = False, tp_overlap: bool = False,
                 cutoff: float | None = None, free: tuple[tuple[int, ...], float] | None = None,
                 time_floor: bool = False) -> StageSharding:
     """The optimal sharding of `ops` (default: the whole graph) on `mesh` for one microbatch;
@@ -865,7 +899,7 @@ def shard_stage(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None
     if ops is not None and g is not graph:
         ops = [g.op_index[op.name] for op in ops]
     model = build(g, mesh, ops, microbatches, inflight, allow_zero, data_parallel, restriction, recompute=recompute,
-                  prefetch=prefetch)
+                  prefetch=prefetch, tp_overlap=tp_overlap)
     model.costs.peak_shared_by = peak_shared_by
     if memory_budget is not None and ilp.min_memory(model.costs) > memory_budget:
         raise _memory_error(model, memory_budget)

@@ -39,6 +39,8 @@ class Options:
     cost_model: costmodel.CostModel | None = None  # None: the analytical model (`costmodel.ANALYTICAL`)
     overlap: bool = True  # gradient reductions overlap the backward, weight gathers and interleaved sends overlap
     # compute (docs/COSTMODEL.md §5b); False: all costs add
+    tp_comm_overlap: bool = False  # Megatron-LM's --tp-comm-overlap: tensor-parallel collectives under the GEMMs
+    # (Megatron-style plans only, `evaluate.uniform`; docs/COSTMODEL.md §5b)
     deadline_s: float | None = None  # wall seconds for the whole search: then the best plan found, marked stopped
     schedule: str = "auto"  # pipeline schedule: auto (the best of `schedules.SEARCHED`) or one of them
 

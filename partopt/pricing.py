@@ -148,7 +148,9 @@ def price(g_mb: Graph, job: Job, options) -> Priced:
                                          data_parallel=options.data_parallel_only or options.stage_data_parallel,
                                          allow_zero=not options.stage_data_parallel, recompute=job.recompute,
                                          restriction=job.restriction, peak_shared_by=job.share, prefetch=options.overlap,
-                                         cutoff=None if job.cutoff is None else job.cutoff / job.count,
+                                         tp_overlap=options.tp_comm_overlap,  # the objective does not see its hiding:
+                                         cutoff=None if job.cutoff is None or options.tp_comm_overlap  # no cut-off
+                                         else job.cutoff / job.count,
                                          free=job.free, time_floor=job.time_floor)
     except InfeasibleError:
         if job.cap is None:

@@ -107,7 +107,8 @@ def test_h100_points_run_the_schedules_their_sources_name():
     stages and "the first model chunk on the first stage has only the embedding" (arXiv 2407.21783 §3.3.2), so
     its 126 layers and the embedding and output chunks fill pp × v = 16 × 8 chunks; the 8B ran without a
     pipeline; the 70B ran virtual pipeline 5. Tensor parallelism ran with sequence parallelism: Megatron-Bridge's
-    Llama 3 70B recipe sets it, and Llama 3's tensor parallelism cites Korthikanti et al. 2023."""
+    Llama 3 70B recipe sets it, and Llama 3's tensor parallelism cites Korthikanti et al. 2023; that recipe also
+    overlaps the tensor-parallel comm (its CommOverlapConfig), which Llama 3's paper does not say."""
     by_label = {p.label.split(",")[0] + f" {p.gpus}": p for p in calibrate.read_points(POINTS / "dgx-h100.json").points
                 if not p.label.startswith("MPT")}
     assert {label: (p.schedule, p.virtual_stages) for label, p in by_label.items()} == {
@@ -121,6 +122,7 @@ def test_h100_points_run_the_schedules_their_sources_name():
     for p in by_label.values():
         assert p.microbatches % p.pp == 0 or p.schedule != "interleaved"  # Megatron's rule for interleaving
         assert p.sequence_parallel == (p.tp > 1)
+    assert [label for label, p in by_label.items() if p.tp_comm_overlap] == ["NeMo Llama3 70B FP8 64"]
 
 
 # MosaicML LLM Foundry's tables (scripts/train/benchmarking/README.md), per row: (model, seq, GPUs) -> MicroBatchSize,

@@ -136,7 +136,7 @@ def test_megatron_layouts_re_derive_as_that_layout(tiny, tmp_path):
 
     plan = uniform(tiny.graph, tiny.cluster, tp=2, pp=2, dp=1, microbatches=2)
     assert plan.options["megatron"] == {"tp": 2, "pp": 2, "dp": 1, "zero": False, "sequence_parallel": False,
-                                      "shard_weights": False}
+                                      "shard_weights": False, "tp_comm_overlap": False}
     assert check.differences(plan, tiny.graph, tiny.cluster) == []
     best = baselines.megatron(tiny.graph, tiny.cluster)
     assert check.differences(best, tiny.graph, tiny.cluster) == []

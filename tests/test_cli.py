@@ -136,8 +136,8 @@ def test_inspect_says_where_a_clusters_efficiencies_come_from():
     assert json.loads(run("inspect", str(ROOT / "instances/clusters/p3.16xlarge.json"), "--json").stdout)[
         "calibration"]["measured_runs"] == 10
     h100 = json.loads(run("inspect", "dgx-h100", "--json").stdout)
-    assert h100["calibration"]["measured_runs"] == 14  # the fit's report: leave-one-out median 4.9 %, max 17.1 %
-    assert h100["calibration"]["loo_error_median"] == pytest.approx(0.049, abs=5e-4)
+    assert h100["calibration"]["measured_runs"] == 14  # the fit's report: leave-one-out median 5.2 %, max 12.1 %
+    assert h100["calibration"]["loo_error_median"] == pytest.approx(0.052, abs=5e-4)
     assert h100["fp8_matmul_efficiency"] == h100["calibration"]["fitted"]["fp8_matmul_efficiency"]
     assert "in fp8" in run("inspect", "dgx-h100").stdout
     assert json.loads(run("inspect", "tpu-v4", "--json").stdout)["calibration"] is None
