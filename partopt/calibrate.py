@@ -205,8 +205,8 @@ def points_from_dict(data: Any, where: str = "", base: Path = Path(".")) -> Poin
             tp=plan["tp"], pp=plan["pp"], dp=plan["dp"], microbatches=plan.get("microbatches"),
             recompute=plan.get("recompute", "auto"), zero=plan.get("zero", False),
             sequence_parallel=plan.get("sequence_parallel", False), shard_weights=plan.get("shard_weights", False),
-            tp_comm_overlap=plan.get("tp_comm_overlap", False), overlap=plan.get("overlap", True), memory_reserve=plan.get("memory_reserve"),
-            check_memory=plan.get("check_memory", True),
+            tp_comm_overlap=plan.get("tp_comm_overlap", False), overlap=plan.get("overlap", True),
+            memory_reserve=plan.get("memory_reserve"), check_memory=plan.get("check_memory", True),
             schedule=plan.get("schedule", "1f1b"), virtual_stages=plan.get("virtual_stages", 1),
             iteration_s=measured.get("iteration_s"), tflops_per_gpu=measured.get("tflops_per_gpu"),
             flops=measured.get("flops", "executed"), where=at))

@@ -627,11 +627,13 @@ def _emit(plan: Plan, output: str | None, as_json: bool, cluster_source: str) ->
 @click.option("--zero", "--distributed-optimizer", "zero", is_flag=True,
               help="Shard optimizer state over the data-parallel axis (Megatron-LM's distributed optimizer, ZeRO-1).")
 @click.option("--sequence-parallel", is_flag=True, help="Megatron-LM's sequence parallelism: every norm of a "
-              "Megatron-style plan splits its sequence over the tensor-parallel axis (otherwise it runs on every rank).")
+              "Megatron-style plan splits its sequence over the tensor-parallel axis (otherwise it runs on every "
+              "rank).")
 @click.option("--shard-weights", is_flag=True, help="ZeRO-3 / FSDP: every parameter of a Megatron-style plan split "
               "over the data-parallel axis and gathered for each use.")
 @click.option("--tp-comm-overlap", is_flag=True, help="Megatron-LM's --tp-comm-overlap (with --sequence-parallel): "
-              "tensor-parallel all-gathers and reduce-scatters hidden under the weights' GEMMs (docs/COSTMODEL.md §5b).")
+              "tensor-parallel all-gathers and reduce-scatters hidden under the weights' GEMMs "
+              "(docs/COSTMODEL.md §5b).")
 @click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), is_flag=False, flag_value="full",
               help="Recomputation of a Megatron-style plan: auto (default: the fastest that fits), none, selective "
               "or full; --recompute alone means full. A plan file keeps its own.")

@@ -234,7 +234,7 @@ class Pricer:
             prepare_workers(self.workers)  # the pool may start within seconds: its fork server starts now
         self.prefix = (graph.name, graph.structural_hash(), options.backend, options.time_limit_s, options.seed,
                        options.memory_reserve, options.data_parallel_only, options.stage_data_parallel,
-                       (options.cost_model or costmodel.ANALYTICAL).key, options.overlap)
+                       (options.cost_model or costmodel.ANALYTICAL).key, options.overlap, options.tp_comm_overlap)
 
     def view(self, mb: int) -> Graph:
         """The graph at microbatch size `mb` (built once)."""
