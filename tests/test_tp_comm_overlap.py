@@ -10,6 +10,7 @@ from partopt.check import differences
 from partopt.cluster import preset
 from partopt.errors import InstanceError
 from partopt.evaluate import _megatron, uniform
+from partopt.explain import explain
 from partopt.inter import optimize
 from partopt.sharding import forward_share
 
@@ -56,6 +57,10 @@ def test_a_uniform_plan_with_the_overlap_is_checked_exported_and_needs_sequence_
     assert plan.options["megatron"]["tp_comm_overlap"] is True
     assert all(stage.breakdown["tp_overlapped_s"] > 0 for stage in plan.stages)
     assert differences(plan, graph, cluster) == []
+    for stage, account in zip(plan.stages, explain(plan)):  # the account still adds up to the iteration
+        hidden = account.time_s["tensor-parallel collectives hidden under the GEMMs"]
+        assert hidden == pytest.approx(-plan.num_microbatches * stage.breakdown["tp_overlapped_s"], rel=1e-12)
+        assert sum(account.time_s.values()) == pytest.approx(plan.iteration_time_s, rel=1e-12)
     assert "--tp-comm-overlap" in export.to_megatron(plan)
     with pytest.raises(InstanceError, match="needs sequence parallelism"):
         uniform(graph, cluster, 4, 2, 1, 8, recompute="none", tp_comm_overlap=True)
