@@ -22,6 +22,7 @@ from partopt import costmodel, gradients, ilp, solvers
 from partopt.cluster import LogicalMesh
 from partopt.errors import InfeasibleError
 from partopt.graph import Graph, Op
+from partopt.ops import is_weight_matmul
 from partopt.units import fmt_bytes, fmt_seconds
 from partopt.sharding import (
     PairPrices, ParamStrategy, Placement, Strategy, as_gradient_target, collectives_time, fmt, forward_share,
@@ -766,7 +767,7 @@ def tp_overlap_hidden(graph: Graph, ops: Sequence[Op], chosen: Sequence[Strategy
     min(the collectives' time, the weight GEMMs' compute), pooled over the layer (docs/COSTMODEL.md §5b)."""
     gemms = [0.0, 0.0]
     for op, s in zip(ops, chosen):
-        if op.kind == "einsum" and any(graph.tensors[t].role == "param" for t in op.inputs):
+        if is_weight_matmul(graph, op):
             share = forward_share(op)
             gemms[0] += s.compute_s * share
             gemms[1] += s.compute_s * (1.0 - share)

@@ -341,3 +341,9 @@ def backward_reads(op: "Op") -> tuple[tuple[bool, ...], bool]:
 def is_matmul(op: "Op") -> bool:
     """Ops whose FLOPs are tensor-core matrix multiplies (einsum with ≥ 2 inputs, conv2d, fused attention)."""
     return (op.kind == "einsum" and len(op.inputs) >= 2) or op.kind in ("conv2d", "attention")
+
+
+def is_weight_matmul(graph: "Graph", op: "Op") -> bool:
+    """A matmul that reads a parameter (a linear or conv layer): its weight gradient is a GEMM of its own, and the
+    GEMM that Megatron-LM's tensor-parallel comm overlap runs its collectives beside."""
+    return is_matmul(op) and any(graph.tensors[t].role == "param" for t in op.inputs)

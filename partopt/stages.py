@@ -18,7 +18,7 @@ from partopt import costmodel, intra, schedules, sharding, stagedp
 from partopt.cluster import Cluster, Link, MeshAxis
 from partopt.graph import Graph, Op
 from partopt.layering import Layering
-from partopt.ops import is_matmul
+from partopt.ops import is_matmul, is_weight_matmul
 from partopt.pricing import REDUCTIONS, LayerCost
 from partopt.shared import Correction, correction
 
@@ -210,8 +210,7 @@ def recomputed_flops(graph: Graph, units: Sequence[Sequence[Op]], mode: str) -> 
 def weight_flops(graph: Graph, ops: Sequence[Op]) -> float:
     """Weight-gradient FLOPs of `ops`: a matmul reading a parameter computes dW, a GEMM of its forward's FLOPs
     (the other ops' parameter gradients are left in the input-gradient pass)."""
-    return sum(graph.flops(op) for op in ops
-               if is_matmul(op) and any(graph.tensors[t].role == "param" for t in op.inputs))
+    return sum(graph.flops(op) for op in ops if is_weight_matmul(graph, op))
 
 
 def split(latency: np.ndarray | float, forward: np.ndarray | float, weight: np.ndarray | float):
