@@ -790,7 +790,8 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
     tensor_parallel = [[], []]  # forward, backward: activation collectives on the tensor-parallel axis
 
     def on_tensor_axis(side: int, steps: list) -> None:
-        tensor_parallel[side].extend(step for step in steps if step[1] == TENSOR_AXIS)
+        if model.tp_overlap:  # only the overlap reads them
+            tensor_parallel[side].extend(step for step in steps if step[1] == TENSOR_AXIS)
 
     for use in model.uses:
         c = _use_collectives(g, use, chosen[use.src], chosen[use.dst], mesh)
