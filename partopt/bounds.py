@@ -23,7 +23,7 @@ from partopt.graph import Graph, Op
 from partopt.ops import is_matmul
 from partopt.pricing import LayerCost
 from partopt.shared import shared_params
-from partopt.sharding import executed_flops, forward_share, kept_bytes
+from partopt.sharding import executed_flops, forward_share, kept_bytes, moved_bytes
 
 T = TypeVar("T")
 
@@ -41,8 +41,8 @@ def op_work(g_mb: Graph, op: Op, device: Device) -> float:
     """An op's single-device roofline time for forward and backward: a lower bound on its device-seconds."""
     if op.kind == "reshape":
         return 0.0
-    moved = sum(g_mb.nbytes(t) for t in op.inputs) + g_mb.nbytes(op.output)
-    return costmodel.compute_time(executed_flops(g_mb, op), 2 * moved, device, g_mb.compute_dtype(op), is_matmul(op),
+    moved = sum(moved_bytes(g_mb, op, [g_mb.nbytes(t) for t in op.inputs], g_mb.nbytes(op.output)))
+    return costmodel.compute_time(executed_flops(g_mb, op), moved, device, g_mb.compute_dtype(op), is_matmul(op),
                                   op.kind == "attention")
 
 
@@ -95,7 +95,7 @@ def _footprint(g_mb: Graph, ops: list[Op], modes: Sequence[str], device: Device)
                 kept += size
             if op.name in rerun:
                 working += size
-                rerun_s += op_work(g_mb, op, device) * forward_share(op)
+                rerun_s += op_work(g_mb, op, device) * forward_share(g_mb, op, device)
         per_mode.append(Footprint(kept, working, rerun_s))
     return per_mode
 

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from partopt import costmodel, gradients, ilp, solvers
-from partopt.cluster import LogicalMesh
+from partopt.cluster import Device, LogicalMesh
 from partopt.errors import InfeasibleError
 from partopt.graph import Graph, Op
 from partopt.ops import is_weight_matmul
@@ -298,11 +298,11 @@ def _kept_tables(key: tuple, compute: Callable[[], tuple[np.ndarray, ...]]) -> t
 Cover = tuple[tuple[float, ...], tuple[float, ...]]  # per consumer strategy: (forward, backward) seconds
 
 
-def prefetch_cover(graph: Graph, op: Op, strategies: Sequence[Strategy]) -> Cover:
+def prefetch_cover(graph: Graph, op: Op, strategies: Sequence[Strategy], device: Device) -> Cover:
     """Per strategy of `op`, the (forward, backward) compute each gather of its weights hides under when
     prefetched (docs/COSTMODEL.md §5b): the op's compute split by `forward_share`, shared equally by its weights."""
     weights = sum(graph.tensors[t].role == "param" for t in op.inputs)
-    share = forward_share(op)
+    share = forward_share(graph, op, device)
     return (tuple(s.compute_s * share / weights for s in strategies),
             tuple(s.compute_s * (1.0 - share) / weights for s in strategies))
 
@@ -646,7 +646,8 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
         strategies.append(options)
     hubs = _add_layout_hubs(graph, mesh, costs, strategies, uses)
     for use in uses:
-        cover = prefetch_cover(graph, ops[use.dst], strategies[use.dst]) if prefetch and use.param else None
+        cover = (prefetch_cover(graph, ops[use.dst], strategies[use.dst], mesh.device) if prefetch and use.param
+                 else None)
         cost, *transients, iteration = _use_tables(graph, use, strategies[use.src], strategies[use.dst], prices,
                                                    microbatches, _reruns(use, ops, rerun), cover)
         if iteration.ndim:
@@ -768,7 +769,7 @@ def tp_overlap_hidden(graph: Graph, ops: Sequence[Op], chosen: Sequence[Strategy
     gemms = [0.0, 0.0]
     for op, s in zip(ops, chosen):
         if is_weight_matmul(graph, op):
-            share = forward_share(op)
+            share = forward_share(graph, op, mesh.device)
             gemms[0] += s.compute_s * share
             gemms[1] += s.compute_s * (1.0 - share)
     return sum(min(collectives_time(steps, mesh), gemm) for steps, gemm in zip(tensor_parallel, gemms))
@@ -803,7 +804,8 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
         if use.param:
             pay(c.per_iteration, breakdown.param_sync_s.setdefault(use.tensor, defaultdict(float)), calls=0)
             if model.prefetch:  # each side's gathers (and the backward's reduction) under that side's compute
-                for steps, cover in zip((c.forward, c.backward), prefetch_cover(g, model.ops[use.dst], [chosen[use.dst]])):
+                covers = prefetch_cover(g, model.ops[use.dst], [chosen[use.dst]], mesh.device)
+                for steps, cover in zip((c.forward, c.backward), covers):
                     side = collectives_time(steps, mesh, use.calls)
                     breakdown.prefetched_s += side - float(exposed(side, cover[0]))
         if _reruns(use, model.ops, model.recompute):
@@ -828,7 +830,7 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
             if op.name in model.recompute:
                 breakdown.recompute_s += collectives_time(forward, mesh)
         breakdown.compute_s += s.compute_s
-        breakdown.backward_compute_s += s.compute_s * (1.0 - forward_share(op))
+        breakdown.backward_compute_s += s.compute_s * (1.0 - forward_share(g, op, mesh.device))
         for kind, t in s.comm.items():
             breakdown.comm_s[kind] += t
         if op.name in model.recompute:

@@ -53,7 +53,7 @@ def _require(condition: bool, message: str) -> None:
         raise OpShapeError(message)
 
 
-def _norm_axes(op: "Op", graph: "Graph") -> tuple[str, ...]:
+def norm_axes(op: "Op", graph: "Graph") -> tuple[str, ...]:
     """The normalised dims of softmax/layernorm/rmsnorm: attr `axes`, default the last dim."""
     axes = op.attrs.get("axes")
     if axes is None:
@@ -93,7 +93,7 @@ def _check_normalising(op: "Op", graph: "Graph") -> None:
              f"output dims {list(_dims(graph, op.output))} differ from input dims {list(_dims(graph, x))}")
     limit = {"softmax": 0, "rmsnorm": 1, "layernorm": 2}[op.kind]
     _require(len(params) <= limit, f"{op.kind} takes at most {limit} parameter inputs after x, got {len(params)}")
-    axes = _norm_axes(op, graph)
+    axes = norm_axes(op, graph)
     _require(len(axes) > 0, "normalised axes are empty")
     bad = [a for a in axes if a not in _dims(graph, x)]
     _require(not bad, f"normalised axes {bad} are not dims of input {x!r}")
@@ -256,7 +256,7 @@ def behaviours(op: "Op", graph: "Graph") -> dict[str, Behaviour]:
                 result[p] = Behaviour.WINDOWED
         return result
     if kind in ("softmax", "layernorm", "rmsnorm"):
-        axes = set(_norm_axes(op, graph))
+        axes = set(norm_axes(op, graph))
         return {d: Behaviour.NORMALISED if d in axes else Behaviour.PARALLEL for d in dims}
     if kind == "embedding":
         return {d: Behaviour.PARALLEL if d in out else Behaviour.GATHERED for d in dims}

@@ -19,7 +19,7 @@ import numpy as np
 
 from partopt import costmodel
 from partopt import ops as opkinds
-from partopt.cluster import LogicalMesh, MeshAxis
+from partopt.cluster import Device, LogicalMesh, MeshAxis
 from partopt.errors import InstanceError
 from partopt.graph import Graph, Op, Tensor
 from partopt.ops import Behaviour
@@ -564,7 +564,7 @@ def _strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None) 
     dtype = graph.compute_dtype(op)
     matmul = opkinds.is_matmul(op)
     flops = executed_flops(graph, op)
-    share = forward_share(op)
+    share = forward_share(graph, op, mesh.device)
     model = costmodel.active()
     in_bytes, out_bytes, kept = [graph.nbytes(t) for t in op.inputs], graph.nbytes(op.output), kept_bytes(graph, op)
     strategies = []
@@ -592,15 +592,49 @@ def _strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None) 
                 output.append(P)
         output_t = tuple(output)
         split = _split(axes, mesh)
-        moved = sum(local_bytes(b, p, mesh) for b, p in zip(in_bytes, inputs)) + local_bytes(out_bytes, output_t, mesh)
+        moved = sum(moved_bytes(graph, op, [local_bytes(b, p, mesh) for b, p in zip(in_bytes, inputs)],
+                                local_bytes(out_bytes, output_t, mesh)))
         shapes = tuple(local_shape(graph, t, p, mesh) for t, p in zip((*op.inputs, op.output), (*inputs, output_t)))
         compute = 0.0 if op.kind == "reshape" else model.op_time(
-            op.kind, shapes, dtype, flops / split, 2 * moved, mesh.device, matmul)
+            op.kind, shapes, dtype, flops / split, moved, mesh.device, matmul)
         strategies.append(Strategy(
             axes=tuple(axes), inputs=inputs, output=output_t, compute_s=compute, comm=comm,
             memory_bytes=local_bytes(kept, output_t, mesh),
             forward_s=compute * share + sum(comm.values()) / 2))
     return strategies
+
+
+PASS_THROUGH_FNS = frozenset({"add", "sub"})  # backward hands the output gradient on as each input's, no kernel
+
+
+def moved_bytes(graph: Graph, op: Op, in_bytes: Sequence[float], out_bytes: float) -> tuple[float, float]:
+    """(forward, backward) bytes the op's kernels read and write, from its tensors' bytes (on one device:
+    their local bytes) (docs/COSTMODEL.md §3, "Bytes moved").
+
+    Forward: its inputs and output, `F`; a norm with batch statistics reads its input once more (a
+    reduction pass, then the normalising pass). Backward: a matmul's two GEMMs each read the output
+    gradient and one operand and write one gradient, `2F`; an add or subtract hands the output gradient
+    on, except to an input it broadcast, whose gradient is a reduction (read the output gradient, write
+    the input's); any other op reads the output gradient and what its backward reads
+    (`ops.backward_reads`) and writes a gradient per differentiable input (a param or activation, not
+    data), and a norm with batch statistics makes a reduction pass more (output gradient and input).
+    """
+    forward = sum(in_bytes) + out_bytes
+    if opkinds.is_matmul(op):
+        return forward, 2 * forward
+    needs_grad = [graph.tensors[t].role in ("param", "activation") and graph.dtype_of(t) in costmodel.TRAINABLE_DTYPES
+                  for t in op.inputs]
+    if op.kind == "elementwise" and op.attrs.get("fn") in PASS_THROUGH_FNS:
+        out_numel = graph.numel(op.output)
+        return forward, sum(out_bytes + b for t, b, grad in zip(op.inputs, in_bytes, needs_grad)
+                            if grad and graph.numel(t) < out_numel)
+    reads_in, reads_out = opkinds.backward_reads(op)
+    backward = (out_bytes * (1 + reads_out) + sum(b for b, read in zip(in_bytes, reads_in) if read)
+                + sum(b for b, grad in zip(in_bytes, needs_grad) if grad))
+    if op.kind in opkinds.NORM_KINDS and graph.batch_dim in opkinds.norm_axes(op, graph):
+        forward += in_bytes[0]
+        backward += out_bytes + in_bytes[0]
+    return forward, backward
 
 
 def _flop_kind(op: Op) -> str:
@@ -631,10 +665,17 @@ def kept_bytes(graph: Graph, op: Op) -> float:
     return graph.nbytes(op.output) + STATS_BYTES * graph.numel(op.output) / graph.dims[opkinds.attention_dims(op, graph)[1]]
 
 
-def forward_share(op: Op) -> float:
-    """The forward pass's share of an op's training compute time: the FLOP split of `executed_flops`
-    (1/3 for matmuls, 1/3.5 for fused attention, 1/2 for the rest) applied to the whole roofline."""
-    return 1.0 / (1.0 + costmodel.BACKWARD_FACTOR[_flop_kind(op)])
+def forward_share(graph: Graph, op: Op, device: Device) -> float:
+    """The forward pass's share of an op's training compute time, applied to its whole roofline: a matmul's
+    FLOP split (1/3, 1/3.5 for fused attention), which its bytes follow; any other op's passes each priced on
+    their own roofline, FLOPs split evenly and bytes as `moved_bytes` counts them (memory-bound: 2/5 of a
+    relu, all of an add)."""
+    if opkinds.is_matmul(op):
+        return 1.0 / (1.0 + costmodel.BACKWARD_FACTOR[_flop_kind(op)])
+    flops = executed_flops(graph, op) / (1.0 + costmodel.BACKWARD_FACTOR["other"])
+    passes = moved_bytes(graph, op, [graph.nbytes(t) for t in op.inputs], graph.nbytes(op.output))
+    forward, backward = (costmodel.compute_time(flops, b, device, graph.compute_dtype(op), False) for b in passes)
+    return forward / (forward + backward) if forward + backward else 0.5
 
 
 def _split(axes: Sequence[str | None], mesh: LogicalMesh, besides: str | None = None) -> int:

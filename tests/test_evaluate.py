@@ -61,15 +61,18 @@ def _mlp_data_parallel_by_hand(graph, n: int, state_per_param: int = 16, overlap
     dev, link = cluster.device, cluster.intra_node
     b, h, f = (graph.dims[d] for d in ("b", "h", "f"))
     word = 4  # fp32
-    ops = [  # (layer, training FLOPs, bytes read + written by one device, matmul)
-        (0, 3 * 2 * b * h * f / n, word * (b * h / n + h * f + b * f / n), True),  # fc1
-        (0, 2 * b * f / n, word * (b * f / n + f + b * f / n), False),  # bias1
-        (0, 2 * b * f / n, word * (b * f / n + b * f / n), False),  # act1
-        (1, 3 * 2 * b * f * h / n, word * (b * f / n + f * h + b * h / n), True),  # fc2
-        (1, 2 * b * h / n, word * (b * h / n + h + b * h / n), False),  # bias2
+    act, out = word * b * f / n, word * b * h / n  # one device's fc1 and fc2 outputs
+    ops = [  # (layer, training FLOPs, bytes read + written by one device: forward, backward; matmul)
+        # a GEMM's backward is two GEMMs, each reading the output gradient and one operand, writing one gradient
+        (0, 3 * 2 * b * h * f / n, word * (b * h / n + h * f) + act, 2 * (word * (b * h / n + h * f) + act), True),
+        # the bias add hands the gradient on to h1; b1's gradient reduces it (read it, write f)
+        (0, 2 * b * f / n, act + word * f + act, act + word * f, False),  # bias1
+        (0, 2 * b * f / n, act + act, 3 * act, False),  # act1 (gelu): reads its input and the gradient, writes one
+        (1, 3 * 2 * b * f * h / n, act + word * f * h + out, 2 * (act + word * f * h + out), True),  # fc2
+        (1, 2 * b * h / n, out + word * h + out, out + word * h, False),  # bias2
     ]
-    # the cost model counts every byte twice (read in the forward, again in the backward)
-    times = [(layer, costmodel.compute_time(fl, 2 * by, dev, "fp32", mm), mm) for layer, fl, by, mm in ops]
+    times = [(layer, costmodel.compute_time(fl, fw + bw, dev, "fp32", mm), bw / (fw + bw))
+             for layer, fl, fw, bw, mm in ops]
     compute = sum(t for _, t, _ in times)
     params = {0: [h * f, f], 1: [f * h, h]}
     # gradients are all-reduced in buckets: only the bandwidth terms count
@@ -78,7 +81,7 @@ def _mlp_data_parallel_by_hand(graph, n: int, state_per_param: int = 16, overlap
                     for ps in params.values() for p in ps)
     if not overlap:
         return compute + reduce[0] + reduce[1] + optimizer
-    backward0 = sum(t * (2 / 3 if mm else 1 / 2) for layer, t, mm in times if layer == 0)  # backward: 2 of 3 GEMMs
+    backward0 = sum(t * share for layer, t, share in times if layer == 0)  # a GEMM's: 2 of 3; the rest: its bytes'
     return compute + reduce[0] + max(0.0, reduce[1] - backward0) + optimizer
 
 

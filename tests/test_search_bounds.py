@@ -80,7 +80,7 @@ def test_the_least_recomputation_that_memory_forces():
     graph = chain(3)
     device = preset("p3.16xlarge", 1).device
     layers = prints(graph, ("none", "full"), device)
-    e = sum(op_work(graph, op, device) * forward_share(op) for op in graph.ops if op.layer == 0)
+    e = sum(op_work(graph, op, device) * forward_share(graph, op, device) for op in graph.ops if op.layer == 0)
     assert layers[0][1].rerun_s == pytest.approx(e) and layers[0][0].rerun_s == 0
     assert least_rerun_s(layers, 6 * A) == 0  # no recomputation needed
     assert least_rerun_s(layers, 4.9 * A) == math.inf  # not even all full fits

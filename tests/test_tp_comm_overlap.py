@@ -44,7 +44,8 @@ def test_collectives_longer_than_the_gemms_hide_only_the_gemms_time():
     gemms = [op for op in plain.ops if graph.op_index[op.op].kind == "einsum"
              and any(graph.tensors[t].role == "param" for t in graph.op_index[op.op].inputs)]
     assert {op.op.split(".", 1)[1] for op in gemms} == {"q", "k", "v", "proj", "fc1", "fc2"}
-    forward = sum(op.strategy.compute_s * forward_share(graph.op_index[op.op]) for op in gemms)
+    forward = sum(op.strategy.compute_s * forward_share(graph, graph.op_index[op.op], preset("p3.16xlarge", 1).device)
+                  for op in gemms)
     backward = sum(op.strategy.compute_s for op in gemms) - forward
     assert sum(plain.breakdown.comm_s.values()) > 2 * (forward + backward)
     assert over.breakdown.tp_overlapped_s == pytest.approx(forward + backward, rel=1e-12)

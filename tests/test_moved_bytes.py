@@ -1,0 +1,82 @@
+"""The bytes an op's forward and backward kernels read and write (sharding.moved_bytes), counted by hand
+from what each kernel reads and writes (docs/COSTMODEL.md §3, "Bytes moved"), and the forward's share of
+an op's time that follows from them."""
+
+from __future__ import annotations
+
+import pytest
+
+from partopt.cluster import preset
+from partopt.models.builder import GraphBuilder
+from partopt.sharding import forward_share, moved_bytes
+
+B, S, H, V = 4, 8, 16, 32
+WORD = 2  # bf16
+N = B * S * H * WORD  # bytes of one activation x[b, s, h]
+A100 = preset("dgx-a100").device  # where a relu or an add is memory-bound: its time follows its bytes
+
+
+def _graph():
+    """embedding → x; ln(x) → relu → + bias → + x → a norm over the batch → softmax → · W."""
+    g = GraphBuilder("bytes", "bf16", "b", {"b": B, "s": S, "h": H, "f": H, "v": V})
+    tokens = g.input("tokens", ("b", "s"), "int32")
+    x = g.op("embedding", "embed", [tokens, g.param("table", ("v", "h"))], ("b", "s", "h"))
+    y = g.op("layernorm", "ln", [x, g.param("ln.scale", ["h"]), g.param("ln.shift", ["h"])], ("b", "s", "h"))
+    y = g.op("elementwise", "relu", [y], ("b", "s", "h"), fn="relu")
+    y = g.op("elementwise", "bias", [y, g.param("bias.b", ["h"])], ("b", "s", "h"), fn="add")
+    y = g.op("elementwise", "residual", [y, x], ("b", "s", "h"), fn="add")
+    y = g.op("layernorm", "bn", [y, g.param("bn.scale", ["h"]), g.param("bn.shift", ["h"])], ("b", "s", "h"),
+             axes=["b", "s"])
+    y = g.op("softmax", "probs", [y], ("b", "s", "h"), axes=["h"])
+    g.mark_output(g.op("einsum", "fc", [y, g.param("fc.w", ("h", "f"))], ("b", "s", "f")))
+    return g.build()
+
+
+def _moved(graph, name):
+    op = graph.op_index[name]
+    return moved_bytes(graph, op, [graph.nbytes(t) for t in op.inputs], graph.nbytes(op.output))
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return _graph()
+
+
+def test_a_matmuls_backward_moves_twice_its_forward(graph):
+    forward = N + H * H * WORD + N  # read x and W, write y
+    # dx = dy·Wᵀ reads dy and W, writes dx; dW = xᵀ·dy reads x and dy, writes dW
+    assert _moved(graph, "fc") == pytest.approx((forward, (N + H * H * WORD + N) + (N + N + H * H * WORD)))
+    assert forward_share(graph, graph.op_index["fc"], A100) == pytest.approx(1 / 3)
+
+
+def test_a_relus_backward_reads_its_output_and_the_gradient_and_writes_one(graph):
+    assert _moved(graph, "relu") == (2 * N, 3 * N)
+    assert forward_share(graph, graph.op_index["relu"], A100) == pytest.approx(2 / 5)
+
+
+def test_an_add_hands_the_gradient_on_and_reduces_it_for_a_broadcast_input(graph):
+    assert _moved(graph, "residual") == (3 * N, 0)  # both inputs take dy as it is: no kernel
+    bias = H * WORD
+    assert _moved(graph, "bias") == (N + bias + N, N + bias)  # d bias = Σ dy over b, s: read dy, write h
+    # recomputing it costs nearly all of it: its backward moves no bytes, only its FLOPs (one per element) remain
+    forward = 3 * N / (A100.memory_bandwidth * A100.memory_efficiency)
+    backward = B * S * H / A100.peak("fp32")
+    assert forward_share(graph, graph.op_index["residual"], A100) == pytest.approx(forward / (forward + backward))
+
+
+def test_a_row_norm_is_one_pass_each_way_and_a_batch_norm_adds_a_statistics_pass(graph):
+    params = 2 * H * WORD
+    # forward: read x and the scale and shift, write y; backward: read dy and x, write dx, d scale, d shift
+    assert _moved(graph, "ln") == (N + params + N, N + N + N + params)
+    # statistics over the batch span the whole tensor: a reduction pass reads x before the normalising one,
+    # and the backward's reduction reads dy and x before its elementwise pass
+    assert _moved(graph, "bn") == (2 * N + params + N, (N + N + N + params) + (N + N))
+
+
+def test_softmax_reads_its_output_back(graph):
+    assert _moved(graph, "probs") == (2 * N, 3 * N)  # backward: y, dy in; dx out
+
+
+def test_an_embedding_writes_its_tables_gradient_and_none_for_the_token_ids(graph):
+    tokens, table = B * S * 4, V * H * WORD
+    assert _moved(graph, "embed") == (tokens + table + N, N + table)  # backward: read dy, write d table
