@@ -108,7 +108,9 @@ def test_h100_points_run_the_schedules_their_sources_name():
     its 126 layers and the embedding and output chunks fill pp × v = 16 × 8 chunks; the 8B ran without a
     pipeline; the 70B ran virtual pipeline 5. Tensor parallelism ran with sequence parallelism: Megatron-Bridge's
     Llama 3 70B recipe sets it, and Llama 3's tensor parallelism cites Korthikanti et al. 2023; that recipe also
-    overlaps the tensor-parallel comm (its CommOverlapConfig), which Llama 3's paper does not say."""
+    overlaps the tensor-parallel comm (its CommOverlapConfig), which Llama 3's paper does not say, and shards the
+    optimizer state over the data-parallel ranks (its DistributedDataParallelConfig(use_distributed_optimizer=True));
+    Llama 3 and the 8B ran FSDP, which shards it too."""
     by_label = {p.label.split(",")[0] + f" {p.gpus}": p for p in calibrate.read_points(POINTS / "dgx-h100.json").points
                 if not p.label.startswith("MPT")}
     assert {label: (p.schedule, p.virtual_stages) for label, p in by_label.items()} == {
@@ -123,6 +125,7 @@ def test_h100_points_run_the_schedules_their_sources_name():
         assert p.microbatches % p.pp == 0 or p.schedule != "interleaved"  # Megatron's rule for interleaving
         assert p.sequence_parallel == (p.tp > 1)
     assert [label for label, p in by_label.items() if p.tp_comm_overlap] == ["NeMo Llama3 70B FP8 64"]
+    assert all(p.zero for p in by_label.values())
 
 
 # MosaicML LLM Foundry's tables (scripts/train/benchmarking/README.md), per row: (model, seq, GPUs) -> MicroBatchSize,
