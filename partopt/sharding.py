@@ -669,7 +669,7 @@ def forward_share(graph: Graph, op: Op, device: Device) -> float:
     """The forward pass's share of an op's training compute time, applied to its whole roofline: a matmul's
     FLOP split (1/3, 1/3.5 for fused attention), which its bytes follow; any other op's passes each priced on
     their own roofline, FLOPs split evenly and bytes as `moved_bytes` counts them (memory-bound: 2/5 of a
-    relu, all of an add)."""
+    relu; nearly all of an add, whose backward moves no bytes)."""
     if opkinds.is_matmul(op):
         return 1.0 / (1.0 + costmodel.BACKWARD_FACTOR[_flop_kind(op)])
     flops = executed_flops(graph, op) / (1.0 + costmodel.BACKWARD_FACTOR["other"])
