@@ -360,6 +360,9 @@ def inspect(source: str, nodes: int | None, as_json: bool) -> None:
 @click.option("--matmul-dtype", type=click.Choice(list(MATMUL_DTYPES)),
               help="Run the GEMMs at this precision over the --dtype tensors (fp8 with bf16: FP8 training as "
               "Transformer Engine runs it; default: each op at its tensors' dtype).")
+@click.option("--attention-dropout", type=float,
+              help="Drop attention probabilities with this probability, a kernel of its own on the math path "
+              "(gpt; Megatron-LM's --attention-dropout, 0.1 there; default 0: no dropout op).")
 def generate(model: str, output: str, **params: Any) -> None:
     """Write the graph of MODEL to a file: a generator (gpt, llama, bert, moe, moe-layer, wresnet) with
     its sizes, or a named model of the corpus (gpt-39b, moe-70b, …) whose sizes the options override."""

@@ -38,8 +38,9 @@ def recomputed_ops(graph: Graph, ops: Sequence[Op], mode: str) -> frozenset[str]
 
     none: nothing. full: every op (the stage keeps only what leaves it). selective: the
     attention core of Korthikanti et al. (2022) — each softmax over the product of two
-    activations (the scores), that product, and the products of its output with another
-    activation (the context): large activations (quadratic in the sequence), few FLOPs.
+    activations (the scores), that product, the one-input elementwise ops after the softmax
+    (the attention dropout), and the products of their output with another activation (the
+    context): large activations (quadratic in the sequence), few FLOPs.
     """
     if mode == "none":
         return frozenset()
@@ -58,7 +59,12 @@ def recomputed_ops(graph: Graph, ops: Sequence[Op], mode: str) -> frozenset[str]
         if scores is None or scores.name not in inside or not activation_product(scores):
             continue
         core.update((op.name, scores.name))
-        core.update(c.name for c in graph.consumers[op.output] if c.name in inside and activation_product(c))
+        probs = op.output
+        while (len(after := graph.consumers[probs]) == 1 and after[0].name in inside
+               and after[0].kind == "elementwise" and len(after[0].inputs) == 1):
+            core.add(after[0].name)
+            probs = after[0].output
+        core.update(c.name for c in graph.consumers[probs] if c.name in inside and activation_product(c))
     return frozenset(core)
 
 

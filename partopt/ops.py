@@ -305,8 +305,11 @@ def forward_flops(op: "Op", graph: "Graph") -> int:
 
 
 # Elementwise functions whose backward reads none of the forward's tensors (linear in their inputs: an add,
-# a rotation by fixed angles) and those whose backward reads only their output (d relu = [y > 0], d exp = y, …).
-LINEAR_FNS = frozenset({"add", "sub", "neg", "identity", "rotary", "scale"})
+# a rotation by fixed angles; dropout, given its mask) and those whose backward reads only their output
+# (d relu = [y > 0], d exp = y, …).
+LINEAR_FNS = frozenset({"add", "sub", "neg", "identity", "rotary", "scale", "dropout"})
+MASK_FNS = frozenset({"dropout"})  # keep a one-byte mask per output element, written forward, read backward
+MASK_BYTES = 1
 OUTPUT_FNS = frozenset({"relu", "sigmoid", "tanh", "exp"})
 
 

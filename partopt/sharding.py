@@ -21,7 +21,7 @@ from partopt import costmodel
 from partopt import ops as opkinds
 from partopt.cluster import Device, LogicalMesh, MeshAxis
 from partopt.errors import InstanceError
-from partopt.graph import Graph, Op, Tensor
+from partopt.graph import DTYPE_BYTES, Graph, Op, Tensor
 from partopt.ops import Behaviour
 
 
@@ -617,7 +617,8 @@ def moved_bytes(graph: Graph, op: Op, in_bytes: Sequence[float], out_bytes: floa
     on, except to an input it broadcast, whose gradient is a reduction (read the output gradient, write
     the input's); any other op reads the output gradient and what its backward reads
     (`ops.backward_reads`) and writes a gradient per differentiable input (a param or activation, not
-    data), and a norm with batch statistics makes a reduction pass more (output gradient and input).
+    data), and a norm with batch statistics makes a reduction pass more (output gradient and input). A
+    dropout writes its one-byte mask forward and reads it backward.
     """
     forward = sum(in_bytes) + out_bytes
     if opkinds.is_matmul(op):
@@ -631,6 +632,10 @@ def moved_bytes(graph: Graph, op: Op, in_bytes: Sequence[float], out_bytes: floa
     reads_in, reads_out = opkinds.backward_reads(op)
     backward = (out_bytes * (1 + reads_out) + sum(b for b, read in zip(in_bytes, reads_in) if read)
                 + sum(b for b, grad in zip(in_bytes, needs_grad) if grad))
+    if op.attrs.get("fn") in opkinds.MASK_FNS:
+        mask = out_bytes * opkinds.MASK_BYTES / DTYPE_BYTES[graph.dtype_of(op.output)]
+        forward += mask
+        backward += mask
     if op.kind in opkinds.NORM_KINDS and graph.batch_dim in opkinds.norm_axes(op, graph):
         forward += in_bytes[0]
         backward += out_bytes + in_bytes[0]
@@ -656,12 +661,13 @@ def executed_flops(graph: Graph, op: Op) -> float:
 
 def kept_bytes(graph: Graph, op: Op) -> float:
     """Bytes an op keeps for its backward (whole batch): its output when a backward reads it
-    (`Graph.saved_for_backward`), else nothing; fused attention adds each query row's fp32 log-sum-exp,
-    from which its backward recomputes the scores (the value head dim is never split)."""
+    (`Graph.saved_for_backward`), else nothing; a dropout adds its one-byte mask; fused attention adds each
+    query row's fp32 log-sum-exp, from which its backward recomputes the scores (the value head dim is never split)."""
+    mask = graph.numel(op.output) * opkinds.MASK_BYTES if op.attrs.get("fn") in opkinds.MASK_FNS else 0.0
     if op.output not in graph.saved_for_backward:
-        return 0.0
+        return mask
     if op.kind != "attention":
-        return graph.nbytes(op.output)
+        return graph.nbytes(op.output) + mask
     return graph.nbytes(op.output) + STATS_BYTES * graph.numel(op.output) / graph.dims[opkinds.attention_dims(op, graph)[1]]
 
 

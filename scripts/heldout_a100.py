@@ -34,6 +34,7 @@ from partopt.evaluate import uniform
 ROOT = Path(__file__).resolve().parent.parent
 UNFITTED = ROOT / "partopt" / "bench" / "points" / "dgx-a100-unfitted.json"
 SEQ, VOCAB = 2048, 51200  # every model of both tables (SC'21 §5.1)
+ATTENTION_DROPOUT = 0.1  # Megatron-LM's default (--attention-dropout), which the paper does not change
 SOURCE = "Narayanan et al., SC'21 (arXiv 2104.04473)"
 
 
@@ -80,7 +81,7 @@ def predict(run: Run, cluster: Cluster) -> float:
     """Predicted per-GPU TFLOP/s of `run` priced as run (1F1B, full recomputation, no overlap; ZeRO-3 as weights and
     optimizer state split over the data-parallel ranks, `uniform`'s shard_weights), 96 form."""
     graph = models.generate("gpt", hidden=run.hidden, layers=run.layers, heads=run.heads, seq=SEQ, vocab=VOCAB,
-                            batch=run.batch)
+                            batch=run.batch, attention_dropout=ATTENTION_DROPOUT)
     dp = run.gpus // (run.tp * run.pp)
     plan = uniform(graph, cluster.resized(run.gpus // cluster.devices_per_node), run.tp, run.pp, dp,
                    run.batch // (dp * run.microbatch), recompute="full", overlap=False, zero=run.zero3,

@@ -55,6 +55,12 @@ def test_a100_points_carry_the_published_figures():
             assert p.flops == pytest.approx(gpt_flops(*gpt_shape(p.graph)), rel=1e-12)  # Megatron's 96 closed form, REFERENCE §2
     figure_13 = {(p.pp, p.tp): p.tflops_per_gpu for p in fitted.points if p.label.startswith("162B")}
     assert figure_13 == {(8, 8): 166, (32, 2): 147}
+    # Megatron-LM's runs drop attention probabilities (--attention-dropout, 0.1 by default), a kernel of its own
+    # on their math-path attention: one dropout op per layer, as Korthikanti et al. count its mask (§4.1)
+    for p in fitted.points:
+        drops = [op for op in p.graph.ops if op.attrs.get("fn") == "dropout"]
+        assert len(drops) == sum(op.kind == "softmax" for op in p.graph.ops), p.label  # one per layer
+        assert all(p.graph.producers[op.inputs[0]].kind == "softmax" for op in drops), p.label
 
 
 # Korthikanti et al. 2022 (arXiv 2205.05198) at data-parallel size 1: Table 3's (GPUs, pipeline stages,

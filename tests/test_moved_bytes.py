@@ -8,7 +8,7 @@ import pytest
 
 from partopt.cluster import preset
 from partopt.models.builder import GraphBuilder
-from partopt.sharding import forward_share, moved_bytes
+from partopt.sharding import forward_share, kept_bytes, moved_bytes
 
 B, S, H, V = 4, 8, 16, 32
 WORD = 2  # bf16
@@ -75,6 +75,16 @@ def test_a_row_norm_is_one_pass_each_way_and_a_batch_norm_adds_a_statistics_pass
 
 def test_softmax_reads_its_output_back(graph):
     assert _moved(graph, "probs") == (2 * N, 3 * N)  # backward: y, dy in; dx out
+
+
+def test_a_dropout_writes_its_mask_forward_and_reads_it_backward():
+    g = GraphBuilder("dropout", "bf16", "b", {"b": B, "s": S, "h": H})
+    x = g.op("elementwise", "act", [g.input("x", ("b", "s", "h"))], ("b", "s", "h"), fn="gelu")
+    g.mark_output(g.op("elementwise", "drop", [x], ("b", "s", "h"), fn="dropout"))
+    graph = g.build()
+    mask = B * S * H  # one byte per element
+    assert _moved(graph, "drop") == (2 * N + mask, N + mask + N)  # forward x in, y and mask out; backward dy, mask in
+    assert kept_bytes(graph, graph.op_index["drop"]) == N + mask  # its output leaves the graph, and the mask
 
 
 def test_an_embedding_writes_its_tables_gradient_and_none_for_the_token_ids(graph):

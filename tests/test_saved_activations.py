@@ -3,12 +3,14 @@
 The expected sets are counted by hand from what each op's backward reads, as autograd saves it:
 a product its operands, a norm its input, softmax and ReLU their output, an add nothing. The GPT block's
 total is Korthikanti et al.'s 34·s·b·h + 5·a·s²·b (2022, §4.1) less what the IR has no op for: two dropout
-masks (s·b·h each) and the attention dropout (3·a·s²·b).
+masks (s·b·h each) and, unless the generator is asked for it, the attention dropout (3·a·s²·b).
 """
 
 import pytest
 
+from partopt import intra
 from partopt import ops as opkinds
+from partopt.errors import InstanceError
 from partopt.cluster import preset
 from partopt.graph import Graph, Op, Tensor
 from partopt.models.gpt import gpt
@@ -40,6 +42,26 @@ def test_a_gpt_block_keeps_what_its_backwards_read():
     assert total == 32 * S * B * H + 2 * A * S * S * B  # fp16: 2 bytes per element
 
 
+def test_attention_dropout_keeps_its_mask_and_output_as_korthikanti_counts_them():
+    graph = gpt(hidden=H, layers=2, heads=A, seq=S, vocab=512, batch=B, attention_dropout=0.1)
+    kept = {op.name for op in block(graph) if op.output in graph.saved_for_backward}
+    # softmax's backward reads its output, the context's its input
+    assert "l0.probs" in kept and "l0.attention_dropout" in kept
+    total = sum(kept_bytes(graph, op) for op in block(graph))
+    # the softmax output (2·a·s²·b), the dropout mask (a·s²·b, one byte), the dropped probabilities (2·a·s²·b):
+    # Korthikanti et al.'s 5·a·s²·b; of their 34·s·b·h, the two hidden dropout masks (fused into
+    # Megatron's bias-dropout-add, not ops here) are the 2·s·b·h missing
+    assert total == 32 * S * B * H + 5 * A * S * S * B
+
+
+def test_selective_recomputation_reruns_the_attention_dropout_with_the_core():
+    graph = gpt(hidden=H, layers=1, heads=A, seq=S, vocab=512, batch=B, attention_dropout=0.1)
+    rerun = intra.recomputed_ops(graph, block(graph), "selective")
+    assert rerun == {"l0.scores", "l0.probs", "l0.attention_dropout", "l0.context"}  # Korthikanti et al.'s core
+    with pytest.raises(InstanceError, match="not a probability"):
+        gpt(hidden=H, layers=1, heads=A, seq=S, vocab=512, batch=B, attention_dropout=1.0)
+
+
 def test_fused_attention_keeps_its_output_and_row_statistics_not_the_scores():
     graph = gpt(hidden=H, layers=2, heads=A, seq=S, vocab=512, batch=B, attention_kernel="flash")
     total = sum(kept_bytes(graph, op) for op in block(graph))
@@ -67,6 +89,7 @@ def test_a_bottleneck_keeps_conv_outputs_and_relu_outputs_not_batch_norms_or_the
     (Op("g", "elementwise", ("x",), "y", attrs={"fn": "gelu"}), ((True,), False)),
     (Op("f", "elementwise", ("x",), "y", attrs={"fn": "gelu+mul"}), ((True,), False)),
     (Op("c", "elementwise", ("x",), "y", attrs={"fn": "mul"}), ((False,), False)),
+    (Op("d", "elementwise", ("x",), "y", attrs={"fn": "dropout"}), ((False,), False)),  # its mask, not x or y
     (Op("p", "elementwise", ("x", "z"), "y", attrs={"fn": "mul"}), ((True, True), False)),
     (Op("s", "softmax", ("x",), "y"), ((False,), True)),
     (Op("n", "layernorm", ("x", "g", "b"), "y"), ((True, False, False), False)),

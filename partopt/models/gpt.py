@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from partopt.errors import InstanceError
 from partopt.graph import Graph
 from partopt.models.builder import GraphBuilder, require_choice, require_divisible, require_positive
 from partopt.models.transformer import ATTENTION_KERNELS, attention, block, decoder, gelu_mlp, swiglu_mlp, tokens_dims
@@ -15,18 +16,25 @@ from partopt.models.transformer import ATTENTION_KERNELS, attention, block, deco
 
 def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, batch: int,
         dtype: str = "fp16", tied: bool = True, optimizer: str = "adam", attention_kernel: str = "math",
-        name: str | None = None) -> Graph:
+        attention_dropout: float = 0.0, name: str | None = None) -> Graph:
     """GPT-3 / Megatron-LM decoder: learned positions, pre-LayerNorm blocks with biases, 4h MLP;
     `attention_kernel` "math" (scores, softmax, context) or "flash" (one fused causal op).
+    `attention_dropout`: the probability attention probabilities are dropped with (Megatron-LM's
+    `--attention-dropout`, 0.1 by default there; 0 here, as partopt's other generators): above 0 the math
+    path runs a dropout op between softmax and context (docs/models.md); its value does not change a price.
 
     Parameters: 12·l·h² + 13·l·h + (V + s)·h + 2h (the final LayerNorm), + V·h when untied.
     """
     require_positive("gpt", hidden=hidden, layers=layers, heads=heads, seq=seq, vocab=vocab, batch=batch)
     require_divisible("gpt", "hidden", hidden, "heads", heads)
     require_choice("gpt", "attention_kernel", attention_kernel, ATTENTION_KERNELS)
+    if not 0.0 <= attention_dropout < 1.0:
+        raise InstanceError(f"attention_dropout {attention_dropout} is not a probability below 1",
+                            "gpt(attention_dropout=...)", "give a probability in [0, 1), e.g. Megatron-LM's default 0.1")
     b = GraphBuilder(name or f"gpt-h{hidden}-l{layers}", dtype, "b",
                      dict(b=batch, s=seq, t=seq, h=hidden, n=heads, d=hidden // heads, f=4 * hidden, v=vocab), optimizer)
-    attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False, kernel=attention_kernel)
+    attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False, kernel=attention_kernel,
+                   dropout=attention_dropout > 0)
     return decoder(b, layers, "layernorm", attn, lambda k: gelu_mlp, positions=True, tied=tied)
 
 

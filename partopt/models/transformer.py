@@ -32,14 +32,16 @@ ATTENTION_KERNELS = ("math", "flash")
 
 
 def attention(b: GraphBuilder, x: str, q_heads: Sequence[str], kv_heads: Sequence[str],
-              bias: bool, rotary: bool, kernel: str = "math", causal: bool = True) -> str:
+              bias: bool, rotary: bool, kernel: str = "math", causal: bool = True, dropout: bool = False) -> str:
     """Self-attention on normalised x[b,s,h]: per-head Q over `s`, K and V over `t`.
 
     `q_heads` are the query-head dims (("n",) for MHA, ("g", "r") for grouped-query attention),
     `kv_heads` the key/value-head dims (("n",) or ("g",)). `kernel` "math": the scores, their softmax
     and the context as three ops (the 1/sqrt(d) scale and the mask belong to the softmax, as in
     Megatron's fused softmax kernel); "flash": one fused `attention` op (FlashAttention: the scores
-    never reach memory), `causal` in decoders.
+    never reach memory), `causal` in decoders. `dropout`: the math path drops attention probabilities in a
+    kernel of its own (Megatron-LM's `--attention-dropout`), before the context; FlashAttention drops them
+    inside its kernel, which costs no bytes, so the flash path has no op for it.
     """
     q = b.linear("q", x, ("h", *q_heads, "d"), tokens_dims(b, *q_heads, "d"), bias)
     x_t = b.op("reshape", "x_t", [x], (b.batch_dim, "t", "h"), merge={"t": ["s"]})
@@ -55,6 +57,8 @@ def attention(b: GraphBuilder, x: str, q_heads: Sequence[str], kv_heads: Sequenc
     score_dims = (b.batch_dim, *q_heads, "s", "t")
     scores = b.op("einsum", "scores", [q, k], score_dims)
     probs = b.op("softmax", "probs", [scores], score_dims, axes=["t"])
+    if dropout:
+        probs = b.op("elementwise", "attention_dropout", [probs], score_dims, fn="dropout")
     context = b.op("einsum", "context", [probs, v], tokens_dims(b, *q_heads, "d"))
     return b.linear("proj", context, (*q_heads, "d", "h"), tokens_dims(b, "h"), bias)
 
