@@ -615,7 +615,8 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
     With `reduce_first`, dominated strategies go first, then the graph is solved by exact
     elimination without the memory row; when that optimum fits the budget it is the answer
     (the relaxation's optimum is feasible), otherwise the full program with the memory row runs, on the graph
-    with its leaves merged into their neighbours (`fold_leaves`). `free`: that optimum's assignment and bound
+    with its leaves merged into their neighbours (`fold_leaves`); with a cutoff and transient buffers, first without
+    the buffers (`_without_transients`). `free`: that optimum's assignment and bound
     (`Solution.free_choice`, `free_bound`), found by a solve of a graph with these costs (memory aside: the layer
     priced at another cap); when that assignment does not fit the budget here, it is not solved again.
     """
@@ -654,7 +655,8 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
     fits = budget is None or solved.peak_memory(first) <= budget
     model = result = choice = None
     if cutoff is not None and (solved.node_transients or solved.edge_transients):
-        model, result, choice = _without_transients(solved, kept_here, budget, first, backend, time_limit_s, seed, cutoff)
+        model, result, choice = _without_transients(solved, kept_here, budget, first, backend, time_limit_s, seed,
+                                                    cutoff)
     if choice is None:
         model, var = build_model(solved, kept_here, budget, first if fits else None)
         result = (_run(model, backend, time_limit_s, seed, budget, cutoff) if model.num_vars
