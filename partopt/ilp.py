@@ -615,8 +615,7 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
     With `reduce_first`, dominated strategies go first, then the graph is solved by exact
     elimination without the memory row; when that optimum fits the budget it is the answer
     (the relaxation's optimum is feasible), otherwise the full program with the memory row runs, on the graph
-    with its leaves merged into their neighbours (`fold_leaves`); with a cutoff and transient buffers, first without
-    the buffers (`_without_transients`). `free`: that optimum's assignment and bound
+    with its leaves merged into their neighbours (`fold_leaves`). `free`: that optimum's assignment and bound
     (`Solution.free_choice`, `free_bound`), found by a solve of a graph with these costs (memory aside: the layer
     priced at another cap); when that assignment does not fit the budget here, it is not solved again.
     """
@@ -653,41 +652,14 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
     solved, kept_here = (program.graph, reduce(program.graph)) if program is not None else (graph, alive)
     first = _cheapest(solved, kept_here) if budget is None else _leanest(solved, kept_here)
     fits = budget is None or solved.peak_memory(first) <= budget
-    model = result = choice = None
-    if cutoff is not None and (solved.node_transients or solved.edge_transients):
-        model, result, choice = _without_transients(solved, kept_here, budget, first, backend, time_limit_s, seed,
-                                                    cutoff)
-    if choice is None:
-        model, var = build_model(solved, kept_here, budget, first if fits else None)
-        result = (_run(model, backend, time_limit_s, seed, budget, cutoff) if model.num_vars
-                  else solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend))
-        picks = _picks(kept_here, var, result.values)
-        choice = [int(np.flatnonzero(a)[k]) for a, k in zip(kept_here, picks)]
+    model, var = build_model(solved, kept_here, budget, first if fits else None)
+    result = (_run(model, backend, time_limit_s, seed, budget, cutoff) if model.num_vars
+              else solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend))
+    picks = _picks(kept_here, var, result.values)
+    choice = [int(np.flatnonzero(a)[k]) for a, k in zip(kept_here, picks)]
     if program is not None:
         choice = program.unfold(choice, len(graph))
     return replace(_solution(graph, choice, result, model, kept, total), free_bound=free_bound, free_choice=free_choice)
-
-
-def _without_transients(graph: CostGraph, alive: list[np.ndarray], budget: float, first: list[int], backend: str,
-                        time_limit_s: float, seed: int, cutoff: float
-                        ) -> tuple[solvers.Model | None, solvers.Result | None, list[int] | None]:
-    """A capped program with a cutoff, first without its transient peak: a relaxation (every assignment's memory only
-    drops), whose program is smaller and whose bound is tighter. Nothing under the cutoff there: nothing in the
-    program (InfeasibleError, as its own solve raises). Its optimum fits the program's own memory: the program's
-    optimum too. Otherwise (or when the relaxation stops at a limit) (None, None, None): solve the program."""
-    lean = replace(graph, node_transients={}, edge_transients={})
-    model, var = build_model(lean, alive, budget, first if lean.peak_memory(first) <= budget else None)
-    if not model.num_vars:
-        return None, None, None
-    try:
-        result = _run(model, backend, time_limit_s, seed, budget, cutoff)
-    except SolverError:
-        return None, None, None
-    picks = _picks(alive, var, result.values)
-    choice = [int(np.flatnonzero(a)[k]) for a, k in zip(alive, picks)]
-    if result.status != "optimal" or graph.peak_memory(choice) > budget:
-        return None, None, None
-    return model, result, choice
 
 
 def _cheapest(graph: CostGraph, alive: list[np.ndarray]) -> list[int]:
