@@ -342,11 +342,18 @@ def test_cli_generate_writes_a_generator_and_a_named_model(tmp_path):
     result = CliRunner().invoke(main, ["generate", "moe-380m", "--batch", "4", "-o", str(out)])
     assert result.exit_code == 0, result.output
     assert graph_to_dict(read_graph(out)) == graph_to_dict(preset("moe-380m", batch=4))
+    result = CliRunner().invoke(main, [*args, "--attention-dropout", "0.1"])
+    assert result.exit_code == 0, result.output
+    assert graph_to_dict(read_graph(out)) == graph_to_dict(gpt(64, 2, 4, 16, 100, 2, tied=False, attention_dropout=0.1))
+    assert sum(op["attrs"].get("fn") == "dropout" for op in graph_to_dict(read_graph(out))["ops"] if "attrs" in op) == 2
 
 
 @pytest.mark.parametrize("args, words", [
     (["generate", "resnet"], ["unknown model 'resnet'", "wresnet", "gpt-39b"]),
     (["generate", "gpt", "--hidden", "64", "--experts", "2"], ["takes no parameter experts"]),
+    (["generate", "gpt", "--hidden", "64", "--layers", "1", "--heads", "4", "--seq", "16", "--vocab", "100", "--batch",
+      "2", "--attention-dropout", "1"], ["attention_dropout 1.0 is not a probability"]),
+    (["generate", "llama", "--attention-dropout", "0.1"], ["takes no parameter attention_dropout"]),
     (["generate", "wresnet", "--depth", "34", "--base-channels", "8", "--width-factor", "1", "--batch", "1"],
      ["depth 34"]),
 ])
