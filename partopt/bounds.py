@@ -41,9 +41,8 @@ def op_work(g_mb: Graph, op: Op, device: Device) -> float:
     """An op's single-device roofline time for forward and backward: a lower bound on its device-seconds."""
     if op.kind == "reshape":
         return 0.0
-    moved = sum(moved_bytes(g_mb, op, [g_mb.nbytes(t) for t in op.inputs], g_mb.nbytes(op.output)))
-    return costmodel.compute_time(executed_flops(g_mb, op), moved, device, g_mb.compute_dtype(op), is_matmul(op),
-                                  op.kind == "attention")
+    return costmodel.compute_time(executed_flops(g_mb, op), sum(moved_bytes(g_mb, op)), device, g_mb.compute_dtype(op),
+                                  is_matmul(op), op.kind == "attention")
 
 
 def alike_layers(graph: Graph, base: list[list[Op]]) -> list[int]:

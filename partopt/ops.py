@@ -313,6 +313,11 @@ MASK_BYTES = 1
 OUTPUT_FNS = frozenset({"relu", "sigmoid", "tanh", "exp"})
 
 
+def mask_bytes(op: "Op", elements: float) -> float:
+    """Bytes of the mask the op keeps for `elements` of its output (a dropout's, one byte each); 0 for any other."""
+    return elements * MASK_BYTES if op.attrs.get("fn") in MASK_FNS else 0.0
+
+
 def backward_reads(op: "Op") -> tuple[tuple[bool, ...], bool]:
     """What the op's backward reads of its forward: (per input, whether it reads it; whether it reads the output).
 

@@ -607,9 +607,10 @@ def _strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None) 
 PASS_THROUGH_FNS = frozenset({"add", "sub"})  # backward hands the output gradient on as each input's, no kernel
 
 
-def moved_bytes(graph: Graph, op: Op, in_bytes: Sequence[float], out_bytes: float) -> tuple[float, float]:
-    """(forward, backward) bytes the op's kernels read and write, from its tensors' bytes (on one device:
-    their local bytes) (docs/COSTMODEL.md §3, "Bytes moved").
+def moved_bytes(graph: Graph, op: Op, in_bytes: Sequence[float] | None = None,
+                out_bytes: float | None = None) -> tuple[float, float]:
+    """(forward, backward) bytes the op's kernels read and write, from its tensors' bytes (on one device: their
+    local bytes; none given: the whole tensors) (docs/COSTMODEL.md §3, "Bytes moved").
 
     Forward: its inputs and output, `F`; a norm with batch statistics reads its input once more (a
     reduction pass, then the normalising pass). Backward: a matmul's two GEMMs each read the output
@@ -620,6 +621,8 @@ def moved_bytes(graph: Graph, op: Op, in_bytes: Sequence[float], out_bytes: floa
     data), and a norm with batch statistics makes a reduction pass more (output gradient and input). A
     dropout writes its one-byte mask forward and reads it backward.
     """
+    if in_bytes is None:
+        in_bytes, out_bytes = [graph.nbytes(t) for t in op.inputs], graph.nbytes(op.output)
     forward = sum(in_bytes) + out_bytes
     if opkinds.is_matmul(op):
         return forward, 2 * forward
@@ -632,10 +635,9 @@ def moved_bytes(graph: Graph, op: Op, in_bytes: Sequence[float], out_bytes: floa
     reads_in, reads_out = opkinds.backward_reads(op)
     backward = (out_bytes * (1 + reads_out) + sum(b for b, read in zip(in_bytes, reads_in) if read)
                 + sum(b for b, grad in zip(in_bytes, needs_grad) if grad))
-    if op.attrs.get("fn") in opkinds.MASK_FNS:
-        mask = out_bytes * opkinds.MASK_BYTES / DTYPE_BYTES[graph.dtype_of(op.output)]
-        forward += mask
-        backward += mask
+    mask = opkinds.mask_bytes(op, out_bytes / DTYPE_BYTES[graph.dtype_of(op.output)])
+    forward += mask
+    backward += mask
     if op.kind in opkinds.NORM_KINDS and graph.batch_dim in opkinds.norm_axes(op, graph):
         forward += in_bytes[0]
         backward += out_bytes + in_bytes[0]
@@ -663,7 +665,7 @@ def kept_bytes(graph: Graph, op: Op) -> float:
     """Bytes an op keeps for its backward (whole batch): its output when a backward reads it
     (`Graph.saved_for_backward`), else nothing; a dropout adds its one-byte mask; fused attention adds each
     query row's fp32 log-sum-exp, from which its backward recomputes the scores (the value head dim is never split)."""
-    mask = graph.numel(op.output) * opkinds.MASK_BYTES if op.attrs.get("fn") in opkinds.MASK_FNS else 0.0
+    mask = opkinds.mask_bytes(op, graph.numel(op.output))
     if op.output not in graph.saved_for_backward:
         return mask
     if op.kind != "attention":
@@ -679,7 +681,7 @@ def forward_share(graph: Graph, op: Op, device: Device) -> float:
     if opkinds.is_matmul(op):
         return 1.0 / (1.0 + costmodel.BACKWARD_FACTOR[_flop_kind(op)])
     flops = executed_flops(graph, op) / (1.0 + costmodel.BACKWARD_FACTOR["other"])
-    passes = moved_bytes(graph, op, [graph.nbytes(t) for t in op.inputs], graph.nbytes(op.output))
+    passes = moved_bytes(graph, op)
     forward, backward = (costmodel.compute_time(flops, b, device, graph.compute_dtype(op), False) for b in passes)
     return forward / (forward + backward) if forward + backward else 0.5
 

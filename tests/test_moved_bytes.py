@@ -34,7 +34,7 @@ def _graph():
 
 def _moved(graph, name):
     op = graph.op_index[name]
-    return moved_bytes(graph, op, [graph.nbytes(t) for t in op.inputs], graph.nbytes(op.output))
+    return moved_bytes(graph, op)
 
 
 @pytest.fixture(scope="module")
