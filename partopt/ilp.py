@@ -587,11 +587,16 @@ def _run(model: solvers.Model, backend: str, time_limit_s: float, seed: int, bud
             raise InfeasibleError(f"no strategy assignment fits the memory budget of {budget:.4g} bytes",
                                   "memory", "use more devices or a larger budget")
         if result.status == "cutoff":
-            raise InfeasibleError(f"no strategy assignment fits the memory budget of {budget:.4g} bytes at a cost "
-                                  f"under {cutoff:.6g} s", "memory", "use more devices or a larger budget")
+            raise _cut_off(budget, cutoff)
         raise SolverError(f"{backend} found no solution within {time_limit_s:g} s",
                           "solver", "raise --time-limit or try another --solver")
     return result
+
+
+def _cut_off(budget: float, cutoff: float) -> InfeasibleError:
+    """What a capped program with a cutoff raises when nothing fits under it."""
+    return InfeasibleError(f"no strategy assignment fits the memory budget of {budget:.4g} bytes at a cost under "
+                           f"{cutoff:.6g} s", "memory", "use more devices or a larger budget")
 
 
 def _picks(alive: list[np.ndarray], var: list[np.ndarray], values: list[int]) -> list[int]:
@@ -603,6 +608,11 @@ def _picks(alive: list[np.ndarray], var: list[np.ndarray], values: list[int]) ->
     return picks
 
 
+def _chosen(alive: list[np.ndarray], var: list[np.ndarray], values: list[int]) -> list[int]:
+    """Each node's strategy index in the graph, read from the solver's 0-1 values."""
+    return [int(np.flatnonzero(a)[k]) for a, k in zip(alive, _picks(alive, var, values))]
+
+
 def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
           time_limit_s: float = solvers.TIME_LIMIT_S, seed: int = 0, reduce_first: bool = True,
           cutoff: float | None = None, free: tuple[tuple[int, ...], float] | None = None) -> Solution:
@@ -610,7 +620,8 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
 
     `cutoff` (with a budget): the caller has no use for an assignment costing that much or more (`total`);
     when the capped optimum does, InfeasibleError is raised as for a budget nothing fits, and the solver
-    may prune all that (`solvers.solve`), which is much faster than proving the optimum.
+    may prune all that (`solvers.solve`), which is much faster than proving the optimum; a program with transient
+    buffers first asks its relaxation without them whether any assignment is under the cutoff (`_under_cutoff`).
 
     With `reduce_first`, dominated strategies go first, then the graph is solved by exact
     elimination without the memory row; when that optimum fits the budget it is the answer
@@ -651,15 +662,38 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
     program = fold_leaves(graph, alive) if reduce_first and budget is not None else None  # leaves merged: exact
     solved, kept_here = (program.graph, reduce(program.graph)) if program is not None else (graph, alive)
     first = _cheapest(solved, kept_here) if budget is None else _leanest(solved, kept_here)
+    if cutoff is not None and budget is not None and (solved.node_transients or solved.edge_transients):
+        began = time.perf_counter()
+        first = _under_cutoff(solved, kept_here, budget, backend, time_limit_s, seed, cutoff) or first
+        time_limit_s = max(time_limit_s - (time.perf_counter() - began), 1e-3)  # one limit for the question and the program
     fits = budget is None or solved.peak_memory(first) <= budget
     model, var = build_model(solved, kept_here, budget, first if fits else None)
     result = (_run(model, backend, time_limit_s, seed, budget, cutoff) if model.num_vars
               else solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend))
-    picks = _picks(kept_here, var, result.values)
-    choice = [int(np.flatnonzero(a)[k]) for a, k in zip(kept_here, picks)]
+    choice = _chosen(kept_here, var, result.values)
     if program is not None:
         choice = program.unfold(choice, len(graph))
     return replace(_solution(graph, choice, result, model, kept, total), free_bound=free_bound, free_choice=free_choice)
+
+
+def _under_cutoff(graph: CostGraph, alive: list[np.ndarray], budget: float, backend: str, time_limit_s: float,
+                  seed: int, cutoff: float) -> list[int] | None:
+    """A capped program with a cutoff, first asked only whether its relaxation without transient buffers (every
+    assignment's memory only drops) has an assignment under the cutoff, which is cheaper to answer than the
+    program: none there, none in the program (InfeasibleError, as the program's own solve raises). Otherwise the
+    assignment found (the solve stops at the first), as the program's start, or None (no verdict: solve the program)."""
+    lean = replace(graph, node_transients={}, edge_transients={})
+    model, var = build_model(lean, alive, budget, None)
+    if not model.num_vars:
+        return None
+    scaled = (cutoff - model.offset) * model.scale
+    result = solvers.solve(model, backend, time_limit_s, seed, cutoff=scaled, first_under_cutoff=True)
+    if result.status == "cutoff":
+        raise _cut_off(budget, cutoff)
+    if result.values is None:
+        return None
+    choice = _chosen(alive, var, result.values)
+    return choice if graph.peak_memory(choice) <= budget else None
 
 
 def _cheapest(graph: CostGraph, alive: list[np.ndarray]) -> list[int]:

@@ -5,13 +5,14 @@ layer the cost above which no stage the memory ladder prices can use it (docs/CO
 import math
 import random
 
+import numpy as np
 import pytest
 
-from partopt import ilp, inter, pricing
+from partopt import ilp, inter, pricing, solvers
 from partopt.errors import InfeasibleError
 from partopt.inter import optimize
 from partopt.solvers import BACKENDS
-from test_ilp import CASES, brute_force
+from test_ilp import CASES, brute_force, random_graph
 from test_recompute import block_graph, tight_cluster
 
 
@@ -33,6 +34,81 @@ def test_a_cutoff_keeps_the_optimum_below_it_and_rules_out_one_at_or_above_it(ba
             assert graph.peak_memory(solution.choice) <= budget + 1e-9
             seen["kept"] += expected < cutoff
     assert seen["kept"] > 5 and seen["ruled out"] > 5
+
+
+def _with_transients(graph: ilp.CostGraph, rng: random.Random) -> ilp.CostGraph:
+    """`graph` with two transient buffers in each of two pools, each owned by a node and sized by a pair's strategies."""
+    for pool in ("a", "b"):
+        for owner in rng.sample(range(len(graph)), k=min(2, len(graph))):
+            u, v = rng.sample(range(len(graph)), k=2)
+            graph.add_transient(pool, owner, u, [[rng.choice([0, 0, 1, 2]) for _ in graph.costs[v]]
+                                                 for _ in graph.costs[u]], v)
+    return graph
+
+
+def test_a_cutoff_with_transients_answers_as_enumeration_after_asking_the_relaxation_without_them(monkeypatch):
+    """A capped program with transient buffers and a cutoff first asks its relaxation without them (every memory
+    drops) for any assignment under the cutoff (`ilp._under_cutoff`). Against enumeration of every assignment: an
+    answer is the optimum, and InfeasibleError comes only when the optimum is not under the cutoff. Each outcome of
+    the question is met: none under the cutoff (ruled out), one that fits with its transients too (the program's
+    start), one that does not (no verdict)."""
+    rng = random.Random(20261207)
+    seen = {"ruled out": 0, "start": 0, "no verdict": 0}
+    question = ilp._under_cutoff
+
+    def recording(*args):
+        try:
+            choice = question(*args)
+        except InfeasibleError:
+            seen["ruled out"] += 1
+            raise
+        seen["start" if choice is not None else "no verdict"] += 1
+        return choice
+
+    monkeypatch.setattr(ilp, "_under_cutoff", recording)
+    for _ in range(300):
+        graph = _with_transients(random_graph(rng), rng)
+        budget = (sum(float(m.max()) for m in graph.memory) + 2) * rng.uniform(0.3, 0.9)
+        expected = brute_force(graph, budget)
+        if expected is None:
+            continue
+        cutoff = expected + rng.choice([0.5, 0.0, -0.25])
+        try:
+            solution = ilp.solve(graph, budget, cutoff=cutoff)
+        except InfeasibleError:
+            assert expected >= cutoff
+            continue
+        assert solution.objective == pytest.approx(expected, abs=1e-9)  # an answer is the optimum, cutoff or not
+        assert graph.peak_memory(solution.choice) <= budget + 1e-9
+    assert min(seen.values()) >= 5, seen
+
+
+def test_asked_for_any_solution_under_a_cutoff_highs_stops_at_the_first():
+    """`first_under_cutoff`: a solution under the cutoff (status "limit": not proven the optimum), or "cutoff" exactly
+    when enumeration finds none under it; never more LPs than the solve to the optimum, and fewer where that solve
+    goes on to prove its optimum (the solve did stop at the first)."""
+    seen = {"fewer LPs": 0, "ruled out": 0}
+    for graph, budget in CASES:
+        expected = brute_force(graph, budget) if budget is not None else None
+        if expected is None:
+            continue
+        alive = [np.ones(len(c), dtype=bool) for c in graph.costs]
+        model, var = ilp.build_model(graph, alive, budget, None)
+        for cutoff in (expected + 100.0, expected, expected - 0.25):
+            scaled = (cutoff - model.offset) * model.scale
+            result = solvers.solve(model, "highs", cutoff=scaled, first_under_cutoff=True)
+            if expected >= cutoff:
+                assert result.status == "cutoff"
+                seen["ruled out"] += 1
+                continue
+            assert result.status == "limit"
+            choice = ilp._chosen(alive, var, result.values)
+            assert graph.peak_memory(choice) <= budget + 1e-9
+            assert expected - 1e-9 <= graph.total(choice) < cutoff
+            optimum = solvers.solve(model, "highs", cutoff=scaled)
+            assert result.work <= optimum.work
+            seen["fewer LPs"] += result.work < optimum.work
+    assert seen["fewer LPs"] >= 3 and seen["ruled out"] > 5, seen
 
 
 def test_the_model_offset_is_the_cost_its_objective_leaves_out():

@@ -143,6 +143,7 @@ class Options:
     work_limit: float = math.inf  # in the backend's WORK_UNITS
     relaxation_first: bool = False  # HiGHS: solve the LP relaxation first, and stop there when it is integral
     cutoff: float | None = None  # in objective units: only a solution below it is wanted (`solve`)
+    first_under_cutoff: bool = False  # HiGHS: stop at the first solution under the cutoff (`solve`)
 
 
 BACKENDS = ("cpsat", "highs", "cbc")
@@ -163,7 +164,8 @@ def under(value: float, bar: float) -> bool:
 
 
 def solve(model: Model, backend: str = "highs", time_limit_s: float = TIME_LIMIT_S, seed: int = 0,
-          work_limit: float | None = None, relaxation_first: bool = False, cutoff: float | None = None) -> Result:
+          work_limit: float | None = None, relaxation_first: bool = False, cutoff: float | None = None,
+          first_under_cutoff: bool = False) -> Result:
     """Solve `model` with the named backend, stopping at `work_limit` (in its WORK_UNITS; None: its
     DEFAULT_WORK_LIMITS entry; math.inf: none) or, as a safety net, after `time_limit_s` seconds.
 
@@ -177,7 +179,10 @@ def solve(model: Model, backend: str = "highs", time_limit_s: float = TIME_LIMIT
     row). A solve whose best solution is at or above it (within 1e-9 relatively: a MIP may return one at the
     bound, rounded under it), or that finds none, returns status "cutoff" (no
     values): the optimum is at least `cutoff`, or the program is infeasible. A solution below it is the
-    optimum, as without a cutoff."""
+    optimum, as without a cutoff.
+
+    `first_under_cutoff` (HiGHS; the other backends solve on to the optimum): only whether a solution under the
+    cutoff exists matters, so the solve stops at the first one found, with status "limit" (a solution, no proof)."""
     run = _backend(backend)
     if time_limit_s <= 0:
         raise PartoptError(f"time limit must be positive, got {time_limit_s}", "time limit")
@@ -186,7 +191,8 @@ def solve(model: Model, backend: str = "highs", time_limit_s: float = TIME_LIMIT
         raise PartoptError(f"work limit must be non-negative, got {work_limit}", "work limit",
                            f"give {WORK_UNITS[backend]}, or math.inf for none")
     result = run(model, Options(time_limit_s=time_limit_s, seed=seed, work_limit=work,
-                                relaxation_first=relaxation_first, cutoff=cutoff))
+                                relaxation_first=relaxation_first, cutoff=cutoff,
+                                first_under_cutoff=first_under_cutoff and cutoff is not None))
     if cutoff is not None and (result.status == "infeasible" or (result.objective is not None
                                                                   and not under(result.objective, cutoff))):
         return Result("cutoff", None, None, None, result.time_s, result.backend, result.work)

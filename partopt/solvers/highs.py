@@ -75,6 +75,8 @@ def _load(model: Model, options: Options, relaxed: bool) -> highspy.Highs:
     h.setOptionValue("presolve", "off")
     if options.cutoff is not None:  # prunes every node whose bound reaches it (a hair above: none below it is lost)
         h.setOptionValue("objective_bound", float(options.cutoff) + 1e-6 * max(1.0, abs(options.cutoff)))
+        if options.first_under_cutoff:  # every solution the MIP accepts improves on the bound: the first will do
+            h.setOptionValue("mip_max_improving_sols", 1)
     n = model.num_vars
     inf = highspy.kHighsInf
     kinds = np.full(n, highspy.HighsVarType.kInteger)
@@ -226,6 +228,9 @@ def _branch(model: Model, original: Model, scale: list[float], groups: list[np.n
             if not _integral(x, binary):  # a 0-1 column its equality rows do not pin to the choices
                 return handover()
             incumbent, bar = _better(np.where(binary, np.rint(x), x), incumbent, bar, original, model, scale)
+            if options.first_under_cutoff and incumbent is not None:  # one under the cutoff is all that was asked
+                return (Result("limit", _values(incumbent, model, scale), bar, None, time.perf_counter() - start,
+                               "highs", float(nodes)), {}, nodes)
             continue
         basis = h.getBasis()
         for child in split:
@@ -318,7 +323,7 @@ def solve(original: Model, options: Options) -> Result:
             return found
     h = _load(model, options, relaxed=False)
     h.setOptionValue("time_limit", max(options.time_limit_s - (time.perf_counter() - start), 1e-9))
-    if first:
+    if first and not options.first_under_cutoff:  # a start at or over the cutoff is no solution to stop at
         index = np.fromiter(first, dtype=np.int32)
         h.setSolution(len(index), index, np.fromiter(first.values(), dtype=float))
     h.run()
