@@ -25,7 +25,7 @@ from partopt.pricing import Job, LayerCost, Pricer, Stats, ladder, rung
 from partopt.schedules import check_schedule, inflight
 from partopt.stages import End, Pipeline, StageSpec, StageTotals, chunks, combined, totals
 from partopt.layering import Layering, build_layers
-from partopt.plan import OpStrategy, ParamPlacement, Plan, tensor_table
+from partopt.plan import OpStrategy, ParamPlacement, Plan, records, tensor_table
 from partopt.sharding import ParamStrategy, Replicate, Shard, Strategy
 from partopt.units import fmt_bytes
 
@@ -278,10 +278,12 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
 
 
 def _records_graph(plan: Plan, graph: Graph) -> bool:
-    """True when the plan's tensor table is `graph`'s (names, dims, one microbatch's shape, roles):
+    """True when the plan's tensor table is `graph`'s (names, dims, one microbatch's shape, roles, dtypes):
     the plan was made for this graph under another name (a renamed or copied graph file)."""
     try:
-        return bool(plan.tensors) and plan.tensors == tensor_table(intra.with_batch(graph, plan.microbatch_size))
+        table = tensor_table(intra.with_batch(graph, plan.microbatch_size))
+        return (bool(plan.tensors) and plan.tensors.keys() == table.keys()
+                and all(records(t, table[name]) for name, t in plan.tensors.items()))
     except InfeasibleError:  # a microbatch this graph cannot have (its derived dims do not scale)
         return False
 

@@ -167,7 +167,16 @@ def training(plan: Plan) -> dict[str, Any]:
             "overlap_grad_reduce": bool(plan.options.get("overlap", False)),
             "optimizer_state_sharded": any(info.zero_axes for s in plan.stages for info in s.params.values()),
             "sequence_parallel": [i for i, s in enumerate(plan.stages) if _sequence_split(plan, i, s)],
-            "fused_attention": fused_attention(plan), "matmul_dtype": plan.matmul_dtype}
+            "fused_attention": fused_attention(plan), "matmul_dtype": plan.matmul_dtype,
+            "param_dtypes": param_dtypes(plan)}
+
+
+def param_dtypes(plan: Plan) -> list[str] | None:
+    """The dtypes the plan's parameters are stored and trained in, sorted; None when its tensor table records no
+    dtypes (a plan written before it did). The runtime must keep them: a 16-bit plan run in fp32 moves twice the
+    bytes and holds twice the weights it was priced with."""
+    dtypes = {t["dtype"] for t in plan.tensors.values() if t.get("role") == "param" and "dtype" in t}
+    return sorted(dtypes) if dtypes else None
 
 
 def fused_attention(plan: Plan) -> bool:
@@ -579,7 +588,24 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
             "overlap_grad_reduce": bool(plan.options.get("overlap", False)),
             "attention_backend": "flash" if fused_attention(plan) else None,
             # Transformer Engine's FP8 GEMMs: E4M3 forward, E5M2 gradients (Megatron's and NeMo's usual recipe)
-            "fp8_format": "hybrid" if plan.matmul_dtype == "fp8" else None}
+            "fp8_format": "hybrid" if plan.matmul_dtype == "fp8" else None,
+            "precision": _precision(plan)}
+
+
+MEGATRON_PRECISION = {"fp16": "--fp16", "bf16": "--bf16", "fp32": None}  # Megatron-LM trains in fp32 by default
+
+
+def _precision(plan: Plan) -> str | None:
+    """The one dtype Megatron-LM keeps the plan's parameters in (its --fp16 / --bf16 mixed precision, or fp32),
+    None when the plan records none; NotExpressibleError for several, or one Megatron cannot train in."""
+    dtypes = param_dtypes(plan)
+    if dtypes is None:
+        return None
+    if len(dtypes) > 1 or dtypes[0] not in MEGATRON_PRECISION:
+        raise _not_expressible(f"the plan's parameters are {', '.join(dtypes)}; Megatron-LM keeps every parameter "
+                               f"in one of {', '.join(MEGATRON_PRECISION)}", "tensors",
+                               "generate the graph in one precision, or export with --to jax or --to dtensor")
+    return dtypes[0]
 
 
 def _span(ids: Sequence[int]) -> str:
@@ -611,6 +637,8 @@ def to_megatron(plan: Plan) -> list[str]:
         args.append("--overlap-grad-reduce")
     if c["attention_backend"]:
         args += ["--attention-backend", c["attention_backend"]]
+    if c["precision"] and MEGATRON_PRECISION[c["precision"]]:
+        args.append(MEGATRON_PRECISION[c["precision"]])
     if c["fp8_format"]:
         args += ["--fp8-format", c["fp8_format"]]
     if c["recompute"]:

@@ -79,7 +79,7 @@ class Plan:
     version: int = VERSION
     options: dict[str, Any] = field(default_factory=dict)
     batch_dim: str | None = None
-    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"dims", "shape" (one microbatch), "role"}
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"dims", "shape" (one microbatch), "role", "dtype"}
     matmul_dtype: str | None = None  # the GEMM precision priced (`Graph.matmul_dtype`); None: each op at its tensors'
 
 
@@ -121,9 +121,15 @@ def by_device(plan: Plan) -> Plan:
 
 def tensor_table(g_mb: Graph) -> dict[str, dict[str, Any]]:
     """A plan's `tensors` record of a graph at microbatch size (`intra.with_batch`): each tensor's
-    dims, one microbatch's shape and role — what exporters and checks read instead of the graph."""
-    return {name: {"dims": list(t.dims), "shape": [g_mb.dims[d] for d in t.dims], "role": t.role}
-            for name, t in g_mb.tensors.items()}
+    dims, one microbatch's shape, role and dtype — what exporters and checks read instead of the graph."""
+    return {name: {"dims": list(t.dims), "shape": [g_mb.dims[d] for d in t.dims], "role": t.role,
+                   "dtype": g_mb.dtype_of(name)} for name, t in g_mb.tensors.items()}
+
+
+def records(recorded: dict[str, Any], expected: dict[str, Any]) -> bool:
+    """Whether a plan's entry for a tensor says what the graph's (`tensor_table`) does: dims, shape and role, and
+    its dtype when it records one (plans written before dtypes were recorded have none)."""
+    return all(recorded.get(k) == v for k, v in expected.items() if k != "dtype" or "dtype" in recorded)
 
 
 def _op_to_dict(op: OpStrategy) -> dict[str, Any]:

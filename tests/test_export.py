@@ -16,6 +16,7 @@ from partopt.inter import optimize
 from partopt.io import read_graph
 from partopt.models import gpt
 from partopt.evaluate import evaluate
+from partopt.validate import check_against
 from partopt.plan import OpStrategy, ParamPlacement, Plan, StagePlan, plan_from_dict, plan_to_dict
 
 ex = importlib.import_module("partopt.export")  # the module: the name `partopt.export` is the export function
@@ -369,6 +370,45 @@ def test_a_plan_of_fp8_gemms_asks_megatron_for_them():
     assert args[args.index("--fp8-format") + 1] == "hybrid"
     assert "--fp8-format" not in ex.to_megatron(plain)
     assert plan_from_dict(plan_to_dict(fp8)).matmul_dtype == "fp8"  # the file keeps it
+
+
+@pytest.mark.parametrize("dtype, flag", [("fp16", "--fp16"), ("bf16", "--bf16"), ("fp32", None)])
+def test_megatron_trains_in_the_precision_the_plan_priced(dtype, flag):
+    """Megatron-LM trains in fp32 unless told --fp16 or --bf16: the plan's 16-bit weights and activations hold only
+    with the flag of the graph's dtype. An FP8 plan keeps its tensors' precision too (Transformer Engine's FP8 runs
+    over bf16 or fp16 training)."""
+    cluster = preset("dgx-a100", 1)
+    graph = gpt(**SMALL_GPT, dtype=dtype)
+    plan = optimize(graph, cluster, microbatches=2, layers=2, data_parallel_only=True)
+    assert ex.training(plan)["param_dtypes"] == [dtype]
+    args = ex.to_megatron(plan)
+    assert [a for a in args if a in ("--fp16", "--bf16")] == ([flag] if flag else [])
+    if dtype != "fp32":
+        fp8 = optimize(dataclasses.replace(graph, matmul_dtype="fp8"), cluster, microbatches=2, layers=2,
+                       data_parallel_only=True)
+        assert flag in ex.to_megatron(fp8) and "--fp8-format" in ex.to_megatron(fp8)
+
+
+def test_a_plan_written_before_dtypes_were_recorded_still_reads_checks_and_exports_without_a_precision():
+    graph = gpt(**SMALL_GPT)
+    cluster = preset("dgx-a100", 1)
+    plan = optimize(graph, cluster, microbatches=2, layers=2, data_parallel_only=True)
+    data = plan_to_dict(plan)
+    for t in data["tensors"].values():
+        del t["dtype"]
+    old = plan_from_dict(data)
+    assert ex.training(old)["param_dtypes"] is None
+    assert "--fp16" not in ex.to_megatron(old)
+    check_against(old, graph, cluster)
+    assert evaluate(graph, cluster, old).iteration_time_s == pytest.approx(plan.iteration_time_s, rel=1e-12)
+    data["tensors"]["l0.fc1.w"]["dtype"] = "bf16"  # one dtype that is not the graph's: named, with its path
+    with pytest.raises(InstanceError, match=r"fc1\.w.*bf16.*fp16") as err:
+        check_against(plan_from_dict(data), graph, cluster)
+    assert "$.tensors['l0.fc1.w']" in err.value.where
+    mixed = plan_to_dict(plan)
+    mixed["tensors"]["l0.fc1.w"]["dtype"] = "bf16"
+    with pytest.raises(ex.NotExpressibleError, match="parameters are bf16, fp16"):
+        ex.to_megatron(plan_from_dict(mixed))
 
 
 def megatron_settings(args: list[str], devices: int) -> dict:

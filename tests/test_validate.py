@@ -21,7 +21,7 @@ from partopt import io, validate
 from partopt.cli import main
 from partopt.cluster import preset
 from partopt.errors import InstanceError
-from partopt.graph import MATMUL_DTYPES
+from partopt.graph import DTYPE_BYTES, MATMUL_DTYPES
 from partopt.inter import optimize
 from partopt.plan import plan_from_dict, plan_to_dict
 
@@ -229,6 +229,15 @@ def test_the_graph_and_plan_schemas_name_the_gemm_precisions_the_graph_accepts()
     graph = json.loads((schemas / "graph.schema.json").read_text())["properties"]["matmul_dtype"]["enum"]
     plan = json.loads((schemas / "plan.schema.json").read_text())["properties"]["matmul_dtype"]["enum"]
     assert graph == list(MATMUL_DTYPES) and plan == [None, *MATMUL_DTYPES]
+
+
+def test_the_plan_schema_names_the_tensor_dtypes_the_graph_schema_does():
+    """A plan's tensor table records each tensor's dtype from the graph: the two schemas list the same, and
+    `graph.DTYPE_BYTES` sizes each."""
+    schemas = Path(__file__).resolve().parent.parent / "partopt" / "schemas"
+    graph = json.loads((schemas / "graph.schema.json").read_text())["$defs"]["dtype"]["enum"]
+    plan = json.loads((schemas / "plan.schema.json").read_text())["$defs"]["tensor"]["properties"]["dtype"]["enum"]
+    assert plan == graph and set(graph) == set(DTYPE_BYTES)
 
 
 def test_a_split_that_does_not_divide_its_dim_is_illegal(tiny):
