@@ -5,60 +5,85 @@ model, so it can be written, evaluated, explained and compared like partopt's ow
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from partopt import costmodel
 from partopt.cluster import Cluster, divisors
-from partopt.errors import InfeasibleError
+from partopt.errors import InfeasibleError, InstanceError
 from partopt.evaluate import uniform
 from partopt.graph import Graph
 from partopt.inter import optimize
 from partopt.plan import Plan
 
 
-def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32, **options) -> Plan:
-    """The best Megatron-style uniform plan over the (tp ≤ node, pp, dp, microbatches) grid.
+# Megatron-LM's standard features besides the (tp, pp, dp) grid that the search tries at each grid point: sequence
+# parallelism (with tp > 1) and the distributed optimizer, ZeRO-1 (with dp > 1). Megatron-LM of 2021, which Alpa
+# compared against, had neither: its reproduction passes none (`partopt.bench.alpa`).
+MEGATRON_FEATURES = ("sequence_parallel", "distributed_optimizer")
 
-    For each (tp, pp, dp) the per-rank microbatch grows through the powers of two (1 … `max_microbatch`,
+
+def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32,
+             features: Sequence[str] = MEGATRON_FEATURES, **options) -> Plan:
+    """The best Megatron-style uniform plan over the (tp ≤ node, pp, dp, microbatches) grid, each grid point with and
+    without each of `features` that applies there (`MEGATRON_FEATURES`).
+
+    For each (tp, pp, dp) and features the per-rank microbatch grows through the powers of two (1 … `max_microbatch`,
     at least pp microbatches) until the plan stops fitting or gets slower: the iteration time
     (B + pp - 1)·(a + c·mb) + sync with B = batch / mb is convex in mb, and memory only grows with it.
-    A grid point whose parameter state split only by tp·pp exceeds the device is skipped unpriced.
+    A grid point whose parameter state split only by tp·pp (and the optimizer's by dp as well, with the distributed
+    optimizer) exceeds the device is skipped unpriced.
     `options` are `evaluate.uniform`'s keywords (backend, time_limit_s, memory_reserve, recompute).
     """
+    unknown = sorted(set(features) - set(MEGATRON_FEATURES))
+    if unknown:
+        raise InstanceError(f"unknown Megatron-LM feature {unknown[0]!r}", "features",
+                            f"use some of {', '.join(MEGATRON_FEATURES)}")
     batch, g, m = graph.dims[graph.batch_dim], cluster.num_devices, cluster.devices_per_node
     layers = len(graph.layers)
-    state = costmodel.param_memory(graph.num_params, graph.dtype, graph.optimizer).total
+    state = costmodel.param_memory(graph.num_params, graph.dtype, graph.optimizer)
     best: Plan | None = None
     last_error: InfeasibleError | None = None
     for tp in (t for t in divisors(g) if t <= m):
         for pp in (p for p in divisors(g // tp) if layers % p == 0):
             dp = g // (tp * pp)
-            if ((tp * dp) % m and m % (tp * dp)) or state / (tp * pp) > cluster.device.memory_bytes:
+            if (tp * dp) % m and m % (tp * dp):
                 continue
-            previous = math.inf
-            for count in sorted((c for c in (2**e for e in range(batch.bit_length()))
-                                 if c >= pp and batch % c == 0 and (batch // c) % dp == 0
-                                 and batch // c // dp <= max_microbatch), reverse=True):
-                try:
-                    plan = uniform(graph, cluster, tp, pp, dp, count, **options)
-                except InfeasibleError as err:
-                    last_error = err
-                    break
-                if plan.iteration_time_s > previous:
-                    break
-                previous = plan.iteration_time_s
-                if best is None or plan.iteration_time_s < best.iteration_time_s:
-                    best = plan
+            for sp, zero in itertools.product((False, True), repeat=2):
+                if (sp and (tp == 1 or "sequence_parallel" not in features)
+                        or zero and (dp == 1 or "distributed_optimizer" not in features)):
+                    continue
+                kept = state.weights + state.grads + state.optimizer / (dp if zero else 1)
+                if kept / (tp * pp) > cluster.device.memory_bytes:
+                    continue
+                previous = math.inf
+                for count in sorted((c for c in (2**e for e in range(batch.bit_length()))
+                                     if c >= pp and batch % c == 0 and (batch // c) % dp == 0
+                                     and batch // c // dp <= max_microbatch), reverse=True):
+                    try:
+                        plan = uniform(graph, cluster, tp, pp, dp, count, zero=zero, sequence_parallel=sp, **options)
+                    except InfeasibleError as err:
+                        last_error = err
+                        break
+                    if plan.iteration_time_s > previous:
+                        break
+                    previous = plan.iteration_time_s
+                    if best is None or plan.iteration_time_s < best.iteration_time_s:
+                        best = plan
     if best is None:
         raise last_error or InfeasibleError("no Megatron grid point fits", graph.name, "use more GPUs")
     return best
 
 
 def megatron_grid_point(plan: Plan) -> str:
-    """'tp 2 · pp 4 · dp 1 · B 64' of a uniform plan."""
+    """'tp 2 · pp 4 · dp 1 · B 64' of a uniform plan, with its features ('· sequence parallel', '· distributed
+    optimizer') when it uses them."""
     tp_dp = plan.stages[0].logical_mesh
-    return f"tp {tp_dp[1]} · pp {len(plan.stages)} · dp {tp_dp[0]} · B {plan.num_microbatches}"
+    layout = plan.options.get("megatron", {})
+    features = [name for key, name in (("sequence_parallel", "sequence parallel"), ("zero", "distributed optimizer"))
+                if layout.get(key)]
+    return " · ".join([f"tp {tp_dp[1]} · pp {len(plan.stages)} · dp {tp_dp[0]} · B {plan.num_microbatches}", *features])
 
 
 def deepspeed(graph: Graph, cluster: Cluster, **options) -> Plan:

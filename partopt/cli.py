@@ -516,9 +516,10 @@ def _render_plan(plan: Plan, calibration: dict[str, Any] | None) -> list[Table]:
               help="Fraction of device memory kept free.")
 @click.option("--search", type=click.Choice(["full", "intra-only", "inter-only", "data-parallel-only", "pp-dp", "megatron"]),
               default="full", show_default=True,
-              help="Restrict the search (baselines); megatron: the best uniform (tp, pp, dp, microbatches) grid point "
-              "(it searches its own microbatches and stages: --microbatches, --layers, --logical-shapes, --submeshes "
-              "and --workers do not apply).")
+              help="Restrict the search (baselines); megatron: the best uniform (tp, pp, dp, microbatches) grid point, "
+              "each with and without sequence parallelism and the distributed optimizer (it searches its own "
+              "microbatches and stages: --microbatches, --layers, --logical-shapes, --submeshes and --workers do not "
+              "apply).")
 @click.option("--logical-shapes", type=click.Choice(["node_local", "all"]), default="node_local", show_default=True,
               help="Logical meshes per submesh: second axis inside a node (Alpa's space), or every factorisation.")
 @click.option("--submeshes", type=click.Choice(SUBMESH_FAMILIES), default="auto", show_default=True,

@@ -4,6 +4,9 @@ and PP-DP plans by their defining shape."""
 from __future__ import annotations
 
 
+import dataclasses
+import math
+
 import pytest
 
 from partopt import baselines, models
@@ -18,21 +21,64 @@ def small():
     return graph, preset("p3.16xlarge", 1).narrowed(4)
 
 
-def test_megatron_finds_the_fastest_grid_point(small):
-    graph, cluster = small
+def _grid(graph, cluster, features):
+    """Every Megatron grid point of `small` priced, by brute force: (tp, pp, dp, B, sequence parallel, distributed
+    optimizer) -> iteration time, each feature only where it applies (tp > 1, dp > 1) and is in `features`."""
     times = {}
     for tp, pp, dp in [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]:
         for count in (1, 2, 4, 8, 16):
             if count < pp or (16 // count) % dp:
                 continue
-            try:
-                times[(tp, pp, dp, count)] = uniform(graph, cluster, tp, pp, dp, count).iteration_time_s
-            except InfeasibleError:
-                pass
-    best = baselines.megatron(graph, cluster)
+            for sp in (False, True) if tp > 1 and "sequence_parallel" in features else (False,):
+                for zero in (False, True) if dp > 1 and "distributed_optimizer" in features else (False,):
+                    try:
+                        plan = uniform(graph, cluster, tp, pp, dp, count, zero=zero, sequence_parallel=sp)
+                    except InfeasibleError:
+                        continue
+                    times[(tp, pp, dp, count, sp, zero)] = plan.iteration_time_s
+    return times
+
+
+@pytest.mark.parametrize("features", [baselines.MEGATRON_FEATURES, ()])
+def test_megatron_finds_the_fastest_grid_point(small, features):
+    """With Megatron-LM's features (the default) and without them (Megatron-LM as Alpa ran it)."""
+    graph, cluster = small
+    times = _grid(graph, cluster, features)
+    best = baselines.megatron(graph, cluster, features=features)
     assert best.iteration_time_s == min(times.values())
-    point = min(times, key=times.get)
-    assert baselines.megatron_grid_point(best) == "tp {} · pp {} · dp {} · B {}".format(*point)
+    tp, pp, dp, count, sp, zero = min(times, key=times.get)
+    expected = f"tp {tp} · pp {pp} · dp {dp} · B {count}" + " · sequence parallel" * sp + " · distributed optimizer" * zero
+    assert baselines.megatron_grid_point(best) == expected
+
+
+def _leanest(graph, cluster, features) -> float:
+    """The least per-device memory of any grid point of `small` with `features`: full recomputation, one sample per
+    microbatch and rank (B = 16 / dp)."""
+    least = math.inf
+    for tp, pp, dp in [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]:
+        for sp in (False, True) if tp > 1 and "sequence_parallel" in features else (False,):
+            for zero in (False, True) if dp > 1 and "distributed_optimizer" in features else (False,):
+                plan = uniform(graph, cluster, tp, pp, dp, 16 // dp, zero=zero, sequence_parallel=sp, recompute="full",
+                               check_memory=False)
+                least = min(least, plan.memory_peak_bytes)
+    return least
+
+
+def test_megatron_features_fit_a_memory_cap_that_megatron_of_2021_does_not(small):
+    """Sequence parallelism splits the norms' activations over tp, the distributed optimizer the optimizer state over
+    dp: under a cap between the leanest grid points with and without them, the default search finds a plan and
+    Megatron-LM as of 2021 (no features) none."""
+    graph, cluster = small
+    with_features, without = _leanest(graph, cluster, baselines.MEGATRON_FEATURES), _leanest(graph, cluster, ())
+    assert with_features < without
+    budget = (with_features + without) / 2
+    lean = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device,
+                                                                   memory_bytes=budget / (1 - 0.1)))  # 10 % reserve
+    with pytest.raises(InfeasibleError):
+        baselines.megatron(graph, lean, features=())
+    plan = baselines.megatron(graph, lean)
+    assert max(s.memory_bytes for s in plan.stages) <= budget * (1 + 1e-9)
+    assert plan.options["megatron"]["zero"] or plan.options["megatron"]["sequence_parallel"]
 
 
 def test_deepspeed_is_one_data_parallel_stage_and_ppdp_has_no_zero(small):
