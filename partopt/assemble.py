@@ -189,4 +189,4 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
                  "data_parallel_only": options.data_parallel_only, "stage_data_parallel": options.stage_data_parallel,
                  "recompute": options.recompute, "schedule": options.schedule, "overlap": options.overlap, "cost_model": (options.cost_model or costmodel.ANALYTICAL).key},
         schedule=schedule, virtual_stages=virtual_stages, batch_dim=graph.batch_dim, tensors=tensors,
-        matmul_dtype=graph.matmul_dtype)
+        matmul_dtype=graph.matmul_dtype, architecture=graph.architecture)

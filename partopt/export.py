@@ -589,7 +589,34 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
             "attention_backend": "flash" if fused_attention(plan) else None,
             # Transformer Engine's FP8 GEMMs: E4M3 forward, E5M2 gradients (Megatron's and NeMo's usual recipe)
             "fp8_format": "hybrid" if plan.matmul_dtype == "fp8" else None,
-            "precision": _precision(plan)}
+            "precision": _precision(plan), "model": _model_arguments(plan, sum(counts))}
+
+
+def _model_arguments(plan: Plan, num_layers: int) -> list[str]:
+    """Megatron-LM's model arguments for the plan's `architecture` (none when the graph recorded none): the
+    shapes the plan priced, so that a runtime given them trains that model and no other."""
+    a = plan.architecture
+    if a is None:
+        return []
+    if a["layers"] != num_layers:
+        raise InstanceError(f"the stages hold {num_layers} transformer layers but the architecture records "
+                            f"{a['layers']}", "architecture.layers", "re-solve the plan on its graph")
+    args = ["--hidden-size", str(a["hidden"]), "--ffn-hidden-size", str(a["ffn"]),
+            "--num-attention-heads", str(a["heads"]), "--seq-length", str(a["seq"]),
+            "--max-position-embeddings", str(a["seq"]), "--attention-dropout", f"{a['attention_dropout']:g}"]
+    if a["kv_heads"] != a["heads"]:
+        args += ["--group-query-attention", "--num-query-groups", str(a["kv_heads"])]
+    if a["norm"] == "rmsnorm":
+        args += ["--normalization", "RMSNorm"]
+    if a["mlp"] == "swiglu":
+        args.append("--swiglu")
+    if a["positions"] == "rotary":
+        args += ["--position-embedding-type", "rope"]
+    if not a["tied"]:
+        args.append("--untie-embeddings-and-output-weights")
+    if not a["bias"]:
+        args.append("--disable-bias-linear")
+    return args
 
 
 MEGATRON_PRECISION = {"fp16": "--fp16", "bf16": "--bf16", "fp32": None}  # Megatron-LM trains in fp32 by default
@@ -619,7 +646,7 @@ def to_megatron(plan: Plan) -> list[str]:
     """Megatron-LM command-line arguments for `plan` (see `megatron_config` for when it raises)."""
     c = megatron_config(plan)
     args = ["--tensor-model-parallel-size", str(c["tp"]), "--pipeline-model-parallel-size", str(c["pp"]),
-            "--num-layers", str(c["num_layers"])]
+            "--num-layers", str(c["num_layers"]), *c["model"]]
     if c["first_stage_layers"] is not None:
         args += ["--decoder-first-pipeline-num-layers", str(c["first_stage_layers"])]
     if c["last_stage_layers"] is not None:

@@ -61,6 +61,9 @@ class Graph:
     dtype: str = "fp16"
     optimizer: str = "adam"  # how the parameters are trained; sets their state bytes (costmodel.OPTIMIZER_STATE)
     matmul_dtype: str | None = None  # the precision GEMMs run at when not their tensors' (FP8 training)
+    # the transformer's hyper-parameters as a generator knows them (docs/FORMAT.md, "architecture"), which exports
+    # name in a runtime's terms; None: the graph says only what its ops say
+    architecture: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.dims = dict(self.dims)

@@ -311,6 +311,8 @@ def graph_to_dict(graph: Graph) -> dict:
         data["optimizer"] = graph.optimizer
     if graph.matmul_dtype is not None:
         data["matmul_dtype"] = graph.matmul_dtype
+    if graph.architecture is not None:
+        data["architecture"] = dict(graph.architecture)
     if graph.batch_dim is not None:
         data["batch_dim"] = graph.batch_dim
     data["dims"] = dict(graph.dims)
@@ -330,7 +332,8 @@ def graph_from_dict(data: Any, where: str = "") -> Graph:
            for o in data["ops"]]
     try:
         return Graph(data["name"], data["dims"], tensors, ops,
-                     **{k: data[k] for k in ("batch_dim", "dtype", "optimizer", "matmul_dtype") if k in data})
+                     **{k: data[k] for k in ("batch_dim", "dtype", "optimizer", "matmul_dtype", "architecture")
+                        if k in data})
     except InstanceError as err:
         raise InstanceError(err.cause, at(where, f"$.{err.where}" if err.where else "$"), err.hint) from None
 

@@ -210,6 +210,11 @@ def _check_target(plan: Plan, graph: Graph, cluster: Cluster, where: str) -> Non
         raise InstanceError(f"the plan priced GEMMs at {_gemm_precision(plan.matmul_dtype)}, the graph runs them at "
                             f"{_gemm_precision(graph.matmul_dtype)}", at(where, "$.matmul_dtype"),
                             "re-solve the plan for this graph")
+    if None not in (plan.architecture, graph.architecture) and plan.architecture != graph.architecture:
+        key = next(k for k in plan.architecture if plan.architecture[k] != graph.architecture.get(k))
+        raise InstanceError(f"the plan records {key} {plan.architecture[key]!r}, the graph's architecture "
+                            f"{graph.architecture.get(key)!r}", at(where, f"$.architecture.{key}"),
+                            "re-solve the plan for this graph")
     batch = graph.dims[graph.batch_dim]
     if plan.num_microbatches * plan.microbatch_size != batch:
         raise InstanceError(f"{plan.num_microbatches} microbatches of {plan.microbatch_size} samples are not the graph's "

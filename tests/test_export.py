@@ -14,7 +14,7 @@ from partopt.cluster import preset
 from partopt.errors import InstanceError, PartoptError
 from partopt.inter import optimize
 from partopt.io import read_graph
-from partopt.models import gpt
+from partopt.models import gpt, llama
 from partopt.evaluate import evaluate
 from partopt.validate import check_against
 from partopt.plan import OpStrategy, ParamPlacement, Plan, StagePlan, plan_from_dict, plan_to_dict
@@ -370,6 +370,60 @@ def test_a_plan_of_fp8_gemms_asks_megatron_for_them():
     assert args[args.index("--fp8-format") + 1] == "hybrid"
     assert "--fp8-format" not in ex.to_megatron(plain)
     assert plan_from_dict(plan_to_dict(fp8)).matmul_dtype == "fp8"  # the file keeps it
+
+
+SMALL_LLAMA = {"hidden": 1024, "layers": 2, "heads": 16, "kv_heads": 4, "ffn": 2816, "seq": 512, "vocab": 4096,
+               "batch": 32}
+
+
+def _value(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+@pytest.mark.parametrize("make, sizes, flags", [
+    (gpt, dict(SMALL_GPT, attention_dropout=0.1), set()),
+    (llama, SMALL_LLAMA, {"--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights",
+                          "--disable-bias-linear"})])
+def test_megatron_gets_the_model_the_plan_priced(make, sizes, flags):
+    """Megatron-LM's model arguments say the generator's sizes and structure (GPT: LayerNorm, GELU, learned
+    positions, tied head, biases, Megatron's defaults; Llama: RMSNorm, SwiGLU, rotary, grouped-query attention,
+    untied head, no biases), and read back into the generator they build a graph of exactly as many parameters."""
+    graph = make(**sizes)
+    plan = optimize(graph, preset("dgx-a100", 1), microbatches=2, layers=2, data_parallel_only=True)
+    args = ex.to_megatron(plan)
+    assert _value(args, "--hidden-size") == str(sizes["hidden"])
+    assert _value(args, "--num-attention-heads") == str(sizes["heads"])
+    assert _value(args, "--ffn-hidden-size") == str(sizes.get("ffn", 4 * sizes["hidden"]))
+    assert _value(args, "--seq-length") == _value(args, "--max-position-embeddings") == str(sizes["seq"])
+    assert _value(args, "--num-query-groups") == (str(sizes["kv_heads"]) if "kv_heads" in sizes else None)
+    assert float(_value(args, "--attention-dropout")) == sizes.get("attention_dropout", 0.0)
+    assert (_value(args, "--normalization"), _value(args, "--position-embedding-type")) == (
+        ("RMSNorm", "rope") if make is llama else (None, None))
+    optional = {"--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"}
+    assert optional & set(args) == flags
+    shape = {"hidden": int(_value(args, "--hidden-size")), "layers": int(_value(args, "--num-layers")),
+             "heads": int(_value(args, "--num-attention-heads")), "seq": int(_value(args, "--seq-length")),
+             "vocab": sizes["vocab"], "batch": sizes["batch"]}  # the tokenizer sets the vocabulary, not an argument
+    if make is llama:
+        shape |= {"kv_heads": int(_value(args, "--num-query-groups")), "ffn": int(_value(args, "--ffn-hidden-size"))}
+    assert make(**shape).num_params == graph.num_params
+
+
+def test_a_graph_without_an_architecture_exports_the_layout_alone_and_a_wrong_one_is_refused(tmp_path):
+    graph = gpt(**SMALL_GPT)
+    cluster = preset("dgx-a100", 1)
+    plain = optimize(dataclasses.replace(graph, architecture=None), cluster, microbatches=2, layers=2,
+                     data_parallel_only=True)
+    assert plain.architecture is None and "--hidden-size" not in ex.to_megatron(plain)
+    plan = optimize(graph, cluster, microbatches=2, layers=2, data_parallel_only=True)
+    assert plan_from_dict(plan_to_dict(plan)).architecture == graph.architecture  # the plan file keeps it
+    wrong = dataclasses.replace(plan, architecture={**plan.architecture, "layers": 3})
+    with pytest.raises(InstanceError, match="stages hold 2 transformer layers but the architecture records 3"):
+        ex.to_megatron(wrong)
+    with pytest.raises(InstanceError, match="the plan records layers 3, the graph's architecture 2") as err:
+        check_against(wrong, graph, cluster)
+    assert err.value.where.endswith("$.architecture.layers")
+    check_against(plan, dataclasses.replace(graph, architecture=None), cluster)  # a graph recording none: no conflict
 
 
 @pytest.mark.parametrize("dtype, flag", [("fp16", "--fp16"), ("bf16", "--bf16"), ("fp32", None)])

@@ -244,6 +244,15 @@ def test_imported_llama_plans_like_the_generator():
                              dtype="fp16")
     assert imported.num_params == generated.num_params
     assert _iteration(imported) == pytest.approx(_iteration(generated), rel=0.02)
+    assert imported.architecture == generated.architecture  # what exports say of it (docs/FORMAT.md)
+
+
+def test_an_imported_llama_records_its_architecture_only_where_the_record_can_say_it():
+    """Attention biased but not the MLP (Qwen2's way) has no one `bias`; a GPT-2 config is not a Llama: neither records
+    an architecture, and its Megatron export gives the layout alone."""
+    assert from_hf_config(llama_config(attention_bias=True), batch=4, seq=16).architecture is None
+    assert from_hf_config(llama_config(attention_bias=True, mlp_bias=True), batch=4, seq=16).architecture["bias"]
+    assert from_hf_config(gpt2_config(), batch=4, seq=16).architecture is None
 
 
 def test_imported_gpt2_plans_like_the_generator():

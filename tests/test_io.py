@@ -164,7 +164,7 @@ def test_schema_is_valid_closed_and_described():
     undescribed = [p for p, sub in walk_fields(schema) if "description" not in sub and set(sub) != {"$ref"}]
     assert undescribed == []
     records = [sub for _, sub in walk_fields(schema) if "properties" in sub] + [schema]
-    assert len(records) == 4  # the file, a tensor, an op, its attrs
+    assert len(records) == 5  # the file, a tensor, an op, its attrs, the architecture
     assert all(sub["additionalProperties"] is False for sub in records)
 
 
@@ -181,6 +181,21 @@ def test_unknown_attr_inside_attrs_is_rejected_with_its_path():
         io.graph_from_dict(d, "m.json")
     assert info.value.where == "m.json: $.ops[2].attrs.slope (act1)"
     assert info.value.cause == "unknown field"
+
+
+def test_a_graph_file_keeps_its_architecture_and_a_bad_one_is_named_with_its_path():
+    d = io.load_json(ROOT / "instances" / "llama-7b.json")
+    assert io.graph_from_dict(d).architecture == d["architecture"]
+    assert io.graph_to_dict(io.graph_from_dict(d)) == d
+    d["architecture"]["norm"] = "batchnorm"
+    with pytest.raises(InstanceError) as info:
+        io.graph_from_dict(d, "l.json")
+    assert info.value.where == "l.json: $.architecture.norm" and "batchnorm" in info.value.cause
+
+
+def test_the_graph_and_plan_schemas_describe_one_architecture():
+    """The plan carries the graph's architecture for exports: the two schemas must say the same of it."""
+    assert io.load_schema("graph")["$defs"]["architecture"] == io.load_schema("plan")["$defs"]["architecture"]
 
 
 def test_json_path_quotes_keys_that_are_not_identifiers():

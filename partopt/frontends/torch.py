@@ -1147,8 +1147,27 @@ def from_hf_config(config: Any, *, batch: int, seq: int, dtype: str | None = Non
         raise FrontendError(f"batch {batch} and seq {seq} must be at least 2", where, "give --batch and --seq of 2 or more")
     model = _hf_model(config, where)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    return from_module(model, (ids,), name=name or getattr(config, "model_type", "hf"), dtype=dtype, loss=True,
-                       opaque=opaque, attention_kernel=attention_kernel, causal_mask=True)
+    graph = from_module(model, (ids,), name=name or getattr(config, "model_type", "hf"), dtype=dtype, loss=True,
+                        opaque=opaque, attention_kernel=attention_kernel, causal_mask=True)
+    architecture = _llama_architecture(config, seq)
+    return graph if architecture is None else replace(graph, architecture=architecture)
+
+
+def _llama_architecture(config: Any, seq: int) -> dict[str, Any] | None:
+    """The `Graph.architecture` of a Llama config (RMSNorm, SwiGLU, rotary, grouped-query attention), or None for
+    another model type, or a Llama whose biases or head size the record cannot say (some linear layers biased and
+    others not, a head_dim other than hidden / heads). Dropout 0: the graph is traced in eval mode, priced without."""
+    if getattr(config, "model_type", None) != "llama" or getattr(config, "hidden_act", "silu") != "silu":
+        return None
+    biases = {bool(getattr(config, "attention_bias", False)), bool(getattr(config, "mlp_bias", False))}
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if len(biases) > 1 or head_dim * heads != config.hidden_size:
+        return None
+    return dict(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
+                kv_heads=getattr(config, "num_key_value_heads", None) or heads, ffn=config.intermediate_size, seq=seq,
+                vocab=config.vocab_size, norm="rmsnorm", mlp="swiglu", positions="rotary",
+                tied=bool(config.tie_word_embeddings), bias=biases.pop(), attention_dropout=0.0)
 
 
 def _hf_model(config: Any, where: str) -> Any:

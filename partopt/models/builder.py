@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from partopt.errors import InstanceError
 from partopt.graph import Graph, Op, Tensor
@@ -109,6 +109,7 @@ class GraphBuilder:
         self.tensors[tensor] = replace(self.tensors[tensor], role="output")
         return tensor
 
-    def build(self) -> Graph:
-        """The validated Graph (construction checks every rule of DESIGN §2)."""
-        return Graph(self.name, self.dims, self.tensors, self.ops, self.batch_dim, self.dtype, self.optimizer)
+    def build(self, architecture: dict[str, Any] | None = None) -> Graph:
+        """The validated Graph (construction checks every rule of DESIGN §2), with the generator's `architecture`."""
+        return Graph(self.name, self.dims, self.tensors, self.ops, self.batch_dim, self.dtype, self.optimizer,
+                     architecture=architecture)

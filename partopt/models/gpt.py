@@ -35,7 +35,9 @@ def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, batch: int,
                      dict(b=batch, s=seq, t=seq, h=hidden, n=heads, d=hidden // heads, f=4 * hidden, v=vocab), optimizer)
     attn = partial(attention, q_heads=("n",), kv_heads=("n",), bias=True, rotary=False, kernel=attention_kernel,
                    dropout=attention_dropout > 0)
-    return decoder(b, layers, "layernorm", attn, lambda k: gelu_mlp, positions=True, tied=tied)
+    return decoder(b, layers, "layernorm", attn, lambda k: gelu_mlp, positions=True, tied=tied, architecture=dict(
+        layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, seq=seq, vocab=vocab, norm="layernorm",
+        mlp="gelu", positions="learned", tied=tied, bias=True, attention_dropout=attention_dropout))
 
 
 def llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, seq: int, vocab: int, batch: int,
@@ -56,7 +58,9 @@ def llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, seq: in
                      dict(b=batch, s=seq, t=seq, h=hidden, g=kv_heads, r=heads // kv_heads,
                           d=hidden // heads, f=ffn, v=vocab), optimizer)
     attn = partial(attention, q_heads=("g", "r"), kv_heads=("g",), bias=False, rotary=True, kernel=attention_kernel)
-    return decoder(b, layers, "rmsnorm", attn, lambda k: swiglu_mlp, positions=False, tied=False)
+    return decoder(b, layers, "rmsnorm", attn, lambda k: swiglu_mlp, positions=False, tied=False, architecture=dict(
+        layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, seq=seq, vocab=vocab, norm="rmsnorm",
+        mlp="swiglu", positions="rotary", tied=False, bias=False, attention_dropout=0.0))
 
 
 def bert(hidden: int, layers: int, heads: int, seq: int, batch: int, dtype: str = "fp16",

@@ -6,7 +6,7 @@ Activations between blocks are x[b, s, h]. Keys and values live over the key pos
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from partopt.graph import Graph
 from partopt.models.builder import GraphBuilder
@@ -111,9 +111,10 @@ def lm_head(b: GraphBuilder, x: str, labels: str, norm_kind: str, tied_table: st
 
 
 def decoder(b: GraphBuilder, layers: int, norm_kind: str, attn: Sublayer, ffn_of: Callable[[int], Sublayer],
-            positions: bool, tied: bool) -> Graph:
+            positions: bool, tied: bool, architecture: dict[str, Any] | None = None) -> Graph:
     """A language model: token (and position) embedding in layer 0, `layers` pre-norm blocks
-    (block k's feed-forward is `ffn_of(k)`), final norm, LM head and loss in the last layer."""
+    (block k's feed-forward is `ffn_of(k)`), final norm, LM head and loss in the last layer; `architecture`: the
+    generator's record of it (`Graph.architecture`)."""
     tokens, labels = b.input("tokens", ("b", "s"), "int32"), b.input("labels", ("b", "s"), "int32")
     with b.scope("embed", 0):
         x = embed_tokens(b, tokens, positions=positions)
@@ -122,4 +123,4 @@ def decoder(b: GraphBuilder, layers: int, norm_kind: str, attn: Sublayer, ffn_of
             x = block(b, x, norm_kind, attn, ffn_of(k))
     with b.scope("head", layers - 1):
         lm_head(b, x, labels, norm_kind, "embed.wte" if tied else None)
-    return b.build()
+    return b.build(architecture)
