@@ -662,11 +662,13 @@ def solve(graph: CostGraph, budget: float | None = None, backend: str = "highs",
     program = fold_leaves(graph, alive) if reduce_first and budget is not None else None  # leaves merged: exact
     solved, kept_here = (program.graph, reduce(program.graph)) if program is not None else (graph, alive)
     first = _cheapest(solved, kept_here) if budget is None else _leanest(solved, kept_here)
-    if cutoff is not None and budget is not None and (solved.node_transients or solved.edge_transients):
+    fits = budget is None or solved.peak_memory(first) <= budget
+    if (cutoff is not None and budget is not None and (solved.node_transients or solved.edge_transients)
+            and not (fits and solved.total(first) < cutoff)):  # a start under the cutoff answers the question already
         began = time.perf_counter()
         first = _under_cutoff(solved, kept_here, budget, backend, time_limit_s, seed, cutoff) or first
         time_limit_s = max(time_limit_s - (time.perf_counter() - began), 1e-3)  # one limit for the question and the program
-    fits = budget is None or solved.peak_memory(first) <= budget
+        fits = solved.peak_memory(first) <= budget
     model, var = build_model(solved, kept_here, budget, first if fits else None)
     result = (_run(model, backend, time_limit_s, seed, budget, cutoff) if model.num_vars
               else solvers.Result("optimal", [], 0.0, 0.0, 0.0, backend))

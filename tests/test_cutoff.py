@@ -66,7 +66,7 @@ def test_a_cutoff_with_transients_answers_as_enumeration_after_asking_the_relaxa
         return choice
 
     monkeypatch.setattr(ilp, "_under_cutoff", recording)
-    for _ in range(300):
+    for _ in range(800):
         graph = _with_transients(random_graph(rng), rng)
         budget = (sum(float(m.max()) for m in graph.memory) + 2) * rng.uniform(0.3, 0.9)
         expected = brute_force(graph, budget)
