@@ -29,18 +29,15 @@ def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32,
     """The best Megatron-style uniform plan over the (tp ≤ node, pp, dp, microbatches) grid, each grid point with and
     without each of `features` that applies there (`MEGATRON_FEATURES`).
 
-    For each (tp, pp, dp) and features the per-rank microbatch grows through the powers of two (1 … `max_microbatch`,
-    at least pp microbatches) until the plan stops fitting or gets slower: the iteration time
-    (B + pp - 1)·(a + c·mb) + sync with B = batch / mb is convex in mb, and memory only grows with it.
     A grid point whose parameter state split only by tp·pp (and the optimizer's by dp as well, with the distributed
-    optimizer) exceeds the device is skipped unpriced.
+    optimizer) exceeds the device is skipped unpriced; the others search their microbatch count (`_fastest_count`).
     `options` are `evaluate.uniform`'s keywords (backend, time_limit_s, memory_reserve, recompute).
     """
     unknown = sorted(set(features) - set(MEGATRON_FEATURES))
     if unknown:
         raise InstanceError(f"unknown Megatron-LM feature {unknown[0]!r}", "features",
                             f"use some of {', '.join(MEGATRON_FEATURES)}")
-    batch, g, m = graph.dims[graph.batch_dim], cluster.num_devices, cluster.devices_per_node
+    g, m = cluster.num_devices, cluster.devices_per_node
     layers = len(graph.layers)
     state = costmodel.param_memory(graph.num_params, graph.dtype, graph.optimizer)
     best: Plan | None = None
@@ -57,23 +54,37 @@ def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32,
                 kept = state.weights + state.grads + state.optimizer / (dp if zero else 1)
                 if kept / (tp * pp) > cluster.device.memory_bytes:
                     continue
-                previous = math.inf
-                for count in sorted((c for c in (2**e for e in range(batch.bit_length()))
-                                     if c >= pp and batch % c == 0 and (batch // c) % dp == 0
-                                     and batch // c // dp <= max_microbatch), reverse=True):
-                    try:
-                        plan = uniform(graph, cluster, tp, pp, dp, count, zero=zero, sequence_parallel=sp, **options)
-                    except InfeasibleError as err:
-                        last_error = err
-                        break
-                    if plan.iteration_time_s > previous:
-                        break
-                    previous = plan.iteration_time_s
-                    if best is None or plan.iteration_time_s < best.iteration_time_s:
-                        best = plan
+                plan, error = _fastest_count(graph, cluster, tp, pp, dp, max_microbatch, zero=zero,
+                                             sequence_parallel=sp, **options)
+                last_error = error or last_error
+                if plan is not None and (best is None or plan.iteration_time_s < best.iteration_time_s):
+                    best = plan
     if best is None:
         raise last_error or InfeasibleError("no Megatron grid point fits", graph.name, "use more GPUs")
     return best
+
+
+def _fastest_count(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, max_microbatch: int,
+                   **options) -> tuple[Plan | None, InfeasibleError | None]:
+    """One grid point's fastest plan over its microbatch count, and the error that ended the search if any: the
+    per-rank microbatch grows through the powers of two (1 … `max_microbatch`, at least pp microbatches) until the
+    plan stops fitting or gets slower. The iteration time (B + pp - 1)·(a + c·mb) + sync with B = batch / mb is
+    convex in mb, and memory only grows with it."""
+    batch = graph.dims[graph.batch_dim]
+    best, previous = None, math.inf
+    for count in sorted((c for c in (2**e for e in range(batch.bit_length()))
+                         if c >= pp and batch % c == 0 and (batch // c) % dp == 0
+                         and batch // c // dp <= max_microbatch), reverse=True):
+        try:
+            plan = uniform(graph, cluster, tp, pp, dp, count, **options)
+        except InfeasibleError as err:
+            return best, err
+        if plan.iteration_time_s > previous:
+            break
+        previous = plan.iteration_time_s
+        if best is None or plan.iteration_time_s < best.iteration_time_s:
+            best = plan
+    return best, None
 
 
 def megatron_grid_point(plan: Plan) -> str:
