@@ -5,7 +5,6 @@ from __future__ import annotations
 
 
 import dataclasses
-import math
 
 import pytest
 
@@ -21,21 +20,28 @@ def small():
     return graph, preset("p3.16xlarge", 1).narrowed(4)
 
 
+def _layouts(features):
+    """Every Megatron layout of `small`'s 4 devices: (tp, pp, dp, sequence parallel, distributed optimizer), each
+    feature only where it applies (tp > 1, dp > 1) and is in `features`."""
+    for tp, pp, dp in [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]:
+        for sp in (False, True) if tp > 1 and "sequence_parallel" in features else (False,):
+            for zero in (False, True) if dp > 1 and "distributed_optimizer" in features else (False,):
+                yield tp, pp, dp, sp, zero
+
+
 def _grid(graph, cluster, features):
     """Every Megatron grid point of `small` priced, by brute force: (tp, pp, dp, B, sequence parallel, distributed
-    optimizer) -> iteration time, each feature only where it applies (tp > 1, dp > 1) and is in `features`."""
+    optimizer) -> iteration time."""
     times = {}
-    for tp, pp, dp in [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]:
+    for tp, pp, dp, sp, zero in _layouts(features):
         for count in (1, 2, 4, 8, 16):
             if count < pp or (16 // count) % dp:
                 continue
-            for sp in (False, True) if tp > 1 and "sequence_parallel" in features else (False,):
-                for zero in (False, True) if dp > 1 and "distributed_optimizer" in features else (False,):
-                    try:
-                        plan = uniform(graph, cluster, tp, pp, dp, count, zero=zero, sequence_parallel=sp)
-                    except InfeasibleError:
-                        continue
-                    times[(tp, pp, dp, count, sp, zero)] = plan.iteration_time_s
+            try:
+                plan = uniform(graph, cluster, tp, pp, dp, count, zero=zero, sequence_parallel=sp)
+            except InfeasibleError:
+                continue
+            times[(tp, pp, dp, count, sp, zero)] = plan.iteration_time_s
     return times
 
 
@@ -54,14 +60,8 @@ def test_megatron_finds_the_fastest_grid_point(small, features):
 def _leanest(graph, cluster, features) -> float:
     """The least per-device memory of any grid point of `small` with `features`: full recomputation, one sample per
     microbatch and rank (B = 16 / dp)."""
-    least = math.inf
-    for tp, pp, dp in [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]:
-        for sp in (False, True) if tp > 1 and "sequence_parallel" in features else (False,):
-            for zero in (False, True) if dp > 1 and "distributed_optimizer" in features else (False,):
-                plan = uniform(graph, cluster, tp, pp, dp, 16 // dp, zero=zero, sequence_parallel=sp, recompute="full",
-                               check_memory=False)
-                least = min(least, plan.memory_peak_bytes)
-    return least
+    return min(uniform(graph, cluster, tp, pp, dp, 16 // dp, zero=zero, sequence_parallel=sp, recompute="full",
+                       check_memory=False).memory_peak_bytes for tp, pp, dp, sp, zero in _layouts(features))
 
 
 def test_megatron_features_fit_a_memory_cap_that_megatron_of_2021_does_not(small):

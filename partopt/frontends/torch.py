@@ -25,6 +25,7 @@ from partopt.errors import InstanceError, PartoptError, first_line
 from partopt.io import at, json_path
 from partopt.graph import Graph, Op, Tensor
 from partopt.models.builder import require_choice
+from partopt.models.gpt import llama_architecture
 from partopt.models.transformer import ATTENTION_KERNELS
 
 TORCH_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "int64", "int32": "int32",
@@ -1164,10 +1165,9 @@ def _llama_architecture(config: Any, seq: int) -> dict[str, Any] | None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     if len(biases) > 1 or head_dim * heads != config.hidden_size:
         return None
-    return dict(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
-                kv_heads=getattr(config, "num_key_value_heads", None) or heads, ffn=config.intermediate_size, seq=seq,
-                vocab=config.vocab_size, norm="rmsnorm", mlp="swiglu", positions="rotary",
-                tied=bool(config.tie_word_embeddings), bias=biases.pop(), attention_dropout=0.0)
+    return llama_architecture(config.num_hidden_layers, config.hidden_size, heads,
+                              getattr(config, "num_key_value_heads", None) or heads, config.intermediate_size, seq,
+                              config.vocab_size, tied=bool(config.tie_word_embeddings), bias=biases.pop())
 
 
 def _hf_model(config: Any, where: str) -> Any:

@@ -7,6 +7,7 @@ f feed-forward width, v vocabulary; Llama adds g (kv-head groups) and r (query h
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from partopt.errors import InstanceError
 from partopt.graph import Graph
@@ -58,9 +59,16 @@ def llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, seq: in
                      dict(b=batch, s=seq, t=seq, h=hidden, g=kv_heads, r=heads // kv_heads,
                           d=hidden // heads, f=ffn, v=vocab), optimizer)
     attn = partial(attention, q_heads=("g", "r"), kv_heads=("g",), bias=False, rotary=True, kernel=attention_kernel)
-    return decoder(b, layers, "rmsnorm", attn, lambda k: swiglu_mlp, positions=False, tied=False, architecture=dict(
-        layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, seq=seq, vocab=vocab, norm="rmsnorm",
-        mlp="swiglu", positions="rotary", tied=False, bias=False, attention_dropout=0.0))
+    return decoder(b, layers, "rmsnorm", attn, lambda k: swiglu_mlp, positions=False, tied=False,
+                   architecture=llama_architecture(layers, hidden, heads, kv_heads, ffn, seq, vocab))
+
+
+def llama_architecture(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, seq: int, vocab: int,
+                       tied: bool = False, bias: bool = False) -> dict[str, Any]:
+    """A Llama's `Graph.architecture`: RMSNorm, SwiGLU, rotary positions, no dropout; the generator's is untied and
+    unbiased, a Hugging Face config may say otherwise (`frontends.torch.from_hf_config`)."""
+    return dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, seq=seq, vocab=vocab,
+                norm="rmsnorm", mlp="swiglu", positions="rotary", tied=tied, bias=bias, attention_dropout=0.0)
 
 
 def bert(hidden: int, layers: int, heads: int, seq: int, batch: int, dtype: str = "fp16",
