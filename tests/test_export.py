@@ -397,6 +397,9 @@ def test_megatron_gets_the_model_the_plan_priced(make, sizes, flags):
     assert _value(args, "--seq-length") == _value(args, "--max-position-embeddings") == str(sizes["seq"])
     assert _value(args, "--num-query-groups") == (str(sizes["kv_heads"]) if "kv_heads" in sizes else None)
     assert float(_value(args, "--attention-dropout")) == sizes.get("attention_dropout", 0.0)
+    # the graph drops no hidden state (its only dropouts are the attention's), so Megatron-LM's 0.1 is switched off
+    assert all(op.name.endswith("attention_dropout") for op in graph.ops if "dropout" in op.name)
+    assert float(_value(args, "--hidden-dropout")) == 0.0
     assert (_value(args, "--normalization"), _value(args, "--position-embedding-type")) == (
         ("RMSNorm", "rope") if make is llama else (None, None))
     optional = {"--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"}
