@@ -339,6 +339,7 @@ def inspect(source: str, nodes: int | None, as_json: bool) -> None:
 @click.option("--layers", type=int, help="Transformer blocks (gpt, llama, bert, moe).")
 @click.option("--heads", type=int, help="Attention heads (gpt, llama, bert, moe).")
 @click.option("--kv-heads", type=int, help="Key/value heads for grouped-query attention (llama).")
+@click.option("--head-dim", type=int, help="Head size (llama; default hidden / heads).")
 @click.option("--ffn", type=int, help="Feed-forward width (llama; moe and moe-layer, default 8h and 4h).")
 @click.option("--seq", type=int, help="Sequence length.")
 @click.option("--vocab", type=int, help="Vocabulary size (gpt, llama, moe).")

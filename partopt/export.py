@@ -605,6 +605,8 @@ def _model_arguments(plan: Plan, num_layers: int) -> list[str]:
             "--num-attention-heads", str(a["heads"]), "--seq-length", str(a["seq"]),
             "--max-position-embeddings", str(a["seq"]), "--attention-dropout", f"{a['attention_dropout']:g}",
             "--hidden-dropout", "0"]  # partopt's graphs drop no hidden states (Megatron-LM's default is 0.1)
+    if "head_dim" in a:
+        args += ["--kv-channels", str(a["head_dim"])]
     if a["kv_heads"] != a["heads"]:
         args += ["--group-query-attention", "--num-query-groups", str(a["kv_heads"])]
     if a["norm"] == "rmsnorm":

@@ -380,10 +380,13 @@ def _value(args: list[str], flag: str) -> str | None:
     return args[args.index(flag) + 1] if flag in args else None
 
 
+LLAMA_FLAGS = {"--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"}
+
+
 @pytest.mark.parametrize("make, sizes, flags", [
     (gpt, dict(SMALL_GPT, attention_dropout=0.1), set()),
-    (llama, SMALL_LLAMA, {"--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights",
-                          "--disable-bias-linear"})])
+    (llama, SMALL_LLAMA, LLAMA_FLAGS),
+    (llama, dict(SMALL_LLAMA, head_dim=128), LLAMA_FLAGS)])  # heads twice hidden / heads wide
 def test_megatron_gets_the_model_the_plan_priced(make, sizes, flags):
     """Megatron-LM's model arguments say the generator's sizes and structure (GPT: LayerNorm, GELU, learned
     positions, tied head, biases, Megatron's defaults; Llama: RMSNorm, SwiGLU, rotary, grouped-query attention,
@@ -409,6 +412,9 @@ def test_megatron_gets_the_model_the_plan_priced(make, sizes, flags):
              "vocab": sizes["vocab"], "batch": sizes["batch"]}  # the tokenizer sets the vocabulary, not an argument
     if make is llama:
         shape |= {"kv_heads": int(_value(args, "--num-query-groups")), "ffn": int(_value(args, "--ffn-hidden-size"))}
+    if "--kv-channels" in args:  # Megatron-LM's head size, hidden / heads unless given
+        shape["head_dim"] = int(_value(args, "--kv-channels"))
+    assert (_value(args, "--kv-channels") is None) == ("head_dim" not in sizes)
     assert make(**shape).num_params == graph.num_params
 
 

@@ -247,6 +247,18 @@ def test_imported_llama_plans_like_the_generator():
     assert imported.architecture == generated.architecture  # what exports say of it (docs/FORMAT.md)
 
 
+def test_an_imported_llama_with_wider_heads_records_its_head_size_as_the_generator_does():
+    """Mistral-Nemo's and Qwen3's head_dim is not hidden / heads: the import builds the real model (its parameter
+    count is torch's own) and records the head size, as the generator given the same head size does."""
+    config = llama_config(head_dim=32)  # 4 heads of 32 on a hidden size of 64: attention twice as wide as h
+    imported = from_hf_config(config, batch=4, seq=16, dtype="fp16")
+    assert imported.num_params == sum(p.numel() for p in real_model(llama_config(head_dim=32)).parameters())
+    generated = models.llama(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, seq=16, vocab=VOCAB, batch=4,
+                             dtype="fp16", head_dim=32)
+    assert imported.num_params == generated.num_params
+    assert imported.architecture == generated.architecture and imported.architecture["head_dim"] == 32
+
+
 def test_an_imported_llama_records_its_architecture_only_where_the_record_can_say_it():
     """Attention biased but not the MLP (Qwen2's way) has no one `bias`; a GPT-2 config is not a Llama: neither records
     an architecture, and its Megatron export gives the layout alone."""

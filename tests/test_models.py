@@ -129,6 +129,21 @@ def test_llama_params_and_flops_by_hand():
     assert graph.dims["r"] == n // g_
 
 
+def test_llama_with_a_head_size_of_its_own_by_hand():
+    """head_dim d apart from h / n (Mistral-Nemo: h 5120, 32 heads of 128): q and the output projection are h·n·d,
+    k and v h·g·d, scores and context 2·B·s²·n·d each; hidden / heads as head_dim builds the default graph."""
+    h, l, n, g_, f, s, V, B, d = 128, 2, 8, 2, 344, 16, 500, 2, 32  # n·d = 256 = 2h
+    graph = llama(h, l, n, g_, f, s, V, B, head_dim=d)
+    assert graph.num_params == l * (2 * h * n * d + 2 * h * g_ * d + 3 * h * f + 2 * h) + 2 * V * h + h
+    tok = B * s
+    per_layer = 2 * 2 * tok * h * n * d + 2 * 2 * tok * h * g_ * d + 2 * 2 * B * s * s * n * d + 3 * 2 * tok * h * f
+    assert flop_split(graph).matmul == l * per_layer + 2 * tok * h * V
+    assert graph.architecture["head_dim"] == d
+    default = llama(h, l, n, g_, f, s, V, B)
+    assert "head_dim" not in default.architecture
+    assert graph_to_dict(llama(h, l, n, g_, f, s, V, B, head_dim=h // n)) == graph_to_dict(default)
+
+
 # ---------------------------------------------------------------- MoE
 
 def moe_params(h: int, l: int, e: int, V: int, s: int, f: int) -> int:

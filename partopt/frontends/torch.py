@@ -1156,18 +1156,18 @@ def from_hf_config(config: Any, *, batch: int, seq: int, dtype: str | None = Non
 
 def _llama_architecture(config: Any, seq: int) -> dict[str, Any] | None:
     """The `Graph.architecture` of a Llama config (RMSNorm, SwiGLU, rotary, grouped-query attention), or None for
-    another model type, or a Llama whose biases or head size the record cannot say (some linear layers biased and
-    others not, a head_dim other than hidden / heads). Dropout 0: the graph is traced in eval mode, priced without."""
+    another model type, or a Llama whose biases the record cannot say (some linear layers biased and others not).
+    Dropout 0: the graph is traced in eval mode, priced without."""
     if getattr(config, "model_type", None) != "llama" or getattr(config, "hidden_act", "silu") != "silu":
         return None
     biases = {bool(getattr(config, "attention_bias", False)), bool(getattr(config, "mlp_bias", False))}
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    if len(biases) > 1 or head_dim * heads != config.hidden_size:
+    if len(biases) > 1:
         return None
+    heads = config.num_attention_heads
     return llama_architecture(config.num_hidden_layers, config.hidden_size, heads,
                               getattr(config, "num_key_value_heads", None) or heads, config.intermediate_size, seq,
-                              config.vocab_size, tied=bool(config.tie_word_embeddings), bias=biases.pop())
+                              config.vocab_size, tied=bool(config.tie_word_embeddings), bias=biases.pop(),
+                              head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
 def _hf_model(config: Any, where: str) -> Any:

@@ -42,33 +42,42 @@ def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, batch: int,
 
 
 def llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, seq: int, vocab: int, batch: int,
-          dtype: str = "bf16", optimizer: str = "adam", attention_kernel: str = "math",
+          dtype: str = "bf16", optimizer: str = "adam", attention_kernel: str = "math", head_dim: int | None = None,
           name: str | None = None) -> Graph:
     """Llama decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, no biases,
-    untied head; `attention_kernel` as gpt's.
+    untied head; `attention_kernel` as gpt's; `head_dim` d, by default h / heads (Mistral-Nemo's and
+    Qwen3's are wider: the attention is then heads·d wide, not h).
 
     Query heads are dims (g, r): `g` = kv_heads groups of `r` = heads / kv_heads query heads that
-    share one key/value head. Parameters: l·(2h² + 2h·g·d + 3h·f + 2h) + 2V·h + h.
+    share one key/value head. Parameters: l·(2h·n·d + 2h·g·d + 3h·f + 2h) + 2V·h + h, n = heads.
     """
     require_positive("llama", hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, ffn=ffn,
                      seq=seq, vocab=vocab, batch=batch)
-    require_divisible("llama", "hidden", hidden, "heads", heads)
+    if head_dim is None:
+        require_divisible("llama", "hidden", hidden, "heads", heads)
+    else:
+        require_positive("llama", head_dim=head_dim)
     require_divisible("llama", "heads", heads, "kv_heads", kv_heads)
     require_choice("llama", "attention_kernel", attention_kernel, ATTENTION_KERNELS)
+    d = head_dim or hidden // heads
     b = GraphBuilder(name or f"llama-h{hidden}-l{layers}", dtype, "b",
-                     dict(b=batch, s=seq, t=seq, h=hidden, g=kv_heads, r=heads // kv_heads,
-                          d=hidden // heads, f=ffn, v=vocab), optimizer)
+                     dict(b=batch, s=seq, t=seq, h=hidden, g=kv_heads, r=heads // kv_heads, d=d, f=ffn, v=vocab),
+                     optimizer)
     attn = partial(attention, q_heads=("g", "r"), kv_heads=("g",), bias=False, rotary=True, kernel=attention_kernel)
     return decoder(b, layers, "rmsnorm", attn, lambda k: swiglu_mlp, positions=False, tied=False,
-                   architecture=llama_architecture(layers, hidden, heads, kv_heads, ffn, seq, vocab))
+                   architecture=llama_architecture(layers, hidden, heads, kv_heads, ffn, seq, vocab, head_dim=d))
 
 
 def llama_architecture(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, seq: int, vocab: int,
-                       tied: bool = False, bias: bool = False) -> dict[str, Any]:
+                       tied: bool = False, bias: bool = False, head_dim: int | None = None) -> dict[str, Any]:
     """A Llama's `Graph.architecture`: RMSNorm, SwiGLU, rotary positions, no dropout; the generator's is untied and
-    unbiased, a Hugging Face config may say otherwise (`frontends.torch.from_hf_config`)."""
-    return dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, seq=seq, vocab=vocab,
-                norm="rmsnorm", mlp="swiglu", positions="rotary", tied=tied, bias=bias, attention_dropout=0.0)
+    unbiased, a Hugging Face config may say otherwise (`frontends.torch.from_hf_config`). `head_dim` is recorded
+    only where it is not hidden / heads (Megatron-LM's default `--kv-channels`)."""
+    record = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, seq=seq, vocab=vocab,
+                  norm="rmsnorm", mlp="swiglu", positions="rotary", tied=tied, bias=bias, attention_dropout=0.0)
+    if head_dim is not None and head_dim * heads != hidden:
+        record["head_dim"] = head_dim
+    return record
 
 
 def bert(hidden: int, layers: int, heads: int, seq: int, batch: int, dtype: str = "fp16",
