@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from partopt import io, models
-from partopt.cluster import MICRO, PRESETS, Cluster, Link, cluster_to_dict, file_number, nominal_preset, preset
+from partopt.cluster import GB, MICRO, PRESETS, Cluster, Link, cluster_to_dict, file_number, nominal_preset, preset
 from partopt.errors import InstanceError, PartoptError
 from partopt.evaluate import uniform
 from partopt.executors import make_executor
@@ -128,6 +128,7 @@ class Point:
     preset: str
     nodes: int
     devices_per_node: int | None  # None: the preset's
+    inter_node: Link | None  # the network between nodes, nominal, when not the preset's (latency: the preset's)
     tp: int
     pp: int
     dp: int
@@ -142,6 +143,7 @@ class Point:
     check_memory: bool  # False: the run is priced as run, each layer at its fastest, whatever memory the model gives it
     schedule: str  # the pipeline schedule as run (`schedules.SCHEDULES`) ...
     virtual_stages: int  # ... with this many model chunks per stage (interleaved)
+    stage_layers: tuple[int, ...] | None  # each stage's layers when the run split them unevenly; None: equally
     iteration_s: float | None  # the measured figure: an iteration time ...
     tflops_per_gpu: float | None  # ... or per-GPU TFLOP/s counted with `flops`
     flops: str | float = "executed"  # the plan's FLOPs with recomputation, "model" without, or the source's count
@@ -199,15 +201,18 @@ def points_from_dict(data: Any, where: str = "", base: Path = Path(".")) -> Poin
         if cluster["preset"] not in PRESETS:
             raise InstanceError(f"unknown cluster preset {cluster['preset']!r}", f"{at}.cluster.preset",
                                 f"known presets: {', '.join(PRESETS)}")
+        network = cluster.get("inter_node")
         points.append(Point(
             label=p["label"], source=p["source"], graph=_model(p["model"], base, f"{at}.model"),
             preset=cluster["preset"], nodes=cluster["nodes"], devices_per_node=cluster.get("devices_per_node"),
+            inter_node=None if network is None else Link(network["bandwidth_gbps"] * GB, 0.0, network["shared_by_node"]),
             tp=plan["tp"], pp=plan["pp"], dp=plan["dp"], microbatches=plan.get("microbatches"),
             recompute=plan.get("recompute", "auto"), zero=plan.get("zero", False),
             sequence_parallel=plan.get("sequence_parallel", False), shard_weights=plan.get("shard_weights", False),
             tp_comm_overlap=plan.get("tp_comm_overlap", False), overlap=plan.get("overlap", True),
             memory_reserve=plan.get("memory_reserve"), check_memory=plan.get("check_memory", True),
             schedule=plan.get("schedule", "1f1b"), virtual_stages=plan.get("virtual_stages", 1),
+            stage_layers=tuple(plan["stage_layers"]) if "stage_layers" in plan else None,
             iteration_s=measured.get("iteration_s"), tflops_per_gpu=measured.get("tflops_per_gpu"),
             flops=measured.get("flops", "executed"), where=at))
     labels = [p.label for p in points]
@@ -231,10 +236,15 @@ def read_points(path: str | Path) -> Points:
 # ---------------------------------------------------------------- prediction
 
 def point_cluster(point: Point, base: Cluster) -> Cluster:
-    """The cluster a point ran on: `base` (the calibrated preset) with the point's nodes and devices."""
+    """The cluster a point ran on: `base` (the calibrated preset) with the point's nodes and devices, and its own
+    network between nodes if it names one, at `base`'s fraction of the nominal bandwidth (inter_bus_efficiency)."""
     cluster = base.resized(point.nodes)
     if point.devices_per_node is not None:
         cluster = cluster.narrowed(point.devices_per_node)
+    if point.inter_node is not None:
+        efficiency = cluster.inter_node.bandwidth / nominal_preset(point.preset).inter_node.bandwidth
+        cluster = _link(cluster, "inter_node", bandwidth=point.inter_node.bandwidth * efficiency,
+                        shared_by_node=point.inter_node.shared_by_node)
     return cluster
 
 
@@ -248,7 +258,7 @@ def ratio(point: Point, cluster: Cluster, workers: int | None = None) -> float:
                        recompute=point.recompute, overlap=point.overlap, workers=workers,
                        check_memory=point.check_memory,
                        **({} if point.memory_reserve is None else {"memory_reserve": point.memory_reserve}),
-                       schedule=point.schedule, virtual_stages=point.virtual_stages)
+                       schedule=point.schedule, virtual_stages=point.virtual_stages, stage_layers=point.stage_layers)
     except PartoptError as err:
         raise type(err)(err.cause, f"{point.where} ({point.label}): {err.where}" if err.where else point.where,
                         err.hint) from None

@@ -89,7 +89,8 @@ def differences(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan",
                               layout["zero"], layout.get("sequence_parallel", False), plan.schedule, plan.virtual_stages,
                               recompute=plan.stages[0].recompute, shard_weights=layout.get("shard_weights", False),
                               overlap=plan.options.get("overlap", False),
-                              tp_comm_overlap=layout.get("tp_comm_overlap", False), **options)
+                              tp_comm_overlap=layout.get("tp_comm_overlap", False),
+                              stage_layers=layout.get("stage_layers"), **options)
         else:
             derived = evaluate(graph, cluster, plan, where=where, **options)
     except InfeasibleError as err:

@@ -559,10 +559,7 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
         prepare_workers(workers)  # the pool's fork server imports partopt while the instance is read
     graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
     cost_model = read_profile(profile_file) if profile_file else None
-    counts = microbatches.split(",")
-    if microbatches != "auto" and not all(c.strip().isdigit() for c in counts):
-        raise InstanceError(f"--microbatches must be auto or positive counts separated by commas, got {microbatches!r}",
-                            "--microbatches", "e.g. --microbatches 128 or --microbatches 64,128,256")
+    counts = None if microbatches == "auto" else _counts(microbatches, "--microbatches", "auto, 128 or 64,128,256")
     if search == "megatron" and schedule not in ("auto", "1f1b"):
         raise InstanceError(f"--search megatron plans 1f1b, not {schedule}", "--schedule",
                             "price a Megatron layout with another schedule by `partopt evaluate --tp --pp --dp "
@@ -576,7 +573,7 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
         task = bar.add_task("price", total=None)
         plan = baselines.megatron(graph, cluster, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
                                   recompute=recompute, cost_model=cost_model, overlap=not no_overlap) if search == "megatron" else optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
-                        microbatches=microbatches if microbatches == "auto" else [int(c) for c in counts],
+                        microbatches=counts or "auto",
                         layers=layers, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
                         logical_shapes=logical_shapes, submesh_family=submeshes, workers=workers,
                         recompute=recompute, cost_model=cost_model, deadline_s=deadline, overlap=not no_overlap,
@@ -615,6 +612,17 @@ def _emit(plan: Plan, output: str | None, as_json: bool, cluster_source: str) ->
         out.print(f"plan written to {output}")
 
 
+def _counts(text: str | None, flag: str, example: str) -> list[int] | None:
+    """An option's comma-separated positive counts (None when not given)."""
+    if text is None:
+        return None
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise InstanceError(f"{flag} must be positive counts separated by commas, got {text!r}", flag,
+                            f"e.g. {flag} {example}")
+    return [int(part) for part in parts]
+
+
 # ---------------------------------------------------------------- evaluate
 
 @main.command("evaluate")
@@ -647,6 +655,9 @@ def _emit(plan: Plan, output: str | None, as_json: bool, cluster_source: str) ->
 @click.option("--virtual-stages", type=click.IntRange(min=1),
               help="Megatron-LM's interleaved schedule with V model chunks per stage (its "
               "--num-layers-per-virtual-pipeline-stage is layers / (pp × V)).")
+@click.option("--stage-layers", help="Layers of each stage of a Megatron-style plan, first to last, comma-separated "
+              "(e.g. 5,6,6,5), for an uneven split (Megatron-LM's --decoder-first/last-pipeline-num-layers, "
+              "DeepSpeed's partition methods); default: pp equal stages.")
 @click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
@@ -661,7 +672,8 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
                      tp: int | None, pp: int | None, dp: int | None, microbatches: int | None,
                      microbatch_size: int | None, zero: bool, sequence_parallel: bool, shard_weights: bool,
                      tp_comm_overlap: bool, recompute: str | None,
-                     schedule: str | None, virtual_stages: int | None, solver: str, memory_reserve: float, no_overlap: bool, profile_file: str | None,
+                     schedule: str | None, virtual_stages: int | None, stage_layers: str | None, solver: str,
+                     memory_reserve: float, no_overlap: bool, profile_file: str | None,
                      output: str | None, as_json: bool) -> None:
     """Price a plan of GRAPH under the cost model: a plan file (--plan) or a Megatron-style uniform
     plan (--tp T --pp P --dp D): P equal stages, each on a (D, T) mesh, batch over D."""
@@ -674,10 +686,10 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
                             "for example --plan plan.json, or --tp 8 --pp 2 --dp 4")
     if plan_file is not None and (microbatches is not None or microbatch_size is not None or zero or recompute
                                   or no_overlap or sequence_parallel or shard_weights or tp_comm_overlap or schedule
-                                  or virtual_stages):
+                                  or virtual_stages or stage_layers):
         raise InstanceError("--microbatches, --microbatch-size, --zero, --sequence-parallel, --shard-weights, "
                             "--tp-comm-overlap, --recompute, "
-                            "--schedule, --virtual-stages and --no-overlap describe a Megatron-style plan, "
+                            "--schedule, --virtual-stages, --stage-layers and --no-overlap describe a Megatron-style plan, "
                             "not a plan file", "partopt evaluate", "edit the plan file instead")
     if microbatches is not None and microbatch_size is not None:
         raise InstanceError("give --microbatches or --microbatch-size, not both", "partopt evaluate",
@@ -697,7 +709,7 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
         schedule = schedule or ("interleaved" if (virtual_stages or 1) > 1 else "1f1b")
         plan = uniform(graph, cluster, tp, pp, dp, microbatches, zero, sequence_parallel, schedule, virtual_stages or 1,
                        recompute=recompute or "auto", overlap=not no_overlap, shard_weights=shard_weights,
-                       tp_comm_overlap=tp_comm_overlap, **options)
+                       tp_comm_overlap=tp_comm_overlap, stage_layers=_counts(stage_layers, "--stage-layers", "5,6,6,5"), **options)
     _emit(plan, output, as_json, cluster_source)
 
 

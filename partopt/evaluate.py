@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
+from itertools import accumulate
 
 from partopt import costmodel, intra
 from partopt.cluster import Cluster
@@ -316,9 +318,28 @@ def evaluate(graph: Graph, cluster: Cluster, plan: Plan, where: str = "plan", **
                  schedule=plan.schedule, virtual_stages=v)
 
 
+def _stage_ranges(layers: int, pp: int, v: int, stage_layers: Sequence[int] | None, where: str) -> list[tuple[int, int]]:
+    """The (first, last) layer of each of the pp·v chunks: Megatron's equal split, or the `stage_layers` given."""
+    if stage_layers is None:
+        if layers % (pp * v):
+            raise InfeasibleError(f"{layers} layers do not split into {pp * v} equal {'chunks' if v > 1 else 'stages'}",
+                                  where, f"choose pp{' × virtual stages' if v > 1 else ''} dividing {layers}, or give "
+                                  "each stage its layer count")
+        return chunks(layers, pp, v)
+    counts = list(stage_layers)
+    if v != 1 or len(counts) != pp or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in counts) \
+            or sum(counts) != layers:
+        raise InstanceError(f"stage layer counts {counts} do not split {layers} layers into {pp} stages of at least one "
+                            "layer" + (" (one chunk per stage only)" if v != 1 else ""), f"{where} stage_layers",
+                            f"give {pp} positive counts summing to {layers}")
+    ends = list(accumulate(counts))
+    return [(end - n, end - 1) for n, end in zip(counts, ends)]
+
+
 def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatches: int | None = None,
             zero: bool = False, sequence_parallel: bool = False, schedule: str = "1f1b", virtual_stages: int = 1,
-            shard_weights: bool = False, check_memory: bool = True, **kwargs) -> Plan:
+            shard_weights: bool = False, check_memory: bool = True, stage_layers: Sequence[int] | None = None,
+            **kwargs) -> Plan:
     """Megatron's plan: `pp` stages of equally many layers, each on a (dp, tp) mesh of its devices.
 
     Axis 0 splits the batch (and ZeRO-shards optimizer state with `zero`, or every parameter with `shard_weights`:
@@ -331,7 +352,9 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     Megatron's: pp·v chunks of equally many layers, chunk j on stage j mod pp, B a multiple of pp.
     `check_memory=False` prices a run known to have fit (a calibration point) whatever the memory model says of
     it: each layer at its fastest strategy, no stage refused. The keyword `tp_comm_overlap` (an `Options` field) is
-    Megatron-LM's `--tp-comm-overlap`, which needs `sequence_parallel`, as Megatron-LM asserts.
+    Megatron-LM's `--tp-comm-overlap`, which needs `sequence_parallel`, as Megatron-LM asserts. `stage_layers` gives
+    each stage its own count of layers instead (one schedule chunk per stage), as a run split unevenly did (Megatron-LM's
+    `--decoder-first/last-pipeline-num-layers`, DeepSpeed's `partition_method`).
     """
     where = f"--tp {tp} --pp {pp} --dp {dp}"
     if min(tp, pp, dp) < 1:
@@ -368,9 +391,7 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
                                   f"data-parallel ranks", where, "choose microbatches so that batch / B is divisible by dp")
     layering = build_layers(graph, None)
     L, v = len(layering.groups), virtual_stages
-    if L % (pp * v):
-        raise InfeasibleError(f"{L} layers do not split into {pp * v} equal {'chunks' if v > 1 else 'stages'}", where,
-                              f"choose pp{' × virtual stages' if v > 1 else ''} dividing {L}")
+    ranges = _stage_ranges(L, pp, v, stage_layers, where)
     if schedule == "interleaved" and counts[0] % pp:
         raise InfeasibleError(f"the interleaved schedule needs microbatches divisible by pp = {pp}, got {counts[0]}",
                               where, "Megatron-LM requires it: pick a multiple of pp")
@@ -380,7 +401,7 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
         restriction = _megatron(intra.with_batch(graph, batch // count), tp, dp, zero, sequence_parallel, shard_weights)
         for mode in options.recompute_modes:
             specs = [StageSpec(first, last, submesh, (dp, tp), inflight(j % pp, pp, count, schedule, v), mode)
-                     for j, (first, last) in enumerate(chunks(L, pp, v))]
+                     for j, (first, last) in enumerate(ranges)]
             try:
                 plans.append(price(graph, cluster, layering, count, specs, [restriction] * len(specs), options, where,
                                    fit_memory=check_memory, cache=cache, schedule=schedule, virtual_stages=v,
@@ -392,7 +413,8 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     best = min(plans, key=lambda plan: plan.iteration_time_s)
     best.options["megatron"] = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "sequence_parallel": sequence_parallel,
                                 "shard_weights": shard_weights,  # how `partopt check` re-derives it
-                                "tp_comm_overlap": options.tp_comm_overlap}
+                                "tp_comm_overlap": options.tp_comm_overlap,
+                                **({"stage_layers": list(stage_layers)} if stage_layers is not None else {})}
     best.solver.update(ilps=sum(p.solver["ilps"] for p in plans), ilp_time_s=sum(p.solver["ilp_time_s"] for p in plans),
                        time_s=time.perf_counter() - start, microbatch_counts=counts,
                        status="optimal" if all(p.solver["status"] == "optimal" for p in plans) else "timeout",

@@ -400,6 +400,8 @@ BAD_FILES = {
     "plan-too-big": (_file(_point(plan={"tp": 2, "pp": 1, "dp": 1}), _point(label="q")),
                      r"\$\.points\[0\] \(p\).*tp × pp × dp = 2 but the cluster has 1 devices"),
     "a-cluster-file": (cluster_to_dict(preset("p3.16xlarge")), r"\$\.format: expected 'partopt\.points'"),
+    "half-a-network": (_file(_point(cluster={"preset": "p3.16xlarge", "nodes": 1, "inter_node": {"bandwidth_gbps": 5}})),
+                       r"\$\.points\[0\]\.cluster\.inter_node.*shared_by_node"),
     "unknown-schedule": (_file(_point(plan={"tp": 1, "pp": 1, "dp": 1, "schedule": "pipedream"})),
                          r"\$\.points\[0\]\.plan\.schedule: unknown value 'pipedream'"),
     "interleaved-one-chunk": (_file(_point(model=_gpt(64, 2, layers=4), cluster={"preset": "p3.16xlarge", "nodes": 1,
@@ -434,3 +436,51 @@ def test_not_json_and_missing_file(tmp_path):
 def test_the_points_schema_accepts_every_parameter_and_nothing_else():
     schema = json.loads((ROOT / "partopt" / "schemas" / "points.schema.json").read_text())
     assert set(schema["properties"]["fit"]["items"]["enum"]) == set(calibrate.PARAMETERS)
+
+
+def test_a_point_split_unevenly_is_priced_with_its_stage_layers():
+    """`stage_layers` reaches `evaluate.uniform`: pp 2 over a 4-layer GPT as [1, 3] puts layers 0 and 1–3 on the stages
+    (as DeepSpeed's or Megatron-LM's uneven splits do) and is slower than the even split, whose 3-layer stage it lacks;
+    [2, 2] is exactly the default split."""
+    plan = {"tp": 1, "pp": 2, "dp": 1, "microbatches": 4, "recompute": "none"}
+    cluster_entry = {"preset": "p3.16xlarge", "nodes": 1, "devices_per_node": 2}
+    points = calibrate.points_from_dict(_file(*[
+        {"label": label, "source": SOURCE, "model": _gpt(256, 4, layers=4), "cluster": cluster_entry,
+         "plan": {**plan, **extra}, "measured": {"iteration_s": 1.0}}
+        for label, extra in (("even", {}), ("given-even", {"stage_layers": [2, 2]}), ("uneven", {"stage_layers": [1, 3]}))]))
+    even, given, uneven = points.points
+    assert (even.stage_layers, given.stage_layers, uneven.stage_layers) == (None, (2, 2), (1, 3))
+    base = calibrate.point_cluster(even, preset("p3.16xlarge"))
+    split = uniform(uneven.graph, base, 1, 2, 1, 4, recompute="none", stage_layers=[1, 3])
+    assert [stage.layers for stage in split.stages] == [[0, 0], [1, 3]]
+    assert split.options["megatron"]["stage_layers"] == [1, 3]
+    default = uniform(even.graph, base, 1, 2, 1, 4, recompute="none")
+    assert "stage_layers" not in default.options["megatron"]
+    assert calibrate.ratio(given, base) == calibrate.ratio(even, base) == pytest.approx(1.0 / default.iteration_time_s)
+    assert calibrate.ratio(uneven, base) == pytest.approx(1.0 / split.iteration_time_s, rel=1e-12)
+    assert split.iteration_time_s > default.iteration_time_s
+
+
+@pytest.mark.parametrize("counts, v", [([2, 1], 1), ([4, 0], 1), ([1, 1, 2], 1), ([2, 2], 2)])
+def test_stage_layers_that_do_not_split_the_layers_are_refused(counts, v):
+    graph = calibrate.points_from_dict(_file(_point(model=_gpt(256, 4, layers=4)))).points[0].graph
+    schedule = "interleaved" if v > 1 else "1f1b"
+    with pytest.raises(InstanceError) as info:
+        uniform(graph, preset("p3.16xlarge", 1).narrowed(2), 1, 2, 1, 4, recompute="none", stage_layers=counts,
+                schedule=schedule, virtual_stages=v)
+    assert "stage_layers" in info.value.where and "4 layers into 2 stages" in info.value.cause
+
+
+def test_a_point_on_its_own_network_keeps_the_presets_fitted_efficiency():
+    """A point's `inter_node` replaces the preset's network between nodes, at the fraction of its nominal bandwidth the
+    preset's inter_bus_efficiency says: 50 GB/s shared by a node, at an efficiency of 0.5, is 25 GB/s per node."""
+    network = {"bandwidth_gbps": 50, "shared_by_node": True}
+    point = calibrate.points_from_dict(_file(_point(cluster={"preset": "dgx-a100", "nodes": 2, "inter_node": network}),
+                                             )).points[0]
+    nominal = nominal_preset("dgx-a100")
+    fitted = calibrate.with_values(preset("dgx-a100"), nominal, {"inter_bus_efficiency": 0.5})
+    link = calibrate.point_cluster(point, fitted).inter_node
+    assert (link.bandwidth, link.shared_by_node, link.latency_s) == (25e9, True, nominal.inter_node.latency_s)
+    assert calibrate.point_cluster(point, preset("dgx-a100")).inter_node.bandwidth == 50e9
+    own = calibrate.points_from_dict(_file(_point(cluster={"preset": "dgx-a100", "nodes": 2}))).points[0]
+    assert calibrate.point_cluster(own, fitted).inter_node == fitted.inter_node

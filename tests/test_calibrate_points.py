@@ -63,6 +63,18 @@ def test_a100_points_carry_the_published_figures():
         assert all(p.graph.producers[op.inputs[0]].kind == "softmax" for op in drops), p.label
 
 
+def test_the_bloom_point_is_the_run_its_log_line_measured():
+    """BigScience's BLOOM 176B log line (104.70 s, 149.77 TFLOPs on 384 GPUs) is Megatron's 96 closed form with
+    V/16lh for the configuration priced: 70 layers, h 14336, vocabulary 250,880, global batch 2048 at sequence 2048;
+    tp 4 × pp 12 × dp 8 at microbatch size 2, the 12 stages as DeepSpeed's partition cut them."""
+    bloom = next(p for p in calibrate.read_points(POINTS / "dgx-a100.json").points if p.label.startswith("BLOOM"))
+    assert (bloom.tp, bloom.pp, bloom.dp, bloom.nodes, bloom.iteration_s) == (4, 12, 8, 48, 104.70)
+    assert bloom.graph.dims["b"] == 2048 and bloom.graph.dims["b"] // (bloom.dp * bloom.microbatches) == 2
+    assert bloom.stage_layers == (5, *[6] * 10, 5) and sum(bloom.stage_layers) == 70
+    assert gpt_flops(*gpt_shape(bloom.graph)) / bloom.iteration_s / bloom.gpus / 1e12 == pytest.approx(149.77, abs=0.02)
+    assert (bloom.inter_node.bandwidth, bloom.inter_node.shared_by_node) == (4 * 100e9 / 8, True)  # 4 × 100 Gbit/s
+
+
 # Korthikanti et al. 2022 (arXiv 2205.05198) at data-parallel size 1: Table 3's (GPUs, pipeline stages,
 # batch), REFERENCE §5's MFU with sequence parallelism and selective recomputation, and Table 5's times
 # (selective, full recomputation)

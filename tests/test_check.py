@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from partopt import check
 from partopt.cli import main
 from partopt.inter import optimize
+from partopt.models import gpt
 from partopt.plan import plan_from_dict
 
 
@@ -138,6 +139,10 @@ def test_megatron_layouts_re_derive_as_that_layout(tiny, tmp_path):
     assert plan.options["megatron"] == {"tp": 2, "pp": 2, "dp": 1, "zero": False, "sequence_parallel": False,
                                       "shard_weights": False, "tp_comm_overlap": False}
     assert check.differences(plan, tiny.graph, tiny.cluster) == []
+    deeper = gpt(hidden=64, layers=4, heads=4, seq=32, vocab=128, batch=8)
+    uneven = uniform(deeper, tiny.cluster, tp=2, pp=2, dp=1, microbatches=2, stage_layers=[1, 3])
+    assert [s.layers for s in uneven.stages] == [[0, 0], [1, 3]]
+    assert check.differences(uneven, deeper, tiny.cluster) == []  # re-derived with its own split, not [2, 2]
     best = baselines.megatron(tiny.graph, tiny.cluster)
     assert check.differences(best, tiny.graph, tiny.cluster) == []
     path = tmp_path / "megatron.json"
