@@ -559,7 +559,7 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
         prepare_workers(workers)  # the pool's fork server imports partopt while the instance is read
     graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
     cost_model = read_profile(profile_file) if profile_file else None
-    counts = None if microbatches == "auto" else _counts(microbatches, "--microbatches", "auto, 128 or 64,128,256")
+    counts = None if microbatches == "auto" else _counts(microbatches, "--microbatches", "auto, --microbatches 128 or --microbatches 64,128,256")
     if search == "megatron" and schedule not in ("auto", "1f1b"):
         raise InstanceError(f"--search megatron plans 1f1b, not {schedule}", "--schedule",
                             "price a Megatron layout with another schedule by `partopt evaluate --tp --pp --dp "
@@ -709,7 +709,8 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
         schedule = schedule or ("interleaved" if (virtual_stages or 1) > 1 else "1f1b")
         plan = uniform(graph, cluster, tp, pp, dp, microbatches, zero, sequence_parallel, schedule, virtual_stages or 1,
                        recompute=recompute or "auto", overlap=not no_overlap, shard_weights=shard_weights,
-                       tp_comm_overlap=tp_comm_overlap, stage_layers=_counts(stage_layers, "--stage-layers", "5,6,6,5"), **options)
+                       tp_comm_overlap=tp_comm_overlap, stage_layers=_counts(stage_layers, "--stage-layers", "5,6,6,5"),
+                       **options)
     _emit(plan, output, as_json, cluster_source)
 
 
