@@ -559,7 +559,8 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
         prepare_workers(workers)  # the pool's fork server imports partopt while the instance is read
     graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
     cost_model = read_profile(profile_file) if profile_file else None
-    counts = None if microbatches == "auto" else _counts(microbatches, "--microbatches", "auto, --microbatches 128 or --microbatches 64,128,256")
+    counts = None if microbatches == "auto" else _counts(microbatches, "--microbatches",
+                                                         "auto, --microbatches 128 or --microbatches 64,128,256")
     if search == "megatron" and schedule not in ("auto", "1f1b"):
         raise InstanceError(f"--search megatron plans 1f1b, not {schedule}", "--schedule",
                             "price a Megatron layout with another schedule by `partopt evaluate --tp --pp --dp "
