@@ -589,12 +589,15 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
             "attention_backend": "flash" if fused_attention(plan) else None,
             # Transformer Engine's FP8 GEMMs: E4M3 forward, E5M2 gradients (Megatron's and NeMo's usual recipe)
             "fp8_format": "hybrid" if plan.matmul_dtype == "fp8" else None,
-            "precision": _precision(plan), "model": _model_arguments(plan, sum(counts))}
+            "precision": _precision(plan), "model": _model_arguments(plan, sum(counts), tp)}
 
 
-def _model_arguments(plan: Plan, num_layers: int) -> list[str]:
+def _model_arguments(plan: Plan, num_layers: int, tp: int) -> list[str]:
     """Megatron-LM's model arguments for the plan's `architecture` (none when the graph recorded none): the
-    shapes the plan priced, so that a runtime given them trains that model and no other."""
+    shapes the plan priced, so that a runtime given them trains that model and no other. Megatron-LM pads the
+    tokenizer's vocabulary up to a multiple of `--make-vocab-size-divisible-by` × tp (128 by default): V / tp makes
+    the padded vocabulary the priced V for any tokenizer of at most V tokens (1 when tp does not divide V: the
+    nearest multiple of tp)."""
     a = plan.architecture
     if a is None:
         return []
@@ -604,7 +607,8 @@ def _model_arguments(plan: Plan, num_layers: int) -> list[str]:
     args = ["--hidden-size", str(a["hidden"]), "--ffn-hidden-size", str(a["ffn"]),
             "--num-attention-heads", str(a["heads"]), "--seq-length", str(a["seq"]),
             "--max-position-embeddings", str(a["seq"]), "--attention-dropout", f"{a['attention_dropout']:g}",
-            "--hidden-dropout", "0"]  # partopt's graphs drop no hidden states (Megatron-LM's default is 0.1)
+            "--hidden-dropout", "0",  # partopt's graphs drop no hidden states (Megatron-LM's default is 0.1)
+            "--make-vocab-size-divisible-by", str(a["vocab"] // tp if a["vocab"] % tp == 0 else 1)]
     if "head_dim" in a:
         args += ["--kv-channels", str(a["head_dim"])]
     if a["kv_heads"] != a["heads"]:

@@ -403,6 +403,10 @@ def test_megatron_gets_the_model_the_plan_priced(make, sizes, flags):
     # the graph drops no hidden state (its only dropouts are the attention's), so Megatron-LM's 0.1 is switched off
     assert all(op.name.endswith("attention_dropout") for op in graph.ops if "dropout" in op.name)
     assert float(_value(args, "--hidden-dropout")) == 0.0
+    # Megatron-LM pads the tokenizer's vocabulary to a multiple of --make-vocab-size-divisible-by × tp
+    # (megatron/training/tokenizer: _vocab_size_with_padding): every tokenizer of at most V tokens pads to V exactly
+    multiple = int(_value(args, "--make-vocab-size-divisible-by")) * int(_value(args, "--tensor-model-parallel-size"))
+    assert all(-(-tokens // multiple) * multiple == sizes["vocab"] for tokens in (1, sizes["vocab"] - 7, sizes["vocab"]))
     assert (_value(args, "--normalization"), _value(args, "--position-embedding-type")) == (
         ("RMSNorm", "rope") if make is llama else (None, None))
     optional = {"--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"}
@@ -416,6 +420,19 @@ def test_megatron_gets_the_model_the_plan_priced(make, sizes, flags):
         shape["head_dim"] = int(_value(args, "--kv-channels"))
     assert (_value(args, "--kv-channels") is None) == ("head_dim" not in sizes)
     assert make(**shape).num_params == graph.num_params
+
+
+@pytest.mark.parametrize("vocab, padded", [(4000, 4000), (4001, 4004)])  # Megatron-LM's default: 4096 both
+def test_megatron_pads_the_vocabulary_to_the_priced_one_where_tensor_parallelism_allows(vocab, padded):
+    """On tp 4, Megatron-LM's padding (the tokenizer's size up to a multiple of --make-vocab-size-divisible-by × tp)
+    with the exported divisor gives back V when 4 divides it; else the nearest multiple of 4, which is all it can."""
+    from partopt.evaluate import uniform
+
+    plan = uniform(gpt(**dict(SMALL_GPT, vocab=vocab)), preset("dgx-a100", 1).narrowed(4), tp=4, pp=1, dp=1,
+                   microbatches=1, recompute="none")
+    args = ex.to_megatron(plan)
+    multiple = int(_value(args, "--make-vocab-size-divisible-by")) * int(_value(args, "--tensor-model-parallel-size"))
+    assert -(-vocab // multiple) * multiple == padded
 
 
 def test_a_graph_without_an_architecture_exports_the_layout_alone_and_a_wrong_one_is_refused(tmp_path):
