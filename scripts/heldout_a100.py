@@ -1,7 +1,8 @@
 """Out-of-sample check of the A100 model against the two tables kept aside from every fit (issue 14):
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
 SC'21, Table 1 (weak scaling 1.7B–1T) and Table 2 (ZeRO-3 vs PTD-P), plus the A100 points kept out of
-the fit (partopt/bench/points/dgx-a100-unfitted.json: tensor parallelism across nodes, and LLM Foundry's runs).
+the fit (partopt/bench/points/dgx-a100-unfitted.json: tensor parallelism across nodes, LLM Foundry's runs, and
+BigScience's topology trials of BLOOM on Jean Zay).
 Nothing here changes a parameter: it prices each published run as run (`evaluate.uniform`, microbatch
 size 1, full recomputation, gradient reduction after the backward as Megatron-LM then ran; priced with
 the 1F1B schedule, the only one partopt has, though some of these runs may have used the interleaved
@@ -119,11 +120,12 @@ def _runs(runs: tuple[Run, ...], cluster: Cluster) -> list[tuple[str, float, flo
     return rows
 
 
-def _unfitted(cluster: Cluster, timed: bool) -> list[tuple[str, float, float | None, str]]:
-    """The unfitted points measured in TFLOP/s per GPU, or (`timed`) by iteration time, as sequences per second."""
+def _unfitted(cluster: Cluster, timed: bool, source: str = "") -> list[tuple[str, float, float | None, str]]:
+    """The unfitted points measured in TFLOP/s per GPU, or (`timed`) by iteration time, as sequences per second;
+    only those whose source starts with `source`."""
     rows = []
     for point in calibrate.read_points(UNFITTED).points:
-        if (point.iteration_s is not None) != timed:
+        if (point.iteration_s is not None) != timed or not point.source.startswith(source):
             continue
         published = point.graph.dims[point.graph.batch_dim] / point.iteration_s if timed else point.tflops_per_gpu
         try:
@@ -155,8 +157,10 @@ def main(cluster_file: str | None, tables: tuple[str, ...]) -> None:
     if "unfitted" in tables:
         _table("Kept out of the fit (tensor parallelism across nodes): " + UNFITTED.name, _unfitted(cluster, False),
                console)
-        _table("Out of sample: LLM Foundry's FSDP runs of MPT, " + UNFITTED.name, _unfitted(cluster, True), console,
-               "sequences/s")
+        _table("Out of sample: LLM Foundry's FSDP runs of MPT, " + UNFITTED.name, _unfitted(cluster, True, "MosaicML"),
+               console, "sequences/s")
+        _table("Out of sample: BigScience's topology trials on Jean Zay (Megatron-DeepSpeed), " + UNFITTED.name,
+               _unfitted(cluster, True, "BigScience"), console, "sequences/s")
     console.print(f"{time.perf_counter() - start:.0f} s (a shared 2-core machine)")
 
 

@@ -75,6 +75,26 @@ def test_the_bloom_point_is_the_run_its_log_line_measured():
     assert (bloom.inter_node.bandwidth, bloom.inter_node.shared_by_node) == (4 * 100e9 / 8, True)  # 4 × 100 Gbit/s
 
 
+# BigScience's topology trials of 2022-02-28 (chronicles-prequel.md, "Rebalancing layers"): the table's TFLOPs column,
+# row by row, as the unfitted file lists them
+BIGSCIENCE_TFLOPS = [149.75, 146.90, 143.73, 145.01, 117.91, 136.20, 141.76, 151.71, 128.10, 145.68, 151.18, 146.12,
+                     128.92, 153.68, 150.05, 148.08, 153.33]
+
+
+def test_the_bigscience_trials_are_the_runs_their_table_measured():
+    """Each trial's time on 384 GPUs gives its table's TFLOPs by Megatron's 96 closed form with V/16lh, which checks
+    hidden, layers, vocabulary 250,880 and the time as transcribed; its stages are the rebalanced partition's, the tied
+    embedding a layer on the first and the last stage."""
+    trials = [p for p in calibrate.read_points(POINTS / "dgx-a100-unfitted.json").points
+              if p.source.startswith("BigScience")]
+    assert len(trials) == len(BIGSCIENCE_TFLOPS)
+    for p, published in zip(trials, BIGSCIENCE_TFLOPS):
+        assert p.gpus == 384 and p.graph.dims["b"] == 2048, p.label
+        assert gpt_flops(*gpt_shape(p.graph)) / p.iteration_s / p.gpus / 1e12 == pytest.approx(published, abs=0.02)
+        per_stage = (sum(p.stage_layers) + 2) // p.pp  # layers and both embeddings, evenly
+        assert p.stage_layers == (per_stage - 1, *[per_stage] * (p.pp - 2), per_stage - 1), p.label
+
+
 # Korthikanti et al. 2022 (arXiv 2205.05198) at data-parallel size 1: Table 3's (GPUs, pipeline stages,
 # batch), REFERENCE §5's MFU with sequence parallelism and selective recomputation, and Table 5's times
 # (selective, full recomputation)
