@@ -211,8 +211,9 @@ def _check_target(plan: Plan, graph: Graph, cluster: Cluster, where: str) -> Non
                             f"{_gemm_precision(graph.matmul_dtype)}", at(where, "$.matmul_dtype"),
                             "re-solve the plan for this graph")
     if None not in (plan.architecture, graph.architecture) and plan.architecture != graph.architecture:
-        key = next(k for k in plan.architecture if plan.architecture[k] != graph.architecture.get(k))
-        raise InstanceError(f"the plan records {key} {plan.architecture[key]!r}, the graph's architecture "
+        key = next(k for k in {**graph.architecture, **plan.architecture}  # a key may be in one only (head_dim)
+                   if plan.architecture.get(k) != graph.architecture.get(k))
+        raise InstanceError(f"the plan records {key} {plan.architecture.get(key)!r}, the graph's architecture "
                             f"{graph.architecture.get(key)!r}", at(where, f"$.architecture.{key}"),
                             "re-solve the plan for this graph")
     batch = graph.dims[graph.batch_dim]

@@ -450,6 +450,10 @@ def test_a_graph_without_an_architecture_exports_the_layout_alone_and_a_wrong_on
         check_against(wrong, graph, cluster)
     assert err.value.where.endswith("$.architecture.layers")
     check_against(plan, dataclasses.replace(graph, architecture=None), cluster)  # a graph recording none: no conflict
+    wider = dataclasses.replace(graph, architecture={**graph.architecture, "head_dim": 128})  # a key the plan lacks
+    with pytest.raises(InstanceError, match="the plan records head_dim None, the graph's architecture 128") as err:
+        check_against(plan, wider, cluster)
+    assert err.value.where.endswith("$.architecture.head_dim")
 
 
 @pytest.mark.parametrize("dtype, flag", [("fp16", "--fp16"), ("bf16", "--bf16"), ("fp32", None)])
