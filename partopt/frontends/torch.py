@@ -1167,7 +1167,7 @@ def _llama_architecture(config: Any, seq: int) -> dict[str, Any] | None:
     return llama_architecture(config.num_hidden_layers, config.hidden_size, heads,
                               getattr(config, "num_key_value_heads", None) or heads, config.intermediate_size, seq,
                               config.vocab_size, tied=bool(config.tie_word_embeddings), bias=biases.pop(),
-                              head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads)
+                              head_dim=getattr(config, "head_dim", None))
 
 
 def _hf_model(config: Any, where: str) -> Any:
