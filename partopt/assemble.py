@@ -187,6 +187,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
                  "submesh_family": options.submesh_family, "memory_reserve": options.memory_reserve,
                  "intra_only": options.intra_only, "inter_only": options.inter_only,
                  "data_parallel_only": options.data_parallel_only, "stage_data_parallel": options.stage_data_parallel,
-                 "recompute": options.recompute, "schedule": options.schedule, "overlap": options.overlap, "cost_model": (options.cost_model or costmodel.ANALYTICAL).key},
+                 "recompute": options.recompute, "schedule": options.schedule, "overlap": options.overlap, "cost_model": (options.cost_model or costmodel.ANALYTICAL).key,
+                 **({"state_layout": options.state_layout} if options.state_layout != "zero" else {})},
         schedule=schedule, virtual_stages=virtual_stages, batch_dim=graph.batch_dim, tensors=tensors,
         matmul_dtype=graph.matmul_dtype, architecture=graph.architecture)

@@ -27,11 +27,12 @@ MEGATRON_FEATURES = ("sequence_parallel", "distributed_optimizer")
 def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32,
              features: Sequence[str] = MEGATRON_FEATURES, **options) -> Plan:
     """The best Megatron-style uniform plan over the (tp ≤ node, pp, dp, microbatches) grid, each grid point with and
-    without each of `features` that applies there (`MEGATRON_FEATURES`).
+    without each of `features` that applies there (`MEGATRON_FEATURES`), its parameter state laid out as Megatron-LM
+    keeps it (`state_layout` "megatron": fp32 gradients; docs/COSTMODEL.md §5) unless `options` say otherwise.
 
     A grid point whose parameter state split only by tp·pp (and the optimizer's by dp as well, with the distributed
     optimizer) exceeds the device is skipped unpriced; the others search their microbatch count (`_fastest_count`).
-    `options` are `evaluate.uniform`'s keywords (backend, time_limit_s, memory_reserve, recompute).
+    `options` are `evaluate.uniform`'s keywords (backend, time_limit_s, memory_reserve, recompute, state_layout).
     """
     unknown = sorted(set(features) - set(MEGATRON_FEATURES))
     if unknown:
@@ -39,7 +40,8 @@ def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32,
                             f"use some of {', '.join(MEGATRON_FEATURES)}")
     g, m = cluster.num_devices, cluster.devices_per_node
     layers = len(graph.layers)
-    state = costmodel.param_memory(graph.num_params, graph.dtype, graph.optimizer)
+    options.setdefault("state_layout", "megatron")
+    state = costmodel.param_memory(graph.num_params, graph.dtype, graph.optimizer, options["state_layout"])
     best: Plan | None = None
     last_error: InfeasibleError | None = None
     for tp in (t for t in divisors(g) if t <= m):

@@ -90,6 +90,7 @@ def differences(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan",
                               recompute=plan.stages[0].recompute, shard_weights=layout.get("shard_weights", False),
                               overlap=plan.options.get("overlap", False),
                               tp_comm_overlap=layout.get("tp_comm_overlap", False),
+                              state_layout=plan.options.get("state_layout", "zero"),
                               stage_layers=layout.get("stage_layers"), **options)
         else:
             derived = evaluate(graph, cluster, plan, where=where, **options)

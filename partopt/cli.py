@@ -23,13 +23,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from partopt import baselines, check, io, models, validate
+from partopt import baselines, check, costmodel, io, models, validate
 from partopt.cluster import AUTO_ALPA_NODES, MAX_NODES, PRESETS, SUBMESH_FAMILIES, Cluster, Link, preset, preset_calibration
 from partopt.costmodel import training_flops
 from partopt.evaluate import evaluate as evaluate_plan, uniform
 from partopt.errors import InstanceError, PartoptError
 from partopt.explain import explain
-from partopt.export import TARGETS, export
+from partopt.export import TARGETS, export, megatron_warnings
 from partopt.graph import MATMUL_DTYPES, OPTIMIZERS, Graph
 from partopt.inter import DEFAULT_MAX_LAYERS, optimize
 from partopt.intra import RECOMPUTE_MODES
@@ -539,6 +539,10 @@ def _render_plan(plan: Plan, calibration: dict[str, Any] | None) -> list[Table]:
               "runs 1f1b).")
 @click.option("--profile", "profile_file", type=click.Path(),
               help="Measured op times and collective bandwidths (a partopt.profile file); the analytical model prices the rest.")
+@click.option("--state-layout", type=click.Choice(costmodel.STATE_LAYOUTS),
+              help="How the training runtime lays out parameter state (docs/COSTMODEL.md §5): zero, 16 bytes per "
+              "parameter with Adam (the default), or megatron, Megatron-LM's fp32 gradients (18 in bf16, 20 in fp16; "
+              "the default of --search megatron). Plan for the runtime you export to.")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="Where the layer ILPs run: this machine's processes, or a Ray cluster (pip install 'partopt[ray]').")
 @click.option("--ray-address", help="With --executor ray: auto (the cluster this machine is in) or HOST:PORT; "
@@ -549,7 +553,8 @@ def _render_plan(plan: Plan, calibration: dict[str, Any] | None) -> list[Table]:
 @click.option("--json", "as_json", is_flag=True, help="Print exactly the plan file to stdout.")
 def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches: str, layers: int, solver: str,
           time_limit: float, memory_reserve: float, search: str, logical_shapes: str, submeshes: str,
-          workers: int | None, recompute: str, no_overlap: bool, schedule: str, profile_file: str | None, executor: str,
+          workers: int | None, recompute: str, no_overlap: bool, schedule: str, profile_file: str | None,
+          state_layout: str | None, executor: str,
           ray_address: str | None, deadline: float | None, output: str | None, as_json: bool) -> None:
     """Plan GRAPH on a cluster: pipeline stages, submeshes, logical meshes and per-op shardings.
     The plan is re-derived (as `partopt check` does) before it is written or printed."""
@@ -572,13 +577,14 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
     with Progress(TextColumn("pricing stage candidates"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("price", total=None)
+        layout = {"state_layout": state_layout} if state_layout else {}
         plan = baselines.megatron(graph, cluster, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
-                                  recompute=recompute, cost_model=cost_model, overlap=not no_overlap) if search == "megatron" else optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
+                                  recompute=recompute, cost_model=cost_model, overlap=not no_overlap, **layout) if search == "megatron" else optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
                         microbatches=counts or "auto",
                         layers=layers, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
                         logical_shapes=logical_shapes, submesh_family=submeshes, workers=workers,
                         recompute=recompute, cost_model=cost_model, deadline_s=deadline, overlap=not no_overlap,
-                        executor=executor, ray_address=ray_address, schedule=schedule, **restrict)
+                        executor=executor, ray_address=ray_address, schedule=schedule, **layout, **restrict)
     found = check.differences(plan, graph, cluster, "the solved plan", cost_model)
     if found:
         for difference in found:
@@ -659,6 +665,10 @@ def _counts(text: str | None, flag: str, example: str) -> list[int] | None:
 @click.option("--stage-layers", help="Layers of each stage of a Megatron-style plan, first to last, comma-separated "
               "(e.g. 5,6,6,5), for an uneven split (Megatron-LM's --decoder-first/last-pipeline-num-layers, "
               "DeepSpeed's partition methods); default: pp equal stages.")
+@click.option("--state-layout", type=click.Choice(costmodel.STATE_LAYOUTS),
+              help="How the runtime of a Megatron-style plan lays out parameter state (docs/COSTMODEL.md §5): zero, 16 "
+              "bytes per parameter with Adam (the default), or megatron, Megatron-LM's fp32 gradients (18 in bf16, "
+              "20 in fp16). A plan file keeps its own.")
 @click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
@@ -673,7 +683,8 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
                      tp: int | None, pp: int | None, dp: int | None, microbatches: int | None,
                      microbatch_size: int | None, zero: bool, sequence_parallel: bool, shard_weights: bool,
                      tp_comm_overlap: bool, recompute: str | None,
-                     schedule: str | None, virtual_stages: int | None, stage_layers: str | None, solver: str,
+                     schedule: str | None, virtual_stages: int | None, stage_layers: str | None,
+                     state_layout: str | None, solver: str,
                      memory_reserve: float, no_overlap: bool, profile_file: str | None,
                      output: str | None, as_json: bool) -> None:
     """Price a plan of GRAPH under the cost model: a plan file (--plan) or a Megatron-style uniform
@@ -687,9 +698,9 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
                             "for example --plan plan.json, or --tp 8 --pp 2 --dp 4")
     if plan_file is not None and (microbatches is not None or microbatch_size is not None or zero or recompute
                                   or no_overlap or sequence_parallel or shard_weights or tp_comm_overlap or schedule
-                                  or virtual_stages or stage_layers):
+                                  or virtual_stages or stage_layers or state_layout):
         raise InstanceError("--microbatches, --microbatch-size, --zero, --sequence-parallel, --shard-weights, "
-                            "--tp-comm-overlap, --recompute, "
+                            "--tp-comm-overlap, --recompute, --state-layout, "
                             "--schedule, --virtual-stages, --stage-layers and --no-overlap describe a Megatron-style plan, "
                             "not a plan file", "partopt evaluate", "edit the plan file instead")
     if microbatches is not None and microbatch_size is not None:
@@ -711,7 +722,7 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
         plan = uniform(graph, cluster, tp, pp, dp, microbatches, zero, sequence_parallel, schedule, virtual_stages or 1,
                        recompute=recompute or "auto", overlap=not no_overlap, shard_weights=shard_weights,
                        tp_comm_overlap=tp_comm_overlap, stage_layers=_counts(stage_layers, "--stage-layers", "5,6,6,5"),
-                       **options)
+                       state_layout=state_layout or "zero", **options)
     _emit(plan, output, as_json, cluster_source)
 
 
@@ -847,7 +858,11 @@ def export_command(plan_file: str, target: str, source: str | None) -> None:
         from partopt.frontends.torch import param_shapes
 
         shapes = param_shapes(source)
-    click.echo(export(validate.read_checked(plan_file), target, shapes))
+    plan = validate.read_checked(plan_file)
+    text = export(plan, target, shapes)
+    if target == "megatron":
+        warn(megatron_warnings(plan))
+    click.echo(text)
 
 
 VERIFY_TARGETS = ("jax", "torch")

@@ -33,6 +33,13 @@ BACKWARD_FACTOR: Mapping[str, float] = {"matmul": 2.0, "attention": 2.5, "other"
 OPTIMIZER_STATE: Mapping[str, tuple[int, int]] = {"adam": (12, 8), "sgd": (8, 4), "adafactor": (4, 0)}
 TRAINABLE_DTYPES: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
+# How the training runtime lays out a 16-bit model's gradients (docs/COSTMODEL.md §5, "Parameter state").
+# zero: the ZeRO paper's accounting (Rajbhandari et al., SC'20), gradients in the weights' dtype, 16 bytes per
+# parameter with Adam. megatron: Megatron-LM's (docs/user-guide/features/dist_optimizer.md; megatron/training/
+# arguments.py): bf16 gradients accumulate and reduce in fp32 (18 bytes), and fp16 ones are copied to fp32 main
+# gradients that the optimizer keeps beside its master copy (20 bytes, split with the optimizer state).
+STATE_LAYOUTS: tuple[str, ...] = ("zero", "megatron")
+
 # Fixed cost of one collective call (kernel launch and group synchronisation), on top of the
 # ring's per-step latency. It makes one all-reduce cheaper than the reduce-scatter + all-gather
 # pair that moves the same bytes, as it is in NCCL.
@@ -140,20 +147,34 @@ class ParamMemory:
 
 
 @functools.lru_cache(maxsize=1 << 12, typed=True)
-def param_memory(numel: float, dtype: str, optimizer: str = "adam") -> ParamMemory:
+def param_memory(numel: float, dtype: str, optimizer: str = "adam", layout: str = "zero") -> ParamMemory:
     """Training state of `numel` parameters stored in `dtype` under `optimizer` (Adam: 16 bytes/param
-    for fp16, bf16 and fp32; SGD with momentum 12; Adafactor 8). Memoised (typed: an int count gives int
-    bytes): a pure function of its arguments, asked for each strategy of each parameter of every layer ILP."""
+    for fp16, bf16 and fp32; SGD with momentum 12; Adafactor 8) in the runtime's `layout` (`STATE_LAYOUTS`;
+    Megatron-LM's adds fp32 gradients to a 16-bit model: 18 bytes/param with Adam in bf16, 20 in fp16). Memoised
+    (typed: an int count gives int bytes): a pure function of its arguments, asked for each strategy of each
+    parameter of every layer ILP."""
     if dtype not in TRAINABLE_DTYPES:
         raise InstanceError(f"parameters of dtype {dtype!r} cannot be trained",
                             hint=f"give parameters one of {list(TRAINABLE_DTYPES)}")
     if optimizer not in OPTIMIZER_STATE:
         raise InstanceError(f"unknown optimizer {optimizer!r}", "optimizer", f"use one of {list(OPTIMIZER_STATE)}")
     _check_nonnegative("numel", numel)
+    if layout not in STATE_LAYOUTS:
+        raise InstanceError(f"unknown parameter state layout {layout!r}", "state_layout",
+                            f"use one of {list(STATE_LAYOUTS)}")
     width = DTYPE_BYTES[dtype]
     low_precision, fp32 = OPTIMIZER_STATE[optimizer]
     state = fp32 if width == 4 else low_precision  # fp8 weights and grads keep the fp32 master too
-    return ParamMemory(weights=numel * width, grads=numel * width, optimizer=numel * state)
+    grads = grad_width(dtype, layout)
+    if layout == "megatron" and width < 4 and grads < 4:
+        state += 4  # the fp32 main gradients the optimizer steps on, beside its master weights
+    return ParamMemory(weights=numel * width, grads=numel * grads, optimizer=numel * state)
+
+
+def grad_width(dtype: str, layout: str = "zero") -> int:
+    """Bytes per element of a parameter's gradient as it accumulates over microbatches and is reduced across
+    data-parallel ranks: the weights' own, but bf16 in Megatron-LM's layout accumulates and reduces in fp32."""
+    return 4 if layout == "megatron" and dtype == "bf16" else DTYPE_BYTES[dtype]
 
 
 def memory_budget(device: Device, reserve_fraction: float = DEFAULT_MEMORY_RESERVE) -> float:

@@ -302,7 +302,8 @@ def evaluate(graph: Graph, cluster: Cluster, plan: Plan, where: str = "plan", **
     if graph.batch_dim is None:
         raise InstanceError("the graph names no batch dim", "batch_dim", "set `batch_dim` to plan microbatches")
     options = Options(**{"layers": plan.options.get("layers"), "recompute": plan.options.get("recompute", False),
-                         "overlap": plan.options.get("overlap", False), **kwargs})
+                         "overlap": plan.options.get("overlap", False),
+                         "state_layout": plan.options.get("state_layout", "zero"), **kwargs})
     count = microbatch_counts(graph.dims[graph.batch_dim], plan.num_microbatches)[0]
     layering = build_layers(graph, options.layers)
     _check_stages([s.layers for s in plan.stages], len(layering.groups), where)

@@ -642,6 +642,17 @@ def _precision(plan: Plan) -> str | None:
     return dtypes[0]
 
 
+def megatron_warnings(plan: Plan) -> list[str]:
+    """What Megatron-LM will run differently from how `plan` was priced, one line each: a 16-bit plan priced in the
+    ZeRO paper's state layout, whose gradients Megatron-LM keeps in fp32 (`costmodel.STATE_LAYOUTS`)."""
+    precision = _precision(plan)
+    if precision not in ("fp16", "bf16") or plan.options.get("state_layout", "zero") == "megatron":
+        return []
+    return [f"the plan was priced at the ZeRO paper's 16 bytes of state per parameter (state layout zero), but "
+            f"Megatron-LM keeps {'20' if precision == 'fp16' else '18'} in {precision} (fp32 gradients; "
+            "docs/COSTMODEL.md §5): plan with --state-layout megatron to price the memory it will use"]
+
+
 def _span(ids: Sequence[int]) -> str:
     ids = list(ids)
     if ids == list(range(ids[0], ids[0] + len(ids))):

@@ -120,6 +120,7 @@ class Use:
     param: bool
     gradient: bool = True  # False: the gradient travels through the tensor's gradient-sum node
     calls: float = 1.0  # a weight's share of the calls that gather the layer's weights (`weight_call_shares`)
+    grad_bytes: float | None = None  # a weight's gradient as accumulated and reduced, when not its own bytes (`build`)
 
 
 @dataclass
@@ -142,8 +143,15 @@ class StageModel:
     recompute: frozenset[str] = frozenset()  # ops whose forward is rerun in backward (`recomputed_ops`)
     prefetch: bool = False  # parameter gathers hide under their consumer's compute (`prefetch_cover`)
     tp_overlap: bool = False  # tensor-parallel activation collectives hide under the weights' GEMMs (`decode`)
+    state_layout: str = "zero"  # how the runtime lays out parameter state (`costmodel.STATE_LAYOUTS`)
     sync_bound_s: float = math.inf  # per iteration, at most, whatever the assignment (`build`)
     per_iteration: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (src, dst, seconds) of weights' uses
+
+
+def _grad_nbytes(use: Use, nbytes: float) -> float:
+    """Bytes of a use's tensor as its gradient accumulates and is reduced: a weight's `grad_bytes` when set, else
+    the tensor's own `nbytes`."""
+    return nbytes if use.grad_bytes is None else use.grad_bytes
 
 
 def weight_call_shares(graph: Graph, ops: Sequence[Op], uses: list[Use]) -> list[Use]:
@@ -202,8 +210,9 @@ def _use_collectives(model_graph: Graph, use: Use, src_strategy, dst_strategy: S
         p: ParamStrategy = src_strategy
         gather = reshard_collectives(p.placement, required, nbytes, mesh)
         # gathered for the forward and again for the backward, its partial sums reduced into the stored split (FSDP)
-        eager = param_eager_collectives(grad, p, nbytes, mesh) if differentiable else []
-        per_it = param_sync_collectives(grad, p, nbytes, mesh) if differentiable else []
+        reduced = _grad_nbytes(use, nbytes)
+        eager = param_eager_collectives(grad, p, reduced, mesh) if differentiable else []
+        per_it = param_sync_collectives(grad, p, reduced, mesh, nbytes) if differentiable else []
         return UseCollectives(gather, gather + eager, per_it)
     out: Placement = src_strategy.output
     backward = []
@@ -325,8 +334,8 @@ def _use_tables(model_graph: Graph, use: Use, src_list: list, dst_list: list[Str
     nbytes = model_graph.nbytes(use.tensor)
     differentiable = _is_float(model_graph, use.tensor)
     zero = tuple(p.zero_axes for p in src_list) if use.param else ()
-    key = (use.param, differentiable, use.gradient, use.calls, rerun, microbatches, nbytes, tuple(sources),
-           tuple(required), tuple(grads), zero, prices.mesh, prices.model, cover)
+    key = (use.param, differentiable, use.gradient, use.calls, rerun, microbatches, nbytes, _grad_nbytes(use, nbytes),
+           tuple(sources), tuple(required), tuple(grads), zero, prices.mesh, prices.model, cover)
 
     def compute() -> tuple[np.ndarray, ...]:
         cost, iteration = _use_cost(use, src_list, sources, required, grads, nbytes, differentiable, prices,
@@ -368,7 +377,8 @@ def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list
     gather = list(prices.reshard_seconds(sources, required, nbytes, use.calls))
     per_iteration: list[np.ndarray] = []
     if use.param:
-        eager = list(_eager_table(src_list, grads, nbytes, prices, use.calls)) if differentiable else []
+        reduced = _grad_nbytes(use, nbytes)
+        eager = list(_eager_table(src_list, grads, reduced, prices, use.calls)) if differentiable else []
         if cover is None:  # gathered for the forward and again for the backward, then its partial sums reduced
             per_microbatch = gather + gather + eager
         else:
@@ -377,10 +387,10 @@ def _use_cost(use: Use, src_list: list, sources: list[Placement], required: list
             per_microbatch = [exposed(side, np.asarray(c)[None, :]) for side, c in zip(sides, cover)]
         if differentiable:  # the same for every microbatch count: kept apart from the use's tables
             def sync() -> tuple[np.ndarray, ...]:
-                return (prices.step_table(lambda p, g: param_sync_collectives(g, p, nbytes, prices.mesh),
+                return (prices.step_table(lambda p, g: param_sync_collectives(g, p, reduced, prices.mesh, nbytes),
                                           src_list, grads, 2 * len(prices.mesh.shape), calls=0),)
 
-            key = ("sync", nbytes, tuple(src_list), tuple(grads), prices.mesh, prices.model)
+            key = ("sync", reduced, nbytes, tuple(src_list), tuple(grads), prices.mesh, prices.model)
             per_iteration = list(_kept_tables(key, sync)[0])
     else:
         backward: list[np.ndarray] = []
@@ -428,9 +438,9 @@ def _use_copies(use: Use, src_list: list, sources: list[Placement], required: li
     if use.param:
         if not differentiable:
             return copies, copies
-        mesh = prices.mesh
-        reduced = pair_table(lambda p, g: local_bytes(nbytes, g, mesh) if param_eager_collectives(g, p, nbytes, mesh)
-                             else 0.0, src_list, grads)
+        mesh, grad_bytes = prices.mesh, _grad_nbytes(use, nbytes)
+        reduced = pair_table(lambda p, g: local_bytes(grad_bytes, g, mesh)
+                             if param_eager_collectives(g, p, grad_bytes, mesh) else 0.0, src_list, grads)
         return copies + reduced, copies
     if differentiable and use.gradient:
         targets = [as_gradient_target(o) for o in sources]
@@ -438,17 +448,18 @@ def _use_copies(use: Use, src_list: list, sources: list[Placement], required: li
     return copies, np.zeros_like(copies)
 
 
-def optimizer_step_time(graph: Graph, tensor: str, strategy: ParamStrategy, mesh: LogicalMesh) -> float:
-    """Seconds of the per-iteration optimizer update of one parameter (memory bound)."""
-    return optimizer_step_times(graph, tensor, [strategy], mesh)[0]
+def optimizer_step_time(graph: Graph, tensor: str, strategy: ParamStrategy, mesh: LogicalMesh,
+                        layout: str = "zero") -> float:
+    """Seconds of the per-iteration optimizer update of one parameter (memory bound), its state in `layout`."""
+    return optimizer_step_times(graph, tensor, [strategy], mesh, layout)[0]
 
 
 def optimizer_step_times(graph: Graph, tensor: str, strategies: Sequence[ParamStrategy],
-                         mesh: LogicalMesh) -> list[float]:
+                         mesh: LogicalMesh, layout: str = "zero") -> list[float]:
     """`optimizer_step_time` of each of a parameter's strategies, each distinct (shards, ZeRO axes) priced once:
     all that the step's bytes read of a strategy (its ZeRO variants and placements repeat them)."""
     dtype = graph.dtype_of(tensor)
-    state = costmodel.param_memory(graph.numel(tensor), dtype, graph.optimizer).total
+    state = costmodel.param_memory(graph.numel(tensor), dtype, graph.optimizer, layout).total
     model = costmodel.active()
     keys = [(shards(s.placement, mesh), s.zero_axes) for s in strategies]
     seconds = {}
@@ -544,7 +555,7 @@ def _add_layout_hubs(graph: Graph, mesh: LogicalMesh, costs: ilp.CostGraph, stra
 def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, microbatches: int = 1,
           inflight: int = 1, allow_zero: bool = True, data_parallel: bool = False,
           restriction: Restriction | None = None, *, recompute: str = "none", prefetch: bool = False,
-          tp_overlap: bool = False) -> StageModel:
+          tp_overlap: bool = False, state_layout: str = "zero") -> StageModel:
     """The stage's cost graph; `graph` must already be at microbatch size (see `with_batch`).
 
     `data_parallel` restricts every op to splitting the batch dim and every parameter to copies;
@@ -557,6 +568,8 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     layout-hub copies) are transients of its consumer.
     `prefetch`: a weight's gathers run ahead of its consumer, under compute (`prefetch_cover`, `exposed`).
     `tp_overlap`: Megatron-LM's `--tp-comm-overlap` on a (dp, tp) mesh, priced when the stage is decoded (`decode`).
+    `state_layout`: how the runtime lays out parameter state (`costmodel.STATE_LAYOUTS`): the bytes of each
+    parameter's state and of its gradient as accumulated and reduced.
     """
     restriction = restriction or Restriction()
     force_dim = graph.batch_dim if data_parallel else None
@@ -606,9 +619,10 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
                 reads_arriving.append((tensor, node_of_op[op.output], slot))
             elif graph.tensors[tensor].role == "param":
                 if tensor not in node_of_param:
-                    options = _kept(param_strategies(graph, graph.tensors[tensor], mesh, allow_zero, data_parallel),
+                    options = _kept(param_strategies(graph, graph.tensors[tensor], mesh, allow_zero, data_parallel,
+                                                     state_layout),
                                     lambda s: restriction.param(tensor, s), tensor, restriction)
-                    steps = optimizer_step_times(graph, tensor, options, mesh)
+                    steps = optimizer_step_times(graph, tensor, options, mesh, state_layout)
                     sync_bound += max(steps)
                     node_of_param[tensor] = costs.add_node(  # weights, optimizer state, a gradient buffer per read
                         tensor, [t / microbatches for t in steps],
@@ -647,6 +661,9 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     sums = gradients.plan(graph, uses, {n: op for n, op in enumerate(ops)}, producer, len(costs), mesh)
     uses = [dataclasses.replace(u, gradient=False) if i in sums.forward_only else u for i, u in enumerate(uses)]
     uses = weight_call_shares(graph, ops, uses)
+    if state_layout != "zero":  # a weight's gradient accumulates and is reduced in the layout's dtype
+        uses = [dataclasses.replace(u, grad_bytes=graph.numel(u.tensor) * costmodel.grad_width(
+            graph.dtype_of(u.tensor), state_layout)) if u.param and _is_float(graph, u.tensor) else u for u in uses]
     for tensor, options in sums.nodes:
         costs.add_node(f"gradient of {tensor}", [0.0] * len(options))
         strategies.append(options)
@@ -666,7 +683,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
     for flow in sums.flows:
         costs.add_edge(flow.src, flow.dst, _flow_table(graph, flow, strategies[flow.src], strategies[flow.dst], prices))
     return StageModel(graph, mesh, ops, params, strategies, uses, costs, microbatches, inflight, sums.flows,
-                      hubs, leaving, kept, rerun, prefetch, tp_overlap, sync_bound, per_iteration)
+                      hubs, leaving, kept, rerun, prefetch, tp_overlap, state_layout, sync_bound, per_iteration)
 
 
 # ---------------------------------------------------------------- decoding
@@ -859,7 +876,7 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
         breakdown.param_bytes += p.memory_bytes
         for part, size in zip(STATE_PARTS, p.state_bytes):
             breakdown.state_bytes[part] += size
-        step = optimizer_step_time(g, tensor, p, mesh)
+        step = optimizer_step_time(g, tensor, p, mesh, model.state_layout)
         breakdown.optimizer_s += step
         breakdown.param_sync_s.setdefault(tensor, defaultdict(float))["optimizer"] += step
         param_choices.append(ParamChoice(tensor, p))
@@ -898,18 +915,19 @@ def shard_stage(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None
                 restriction: Restriction | None = None, reduce_first: bool = True,
                 recompute: str = "none", peak_shared_by: int = 1, prefetch: bool = False, tp_overlap: bool = False,
                 cutoff: float | None = None, free: tuple[tuple[int, ...], float] | None = None,
-                time_floor: bool = False) -> StageSharding:
+                time_floor: bool = False, state_layout: str = "zero") -> StageSharding:
     """The optimal sharding of `ops` (default: the whole graph) on `mesh` for one microbatch;
     `recompute` (none | selective | full, see `recomputed_ops`) reruns those ops' forward in backward;
     `memory_budget` is charged 1/`peak_shared_by` of the transient peak (`ilp.CostGraph`); `prefetch`: see `build`;
     `cutoff` (seconds of time + sync / microbatches, the ILP's objective): with a budget, InfeasibleError when
     the optimum costs that much or more (`ilp.solve`); `free`: its memory-free optimum, when known (`ilp.solve`);
-    `time_floor`: also find the least time per microbatch of any strategy (`_time_floor`)."""
+    `time_floor`: also find the least time per microbatch of any strategy (`_time_floor`); `state_layout`: see
+    `build`."""
     g = with_batch(graph, microbatch) if microbatch is not None else graph
     if ops is not None and g is not graph:
         ops = [g.op_index[op.name] for op in ops]
     model = build(g, mesh, ops, microbatches, inflight, allow_zero, data_parallel, restriction, recompute=recompute,
-                  prefetch=prefetch, tp_overlap=tp_overlap)
+                  prefetch=prefetch, tp_overlap=tp_overlap, state_layout=state_layout)
     model.costs.peak_shared_by = peak_shared_by
     if memory_budget is not None and ilp.min_memory(model.costs) > memory_budget:
         raise _memory_error(model, memory_budget)

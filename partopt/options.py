@@ -41,6 +41,8 @@ class Options:
     # compute (docs/COSTMODEL.md §5b); False: all costs add
     tp_comm_overlap: bool = False  # Megatron-LM's --tp-comm-overlap: tensor-parallel collectives under the GEMMs
     # (Megatron-style plans only, `evaluate.uniform`; docs/COSTMODEL.md §5b)
+    state_layout: str = "zero"  # how the runtime lays out parameter state: zero (16 bytes/param with Adam) or
+    # megatron (Megatron-LM's fp32 gradients: 18 in bf16, 20 in fp16; `costmodel.STATE_LAYOUTS`, COSTMODEL §5)
     deadline_s: float | None = None  # wall seconds for the whole search: then the best plan found, marked stopped
     schedule: str = "auto"  # pipeline schedule: auto (the best of `schedules.SEARCHED`) or one of them
 
@@ -55,6 +57,9 @@ class Options:
         if self.schedule not in ("auto", *SCHEDULES):
             raise InstanceError(f"unknown pipeline schedule {self.schedule!r}", "schedule",
                                 f"use auto or one of {', '.join(SCHEDULES)}")
+        if self.state_layout not in costmodel.STATE_LAYOUTS:
+            raise InstanceError(f"unknown parameter state layout {self.state_layout!r}", "state_layout",
+                                f"use one of {', '.join(costmodel.STATE_LAYOUTS)}")
         if self.recompute not in ("auto", *intra.RECOMPUTE_MODES):
             raise InstanceError(f"unknown recomputation mode {self.recompute!r}", "recompute",
                                 f"use auto or one of {', '.join(intra.RECOMPUTE_MODES)}")

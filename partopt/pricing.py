@@ -151,7 +151,7 @@ def price(g_mb: Graph, job: Job, options) -> Priced:
                                          tp_overlap=options.tp_comm_overlap,  # the objective does not see its hiding:
                                          cutoff=None if job.cutoff is None or options.tp_comm_overlap  # no cut-off
                                          else job.cutoff / job.count,
-                                         free=job.free, time_floor=job.time_floor)
+                                         free=job.free, time_floor=job.time_floor, state_layout=options.state_layout)
     except InfeasibleError:
         if job.cap is None:
             raise  # not a memory cap: a restriction that leaves some op no strategy (its message names it)
@@ -234,7 +234,8 @@ class Pricer:
             prepare_workers(self.workers)  # the pool may start within seconds: its fork server starts now
         self.prefix = (graph.name, graph.structural_hash(), options.backend, options.time_limit_s, options.seed,
                        options.memory_reserve, options.data_parallel_only, options.stage_data_parallel,
-                       (options.cost_model or costmodel.ANALYTICAL).key, options.overlap, options.tp_comm_overlap)
+                       (options.cost_model or costmodel.ANALYTICAL).key, options.overlap, options.tp_comm_overlap,
+                       options.state_layout)
 
     def view(self, mb: int) -> Graph:
         """The graph at microbatch size `mb` (built once)."""

@@ -723,22 +723,24 @@ class ParamStrategy:
 
 
 def param_strategies(graph: Graph, tensor: Tensor, mesh: LogicalMesh, allow_zero: bool = True,
-                     replicated: bool = False) -> list[ParamStrategy]:
-    """Every placement of a parameter (Shard on a divisible dim or Replicate per axis) × ZeRO choice.
+                     replicated: bool = False, layout: str = "zero") -> list[ParamStrategy]:
+    """Every placement of a parameter (Shard on a divisible dim or Replicate per axis) × ZeRO choice, its state
+    in the runtime's `layout` (`costmodel.STATE_LAYOUTS`).
 
     `replicated` keeps only whole copies (data parallelism; ZeRO still allowed). Kept under all they read: the
-    tensor's dims, their sizes, its dtype, the optimizer and the mesh's shape (a model's layers repeat their weights).
+    tensor's dims, their sizes, its dtype, the optimizer, the layout and the mesh's shape (a model's layers repeat
+    their weights).
     """
     key = ("param", tensor.dims, tuple(graph.dims[d] for d in tensor.dims), graph.dtype_of(tensor.name),
-           graph.optimizer, mesh.shape, allow_zero, replicated)
-    return _kept_strategies(key, lambda: _param_strategies(graph, tensor, mesh, allow_zero, replicated))
+           graph.optimizer, layout, mesh.shape, allow_zero, replicated)
+    return _kept_strategies(key, lambda: _param_strategies(graph, tensor, mesh, allow_zero, replicated, layout))
 
 
 def _param_strategies(graph: Graph, tensor: Tensor, mesh: LogicalMesh, allow_zero: bool,
-                      replicated: bool) -> list[ParamStrategy]:
+                      replicated: bool, layout: str) -> list[ParamStrategy]:
     """`param_strategies`, enumerated."""
     per_axis = [[R] + ([Shard(d) for d in tensor.dims] if size > 1 and not replicated else []) for size in mesh.shape]
-    memory = costmodel.param_memory(graph.numel(tensor.name), graph.dtype_of(tensor.name), graph.optimizer)
+    memory = costmodel.param_memory(graph.numel(tensor.name), graph.dtype_of(tensor.name), graph.optimizer, layout)
     result = []
     for placement in itertools.product(*per_axis):
         axes = [p.dim if isinstance(p, Shard) else None for p in placement]
@@ -758,7 +760,7 @@ def _param_strategies(graph: Graph, tensor: Tensor, mesh: LogicalMesh, allow_zer
 
 
 def param_sync_collectives(grad: Placement, param: ParamStrategy, nbytes: float,
-                           mesh: LogicalMesh) -> list[tuple[str, int, float]]:
+                           mesh: LogicalMesh, weight_bytes: float | None = None) -> list[tuple[str, int, float]]:
     """Per-iteration gradient synchronisation of one parameter (DESIGN §4 "Parameters").
 
     Gradients accumulate over microbatches in the consumer's layout `grad`; once per iteration
@@ -766,12 +768,15 @@ def param_sync_collectives(grad: Placement, param: ParamStrategy, nbytes: float,
     reduce-scatter plus an all-gather of the updated weights (and a complete gradient needs
     only that all-gather). A gradient that changes its split on both axes is one all-to-all over the
     mesh, priced as any resharding (`is_mesh_all_to_all`). The partial sums of a weight stored split
-    are not here: they are reduce-scattered every microbatch (`param_eager_collectives`).
+    are not here: they are reduce-scattered every microbatch (`param_eager_collectives`). `nbytes` are the
+    gradient's as reduced, `weight_bytes` the weights' (default: the same), which a ZeRO axis gathers.
     """
     template = _sync_template(_pattern(grad, param.placement), param.zero_axes, mesh.shape)
     if template is None:
         return reshard_collectives(grad, param.placement, nbytes, mesh)
-    return [(kind, axis, nbytes / divisor) for kind, axis, divisor, eager in template if not eager]
+    weights = nbytes if weight_bytes is None else weight_bytes
+    return [(kind, axis, (weights if kind == "all_gather" and axis in param.zero_axes else nbytes) / divisor)
+            for kind, axis, divisor, eager in template if not eager]
 
 
 def param_eager_collectives(grad: Placement, param: ParamStrategy, nbytes: float,

@@ -30,15 +30,15 @@ def _layouts(features):
 
 
 def _grid(graph, cluster, features):
-    """Every Megatron grid point of `small` priced, by brute force: (tp, pp, dp, B, sequence parallel, distributed
-    optimizer) -> iteration time."""
+    """Every Megatron grid point of `small` priced, by brute force, its state as Megatron-LM keeps it: (tp, pp, dp, B,
+    sequence parallel, distributed optimizer) -> iteration time."""
     times = {}
     for tp, pp, dp, sp, zero in _layouts(features):
         for count in (1, 2, 4, 8, 16):
             if count < pp or (16 // count) % dp:
                 continue
             try:
-                plan = uniform(graph, cluster, tp, pp, dp, count, zero=zero, sequence_parallel=sp)
+                plan = uniform(graph, cluster, tp, pp, dp, count, zero=zero, sequence_parallel=sp, state_layout="megatron")
             except InfeasibleError:
                 continue
             times[(tp, pp, dp, count, sp, zero)] = plan.iteration_time_s
@@ -61,7 +61,8 @@ def _leanest(graph, cluster, features) -> float:
     """The least per-device memory of any grid point of `small` with `features`: full recomputation, one sample per
     microbatch and rank (B = 16 / dp)."""
     return min(uniform(graph, cluster, tp, pp, dp, 16 // dp, zero=zero, sequence_parallel=sp, recompute="full",
-                       check_memory=False).memory_peak_bytes for tp, pp, dp, sp, zero in _layouts(features))
+                       check_memory=False, state_layout="megatron").memory_peak_bytes
+               for tp, pp, dp, sp, zero in _layouts(features))
 
 
 def test_megatron_features_fit_a_memory_cap_that_megatron_of_2021_does_not(small):

@@ -151,3 +151,26 @@ def test_megatron_layouts_re_derive_as_that_layout(tiny, tmp_path):
     assert result.exit_code == 1 and "$.iteration_time_s" in result.stdout
     solved = run("solve", tiny.graph_file, "--cluster", tiny.cluster_file, "--search", "megatron", "--json")
     assert solved.exit_code == 0, solved.output + solved.stderr
+
+
+@pytest.mark.parametrize("how", ["uniform", "search"])
+def test_a_plan_in_megatron_lm_s_state_layout_re_derives_in_it(tiny, how):
+    """A plan records its state layout (`state_layout`: Megatron-LM's fp32 gradients) and `check` prices it again
+    in that layout: the same plan read as the ZeRO paper's layout (the record dropped) holds less state."""
+    from partopt.evaluate import uniform
+
+    if how == "uniform":
+        plan = uniform(tiny.graph, tiny.cluster, tp=1, pp=1, dp=4, microbatches=2, zero=True, state_layout="megatron")
+    else:
+        plan = optimize(tiny.graph, tiny.cluster, microbatches=2, layers=2, workers=1, state_layout="megatron")
+    assert plan.options["state_layout"] == "megatron"
+    assert check.differences(plan, tiny.graph, tiny.cluster) == []
+    options = {k: v for k, v in plan.options.items() if k != "state_layout"}
+    found = check.differences(dataclasses.replace(plan, options=options), tiny.graph, tiny.cluster)
+    assert any("memory_bytes" in d.line() for d in found)
+
+
+def test_evaluate_refuses_a_state_layout_beside_a_plan_file(tiny):
+    result = run("evaluate", tiny.graph_file, "--cluster", tiny.cluster_file, "--plan", tiny.plan_file,
+                 "--state-layout", "megatron")
+    assert result.exit_code != 0 and "--state-layout" in result.stderr and "Traceback" not in result.output

@@ -173,3 +173,18 @@ def test_inflight_microbatches_under_1f1b():
     assert [cm.inflight_microbatches(i, 4, 2) for i in range(4)] == [2, 2, 2, 1]
     with pytest.raises(ValueError):
         cm.inflight_microbatches(4, 4, 16)
+
+
+@pytest.mark.parametrize("dtype, split", [("fp16", (2, 2, 16)), ("bf16", (2, 4, 12)), ("fp32", (4, 4, 8))])
+def test_megatron_lm_state_layout(dtype, split):
+    """Megatron-LM's bytes per parameter with Adam (docs/user-guide/features/dist_optimizer.md: 20, 18, 16): bf16
+    gradients accumulate in fp32, fp16 ones are copied to fp32 main gradients kept with the optimizer state."""
+    mem = cm.param_memory(1000, dtype, "adam", "megatron")
+    assert (mem.weights, mem.grads, mem.optimizer) == tuple(1000 * b for b in split)
+    assert cm.grad_width(dtype, "megatron") == split[1]
+    assert cm.grad_width(dtype) == cm.DTYPE_BYTES[dtype]
+
+
+def test_unknown_state_layout_is_an_instance_error():
+    with pytest.raises(InstanceError, match="deepspeed"):
+        cm.param_memory(10, "bf16", "adam", "deepspeed")

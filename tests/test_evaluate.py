@@ -48,19 +48,22 @@ def test_evaluating_a_solved_plan_reproduces_its_iteration_time(small_gpt, tmp_p
         assert b["working_bytes"] > 0 if search.get("recompute") else b["working_bytes"] >= 0
 
 
-def _mlp_data_parallel_by_hand(graph, n: int, state_per_param: int = 16, overlap: bool = False) -> float:
+def _mlp_data_parallel_by_hand(graph, n: int, state_per_param: int = 16, overlap: bool = False,
+                               grad_word: int | None = None) -> float:
     """One iteration of the 2-layer MLP data parallel over n NVLink devices of a p3 node, B = 1.
 
     Each op computes 1/n of the batch with replicated weights (roofline over its FLOPs and the bytes
-    it moves, forward + backward); once per iteration each weight gradient is all-reduced over the
-    n devices (bucketed) and the optimizer reads and writes its state (fp32 Adam: 16 B/param).
+    it moves, forward + backward); once per iteration each weight gradient, of `grad_word` bytes per element
+    (default: the graph's dtype), is all-reduced over the n devices (bucketed) and the optimizer reads and writes
+    its state (Adam: 16 B/param).
     With `overlap`, layer 1's reduction (R1) runs during layer 0's backward (B0) and layer 0's (R0)
     after it: R0 + max(0, R1 − B0) stays exposed (docs/COSTMODEL.md §5b).
     """
     cluster = preset("p3.16xlarge", 1)
     dev, link = cluster.device, cluster.intra_node
     b, h, f = (graph.dims[d] for d in ("b", "h", "f"))
-    word = 4  # fp32
+    word = costmodel.DTYPE_BYTES[graph.dtype]
+    grad_word = word if grad_word is None else grad_word
     act, out = word * b * f / n, word * b * h / n  # one device's fc1 and fc2 outputs
     ops = [  # (layer, training FLOPs, bytes read + written by one device: forward, backward; matmul)
         # a GEMM's backward is two GEMMs, each reading the output gradient and one operand, writing one gradient
@@ -71,12 +74,12 @@ def _mlp_data_parallel_by_hand(graph, n: int, state_per_param: int = 16, overlap
         (1, 3 * 2 * b * f * h / n, act + word * f * h + out, 2 * (act + word * f * h + out), True),  # fc2
         (1, 2 * b * h / n, out + word * h + out, out + word * h, False),  # bias2
     ]
-    times = [(layer, costmodel.compute_time(fl, fw + bw, dev, "fp32", mm), bw / (fw + bw))
+    times = [(layer, costmodel.compute_time(fl, fw + bw, dev, graph.dtype, mm), bw / (fw + bw))
              for layer, fl, fw, bw, mm in ops]
     compute = sum(t for _, t, _ in times)
     params = {0: [h * f, f], 1: [f * h, h]}
     # gradients are all-reduced in buckets: only the bandwidth terms count
-    reduce = {layer: sum(2 * (n - 1) / n * word * p / link.bandwidth for p in ps) for layer, ps in params.items()}
+    reduce = {layer: sum(2 * (n - 1) / n * grad_word * p / link.bandwidth for p in ps) for layer, ps in params.items()}
     optimizer = sum(costmodel.compute_time(0.0, 2 * state_per_param * p, dev, "fp32", False)
                     for ps in params.values() for p in ps)
     if not overlap:
@@ -103,6 +106,34 @@ def test_the_optimizer_sets_state_bytes_and_step_time(optimizer, state_per_param
     plan = uniform(graph, preset("p3.16xlarge", 1), tp=1, pp=1, dp=8, microbatches=1, overlap=False)
     assert plan.iteration_time_s == pytest.approx(_mlp_data_parallel_by_hand(graph, 8, state_per_param), rel=1e-9)
     assert plan.stages[0].breakdown["param_bytes"] == pytest.approx(graph.num_params * state_per_param)
+
+
+@pytest.mark.parametrize("dtype, layout, state_per_param, grad_word", [
+    ("bf16", "zero", 2 + 2 + 12, 2),  # the ZeRO paper's mixed-precision Adam
+    ("bf16", "megatron", 2 + 4 + 12, 4),  # Megatron-LM: bf16 gradients accumulate and all-reduce in fp32 (18 B)
+    ("fp16", "megatron", 2 + 2 + 16, 2),  # Megatron-LM: fp16 gradients, copied to fp32 main gradients (20 B)
+    ("fp32", "megatron", 4 + 4 + 8, 4),  # fp32: no copies (16 B), as in Megatron-LM's table
+])
+def test_the_state_layout_sets_state_bytes_and_the_gradient_all_reduce(dtype, layout, state_per_param, grad_word):
+    """Megatron-LM's bytes per parameter (docs/user-guide/features/dist_optimizer.md: 20, 18 and 16 without the
+    distributed optimizer) and the dtype its gradients are all-reduced in, against the hand formula."""
+    graph = dataclasses.replace(io.read_graph(INSTANCES / "mlp-2layer.json"), dtype=dtype)
+    plan = uniform(graph, preset("p3.16xlarge", 1), tp=1, pp=1, dp=8, microbatches=1, overlap=False,
+                   state_layout=layout)
+    assert plan.stages[0].breakdown["param_bytes"] == pytest.approx(graph.num_params * state_per_param)
+    assert plan.iteration_time_s == pytest.approx(
+        _mlp_data_parallel_by_hand(graph, 8, state_per_param, grad_word=grad_word), rel=1e-9)
+
+
+@pytest.mark.parametrize("dtype, layout, whole, split", [
+    ("fp16", "megatron", 4, 16), ("bf16", "megatron", 6, 12), ("fp32", "megatron", 8, 8), ("bf16", "zero", 4, 12)])
+def test_the_distributed_optimizer_splits_what_megatron_lm_says_it_splits(dtype, layout, whole, split):
+    """With the distributed optimizer over d ranks, Megatron-LM's table gives 4 + 16/d (fp16), 6 + 12/d (bf16) and
+    8 + 8/d (fp32) bytes per parameter; the ZeRO paper 4 + 12/d."""
+    graph = dataclasses.replace(io.read_graph(INSTANCES / "mlp-2layer.json"), dtype=dtype)
+    plan = uniform(graph, preset("p3.16xlarge", 1), tp=1, pp=1, dp=8, microbatches=1, zero=True, state_layout=layout)
+    assert plan.stages[0].breakdown["param_bytes"] == pytest.approx(graph.num_params * (whole + split / 8))
+    assert plan.options.get("state_layout") == (None if layout == "zero" else layout)
 
 
 def test_uniform_zero_shards_optimizer_state_over_data_parallel_ranks():

@@ -132,3 +132,16 @@ def test_a_gradient_sync_that_changes_both_splits_is_the_same_exchange():
     stored = ParamStrategy((Shard("c"), Shard("c")), (), (0.0, 0.0, 0.0))
     assert param_sync_collectives((Shard("a"), Shard("a")), stored, 128 * KIB, grid) == [
         ("all_to_all", 0, 16 * KIB), ("all_to_all", 1, 4 * KIB)]
+
+
+def test_a_zero_axis_reduce_scatters_the_gradient_and_gathers_the_weights_at_their_own_widths():
+    """Megatron-LM's distributed optimizer on bf16 weights: the gradient (fp32, 4 B per element) is reduce-scattered
+    over the data-parallel axis, the updated weights (bf16, 2 B) all-gathered; without `weight_bytes` both move the
+    gradient's bytes. A replicated weight of 1 Mi elements on a (4, 2) mesh, its gradient a pending sum on axis 0."""
+    grid = mesh(4, 2, 1e12, 1e12)
+    stored = ParamStrategy((R, R), (0,), (0.0, 0.0, 0.0))
+    elements = 2**20
+    assert param_sync_collectives((P, R), stored, 4 * elements, grid, 2 * elements) == [
+        ("reduce_scatter", 0, 4 * elements), ("all_gather", 0, 2 * elements)]
+    assert param_sync_collectives((P, R), stored, 4 * elements, grid) == [
+        ("reduce_scatter", 0, 4 * elements), ("all_gather", 0, 4 * elements)]
