@@ -33,7 +33,7 @@ BACKWARD_FACTOR: Mapping[str, float] = {"matmul": 2.0, "attention": 2.5, "other"
 OPTIMIZER_STATE: Mapping[str, tuple[int, int]] = {"adam": (12, 8), "sgd": (8, 4), "adafactor": (4, 0)}
 TRAINABLE_DTYPES: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
-# How the training runtime lays out a 16-bit model's gradients (docs/COSTMODEL.md §5, "Parameter state").
+# How the training runtime lays out a 16-bit model's gradients (docs/COSTMODEL.md §5, "The runtime's state layout").
 # zero: the ZeRO paper's accounting (Rajbhandari et al., SC'20), gradients in the weights' dtype, 16 bytes per
 # parameter with Adam. megatron: Megatron-LM's (docs/user-guide/features/dist_optimizer.md; megatron/training/
 # arguments.py): bf16 gradients accumulate and reduce in fp32 (18 bytes), and fp16 ones are copied to fp32 main

@@ -73,7 +73,9 @@ def optimize(graph: Graph, cluster: Cluster, progress: Progress | None = None, c
     (restricted searches, the benchmarks' baselines: one stage on the whole cluster; stages of
     one device; one data-parallel stage with ZeRO allowed, like DeepSpeed; pipeline stages that
     are each plain data parallel, like PP-DP), seed, workers, recompute ("auto" | "none" |
-    "selective" | "full"), cost_model (a `costmodel.CostModel`; default analytical). Give them as keywords or as one `options=Options(...)`, not both.
+    "selective" | "full"), cost_model (a `costmodel.CostModel`; default analytical), state_layout ("zero" |
+    "megatron": parameter state as the runtime keeps it, `costmodel.STATE_LAYOUTS`). Give them as keywords or as one
+    `options=Options(...)`, not both.
     `cache`: a dict that keeps the per-layer ILP solutions; pass the same one to several calls (a
     full search, then its restricted variants) to solve each distinct layer ILP once.
     """
