@@ -138,6 +138,7 @@ class Point:
     sequence_parallel: bool  # every norm split along its sequence over the tensor-parallel axis (Megatron's flag)
     shard_weights: bool  # every parameter split over the data-parallel axis, gathered for each use (ZeRO-3, FSDP)
     tp_comm_overlap: bool  # tensor-parallel collectives hidden under the GEMMs (Megatron's --tp-comm-overlap)
+    state_layout: str  # how the run's runtime kept parameter state (`costmodel.STATE_LAYOUTS`)
     overlap: bool
     memory_reserve: float | None  # the fraction of device memory kept free when pricing it (None: partopt's default)
     check_memory: bool  # False: the run is priced as run, each layer at its fastest, whatever memory the model gives it
@@ -209,7 +210,8 @@ def points_from_dict(data: Any, where: str = "", base: Path = Path(".")) -> Poin
             tp=plan["tp"], pp=plan["pp"], dp=plan["dp"], microbatches=plan.get("microbatches"),
             recompute=plan.get("recompute", "auto"), zero=plan.get("zero", False),
             sequence_parallel=plan.get("sequence_parallel", False), shard_weights=plan.get("shard_weights", False),
-            tp_comm_overlap=plan.get("tp_comm_overlap", False), overlap=plan.get("overlap", True),
+            tp_comm_overlap=plan.get("tp_comm_overlap", False), state_layout=plan.get("state_layout", "zero"),
+            overlap=plan.get("overlap", True),
             memory_reserve=plan.get("memory_reserve"), check_memory=plan.get("check_memory", True),
             schedule=plan.get("schedule", "1f1b"), virtual_stages=plan.get("virtual_stages", 1),
             stage_layers=tuple(plan["stage_layers"]) if "stage_layers" in plan else None,
@@ -254,7 +256,7 @@ def ratio(point: Point, cluster: Cluster, workers: int | None = None) -> float:
     try:
         plan = uniform(point.graph, cluster, point.tp, point.pp, point.dp, point.microbatches,
                        zero=point.zero, sequence_parallel=point.sequence_parallel, shard_weights=point.shard_weights,
-                       tp_comm_overlap=point.tp_comm_overlap,
+                       tp_comm_overlap=point.tp_comm_overlap, state_layout=point.state_layout,
                        recompute=point.recompute, overlap=point.overlap, workers=workers,
                        check_memory=point.check_memory,
                        **({} if point.memory_reserve is None else {"memory_reserve": point.memory_reserve}),

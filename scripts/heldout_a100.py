@@ -80,13 +80,15 @@ TABLE_2 = tuple(
 
 def predict(run: Run, cluster: Cluster) -> float:
     """Predicted per-GPU TFLOP/s of `run` priced as run (1F1B, full recomputation, no overlap; ZeRO-3 as weights and
-    optimizer state split over the data-parallel ranks, `uniform`'s shard_weights), 96 form."""
+    optimizer state split over the data-parallel ranks, `uniform`'s shard_weights), 96 form. The PTD-P runs ran
+    Megatron-LM, priced as the fitted points of its runs are: its state layout (fp32 gradients), no memory reserve
+    (published as having fit); ZeRO-3's ran DeepSpeed, priced in the ZeRO paper's layout."""
     graph = models.generate("gpt", hidden=run.hidden, layers=run.layers, heads=run.heads, seq=SEQ, vocab=VOCAB,
                             batch=run.batch, attention_dropout=ATTENTION_DROPOUT)
     dp = run.gpus // (run.tp * run.pp)
     plan = uniform(graph, cluster.resized(run.gpus // cluster.devices_per_node), run.tp, run.pp, dp,
                    run.batch // (dp * run.microbatch), recompute="full", overlap=False, zero=run.zero3,
-                   shard_weights=run.zero3)
+                   shard_weights=run.zero3, **({} if run.zero3 else {"state_layout": "megatron", "memory_reserve": 0.0}))
     return gpt_flops(run.batch, SEQ, run.layers, run.hidden, VOCAB) / plan.iteration_time_s / run.gpus / 1e12
 
 

@@ -402,6 +402,8 @@ BAD_FILES = {
     "a-cluster-file": (cluster_to_dict(preset("p3.16xlarge")), r"\$\.format: expected 'partopt\.points'"),
     "half-a-network": (_file(_point(cluster={"preset": "p3.16xlarge", "nodes": 1, "inter_node": {"bandwidth_gbps": 5}})),
                        r"\$\.points\[0\]\.cluster\.inter_node.*shared_by_node"),
+    "unknown-state-layout": (_file(_point(plan={"tp": 1, "pp": 1, "dp": 1, "state_layout": "deepspeed"})),
+                             r"\$\.points\[0\]\.plan\.state_layout: unknown value 'deepspeed'"),
     "unknown-schedule": (_file(_point(plan={"tp": 1, "pp": 1, "dp": 1, "schedule": "pipedream"})),
                          r"\$\.points\[0\]\.plan\.schedule: unknown value 'pipedream'"),
     "interleaved-one-chunk": (_file(_point(model=_gpt(64, 2, layers=4), cluster={"preset": "p3.16xlarge", "nodes": 1,
@@ -484,3 +486,20 @@ def test_a_point_on_its_own_network_keeps_the_presets_fitted_efficiency():
     assert calibrate.point_cluster(point, preset("dgx-a100")).inter_node.bandwidth == 50e9
     own = calibrate.points_from_dict(_file(_point(cluster={"preset": "dgx-a100", "nodes": 2}))).points[0]
     assert calibrate.point_cluster(own, fitted).inter_node == fitted.inter_node
+
+
+def test_a_point_is_priced_in_the_state_layout_its_runtime_kept():
+    """A bf16 point's `state_layout` megatron (Megatron-LM's fp32 gradients) reaches its pricing: its data-parallel
+    all-reduce moves twice the bytes, so the same run is predicted slower than in the default layout, by exactly the
+    time of `uniform` in that layout."""
+    model = {"generator": "gpt", "args": {"hidden": 256, "layers": 2, "heads": 4, "seq": 64, "vocab": 512, "batch": 8,
+                                          "dtype": "bf16"}}
+    plans = [{"tp": 1, "pp": 1, "dp": 8, "microbatches": 1, "recompute": "none", "overlap": False, **layout}
+             for layout in ({}, {"state_layout": "megatron"})]
+    zero, megatron = (calibrate.points_from_dict(_file(_point(model=model, cluster={"preset": "dgx-a100", "nodes": 1},
+                                                              plan=plan))).points[0] for plan in plans)
+    assert (zero.state_layout, megatron.state_layout) == ("zero", "megatron")
+    base = preset("dgx-a100", 1)
+    slow = uniform(megatron.graph, base, 1, 1, 8, 1, recompute="none", overlap=False, state_layout="megatron")
+    assert calibrate.ratio(megatron, base) == pytest.approx(1.0 / slow.iteration_time_s, rel=1e-12)
+    assert calibrate.ratio(megatron, base) < calibrate.ratio(zero, base)
