@@ -53,6 +53,13 @@ def _check_kind(kind: str) -> None:
         raise InstanceError(f"unknown collective {kind!r}", hint=f"use one of {list(COLLECTIVES)}")
 
 
+def check_state_layout(layout: str) -> None:
+    """InstanceError unless `layout` is one of `STATE_LAYOUTS`."""
+    if layout not in STATE_LAYOUTS:
+        raise InstanceError(f"unknown parameter state layout {layout!r}", "state_layout",
+                            f"use one of {', '.join(STATE_LAYOUTS)}")
+
+
 def _check_nonnegative(name: str, value: float) -> None:
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
@@ -159,9 +166,7 @@ def param_memory(numel: float, dtype: str, optimizer: str = "adam", layout: str 
     if optimizer not in OPTIMIZER_STATE:
         raise InstanceError(f"unknown optimizer {optimizer!r}", "optimizer", f"use one of {list(OPTIMIZER_STATE)}")
     _check_nonnegative("numel", numel)
-    if layout not in STATE_LAYOUTS:
-        raise InstanceError(f"unknown parameter state layout {layout!r}", "state_layout",
-                            f"use one of {list(STATE_LAYOUTS)}")
+    check_state_layout(layout)
     width = DTYPE_BYTES[dtype]
     low_precision, fp32 = OPTIMIZER_STATE[optimizer]
     state = fp32 if width == 4 else low_precision  # fp8 weights and grads keep the fp32 master too

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from partopt import costmodel
 from partopt.errors import InstanceError, PartoptError
 from partopt.ops import NORM_KINDS
 from partopt.plan import OpStrategy, Plan, StagePlan
@@ -648,8 +649,9 @@ def megatron_warnings(plan: Plan) -> list[str]:
     precision = _precision(plan)
     if precision not in ("fp16", "bf16") or plan.options.get("state_layout", "zero") == "megatron":
         return []
-    return [f"the plan was priced at the ZeRO paper's 16 bytes of state per parameter (state layout zero), but "
-            f"Megatron-LM keeps {'20' if precision == 'fp16' else '18'} in {precision} (fp32 gradients; "
+    priced, kept = (costmodel.param_memory(1, precision, "adam", layout).total for layout in ("zero", "megatron"))
+    return [f"the plan was priced at the ZeRO paper's {priced} bytes of state per parameter (state layout zero), but "
+            f"Megatron-LM keeps {kept} in {precision} (fp32 gradients; "
             "docs/COSTMODEL.md §5): plan with --state-layout megatron to price the memory it will use"]
 
 

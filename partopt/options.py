@@ -57,9 +57,7 @@ class Options:
         if self.schedule not in ("auto", *SCHEDULES):
             raise InstanceError(f"unknown pipeline schedule {self.schedule!r}", "schedule",
                                 f"use auto or one of {', '.join(SCHEDULES)}")
-        if self.state_layout not in costmodel.STATE_LAYOUTS:
-            raise InstanceError(f"unknown parameter state layout {self.state_layout!r}", "state_layout",
-                                f"use one of {', '.join(costmodel.STATE_LAYOUTS)}")
+        costmodel.check_state_layout(self.state_layout)
         if self.recompute not in ("auto", *intra.RECOMPUTE_MODES):
             raise InstanceError(f"unknown recomputation mode {self.recompute!r}", "recompute",
                                 f"use auto or one of {', '.join(intra.RECOMPUTE_MODES)}")
