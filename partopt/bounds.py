@@ -154,22 +154,24 @@ def resident_bytes(g_mb: Graph, base: list[list[Op]], alike: Sequence[int] | Non
     several base layers (a tied embedding) is in `shared_state` instead. Layers alike share the sum over their
     parameters; what they share with other layers is taken out of each one's own."""
     shared = shared_params(g_mb, base)
-    held = per_layer(base, alike, lambda ops: sum(_state(g_mb, t) for t in _params(g_mb, ops)))
-    return [h - sum(_state(g_mb, t) for t in _params(g_mb, ops) if t in shared) for h, ops in zip(held, base)]
+    held = per_layer(base, alike, lambda ops: sum(state_bytes(g_mb, t) for t in _params(g_mb, ops)))
+    return [h - sum(state_bytes(g_mb, t) for t in _params(g_mb, ops) if t in shared) for h, ops in zip(held, base)]
 
 
 def shared_state(g_mb: Graph, base: list[list[Op]]) -> list[tuple[float, list[int]]]:
     """Each parameter read by several base layers (`shared.shared_params`): its training state on all devices
     together and its readers. A stage holding any of them holds the parameter once (`shared.correction`)."""
-    return [(_state(g_mb, t), list(units)) for t, units in shared_params(g_mb, base).items()]
+    return [(state_bytes(g_mb, t), list(units)) for t, units in shared_params(g_mb, base).items()]
 
 
 def _params(g_mb: Graph, ops: list[Op]) -> dict[str, None]:
     return dict.fromkeys(t for op in ops for t in op.inputs if g_mb.tensors[t].role == "param")
 
 
-def _state(g_mb: Graph, tensor: str) -> float:
-    return costmodel.param_memory(g_mb.numel(tensor), g_mb.dtype_of(tensor), g_mb.optimizer).total
+def state_bytes(graph: Graph, tensor: str) -> float:
+    """A parameter's training state (weights, gradients, optimizer) on all devices together
+    (`costmodel.param_memory`)."""
+    return costmodel.param_memory(graph.numel(tensor), graph.dtype_of(tensor), graph.optimizer).total
 
 
 def options_in_reach(limit: float, objectives: dict[tuple, list[float | None]], resident: Sequence[float],

@@ -921,8 +921,7 @@ def _microbatch_views(graph: Graph, counts: list[int]) -> dict[int, Graph]:
 
 def _state_bytes(graph: Graph) -> float:
     """Parameter state of the whole model: weights, gradients, optimizer (`costmodel.param_memory`)."""
-    return sum(costmodel.param_memory(graph.numel(t.name), graph.dtype_of(t.name), graph.optimizer).total
-               for t in graph.params)
+    return sum(bounds.state_bytes(graph, t.name) for t in graph.params)
 
 
 def _no_plan(graph: Graph, cluster: Cluster, budget: float) -> InfeasibleError:
