@@ -111,6 +111,24 @@ def test_asked_for_any_solution_under_a_cutoff_highs_stops_at_the_first():
     assert seen["fewer LPs"] >= 3 and seen["ruled out"] > 5, seen
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_solve_stopped_by_its_limit_above_the_cutoff_rules_nothing_out(backend):
+    """Two nodes of three strategies (costs 1, 2, 3; memory 5, 3, 1; at most 6 together): by hand the optimum is 4
+    ((1, 3), (2, 2) or (3, 1) in cost), under a cutoff of 5. Stopped at once with only its start (cost 6, over the
+    cutoff), a solve has proven nothing: it must not answer "cutoff", the verdict that nothing is under it, which
+    would drop the option unseen. Run to its end it finds the optimum, and rules out a cutoff of 4."""
+    model = solvers.Model(objective=[1, 2, 3, 1, 2, 3],
+                          rows=[([0, 1, 2], [1, 1, 1], 1, 1), ([3, 4, 5], [1, 1, 1], 1, 1),
+                                ([0, 1, 2, 3, 4, 5], [5, 3, 1, 5, 3, 1], 0, 6)],
+                          start={0: 0, 1: 0, 2: 1, 3: 0, 4: 0, 5: 1})
+    stopped = solvers.solve(model, backend, work_limit=0, cutoff=5.0)
+    assert stopped.status != "cutoff"
+    assert stopped.values is None or model.value(stopped.values) == pytest.approx(4.0)
+    whole = solvers.solve(model, backend, cutoff=5.0)
+    assert (whole.status, whole.objective) == ("optimal", pytest.approx(4.0))
+    assert solvers.solve(model, backend, cutoff=4.0).status == "cutoff"
+
+
 def test_the_model_offset_is_the_cost_its_objective_leaves_out():
     """The cutoff reaches the solver as (cutoff − offset) · scale: the offset must be every constant cost."""
     checked = 0

@@ -178,8 +178,10 @@ def solve(model: Model, backend: str = "highs", time_limit_s: float = TIME_LIMIT
     may prune every branch whose bound reaches it (HiGHS: `objective_bound`; CP-SAT and CBC: the objective as a
     row). A solve whose best solution is at or above it (within 1e-9 relatively: a MIP may return one at the
     bound, rounded under it), or that finds none, returns status "cutoff" (no
-    values): the optimum is at least `cutoff`, or the program is infeasible. A solution below it is the
-    optimum, as without a cutoff.
+    values) when it ran to its end: the optimum is at least `cutoff`, or the program is infeasible. A solve
+    stopped by a limit before any solution under the cutoff keeps its status ("limit", "timeout") with no values:
+    it proves nothing (HiGHS stopped at its first node returned its start, above the cutoff). A solution below it
+    is the optimum, as without a cutoff.
 
     `first_under_cutoff` (HiGHS; the other backends solve on to the optimum): only whether a solution under the
     cutoff exists matters, so the solve stops at the first one found, with status "limit" (a solution, no proof)."""
@@ -193,7 +195,9 @@ def solve(model: Model, backend: str = "highs", time_limit_s: float = TIME_LIMIT
     result = run(model, Options(time_limit_s=time_limit_s, seed=seed, work_limit=work,
                                 relaxation_first=relaxation_first, cutoff=cutoff,
                                 first_under_cutoff=first_under_cutoff and cutoff is not None))
-    if cutoff is not None and (result.status == "infeasible" or (result.objective is not None
-                                                                  and not under(result.objective, cutoff))):
+    if cutoff is None or (result.objective is not None and under(result.objective, cutoff)):
+        return result
+    if result.status in ("optimal", "infeasible"):  # the search ran to its end: nothing is under the cutoff
         return Result("cutoff", None, None, None, result.time_s, result.backend, result.work)
-    return result
+    # stopped by a limit with no solution under the cutoff (its start, say, above it): no verdict, and no solution
+    return Result(result.status, None, None, result.bound, result.time_s, result.backend, result.work)
