@@ -19,25 +19,33 @@ from partopt.plan import Plan
 
 
 # Megatron-LM's standard features besides the (tp, pp, dp) grid that the search tries at each grid point: sequence
-# parallelism (with tp > 1) and the distributed optimizer, ZeRO-1 (with dp > 1). Megatron-LM of 2021, which Alpa
-# compared against, had neither: its reproduction passes none (`partopt.bench.alpa`).
-MEGATRON_FEATURES = ("sequence_parallel", "distributed_optimizer")
+# parallelism (with tp > 1), the distributed optimizer, ZeRO-1 (with dp > 1), and the interleaved schedule (with pp > 1,
+# each v of `--num-layers-per-virtual-pipeline-stage` that splits a stage's layers evenly). Megatron-LM as Alpa ran it
+# had none of them (the first two did not exist yet; Alpa's benchmark_gpt_bert_one_case.py passes no virtual stages):
+# its reproduction passes none (`partopt.bench.alpa`).
+MEGATRON_FEATURES = ("sequence_parallel", "distributed_optimizer", "interleaved")
 
 
 def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32,
              features: Sequence[str] = MEGATRON_FEATURES, **options) -> Plan:
     """The best Megatron-style uniform plan over the (tp ≤ node, pp, dp, microbatches) grid, each grid point with and
-    without each of `features` that applies there (`MEGATRON_FEATURES`), its parameter state laid out as Megatron-LM
-    keeps it (`state_layout` "megatron": fp32 gradients; docs/COSTMODEL.md §5) unless `options` say otherwise.
+    without each of `features` that applies there (`MEGATRON_FEATURES`; the interleaved schedule with each of its v),
+    its parameter state laid out as Megatron-LM keeps it (`state_layout` "megatron": fp32 gradients;
+    docs/COSTMODEL.md §5) unless `options` say otherwise.
 
     A grid point whose parameter state split only by tp·pp (and the optimizer's by dp as well, with the distributed
     optimizer) exceeds the device is skipped unpriced; the others search their microbatch count (`_fastest_count`).
-    `options` are `evaluate.uniform`'s keywords (backend, time_limit_s, memory_reserve, recompute, state_layout).
+    `options` are `evaluate.uniform`'s keywords (backend, time_limit_s, memory_reserve, recompute, state_layout), and
+    `schedule`: "auto" (the default: 1F1B, and interleaved with that feature), "1f1b" or "interleaved" alone.
     """
     unknown = sorted(set(features) - set(MEGATRON_FEATURES))
     if unknown:
         raise InstanceError(f"unknown Megatron-LM feature {unknown[0]!r}", "features",
                             f"use some of {', '.join(MEGATRON_FEATURES)}")
+    schedule = options.pop("schedule", "auto")
+    if schedule not in ("auto", "1f1b", "interleaved"):
+        raise InstanceError(f"Megatron's grid runs 1f1b and interleaved, not {schedule}", "schedule",
+                            "use auto, 1f1b or interleaved, or price a uniform plan of it by `evaluate.uniform`")
     g, m = cluster.num_devices, cluster.devices_per_node
     layers = len(graph.layers)
     options.setdefault("state_layout", "megatron")
@@ -56,27 +64,39 @@ def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32,
                 kept = state.weights + state.grads + state.optimizer / (dp if zero else 1)
                 if kept / (tp * pp) > cluster.device.memory_bytes:
                     continue
-                plan, error = _fastest_count(graph, cluster, tp, pp, dp, max_microbatch, zero=zero,
-                                             sequence_parallel=sp, **options)
-                last_error = error or last_error
-                if plan is not None and (best is None or plan.iteration_time_s < best.iteration_time_s):
-                    best = plan
+                for v in _virtual_stages(layers, pp, features, schedule):
+                    plan, error = _fastest_count(graph, cluster, tp, pp, dp, max_microbatch, zero=zero,
+                                                 sequence_parallel=sp, virtual_stages=v,
+                                                 schedule="interleaved" if v > 1 else "1f1b", **options)
+                    last_error = error or last_error
+                    if plan is not None and (best is None or plan.iteration_time_s < best.iteration_time_s):
+                        best = plan
     if best is None:
         raise last_error or InfeasibleError("no Megatron grid point fits", graph.name, "use more GPUs")
     return best
 
 
+def _virtual_stages(layers: int, pp: int, features: Sequence[str], schedule: str) -> list[int]:
+    """The v a grid point of `pp` stages runs under `schedule` (of `megatron`): 1 (1F1B) but when interleaved alone,
+    and, when interleaved alone or with the interleaved feature, every v > 1 that splits each stage's layers into v
+    equal chunks (Megatron-LM's `--num-layers-per-virtual-pipeline-stage`; none at pp 1)."""
+    interleaved = schedule == "interleaved" or schedule == "auto" and "interleaved" in features
+    return ([1] if schedule != "interleaved" else []) + (
+        [v for v in divisors(layers // pp) if v > 1] if interleaved and pp > 1 else [])
+
+
 def _fastest_count(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, max_microbatch: int,
                    **options) -> tuple[Plan | None, InfeasibleError | None]:
     """One grid point's fastest plan over its microbatch count, and the error that ended the search if any: the
-    per-rank microbatch grows through the powers of two (1 … `max_microbatch`, at least pp microbatches) until the
-    plan stops fitting or gets slower. The iteration time (B + pp - 1)·(a + c·mb) + sync with B = batch / mb is
-    convex in mb, and memory only grows with it."""
+    per-rank microbatch grows through the powers of two (1 … `max_microbatch`, at least pp microbatches, a multiple
+    of pp when interleaved, as Megatron-LM requires) until the plan stops fitting or gets slower. The iteration time
+    (B + (pp - 1) / v)·(a + c·mb) + sync with B = batch / mb is convex in mb, and memory only grows with it."""
     batch = graph.dims[graph.batch_dim]
+    interleaved = options.get("schedule") == "interleaved"
     best, previous = None, math.inf
     for count in sorted((c for c in (2**e for e in range(batch.bit_length()))
                          if c >= pp and batch % c == 0 and (batch // c) % dp == 0
-                         and batch // c // dp <= max_microbatch), reverse=True):
+                         and batch // c // dp <= max_microbatch and not (interleaved and c % pp)), reverse=True):
         try:
             plan = uniform(graph, cluster, tp, pp, dp, count, **options)
         except InfeasibleError as err:
@@ -91,12 +111,14 @@ def _fastest_count(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, ma
 
 def megatron_grid_point(plan: Plan) -> str:
     """'tp 2 · pp 4 · dp 1 · B 64' of a uniform plan, with its features ('· sequence parallel', '· distributed
-    optimizer') when it uses them."""
+    optimizer', '· interleaved v 2') when it uses them."""
     tp_dp = plan.stages[0].logical_mesh
     layout = plan.options.get("megatron", {})
+    v = plan.virtual_stages
     features = [name for key, name in (("sequence_parallel", "sequence parallel"), ("zero", "distributed optimizer"))
-                if layout.get(key)]
-    return " · ".join([f"tp {tp_dp[1]} · pp {len(plan.stages)} · dp {tp_dp[0]} · B {plan.num_microbatches}", *features])
+                if layout.get(key)] + ([f"interleaved v {v}"] if plan.schedule == "interleaved" else [])
+    return " · ".join([f"tp {tp_dp[1]} · pp {len(plan.stages) // v} · dp {tp_dp[0]} · B {plan.num_microbatches}",
+                       *features])
 
 
 def deepspeed(graph: Graph, cluster: Cluster, **options) -> Plan:

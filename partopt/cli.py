@@ -518,7 +518,8 @@ def _render_plan(plan: Plan, calibration: dict[str, Any] | None) -> list[Table]:
 @click.option("--search", type=click.Choice(["full", "intra-only", "inter-only", "data-parallel-only", "pp-dp", "megatron"]),
               default="full", show_default=True,
               help="Restrict the search (baselines); megatron: the best uniform (tp, pp, dp, microbatches) grid point, "
-              "each with and without sequence parallelism and the distributed optimizer (it searches its own "
+              "each with and without sequence parallelism, the distributed optimizer and the interleaved schedule "
+              "(--schedule 1f1b or interleaved: that one alone; it searches its own "
               "microbatches and stages: --microbatches, --layers, --logical-shapes, --submeshes and --workers do not "
               "apply).")
 @click.option("--logical-shapes", type=click.Choice(["node_local", "all"]), default="node_local", show_default=True,
@@ -536,7 +537,7 @@ def _render_plan(plan: Plan, calibration: dict[str, Any] | None) -> list[Table]:
 @click.option("--schedule", type=click.Choice(["auto", *SCHEDULES]), default="auto", show_default=True,
               help="Pipeline schedule: auto (the best the search plans: 1f1b and zero-bubble (ZB-H1) with free cuts, "
               "interleaved with Megatron's uniform chunks) or one of them (docs/COSTMODEL.md §5b; --search megatron "
-              "runs 1f1b).")
+              "runs 1f1b and interleaved, or the one given).")
 @click.option("--profile", "profile_file", type=click.Path(),
               help="Measured op times and collective bandwidths (a partopt.profile file); the analytical model prices the rest.")
 @click.option("--state-layout", type=click.Choice(costmodel.STATE_LAYOUTS),
@@ -566,10 +567,10 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
     cost_model = read_profile(profile_file) if profile_file else None
     counts = None if microbatches == "auto" else _counts(microbatches, "--microbatches",
                                                          "auto, --microbatches 128 or --microbatches 64,128,256")
-    if search == "megatron" and schedule not in ("auto", "1f1b"):
-        raise InstanceError(f"--search megatron plans 1f1b, not {schedule}", "--schedule",
-                            "price a Megatron layout with another schedule by `partopt evaluate --tp --pp --dp "
-                            "--schedule` (interleaved: --virtual-stages V)")
+    if search == "megatron" and schedule not in ("auto", "1f1b", "interleaved"):
+        raise InstanceError(f"--search megatron plans 1f1b and Megatron's interleaved schedule, not {schedule}",
+                            "--schedule", "use --schedule auto (both), 1f1b or interleaved, or price one Megatron "
+                            f"layout by `partopt evaluate --tp --pp --dp --schedule {schedule}`")
     restrict = {"intra-only": {"intra_only": True}, "inter-only": {"inter_only": True},
                 "data-parallel-only": {"data_parallel_only": True},
                 "pp-dp": {"stage_data_parallel": True}}.get(search, {})
@@ -578,8 +579,9 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
                   TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("price", total=None)
         layout = {"state_layout": state_layout} if state_layout else {}
-        plan = baselines.megatron(graph, cluster, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
-                                  recompute=recompute, cost_model=cost_model, overlap=not no_overlap, **layout) if search == "megatron" else optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
+        plan = baselines.megatron(graph, cluster, schedule=schedule, backend=solver, time_limit_s=time_limit,
+                                  memory_reserve=memory_reserve, recompute=recompute, cost_model=cost_model,
+                                  overlap=not no_overlap, **layout) if search == "megatron" else optimize(graph, cluster, progress=lambda done, total: bar.update(task, completed=done, total=total),
                         microbatches=counts or "auto",
                         layers=layers, backend=solver, time_limit_s=time_limit, memory_reserve=memory_reserve,
                         logical_shapes=logical_shapes, submesh_family=submeshes, workers=workers,

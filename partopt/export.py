@@ -645,13 +645,14 @@ def _precision(plan: Plan) -> str | None:
 
 def megatron_warnings(plan: Plan) -> list[str]:
     """What Megatron-LM will run differently from how `plan` was priced, one line each: a 16-bit plan priced in the
-    ZeRO paper's state layout, whose gradients Megatron-LM keeps in fp32 (`costmodel.STATE_LAYOUTS`)."""
+    ZeRO paper's state layout, whose gradients Megatron-LM keeps in fp32 (`costmodel.STATE_LAYOUTS`). The plan does
+    not record its optimizer, and needs not: the fp32 gradients add the same bytes per parameter under any."""
     precision = _precision(plan)
     if precision not in ("fp16", "bf16") or plan.options.get("state_layout", "zero") == "megatron":
         return []
     priced, kept = (costmodel.param_memory(1, precision, "adam", layout).total for layout in ("zero", "megatron"))
-    return [f"the plan was priced at the ZeRO paper's {priced} bytes of state per parameter (state layout zero), but "
-            f"Megatron-LM keeps {kept} in {precision} (fp32 gradients; "
+    return [f"the plan was priced in the ZeRO paper's state layout (zero), but Megatron-LM keeps {kept - priced} more "
+            f"bytes per parameter in {precision} (fp32 gradients; with Adam {kept} bytes where {priced} were priced; "
             "docs/COSTMODEL.md §5): plan with --state-layout megatron to price the memory it will use"]
 
 

@@ -20,29 +20,38 @@ def small():
     return graph, preset("p3.16xlarge", 1).narrowed(4)
 
 
-def _layouts(features):
-    """Every Megatron layout of `small`'s 4 devices: (tp, pp, dp, sequence parallel, distributed optimizer), each
-    feature only where it applies (tp > 1, dp > 1) and is in `features`."""
+def _layouts(features, layers=4):
+    """Every Megatron layout of 4 devices and `layers` layers: (tp, pp, dp, sequence parallel, distributed optimizer,
+    v), each feature only where it applies (tp > 1, dp > 1, pp > 1 with v dividing a stage's layers) and is in
+    `features`."""
     for tp, pp, dp in [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]:
         for sp in (False, True) if tp > 1 and "sequence_parallel" in features else (False,):
             for zero in (False, True) if dp > 1 and "distributed_optimizer" in features else (False,):
-                yield tp, pp, dp, sp, zero
+                for v in range(1, layers // pp + 1) if pp > 1 and "interleaved" in features else (1,):
+                    if (layers // pp) % v == 0:
+                        yield tp, pp, dp, sp, zero, v
 
 
 def _grid(graph, cluster, features):
-    """Every Megatron grid point of `small` priced, by brute force, its state as Megatron-LM keeps it: (tp, pp, dp, B,
-    sequence parallel, distributed optimizer) -> iteration time."""
-    times = {}
-    for tp, pp, dp, sp, zero in _layouts(features):
-        for count in (1, 2, 4, 8, 16):
-            if count < pp or (16 // count) % dp:
+    """Every Megatron grid point of a 4-device cluster priced, by brute force, its state as Megatron-LM keeps it:
+    (tp, pp, dp, B, sequence parallel, distributed optimizer, v) -> iteration time (interleaved: B a multiple of pp)."""
+    times, batch = {}, graph.dims[graph.batch_dim]
+    for tp, pp, dp, sp, zero, v in _layouts(features, len(graph.layers)):
+        for count in (c for c in (1, 2, 4, 8, 16) if c <= batch):
+            if count < pp or (batch // count) % dp or (v > 1 and count % pp):
                 continue
             try:
-                plan = uniform(graph, cluster, tp, pp, dp, count, zero=zero, sequence_parallel=sp, state_layout="megatron")
+                plan = uniform(graph, cluster, tp, pp, dp, count, zero=zero, sequence_parallel=sp, state_layout="megatron",
+                               schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v)
             except InfeasibleError:
                 continue
-            times[(tp, pp, dp, count, sp, zero)] = plan.iteration_time_s
+            times[(tp, pp, dp, count, sp, zero, v)] = plan.iteration_time_s
     return times
+
+
+def _label(tp, pp, dp, count, sp, zero, v) -> str:
+    return (f"tp {tp} · pp {pp} · dp {dp} · B {count}" + " · sequence parallel" * sp + " · distributed optimizer" * zero
+            + f" · interleaved v {v}" * (v > 1))
 
 
 @pytest.mark.parametrize("features", [baselines.MEGATRON_FEATURES, ()])
@@ -52,9 +61,39 @@ def test_megatron_finds_the_fastest_grid_point(small, features):
     times = _grid(graph, cluster, features)
     best = baselines.megatron(graph, cluster, features=features)
     assert best.iteration_time_s == min(times.values())
-    tp, pp, dp, count, sp, zero = min(times, key=times.get)
-    expected = f"tp {tp} · pp {pp} · dp {dp} · B {count}" + " · sequence parallel" * sp + " · distributed optimizer" * zero
-    assert baselines.megatron_grid_point(best) == expected
+    assert baselines.megatron_grid_point(best) == _label(*min(times, key=times.get))
+
+
+def test_megatron_interleaves_when_memory_forces_a_deep_pipeline(tmp_path):
+    """Under 0.2 GiB per device an 8-layer GPT fits only as a 4-stage pipeline of 8 microbatches, whose bubble the
+    interleaved schedule shrinks ((B + (pp - 1) / v) slots): the grid's best is the brute-force best of every point,
+    interleaved ones included, and is interleaved, as it is with the schedule asked for alone; with 1F1B alone
+    (`solve --search megatron --schedule 1f1b`) the grid finds the best 1F1B point."""
+    from click.testing import CliRunner
+
+    from partopt.cli import main
+    from partopt.io import write_cluster, write_graph
+    from partopt.plan import read_plan
+
+    graph = models.gpt(hidden=512, layers=8, heads=8, seq=256, vocab=1024, batch=8)
+    cluster = preset("p3.16xlarge", 1).narrowed(4)
+    lean = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=0.2 * 2**30))
+    times = _grid(graph, lean, baselines.MEGATRON_FEATURES)
+    fastest = min(times, key=times.get)
+    assert fastest[-1] > 1  # an interleaved point is the fastest: the case tests the feature
+    best = baselines.megatron(graph, lean)
+    assert best.iteration_time_s == times[fastest] and best.schedule == "interleaved"
+    assert baselines.megatron_grid_point(best) == _label(*fastest)
+    alone = baselines.megatron(graph, lean, schedule="interleaved")
+    assert alone.iteration_time_s == times[fastest] and alone.schedule == "interleaved"
+    write_graph(graph, tmp_path / "g.json")
+    write_cluster(lean, tmp_path / "c.json")
+    result = CliRunner().invoke(main, ["solve", str(tmp_path / "g.json"), "--cluster", str(tmp_path / "c.json"),
+                                       "--search", "megatron", "--schedule", "1f1b", "-o", str(tmp_path / "plan.json")])
+    assert result.exit_code == 0, result.output
+    no_interleaving = read_plan(tmp_path / "plan.json")
+    assert no_interleaving.schedule == "1f1b"
+    assert no_interleaving.iteration_time_s == pytest.approx(min(t for k, t in times.items() if k[-1] == 1), rel=1e-12)
 
 
 def _leanest(graph, cluster, features) -> float:
@@ -62,7 +101,7 @@ def _leanest(graph, cluster, features) -> float:
     microbatch and rank (B = 16 / dp)."""
     return min(uniform(graph, cluster, tp, pp, dp, 16 // dp, zero=zero, sequence_parallel=sp, recompute="full",
                        check_memory=False, state_layout="megatron").memory_peak_bytes
-               for tp, pp, dp, sp, zero in _layouts(features))
+               for tp, pp, dp, sp, zero, v in _layouts(features) if v == 1)
 
 
 def test_megatron_features_fit_a_memory_cap_that_megatron_of_2021_does_not(small):

@@ -592,18 +592,21 @@ def test_exports_state_the_schedule_microbatches_and_sequence_parallelism(solved
     assert ex.training(plan([megatron_stage(norm_axes=("b", None))], MLP_TENSORS))["sequence_parallel"] == []
 
 
-@pytest.mark.parametrize("dtype, layout, warned", [("bf16", "zero", "18"), ("fp16", "zero", "20"), ("bf16", "megatron", None),
+@pytest.mark.parametrize("dtype, layout, warned", [("bf16", "zero", 2), ("fp16", "zero", 4), ("bf16", "megatron", None),
                                                   ("fp32", "zero", None)])
-def test_megatron_export_warns_when_the_plan_priced_less_state_than_megatron_lm_keeps(tmp_path, dtype, layout, warned):
-    """A 16-bit plan priced at the ZeRO paper's 16 bytes per parameter is warned about (Megatron-LM keeps fp32
-    gradients: 18 in bf16, 20 in fp16); one priced in Megatron-LM's layout, or in fp32 (16 either way), is not."""
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_megatron_export_warns_when_the_plan_priced_less_state_than_megatron_lm_keeps(tmp_path, dtype, layout, warned,
+                                                                                      optimizer):
+    """A 16-bit plan priced in the ZeRO paper's layout is warned about, by the bytes Megatron-LM's fp32 gradients add
+    whatever the optimizer: bf16 gradients widened to fp32 (4 - 2 = 2 bytes), fp16 ones kept beside fp32 main
+    gradients (4); one priced in Megatron-LM's layout, or in fp32 (no difference), is not."""
     from click.testing import CliRunner
 
     from partopt.cli import main
     from partopt.evaluate import uniform
     from partopt.plan import write_plan
 
-    graph = gpt(**SMALL_GPT, dtype=dtype)
+    graph = dataclasses.replace(gpt(**SMALL_GPT, dtype=dtype), optimizer=optimizer)
     plan = uniform(graph, preset("dgx-a100", 1), 2, 1, 4, microbatches=2, zero=True, state_layout=layout)
     path = tmp_path / "plan.json"
     write_plan(plan, path)
@@ -613,4 +616,5 @@ def test_megatron_export_warns_when_the_plan_priced_less_state_than_megatron_lm_
     if warned is None:
         assert "warning" not in result.stderr
     else:
-        assert f"keeps {warned} in {dtype}" in result.stderr and "--state-layout megatron" in result.stderr
+        assert f"keeps {warned} more bytes per parameter in {dtype}" in result.stderr
+        assert "--state-layout megatron" in result.stderr

@@ -339,8 +339,8 @@ def test_cli_evaluate_virtual_stages_and_bad_schedules(tmp_path, megatron_interl
                                         "--schedule", "gpipe"])
     assert refused.exit_code == 2 and "does not plan the gpipe schedule" in refused.output
     grid = CliRunner().invoke(main, ["solve", str(graph_file), "--cluster", "p3.16xlarge", "--nodes", "1",
-                                     "--search", "megatron", "--schedule", "interleaved"])
-    assert grid.exit_code == 2 and "--search megatron plans 1f1b, not interleaved" in grid.output
+                                     "--search", "megatron", "--schedule", "zero-bubble"])
+    assert grid.exit_code == 2 and "--search megatron plans 1f1b and Megatron's interleaved schedule, not zero-bubble" in grid.output
 
 
 def test_explain_and_draw_show_an_interleaved_plan_per_device_group(megatron_interleaved, tmp_path):
