@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable, Sequence
 
 from partopt import costmodel
@@ -46,9 +47,12 @@ def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32,
     if schedule not in ("auto", "1f1b", "interleaved"):
         raise InstanceError(f"Megatron's grid runs 1f1b and interleaved, not {schedule}", "schedule",
                             "use auto, 1f1b or interleaved, or price a uniform plan of it by `evaluate.uniform`")
+    start = time.perf_counter()
     g, m = cluster.num_devices, cluster.devices_per_node
     layers = len(graph.layers)
     options.setdefault("state_layout", "megatron")
+    cache: dict = {}  # every layer ILP of the grid, solved once (its keys hold the layout and options)
+    layouts = 0
     state = costmodel.param_memory(graph.num_params, graph.dtype, graph.optimizer, options["state_layout"])
     best: Plan | None = None
     last_error: InfeasibleError | None = None
@@ -66,13 +70,18 @@ def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32,
                     continue
                 for v in _virtual_stages(layers, pp, features, schedule):
                     plan, error = _fastest_count(graph, cluster, tp, pp, dp, max_microbatch, zero=zero,
-                                                 sequence_parallel=sp, virtual_stages=v,
+                                                 sequence_parallel=sp, virtual_stages=v, cache=cache,
                                                  schedule="interleaved" if v > 1 else "1f1b", **options)
+                    layouts += 1
                     last_error = error or last_error
                     if plan is not None and (best is None or plan.iteration_time_s < best.iteration_time_s):
                         best = plan
     if best is None:
         raise last_error or InfeasibleError("no Megatron grid point fits", graph.name, "use more GPUs")
+    # the grid's own account, not its best point's: every ILP it solved, its whole time, what it searched
+    best.solver.update(ilps=len(cache), time_s=time.perf_counter() - start, search=[
+        f"Megatron-LM's grid: the best of {layouts} layouts (tp, pp, dp, features), each over its microbatch counts",
+        f"features: {', '.join(features) or 'none (Megatron-LM as Alpa ran it)'}; schedule: {schedule}"])
     return best
 
 

@@ -340,7 +340,7 @@ def _stage_ranges(layers: int, pp: int, v: int, stage_layers: Sequence[int] | No
 def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatches: int | None = None,
             zero: bool = False, sequence_parallel: bool = False, schedule: str = "1f1b", virtual_stages: int = 1,
             shard_weights: bool = False, check_memory: bool = True, stage_layers: Sequence[int] | None = None,
-            **kwargs) -> Plan:
+            cache: dict | None = None, **kwargs) -> Plan:
     """Megatron's plan: `pp` stages of equally many layers, each on a (dp, tp) mesh of its devices.
 
     Axis 0 splits the batch (and ZeRO-shards optimizer state with `zero`, or every parameter with `shard_weights`:
@@ -355,7 +355,8 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     it: each layer at its fastest strategy, no stage refused. The keyword `tp_comm_overlap` (an `Options` field) is
     Megatron-LM's `--tp-comm-overlap`, which needs `sequence_parallel`, as Megatron-LM asserts. `stage_layers` gives
     each stage its own count of layers instead (one schedule chunk per stage), as a run split unevenly did (Megatron-LM's
-    `--decoder-first/last-pipeline-num-layers`, DeepSpeed's `partition_method`).
+    `--decoder-first/last-pipeline-num-layers`, DeepSpeed's `partition_method`). `cache` keeps the layer solutions
+    across calls (`price`'s).
     """
     where = f"--tp {tp} --pp {pp} --dp {dp}"
     if min(tp, pp, dp) < 1:
@@ -397,7 +398,7 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
         raise InfeasibleError(f"the interleaved schedule needs microbatches divisible by pp = {pp}, got {counts[0]}",
                               where, "Megatron-LM requires it: pick a multiple of pp")
     start = time.perf_counter()
-    plans, error, cache = [], None, {}
+    plans, error, cache = [], None, {} if cache is None else cache
     for count in counts:
         restriction = _megatron(intra.with_batch(graph, batch // count), tp, dp, zero, sequence_parallel, shard_weights)
         for mode in options.recompute_modes:

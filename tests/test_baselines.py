@@ -62,6 +62,14 @@ def test_megatron_finds_the_fastest_grid_point(small, features):
     best = baselines.megatron(graph, cluster, features=features)
     assert best.iteration_time_s == min(times.values())
     assert baselines.megatron_grid_point(best) == _label(*min(times, key=times.get))
+    # its account is the grid's: every layout it priced, and more ILPs than its best point's alone
+    layouts = len(list(_layouts(features)))
+    assert best.solver["search"][0].startswith(f"Megatron-LM's grid: the best of {layouts} layouts")
+    m = best.options["megatron"]
+    alone = uniform(graph, cluster, m["tp"], m["pp"], m["dp"], best.num_microbatches, zero=m["zero"],
+                    sequence_parallel=m["sequence_parallel"], schedule=best.schedule,
+                    virtual_stages=best.virtual_stages, state_layout="megatron")
+    assert best.solver["ilps"] > alone.solver["ilps"]
 
 
 def test_megatron_interleaves_when_memory_forces_a_deep_pipeline(tmp_path):
