@@ -23,7 +23,7 @@ from partopt.graph import Graph, Op
 from partopt.ops import NORM_KINDS
 from partopt.assemble import assemble, pipeline_of
 from partopt.options import Options, microbatch_counts
-from partopt.pricing import Job, LayerCost, Pricer, Stats, ladder, rung
+from partopt.pricing import Job, LayerCost, Priced, Pricer, Stats, ladder, rung
 from partopt.schedules import check_schedule, inflight
 from partopt.stages import End, Pipeline, StageSpec, StageTotals, chunks, combined, totals
 from partopt.layering import Layering, build_layers
@@ -184,13 +184,17 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
 
 
 def _price_layers(pricer: Pricer, cluster: Cluster, pipe: Pipeline, count: int, spec: StageSpec,
-                  restriction: intra.Restriction, stats: Stats, budget: float | None = None) -> list[LayerCost | None]:
+                  restriction: intra.Restriction, stats: Stats, budget: float | None = None,
+                  whole: float | None = None) -> list[LayerCost | None]:
     """The stage's base layers priced on its mesh under `restriction` (others None: not in this stage); `pipe`: the
     plan's pipeline (`assemble.pipeline_of`), whose stage accountant (`stages.totals`) says what the stage holds.
 
     With a `budget`, each layer takes its fastest strategy within the budget (the stage DP's first row) when the
-    stage fits with all of them. Else the stage's n layers are fitted to it together on the search's ladder of caps
-    (`pricing.ladder` of the rung r = `pricing.rung(n)`): each layer within its even share budget / r
+    stage fits with all of them; where the budget is a share of the device's (`whole`: an interleaved chunk's) and
+    an earlier call priced the layer within the whole, that strategy is taken when it fits the share, being the
+    fastest there too (its ILP's feasible set holds the share's). Else the stage's n layers are fitted to it
+    together on the search's ladder of caps (`pricing.ladder` of the rung r = `pricing.rung(n)`): each layer
+    within its even share budget / r
     with the stage's in-flight microbatches and 1/r of its transient peak (so that together they
     fit: the stage holds one peak), else within the first looser rung it fits (a small embedding
     leaves room to the blocks), and without a cap only if all fail. These are the stage DP's rows
@@ -206,9 +210,16 @@ def _price_layers(pricer: Pricer, cluster: Cluster, pipe: Pipeline, count: int, 
     def held(row: list[LayerCost | None]) -> float:  # the stage's memory per device with these costs
         return totals(row, pipe, spec.first, spec.last, End(spec.submesh, spec.shape)).memory_bytes(spec.inflight)
 
+    def within(b: int) -> Priced:  # layer b's fastest strategy within the budget
+        known = pricer.cached(Job(mb, count, names[b], mesh, spec.recompute, whole, 1, restriction)) if (
+            whole is not None and whole > budget) else None
+        if isinstance(known, LayerCost) and known.memory_bytes(1) <= budget:
+            stats.record(known, solved=False)
+            return known
+        return pricer.one(Job(mb, count, names[b], mesh, spec.recompute, budget, 1, restriction), stats)
+
     if budget is not None:  # the fastest within the budget, when the stage holds them together (no share binds)
-        fastest = [pricer.one(Job(mb, count, names[b], mesh, spec.recompute, budget, 1, restriction), stats)
-                   if b in names else None for b in range(len(layering.base))]
+        fastest = [within(b) if b in names else None for b in range(len(layering.base))]
         if all(isinstance(fastest[b], LayerCost) for b in names) and held(fastest) <= budget:
             return fastest
     rungs = ladder(rung(last - first + 1)) if budget is not None else []
@@ -259,7 +270,8 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
         # a device of an interleaved plan holds its v chunks together: each chunk's layers share budget / v
         share = budget / virtual_stages if fit_memory else None
         pipe = pipeline_of(graph, cluster, layering, count, options.overlap)
-        rows = [_price_layers(pricer, cluster, pipe, count, spec, r, stats, share) for spec, r in zip(specs, restrictions)]
+        rows = [_price_layers(pricer, cluster, pipe, count, spec, r, stats, share, budget if fit_memory else None)
+                for spec, r in zip(specs, restrictions)]
         plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start,
                         schedule, virtual_stages, pipe)
     devices = len(plan.stages) // virtual_stages

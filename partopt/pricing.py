@@ -319,6 +319,10 @@ class Pricer:
         """The result of a single job."""
         return self.run({0: job}, stats)[0]
 
+    def cached(self, job: Job) -> Priced | None:
+        """The result of `job` if an earlier call priced it, else None: nothing is run or recorded."""
+        return self.cache.get(self._key(job))
+
 
 def _size(job: Job) -> int:
     """A job's size for ordering: its ops, times 10 per mesh axis that splits (each multiplies the strategies

@@ -304,6 +304,22 @@ def test_a_stage_with_room_for_every_layers_fastest_strategy_is_priced_at_them(r
     assert plan.stages[0].memory_bytes == need <= budget
 
 
+def test_an_interleaved_chunk_takes_the_fastest_strategies_priced_within_the_whole_budget_when_they_fit_its_share(
+        small_gpt):
+    """A device of pp 2 · v 2 holds two chunks, each priced within half the budget. Where the 1F1B plan of the same
+    layout priced a layer's fastest strategy within the whole budget (one cache) and it fits half, it is the fastest
+    within half too: the interleaved plan then solves no ILP of its own and prices exactly as with a cache of its
+    own (ample memory: every layer fits)."""
+    cluster = preset("p3.16xlarge", 1).narrowed(4)
+    kwargs = dict(zero=True, recompute="none", schedule="interleaved", virtual_stages=2)
+    alone = uniform(small_gpt, cluster, 1, 2, 2, 8, **kwargs)
+    cache = {}
+    uniform(small_gpt, cluster, 1, 2, 2, 8, zero=True, recompute="none", cache=cache)
+    shared = uniform(small_gpt, cluster, 1, 2, 2, 8, cache=cache, **kwargs)
+    assert alone.solver["ilps"] > 0 and shared.solver["ilps"] == 0
+    assert shared.iteration_time_s == alone.iteration_time_s
+
+
 def test_a_run_known_to_fit_is_priced_as_run_whatever_memory_the_model_gives_it():
     """`uniform(check_memory=False)` (a calibration point's `check_memory: false`): a stage the memory model puts at
     twice the device's memory is priced as on a device with room for it, each layer at its fastest strategy, where the
