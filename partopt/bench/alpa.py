@@ -245,7 +245,8 @@ def plan_with(planner: str, graph: Graph, cluster: Cluster, microbatches: int | 
     """Plan `graph` (a `model` family graph) on `cluster` with one planner (InfeasibleError when nothing fits);
     `cache` shares layer ILP solutions between the planners of one case (see `optimize`)."""
     options = model_options(model)
-    if planner == "megatron":  # Megatron-LM as Alpa ran it (2021): no sequence parallelism, no distributed optimizer
+    if planner == "megatron":  # Megatron-LM as Alpa ran it (2021): no sequence parallelism, distributed optimizer or
+        # interleaved schedule
         return baselines.megatron(graph, cluster, features=(), **options)
     flags = {"partopt": {}, "inter_only": {"inter_only": True}, "intra_only": {"intra_only": True}}
     if planner in baselines.BASELINES:
