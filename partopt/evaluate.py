@@ -260,35 +260,45 @@ def price(graph: Graph, cluster: Cluster, layering: Layering, count: int, specs:
     fit the device memory together (see `_price_layers`), rather than the fastest. `cache` keeps
     the layer solutions across calls (`pricing.Pricer`'s, shared with `optimize`).
 
-    Raises InfeasibleError when a stage's memory exceeds the budget, unless `check_memory` is off.
+    Raises InfeasibleError when a stage's memory exceeds the budget, unless `check_memory` is off: as soon as the
+    stage's device group is priced, its first (the most microbatches in flight) first, and the others unpriced.
     """
     start = time.perf_counter()
     stats = Stats()
     restrictions = restrictions or [intra.UNRESTRICTED] * len(specs)
     budget = costmodel.memory_budget(cluster.device, options.memory_reserve)
+    groups = len(specs) // virtual_stages  # device groups; group d runs chunks d, d + groups, …
     with costmodel.using(options.cost_model), Pricer(graph, options, cache) as pricer:
         # a device of an interleaved plan holds its v chunks together: each chunk's layers share budget / v
         share = budget / virtual_stages if fit_memory else None
         pipe = pipeline_of(graph, cluster, layering, count, options.overlap)
-        rows = [_price_layers(pricer, cluster, pipe, count, spec, r, stats, share, budget if fit_memory else None)
-                for spec, r in zip(specs, restrictions)]
+        rows: list[list[LayerCost | None]] = [[] for _ in specs]
+        for d in range(groups):
+            chunks = range(d, len(specs), groups)
+            for j in chunks:
+                rows[j] = _price_layers(pricer, cluster, pipe, count, specs[j], restrictions[j], stats, share,
+                                        budget if fit_memory else None)
+            if check_memory:  # what the group holds, summed as `assemble` sums it (`stages.combined`)
+                held = combined([totals(rows[j], pipe, specs[j].first, specs[j].last,
+                                        End(specs[j].submesh, specs[j].shape)) for j in chunks])
+                _check_held(held, specs[d].inflight, budget, d, virtual_stages, where)
         plan = assemble(graph, cluster, layering, options, count, specs, rows, stats, time.perf_counter() - start,
                         schedule, virtual_stages, pipe)
-    devices = len(plan.stages) // virtual_stages
-    for i, stage in enumerate(plan.stages):
-        if check_memory and stage.memory_bytes > budget:
-            # what its devices hold: the chunks they run, summed as `assemble` sums them (`stages.combined`)
-            held = combined([StageTotals(0.0, 0.0, 0.0, s.breakdown["param_bytes"], s.breakdown["activation_bytes"],
-                                         s.breakdown["working_bytes"], None) for s in plan.stages[i % devices::devices]])
-            raise InfeasibleError(
-                f"stage {i} needs {fmt_bytes(stage.memory_bytes)} per device (parameter state "
-                f"{fmt_bytes(held.param_bytes)} + {stage.inflight_microbatches:g} × "
-                f"{fmt_bytes(held.activation_bytes)} activations + "
-                f"{fmt_bytes(held.working_bytes)} working set and transient buffers"
-                f"{f', its devices holding {virtual_stages} chunks' if virtual_stages > 1 else ''}), over the budget "
-                f"{fmt_bytes(budget)} by {fmt_bytes(stage.memory_bytes - budget)}", f"{where}.stages[{i}]",
-                "use more devices per stage, more stages, ZeRO (--zero), or more microbatches")
     return plan
+
+
+def _check_held(held: StageTotals, inflight: float, budget: float, stage: int, virtual_stages: int, where: str) -> None:
+    """InfeasibleError when device group `stage` holding `held` (its chunks' sums) with `inflight` microbatches
+    exceeds the budget: by how much, and its parts."""
+    need = held.memory_bytes(inflight)
+    if need > budget:
+        raise InfeasibleError(
+            f"stage {stage} needs {fmt_bytes(need)} per device (parameter state {fmt_bytes(held.param_bytes)} + "
+            f"{inflight:g} × {fmt_bytes(held.activation_bytes)} activations + "
+            f"{fmt_bytes(held.working_bytes)} working set and transient buffers"
+            f"{f', its devices holding {virtual_stages} chunks' if virtual_stages > 1 else ''}), over the budget "
+            f"{fmt_bytes(budget)} by {fmt_bytes(need - budget)}", f"{where}.stages[{stage}]",
+            "use more devices per stage, more stages, ZeRO (--zero), or more microbatches")
 
 
 def _records_graph(plan: Plan, graph: Graph) -> bool:

@@ -280,6 +280,23 @@ def test_an_interleaved_stage_over_its_memory_adds_up_the_chunks_its_devices_hol
     assert param + inflight * kept + working == pytest.approx(total, rel=1e-2)
 
 
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 2)])
+def test_the_memory_check_refuses_exactly_the_plans_over_the_budget(small_gpt, schedule, v):
+    """Pricing stops at the first device group over the budget (`price` checks each as soon as it is priced): a
+    plan evaluated with its own peak as the budget is priced whole and alike, and a hair under it is refused at the
+    first stage holding that peak, as the assembled plan's memory says."""
+    cluster = preset("p3.16xlarge", 1)
+    plan = uniform(small_gpt, cluster, 1, 2, 4, 8, schedule=schedule, virtual_stages=v, recompute="none")
+    peak = plan.memory_peak_bytes
+    first = next(i for i, stage in enumerate(plan.stages) if stage.memory_bytes == peak)
+    memory = cluster.device.memory_bytes
+    again = evaluate(small_gpt, cluster, plan, memory_reserve=1 - peak / memory * (1 + 1e-12))
+    assert again.iteration_time_s == plan.iteration_time_s
+    with pytest.raises(InfeasibleError) as err:
+        evaluate(small_gpt, cluster, plan, memory_reserve=1 - peak / memory * (1 - 1e-9))
+    assert err.value.where == f"plan.stages[{first}]" and err.value.cause.startswith(f"stage {first} needs ")
+
+
 def _bytes(text: str) -> float:
     """'1.5 KiB' -> 1536.0 (fmt_bytes's form)."""
     number, unit = text.split()
