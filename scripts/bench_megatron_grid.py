@@ -1,6 +1,6 @@
 """Megatron-LM's grid (`partopt solve --search megatron`, `baselines.megatron`) with and without the interleaved
 schedule: the best grid point, its iteration time and the planning time, beside partopt's default in Megatron-LM's
-state layout (what the grid is compared against).
+state layout (what the grid is compared against), with the ILPs each solved (the grid's: every layout's).
 
     python scripts/bench_megatron_grid.py                   # every case
     python scripts/bench_megatron_grid.py --case gpt-39b    # one
@@ -31,8 +31,8 @@ def main() -> None:
     parser.add_argument("--no-default", action="store_true", help="skip partopt's own solve")
     args = parser.parse_args()
     table = Table(title="Megatron-LM's grid, layout megatron")
-    for column in ("case", "planner", "iteration", "grid point", "planning"):
-        table.add_column(column, justify="right" if column in ("iteration", "planning") else "left")
+    for column in ("case", "planner", "iteration", "grid point", "planning", "ILPs"):
+        table.add_column(column, justify="right" if column in ("iteration", "planning", "ILPs") else "left")
     for name in args.case or CASES:
         path, cluster_name, nodes = CASES[name]
         graph, cluster = io.read_graph(path), preset(cluster_name, nodes)
@@ -46,7 +46,7 @@ def main() -> None:
             wall = time.perf_counter() - start
             point = (baselines.megatron_grid_point(plan) if "megatron" in plan.options else
                      f"{len(plan.stages) // plan.virtual_stages} stages · B {plan.num_microbatches} · {plan.schedule}")
-            table.add_row(name, label, f"{plan.iteration_time_s:.3f} s", point, f"{wall:.0f} s")
+            table.add_row(name, label, f"{plan.iteration_time_s:.3f} s", point, f"{wall:.0f} s", str(plan.solver["ilps"]))
     Console(width=200).print(table)
 
 
