@@ -52,10 +52,8 @@ def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32,
     layers = len(graph.layers)
     options.setdefault("state_layout", "megatron")
     cache: dict = {}  # every layer ILP of the grid, solved once (its keys hold the layout and options)
-    layouts = 0
     state = costmodel.param_memory(graph.num_params, graph.dtype, graph.optimizer, options["state_layout"])
-    best: Plan | None = None
-    last_error: InfeasibleError | None = None
+    points = []  # (tp, pp, dp, sequence parallel, distributed optimizer, v)
     for tp in (t for t in divisors(g) if t <= m):
         for pp in (p for p in divisors(g // tp) if layers % p == 0):
             dp = g // (tp * pp)
@@ -68,19 +66,24 @@ def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32,
                 kept = state.weights + state.grads + state.optimizer / (dp if zero else 1)
                 if kept / (tp * pp) > cluster.device.memory_bytes:
                     continue
-                for v in _virtual_stages(layers, pp, features, schedule):
-                    plan, error = _fastest_count(graph, cluster, tp, pp, dp, max_microbatch, zero=zero,
-                                                 sequence_parallel=sp, virtual_stages=v, cache=cache,
-                                                 schedule="interleaved" if v > 1 else "1f1b", **options)
-                    layouts += 1
-                    last_error = error or last_error
-                    if plan is not None and (best is None or plan.iteration_time_s < best.iteration_time_s):
-                        best = plan
+                points += [(tp, pp, dp, sp, zero, v) for v in _virtual_stages(layers, pp, features, schedule)]
+    # 1F1B's points first: the best of them is the bar the interleaved ones, priced up to v times as often, must beat
+    points.sort(key=lambda point: point[-1] > 1)
+    best: Plan | None = None
+    last_error: InfeasibleError | None = None
+    for tp, pp, dp, sp, zero, v in points:
+        plan, error = _fastest_count(graph, cluster, tp, pp, dp, max_microbatch,
+                                     best.iteration_time_s if best is not None else math.inf, zero=zero,
+                                     sequence_parallel=sp, virtual_stages=v, cache=cache,
+                                     schedule="interleaved" if v > 1 else "1f1b", **options)
+        last_error = error or last_error
+        if plan is not None and (best is None or plan.iteration_time_s < best.iteration_time_s):
+            best = plan
     if best is None:
         raise last_error or InfeasibleError("no Megatron grid point fits", graph.name, "use more GPUs")
     # the grid's own account, not its best point's: every ILP it solved, its whole time, what it searched
     best.solver.update(ilps=len(cache), time_s=time.perf_counter() - start, search=[
-        f"Megatron-LM's grid: the best of {layouts} layouts (tp, pp, dp, features), each over its microbatch counts",
+        f"Megatron-LM's grid: the best of {len(points)} layouts (tp, pp, dp, features), each over its microbatch counts",
         f"features: {', '.join(features) or 'none (Megatron-LM as Alpa ran it)'}; schedule: {schedule}"])
     return best
 
@@ -96,22 +99,29 @@ def _virtual_stages(layers: int, pp: int, features: Sequence[str], schedule: str
         [v for v in divisors(layers // pp) if v > 1] if interleaved and pp > 1 else [])
 
 
-def _fastest_count(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, max_microbatch: int,
+def _fastest_count(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, max_microbatch: int, bar: float,
                    **options) -> tuple[Plan | None, InfeasibleError | None]:
     """One grid point's fastest plan over its microbatch count, and the error that ended the search if any: the
     per-rank microbatch grows through the powers of two (1 … `max_microbatch`, at least pp microbatches, a multiple
     of pp when interleaved, as Megatron-LM requires) until the plan stops fitting or gets slower. The iteration time
-    (B + (pp - 1) / v)·(a + c·mb) + sync with B = batch / mb is convex in mb, and memory only grows with it."""
+    (B + (pp - 1) / v)·(a + c·mb) + sync with B = batch / mb is convex in mb, and memory only grows with it. A count
+    whose lower bound does not beat `bar` (the grid's best so far) or this point's best is not priced (`uniform`'s
+    `bar`); no plan when every count was so."""
     batch = graph.dims[graph.batch_dim]
     interleaved = options.get("schedule") == "interleaved"
     best, previous = None, math.inf
     for count in sorted((c for c in (2**e for e in range(batch.bit_length()))
                          if c >= pp and batch % c == 0 and (batch // c) % dp == 0
                          and batch // c // dp <= max_microbatch and not (interleaved and c % pp)), reverse=True):
+        own = best.iteration_time_s if best is not None else math.inf
         try:
-            plan = uniform(graph, cluster, tp, pp, dp, count, **options)
+            plan = uniform(graph, cluster, tp, pp, dp, count, bar=min(bar, own), **options)
         except InfeasibleError as err:
             return best, err
+        if plan is None:  # its lower bound does not beat the bar
+            if own <= bar:
+                break  # nor this point's best: past it, as a slower plan is
+            continue  # nor the grid's best, which a larger microbatch may still beat
         if plan.iteration_time_s > previous:
             break
         previous = plan.iteration_time_s

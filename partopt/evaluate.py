@@ -11,6 +11,7 @@ few strategies that leaves). The stages are then assembled exactly as
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -301,6 +302,27 @@ def _check_held(held: StageTotals, inflight: float, budget: float, stage: int, v
             "use more devices per stage, more stages, ZeRO (--zero), or more microbatches")
 
 
+def _least_pipeline(graph: Graph, cluster: Cluster, layering: Layering, ranges: list[tuple[int, int]], pp: int,
+                    count: int, mesh: tuple, restriction: intra.Restriction, options: Options, cache: dict) -> float:
+    """A lower bound on the iteration time of a uniform plan of `count` microbatches whose pp·v chunks are `ranges`
+    (chunk j on device group j mod pp) on `mesh` = (submesh, shape), whatever its recomputation and memory: the
+    schedule's closed form (1F1B's Σ t + (B − 1) max t, the interleaved Σ t / v + (B − 1 / v) max t, with no fill,
+    sends or sync; docs/COSTMODEL.md §5b), which no t_i lowers, at each device group's t_i at its least: the sum of its
+    layers' least times per microbatch under the restriction, memory aside (`intra`'s time floor; recomputing only
+    adds time). One uncapped ILP per distinct layer, shared through `cache`."""
+    mb = graph.dims[graph.batch_dim] // count
+    logical = cluster.logical_mesh(*mesh)
+    with costmodel.using(options.cost_model), Pricer(graph, options, cache) as pricer:
+        jobs = {b: Job(mb, count, tuple(op.name for op in ops), logical, options.recompute_modes[0], None, 1,
+                       restriction, time_floor=True) for b, ops in enumerate(layering.base)}
+        floors = {b: cost.sharding.time_floor_s if isinstance(cost, LayerCost) else 0.0
+                  for b, cost in pricer.run(jobs, Stats()).items()}
+    t = [sum(floors[b] for first, last in ranges[group::pp]
+             for b in range(layering.groups[first][0], layering.groups[last][1] + 1)) for group in range(pp)]
+    v = len(ranges) // pp
+    return sum(t) / v + (count - 1 / v) * max(t)
+
+
 def _records_graph(plan: Plan, graph: Graph) -> bool:
     """True when the plan's tensor table is `graph`'s (names, dims, one microbatch's shape, roles, dtypes):
     the plan was made for this graph under another name (a renamed or copied graph file)."""
@@ -362,7 +384,7 @@ def _stage_ranges(layers: int, pp: int, v: int, stage_layers: Sequence[int] | No
 def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatches: int | None = None,
             zero: bool = False, sequence_parallel: bool = False, schedule: str = "1f1b", virtual_stages: int = 1,
             shard_weights: bool = False, check_memory: bool = True, stage_layers: Sequence[int] | None = None,
-            cache: dict | None = None, **kwargs) -> Plan:
+            cache: dict | None = None, bar: float = math.inf, **kwargs) -> Plan | None:
     """Megatron's plan: `pp` stages of equally many layers, each on a (dp, tp) mesh of its devices.
 
     Axis 0 splits the batch (and ZeRO-shards optimizer state with `zero`, or every parameter with `shard_weights`:
@@ -378,7 +400,8 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     Megatron-LM's `--tp-comm-overlap`, which needs `sequence_parallel`, as Megatron-LM asserts. `stage_layers` gives
     each stage its own count of layers instead (one schedule chunk per stage), as a run split unevenly did (Megatron-LM's
     `--decoder-first/last-pipeline-num-layers`, DeepSpeed's `partition_method`). `cache` keeps the layer solutions
-    across calls (`price`'s).
+    across calls (`price`'s). A microbatch count whose plans cannot cost less than `bar` (`_least_pipeline`) is not
+    priced; None when no count is left (a search over layouts passes its best so far).
     """
     where = f"--tp {tp} --pp {pp} --dp {dp}"
     if min(tp, pp, dp) < 1:
@@ -423,6 +446,9 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     plans, error, cache = [], None, {} if cache is None else cache
     for count in counts:
         restriction = _megatron(intra.with_batch(graph, batch // count), tp, dp, zero, sequence_parallel, shard_weights)
+        if bar < math.inf and not options.tp_comm_overlap and _least_pipeline(
+                graph, cluster, layering, ranges, pp, count, (submesh, (dp, tp)), restriction, options, cache) >= bar:
+            continue
         for mode in options.recompute_modes:
             specs = [StageSpec(first, last, submesh, (dp, tp), inflight(j % pp, pp, count, schedule, v), mode)
                      for j, (first, last) in enumerate(ranges)]
@@ -433,6 +459,8 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
             except InfeasibleError as err:
                 error = err  # the smallest microbatch's leanest mode: its overflow is the one worth reporting
     if not plans:
+        if error is None:  # every count outpriced by `bar`
+            return None
         raise error
     best = min(plans, key=lambda plan: plan.iteration_time_s)
     best.options["megatron"] = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "sequence_parallel": sequence_parallel,

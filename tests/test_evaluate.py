@@ -297,6 +297,35 @@ def test_the_memory_check_refuses_exactly_the_plans_over_the_budget(small_gpt, s
     assert err.value.where == f"plan.stages[{first}]" and err.value.cause.startswith(f"stage {first} needs ")
 
 
+@pytest.mark.parametrize("tp, pp, dp, v", [(1, 2, 4, 1), (1, 2, 4, 2), (2, 4, 1, 2), (8, 1, 1, 1)])
+def test_uniform_prices_no_count_that_cannot_beat_its_bar(small_gpt, tp, pp, dp, v):
+    """`uniform`'s lower bound (the schedule's closed form at each device group's layers' least times) is under the
+    plan of every recomputation mode and over half the fastest: given a bar at the bound, nothing is priced (None); a
+    hair above it, the plan is priced as without a bar."""
+    import math
+
+    from partopt.evaluate import _least_pipeline, _megatron, _stage_ranges
+    from partopt.intra import with_batch
+    from partopt.layering import build_layers
+    from partopt.options import Options
+
+    cluster = preset("p3.16xlarge", 1)
+    count, schedule = 8, "interleaved" if v > 1 else "1f1b"
+    layering = build_layers(small_gpt, None)
+    restriction = _megatron(with_batch(small_gpt, 64 // count), tp, dp, False)
+    submesh = (1, tp * dp)
+    floor = _least_pipeline(small_gpt, cluster, layering, _stage_ranges(len(layering.groups), pp, v, None, ""), pp,
+                            count, (submesh, (dp, tp)), restriction, Options(layers=None), {})
+    plans = {mode: uniform(small_gpt, cluster, tp, pp, dp, count, recompute=mode, schedule=schedule, virtual_stages=v)
+             for mode in ("none", "selective", "full")}
+    assert 0.5 * plans["none"].iteration_time_s < floor <= min(p.iteration_time_s for p in plans.values())
+    assert uniform(small_gpt, cluster, tp, pp, dp, count, schedule=schedule, virtual_stages=v, bar=floor) is None
+    above = uniform(small_gpt, cluster, tp, pp, dp, count, schedule=schedule, virtual_stages=v,
+                    bar=math.nextafter(floor, math.inf))
+    assert above.iteration_time_s == uniform(small_gpt, cluster, tp, pp, dp, count, schedule=schedule,
+                                             virtual_stages=v).iteration_time_s
+
+
 def _bytes(text: str) -> float:
     """'1.5 KiB' -> 1536.0 (fmt_bytes's form)."""
     number, unit = text.split()
