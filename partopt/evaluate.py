@@ -25,7 +25,7 @@ from partopt.ops import NORM_KINDS
 from partopt.assemble import assemble, pipeline_of
 from partopt.options import Options, microbatch_counts
 from partopt.pricing import Job, LayerCost, Priced, Pricer, Stats, ladder, rung
-from partopt.schedules import check_schedule, inflight
+from partopt.schedules import check_schedule, inflight, iteration_time
 from partopt.stages import End, Pipeline, StageSpec, StageTotals, chunks, combined, totals
 from partopt.layering import Layering, build_layers
 from partopt.plan import OpStrategy, ParamPlacement, Plan, records, tensor_table
@@ -304,12 +304,13 @@ def _check_held(held: StageTotals, inflight: float, budget: float, stage: int, v
 
 def _least_pipeline(graph: Graph, cluster: Cluster, layering: Layering, ranges: list[tuple[int, int]], pp: int,
                     count: int, mesh: tuple, restriction: intra.Restriction, options: Options, cache: dict) -> float:
-    """A lower bound on the iteration time of a uniform plan of `count` microbatches whose pp·v chunks are `ranges`
-    (chunk j on device group j mod pp) on `mesh` = (submesh, shape), whatever its recomputation and memory: the
-    schedule's closed form (1F1B's Σ t + (B − 1) max t, the interleaved Σ t / v + (B − 1 / v) max t, with no fill,
-    sends or sync; docs/COSTMODEL.md §5b), which no t_i lowers, at each device group's t_i at its least: the sum of its
-    layers' least times per microbatch under the restriction, memory aside (`intra`'s time floor; recomputing only
-    adds time). One uncapped ILP per distinct layer, shared through `cache`."""
+    """A lower bound on the iteration time of a uniform 1F1B or interleaved plan of `count` microbatches whose pp·v
+    chunks are `ranges` (chunk j on device group j mod pp) on `mesh` = (submesh, shape), whatever its recomputation
+    and memory: the schedule's closed form (`schedules.iteration_time`: 1F1B's Σ t + (B − 1) max t, the interleaved
+    Σ t / v + (B − 1 / v) max t, here with no fill, sends or sync; docs/COSTMODEL.md §5b), which no t_i lowers, at
+    each device group's t_i at its least: the sum of its layers' least times per microbatch under the restriction,
+    memory aside (`intra`'s time floor; recomputing only adds time). Not ZB-H1's, whose closed form its weight passes
+    lower. One uncapped ILP per distinct layer, shared through `cache`."""
     mb = graph.dims[graph.batch_dim] // count
     logical = cluster.logical_mesh(*mesh)
     with costmodel.using(options.cost_model), Pricer(graph, options, cache) as pricer:
@@ -320,7 +321,7 @@ def _least_pipeline(graph: Graph, cluster: Cluster, layering: Layering, ranges: 
     t = [sum(floors[b] for first, last in ranges[group::pp]
              for b in range(layering.groups[first][0], layering.groups[last][1] + 1)) for group in range(pp)]
     v = len(ranges) // pp
-    return sum(t) / v + (count - 1 / v) * max(t)
+    return iteration_time(t, [0.0] * pp, 0.0, count, "interleaved" if v > 1 else "1f1b", v)
 
 
 def _records_graph(plan: Plan, graph: Graph) -> bool:
@@ -400,8 +401,8 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     Megatron-LM's `--tp-comm-overlap`, which needs `sequence_parallel`, as Megatron-LM asserts. `stage_layers` gives
     each stage its own count of layers instead (one schedule chunk per stage), as a run split unevenly did (Megatron-LM's
     `--decoder-first/last-pipeline-num-layers`, DeepSpeed's `partition_method`). `cache` keeps the layer solutions
-    across calls (`price`'s). A microbatch count whose plans cannot cost less than `bar` (`_least_pipeline`) is not
-    priced; None when no count is left (a search over layouts passes its best so far).
+    across calls (`price`'s). Under 1F1B and interleaved, a microbatch count whose plans cannot cost less than `bar`
+    (`_least_pipeline`) is not priced; None when no count is left (a search over layouts passes its best so far).
     """
     where = f"--tp {tp} --pp {pp} --dp {dp}"
     if min(tp, pp, dp) < 1:
@@ -446,8 +447,9 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     plans, error, cache = [], None, {} if cache is None else cache
     for count in counts:
         restriction = _megatron(intra.with_batch(graph, batch // count), tp, dp, zero, sequence_parallel, shard_weights)
-        if bar < math.inf and not options.tp_comm_overlap and _least_pipeline(
-                graph, cluster, layering, ranges, pp, count, (submesh, (dp, tp)), restriction, options, cache) >= bar:
+        bounded = bar < math.inf and schedule in ("1f1b", "interleaved") and not options.tp_comm_overlap
+        if bounded and _least_pipeline(graph, cluster, layering, ranges, pp, count, (submesh, (dp, tp)), restriction,
+                                       options, cache) >= bar:
             continue
         for mode in options.recompute_modes:
             specs = [StageSpec(first, last, submesh, (dp, tp), inflight(j % pp, pp, count, schedule, v), mode)
