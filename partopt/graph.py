@@ -70,6 +70,9 @@ class Graph:
         self.tensors = dict(self.tensors)
         self.ops = list(self.ops)
         _validate(self)
+        # what the structure gives at given sizes (structural hashes, `resized` views), keyed by the sizes; views
+        # share the structure, so they share this too
+        self._memo: dict[tuple, Any] = {}
 
     def resized(self, dims: Mapping[str, int]) -> Graph:
         """This graph with its dims' sizes set to `dims` (a microbatch's view): checked where sizes enter (every
@@ -77,10 +80,21 @@ class Graph:
         from it (op index, producers, order, …) are shared, not rebuilt (the search makes a view per count)."""
         if dims.keys() != self.dims.keys():
             raise ValueError(f"resized renames no dims: {sorted(set(dims) ^ set(self.dims))}")
-        view = copy.copy(self)
-        view.dims = dict(dims)
-        _validate_sizes(view)
-        return view
+        key = ("view", _sizes(dims))
+        if key not in self._memo:
+            view = copy.copy(self)
+            view.dims = dict(dims)
+            view._memo = self._memo
+            _validate_sizes(view)
+            self._memo[key] = view
+        return self._memo[key]
+
+    def __getstate__(self) -> dict:
+        """What a pickle carries (to a pricing worker): not the memo, which can be large."""
+        return {k: v for k, v in self.__dict__.items() if k != "_memo"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _memo={})
 
     # ------------------------------------------------------------ structure
     @cached_property
@@ -184,9 +198,15 @@ class Graph:
         dim, the wiring, whether each output is read inside the ops and outside them (a layer
         whose output leaves the graph is priced unlike one that hands it to the next) and kept for
         the backward, the optimizer (it sets parameter memory) and the GEMM precision all count
-        (two identical transformer blocks hash alike).
+        (two identical transformer blocks hash alike). Memoized: a graph is not changed once built.
         """
-        ops = list(self.order if ops is None else ops)
+        ops = None if ops is None else list(ops)
+        key = ("hash", _sizes(self.dims), None if ops is None else tuple(op.name for op in ops))
+        if key not in self._memo:
+            self._memo[key] = self._structural_hash(self.order if ops is None else ops)
+        return self._memo[key]
+
+    def _structural_hash(self, ops: list[Op]) -> str:
         tensor_ids: dict[str, int] = {}
         dim_ids: dict[str, int] = {}
 
@@ -226,6 +246,11 @@ class Graph:
         """Ops whose layer tag is in `layers`, in topological order."""
         wanted = set(layers)
         return [op for op in self.order if op.layer in wanted]
+
+
+def _sizes(dims: Mapping[str, int]) -> tuple:
+    """Dim sizes as a key, whatever the dict's order."""
+    return tuple(sorted(dims.items()))
 
 
 # ---------------------------------------------------------------- validation

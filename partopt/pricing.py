@@ -224,7 +224,6 @@ class Pricer:
         self.graph, self.options = graph, options
         self.deadline = deadline  # time.perf_counter() after which `run` raises Expired
         self.views: dict[int, Graph] = {}
-        self.hashes: dict[tuple, str] = {}
         self.workers = options.workers or len(os.sched_getaffinity(0))
         self.executor: Executor | None = None
         self.local_s = 0.0  # seconds spent pricing in this process
@@ -245,10 +244,9 @@ class Pricer:
 
     def _key(self, job: Job) -> tuple:
         g_mb = self.view(job.mb)
-        if (job.mb, job.ops) not in self.hashes:
-            self.hashes[(job.mb, job.ops)] = g_mb.structural_hash([g_mb.op_index[n] for n in job.ops])
-        return (self.prefix, job.mb, job.count, self.hashes[(job.mb, job.ops)], job.mesh, job.recompute, job.cap,
-                job.inflight, job.share, job.cutoff, job.time_floor, _restriction_key(g_mb, job))
+        layer = g_mb.structural_hash([g_mb.op_index[n] for n in job.ops])
+        return (self.prefix, job.mb, job.count, layer, job.mesh, job.recompute, job.cap, job.inflight, job.share,
+                job.cutoff, job.time_floor, _restriction_key(g_mb, job))
 
     def __enter__(self) -> Pricer:
         return self

@@ -4,6 +4,7 @@ FLOPs of einsum and conv — every expected value derived by hand from the sizes
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 
@@ -193,3 +194,18 @@ def test_a_resized_view_shares_the_structure_it_did_not_rebuild():
     view = g.resized({"b": 2, "s": 3, "bs": 6, "h": 2})
     assert view.order is order and view.ops == g.ops and view.tensors == g.tensors
     assert view.numel("y") == 12 and g.numel("y") == 24  # sizes are the view's own
+
+
+def test_memoized_hashes_and_views_follow_the_sizes():
+    """Views share one memo of hashes and views keyed by sizes: each answers as a graph built at its sizes."""
+    g = block("l0.", ("b", "h", "f"))
+    ops = g.order[:1]
+    whole, part = g.structural_hash(), g.structural_hash(ops)
+    view = g.resized(g.dims | {"f": 64})
+    fresh = block("l0.", ("b", "h", "f"), f=64)  # the same graph built at the view's sizes
+    assert view.structural_hash() == fresh.structural_hash() != whole
+    assert view.structural_hash(ops) == fresh.structural_hash(fresh.order[:1]) != part
+    assert g.structural_hash() == whole and g.structural_hash(ops) == part  # the graph's own entries untouched
+    assert g.resized(dict(reversed(list(view.dims.items())))) is view  # one view per sizes, whatever the order
+    copied = pickle.loads(pickle.dumps(view))  # a worker's copy: no memo carried, the same answers
+    assert copied.structural_hash() == fresh.structural_hash() and copied.dims == view.dims
