@@ -445,9 +445,9 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
                               where, "Megatron-LM requires it: pick a multiple of pp")
     start = time.perf_counter()
     plans, error, cache = [], None, {} if cache is None else cache
+    bounded = bar < math.inf and schedule in ("1f1b", "interleaved") and not options.tp_comm_overlap
     for count in counts:
         restriction = _megatron(intra.with_batch(graph, batch // count), tp, dp, zero, sequence_parallel, shard_weights)
-        bounded = bar < math.inf and schedule in ("1f1b", "interleaved") and not options.tp_comm_overlap
         if bounded and _least_pipeline(graph, cluster, layering, ranges, pp, count, (submesh, (dp, tp)), restriction,
                                        options, cache) >= bar:
             continue
