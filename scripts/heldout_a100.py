@@ -3,11 +3,12 @@ Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
 SC'21, Table 1 (weak scaling 1.7B–1T) and Table 2 (ZeRO-3 vs PTD-P), plus the A100 points kept out of
 the fit (partopt/bench/points/dgx-a100-unfitted.json: tensor parallelism across nodes, LLM Foundry's runs, and
 BigScience's topology trials of BLOOM on Jean Zay).
-Nothing here changes a parameter: it prices each published run as run (`evaluate.uniform`, microbatch
-size 1, full recomputation, gradient reduction after the backward as Megatron-LM then ran; priced with
-the 1F1B schedule, the only one partopt has, though some of these runs may have used the interleaved
-one) and prints predicted vs published per-GPU TFLOP/s in Megatron's 96 closed form. The published
-rows are transcribed from the paper's tables. Usage:
+Nothing here changes a parameter: it prices each published run as run (`evaluate.uniform`, full
+recomputation) and prints predicted vs published per-GPU TFLOP/s in Megatron's 96 closed form. The published
+rows are transcribed from the paper's tables; Table 1's runs are priced as Megatron-LM's own scripts for the
+paper ran them (examples/academic_paper_scripts/sc21/run_table_1.sh: each row's microbatch size, interleaved
+schedule and data-parallel implementation), Table 2's PTD-P rows at microbatch size 1 with the gradient
+reduction after the backward. Usage:
 
     python scripts/heldout_a100.py [--cluster FILE] [--table 1|2|unfitted ...]
 
@@ -51,19 +52,31 @@ class Run:
     pp: int
     gpus: int
     batch: int
-    microbatch: int
+    microbatch: int  # samples per microbatch
     published: float
     zero3: bool = False  # ZeRO-3: weights sharded over data parallelism
+    virtual_stages: int = 1  # > 1: Megatron-LM's interleaved schedule with this many chunks per stage
+    overlap: bool = False  # gradient reduction under the last backward (PyTorch DDP); False: after it (local DDP)
 
 
-# Table 1: parameters (B), heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU (microbatch 1).
-TABLE_1 = tuple(Run(f"{params}B, {gpus} GPUs, tp {tp} × pp {pp}", heads, hidden, layers, tp, pp, gpus, batch, 1, tflops)
-                for params, heads, hidden, layers, tp, pp, gpus, batch, tflops in (
-                    ("1.7", 24, 2304, 24, 1, 1, 32, 512, 137), ("3.6", 32, 3072, 30, 2, 1, 64, 512, 138),
-                    ("7.5", 32, 4096, 36, 4, 1, 128, 512, 142), ("18.4", 48, 6144, 40, 8, 1, 256, 1024, 135),
-                    ("39.1", 64, 8192, 48, 8, 2, 512, 1536, 138), ("76.1", 80, 10240, 60, 8, 4, 1024, 1792, 140),
-                    ("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 148), ("310.1", 128, 16384, 96, 8, 16, 1920, 2160, 155),
-                    ("529.6", 128, 20480, 105, 8, 35, 2520, 2520, 163), ("1008.0", 160, 25600, 128, 8, 64, 3072, 3072, 163)))
+# Table 1: parameters (B), heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU; then, from Megatron-LM's
+# examples/academic_paper_scripts/sc21/run_table_1.sh, the microbatch size, the chunks per stage of the interleaved
+# schedule (layers per stage / --num-layers-per-virtual-pipeline-stage; 1: not interleaved) and whether the run
+# used PyTorch's DDP (--DDP-impl torch, whose all-reduce overlaps the last microbatch's backward) or Megatron-LM's
+# local one (after the backward).
+TABLE_1 = tuple(Run(f"{params}B, {gpus} GPUs, tp {tp} × pp {pp}, microbatch {mbs}" + (f", {v} chunks" if v > 1 else ""),
+                    heads, hidden, layers, tp, pp, gpus, batch, mbs, tflops, virtual_stages=v, overlap=torch_ddp)
+                for params, heads, hidden, layers, tp, pp, gpus, batch, tflops, mbs, v, torch_ddp in (
+                    ("1.7", 24, 2304, 24, 1, 1, 32, 512, 137, 16, 1, True),
+                    ("3.6", 32, 3072, 30, 2, 1, 64, 512, 138, 16, 1, True),
+                    ("7.5", 32, 4096, 36, 4, 1, 128, 512, 142, 16, 1, True),
+                    ("18.4", 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 1, True),
+                    ("39.1", 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 1, False),
+                    ("76.1", 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 3, False),
+                    ("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 2, False),
+                    ("310.1", 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 2, False),
+                    ("529.6", 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 3, False),
+                    ("1008.0", 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 1, False)))
 
 # Table 2: PTD-P (tp 8, microbatch 1) and ZeRO-3 without model parallelism (one microbatch of batch / GPUs:
 # 4, 2, 1 samples). 530B ZeRO-3 ran 640 GPUs at batch 2560 (560 did not fit), then 1120 and 2240 GPUs at
@@ -79,15 +92,17 @@ TABLE_2 = tuple(
      for g, batch, t in ((640, 2560, 138), (1120, 2240, 98), (2240, 2240, 48))])
 
 def predict(run: Run, cluster: Cluster) -> float:
-    """Predicted per-GPU TFLOP/s of `run` priced as run (1F1B, full recomputation, no overlap; ZeRO-3 as weights and
-    optimizer state split over the data-parallel ranks, `uniform`'s shard_weights), 96 form. The PTD-P runs ran
-    Megatron-LM, priced as the fitted points of its runs are: its state layout (fp32 gradients), no memory reserve
-    (published as having fit); ZeRO-3's ran DeepSpeed, priced in the ZeRO paper's layout."""
+    """Predicted per-GPU TFLOP/s of `run` priced as run (its microbatch size, schedule and gradient reduction, full
+    recomputation; ZeRO-3 as weights and optimizer state split over the data-parallel ranks, `uniform`'s
+    shard_weights), 96 form. The PTD-P runs ran Megatron-LM, priced as the fitted points of its runs are: its state
+    layout (fp32 gradients), no memory reserve (published as having fit); ZeRO-3's ran DeepSpeed, priced in the ZeRO
+    paper's layout."""
     graph = models.generate("gpt", hidden=run.hidden, layers=run.layers, heads=run.heads, seq=SEQ, vocab=VOCAB,
                             batch=run.batch, attention_dropout=ATTENTION_DROPOUT)
     dp = run.gpus // (run.tp * run.pp)
     plan = uniform(graph, cluster.resized(run.gpus // cluster.devices_per_node), run.tp, run.pp, dp,
-                   run.batch // (dp * run.microbatch), recompute="full", overlap=False, zero=run.zero3,
+                   run.batch // (dp * run.microbatch), recompute="full", overlap=run.overlap, zero=run.zero3,
+                   schedule="interleaved" if run.virtual_stages > 1 else "1f1b", virtual_stages=run.virtual_stages,
                    shard_weights=run.zero3, **({} if run.zero3 else {"state_layout": "megatron", "memory_reserve": 0.0}))
     return gpt_flops(run.batch, SEQ, run.layers, run.hidden, VOCAB) / plan.iteration_time_s / run.gpus / 1e12
 

@@ -296,6 +296,25 @@ def test_no_held_out_run_is_a_calibration_point():
             assert (p.graph.dims.get("h"), p.tp, p.pp, p.gpus, p.graph.dims["b"]) not in runs, (name, p.label)
 
 
+def test_table_1_runs_as_megatron_lms_scripts_ran_them():
+    """Megatron-LM's examples/academic_paper_scripts/sc21/run_table_1.sh: the layers per interleaved chunk
+    (--num-layers-per-virtual-pipeline-stage) and microbatch sizes it sets, and Megatron-LM's rules for them."""
+    heldout = _heldout()
+    chunk_layers = {76.1: 5, 145.6: 5, 310.1: 3, 529.6: 1}  # the script's flag; the other rows do not interleave
+    microbatch = {1.7: 16, 3.6: 16, 7.5: 16, 18.4: 8, 39.1: 4, 76.1: 2, 145.6: 2}  # the rest: 1
+    for run in heldout.TABLE_1:
+        size = float(run.label.split("B,")[0])
+        assert run.microbatch == microbatch.get(size, 1), run.label
+        dp = run.gpus // (run.tp * run.pp)
+        assert run.batch % (dp * run.microbatch) == 0, run.label  # whole microbatches per replica
+        if size in chunk_layers:
+            assert run.layers == run.pp * run.virtual_stages * chunk_layers[size], run.label
+            assert (run.batch // (dp * run.microbatch)) % run.pp == 0, run.label  # interleaving's rule
+        else:
+            assert run.virtual_stages == 1, run.label
+        assert run.overlap == (size < 39), run.label  # --DDP-impl torch up to 18.4B, local from 39.1B
+
+
 def test_heldout_flops_reproduce_the_published_aggregate():
     """Table 1's 1T row: 163 TFLOP/s per GPU on 3072 GPUs is the paper's 502 PFLOP/s (within its rounding)."""
     heldout = _heldout()

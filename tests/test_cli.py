@@ -127,12 +127,12 @@ def test_nodes_resizes_a_preset_and_a_cluster_file(tmp_path):
 
 def test_inspect_says_where_a_clusters_efficiencies_come_from():
     facts = json.loads(run("inspect", "dgx-a100", "--json").stdout)["calibration"]
-    assert facts["measured_runs"] == 19 and facts["points"] == "partopt/bench/points/dgx-a100.json"
+    assert facts["measured_runs"] == 21 and facts["points"] == "partopt/bench/points/dgx-a100.json"
     assert facts["fitted"] == {"matmul_efficiency": preset("dgx-a100").device.matmul_efficiency}
-    # the fit's own report (docs/COSTMODEL.md §7): leave-one-out median 8.1 %, max 22.5 % (SC'21 Fig. 15, tp 2 × dp 32)
-    assert facts["loo_error_median"] == pytest.approx(0.0815, abs=5e-4)
-    assert facts["loo_error_max"] == pytest.approx(0.2250, abs=5e-4)
-    assert "fitted to 19 measured runs" in run("inspect", "dgx-a100").stdout
+    # the fit's own report (docs/COSTMODEL.md §7): leave-one-out median 8.2 %, max 21.8 % (SC'21 Fig. 15, tp 2 × dp 32)
+    assert facts["loo_error_median"] == pytest.approx(0.0821, abs=5e-4)
+    assert facts["loo_error_max"] == pytest.approx(0.2182, abs=5e-4)
+    assert "fitted to 21 measured runs" in run("inspect", "dgx-a100").stdout
     # a cluster file carries its record with it; a preset without a data file has none
     assert json.loads(run("inspect", str(ROOT / "instances/clusters/p3.16xlarge.json"), "--json").stdout)[
         "calibration"]["measured_runs"] == 10
