@@ -89,6 +89,28 @@ class Graph:
             self._memo[key] = view
         return self._memo[key]
 
+    def batch_scaled_dims(self) -> frozenset[str]:
+        """The dims that scale with the batch dim: it, and those a reshape derives from it (MoE's tokens `bs = b·s`,
+        its groups `g`): a whole dim scales with a scaled part, and an outermost part with a scaled whole.
+        Structural, so memoized for the graph and its views alike."""
+        key = ("batch-scaled",)
+        if key not in self._memo:
+            scaled = {self.batch_dim} - {None}
+            changed = True
+            while changed:
+                changed = False
+                for op in self.ops:
+                    for direction in ("split", "merge"):
+                        for whole, parts in (op.attrs.get(direction) or {}).items():
+                            if whole not in scaled and any(p in scaled for p in parts):
+                                scaled.add(whole)
+                                changed = True
+                            elif whole in scaled and not any(p in scaled for p in parts):
+                                scaled.add(parts[0])
+                                changed = True
+            self._memo[key] = frozenset(scaled)
+        return self._memo[key]
+
     def __getstate__(self) -> dict:
         """What a pickle carries (to a pricing worker): not the memo, which can be large."""
         return {k: v for k, v in self.__dict__.items() if k != "_memo"}

@@ -404,7 +404,6 @@ def _open_count(space: _Space, pricer: Pricer, count: int, g_mb: Graph, base_ops
         limit = math.inf if best is None else best[0]
     if not keys:
         return None
-    pricer.views[space.graph.dims[space.graph.batch_dim] // count] = g_mb
     pipe = space.pipe(count)
     state = _Count(count, pipe, bounds.per_layer(base_ops, space.alike, g_mb.structural_hash),
                    [tuple(op.name for op in ops) for ops in base_ops],
@@ -488,7 +487,7 @@ def _close_count(space: _Space, pricer: Pricer, state: _Count, best: tuple | Non
     def bound() -> float:  # the best plan so far, or one of this count's on the rows priced yet when it is faster
         return space.upper(pipe, costs, count, budget, stats, incumbent)
 
-    view = pricer.views[space.graph.dims[space.graph.batch_dim] // count]
+    view = intra.with_batch(space.graph, space.graph.dims[space.graph.batch_dim] // count)
     ops = [[view.op_index[name] for name in names] for names in state.names]
 
     def relaxed_loses() -> bool:  # `_relaxed_may_win` on rows nothing undercuts finds no plan under the best

@@ -79,29 +79,15 @@ def kept_recomputed(graph: Graph, ops: Sequence[Op], rerun: frozenset[str]) -> f
 
 
 def with_batch(graph: Graph, batch: int) -> Graph:
-    """The same graph with its batch dim resized (a microbatch's view of the model).
-
-    Dims a reshape derives from the batch (MoE's tokens `bs = b·s`, its groups `g`) scale with
-    it: a whole dim scales with a scaled part, and an outermost part with a scaled whole.
+    """The same graph with its batch dim resized (a microbatch's view of the model), and with it the dims a
+    reshape derives from the batch (`Graph.batch_scaled_dims`). The view is the graph's memoized one
+    (`Graph.resized`): asked again at the same size, it is the same object, its hashes already known.
     """
     if graph.batch_dim is None or graph.dims[graph.batch_dim] == batch:
         return graph
     old = graph.dims[graph.batch_dim]
-    scaled = {graph.batch_dim}
-    changed = True
-    while changed:
-        changed = False
-        for op in graph.ops:
-            for direction in ("split", "merge"):
-                for whole, parts in (op.attrs.get(direction) or {}).items():
-                    if whole not in scaled and any(p in scaled for p in parts):
-                        scaled.add(whole)
-                        changed = True
-                    elif whole in scaled and not any(p in scaled for p in parts):
-                        scaled.add(parts[0])
-                        changed = True
     dims = dict(graph.dims)
-    for d in scaled:
+    for d in sorted(graph.batch_scaled_dims()):
         if dims[d] * batch % old:
             raise InfeasibleError(f"dim {d!r} ({dims[d]}) does not scale with a microbatch of {batch}",
                                   graph.name, "use a microbatch count that keeps derived dims whole")

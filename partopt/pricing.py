@@ -163,22 +163,10 @@ def price(g_mb: Graph, job: Job, options) -> Priced:
     return LayerCost.of(sharding)
 
 
-def _price_in(graph: Graph, options, job: Job, views: dict[int, Graph]) -> Priced:
-    """`price` with the graph's microbatch views cached by size across jobs."""
-    if job.mb not in views:
-        views[job.mb] = intra.with_batch(graph, job.mb)
-    return price(views[job.mb], job, options)
-
-
-_WORKER_VIEWS: dict = {"graph": None, "views": {}}  # in a worker process: the context graph's microbatch views
-
-
 def price_job(graph: Graph, options, job: Job) -> Priced:
-    """`price` of one job on `graph`: the function the executors run (`partopt.executors`); a worker
-    keeps the microbatch views of the graph it was last given (its context, the same object each job)."""
-    if _WORKER_VIEWS["graph"] is not graph:
-        _WORKER_VIEWS.update(graph=graph, views={})
-    return _price_in(graph, options, job, _WORKER_VIEWS["views"])
+    """`price` of one job on `graph` at its microbatch size: the function the executors run (`partopt.executors`).
+    A worker is given the graph once (its context, the same object each job), whose memo keeps the views."""
+    return price(intra.with_batch(graph, job.mb), job, options)
 
 
 def _restriction_key(g_mb: Graph, job: Job) -> tuple:
@@ -223,7 +211,6 @@ class Pricer:
     def __init__(self, graph: Graph, options, cache: dict | None = None, deadline: float = math.inf):
         self.graph, self.options = graph, options
         self.deadline = deadline  # time.perf_counter() after which `run` raises Expired
-        self.views: dict[int, Graph] = {}
         self.workers = options.workers or len(os.sched_getaffinity(0))
         self.executor: Executor | None = None
         self.local_s = 0.0  # seconds spent pricing in this process
@@ -236,14 +223,8 @@ class Pricer:
                        (options.cost_model or costmodel.ANALYTICAL).key, options.overlap, options.tp_comm_overlap,
                        options.state_layout)
 
-    def view(self, mb: int) -> Graph:
-        """The graph at microbatch size `mb` (built once)."""
-        if mb not in self.views:
-            self.views[mb] = intra.with_batch(self.graph, mb)
-        return self.views[mb]
-
     def _key(self, job: Job) -> tuple:
-        g_mb = self.view(job.mb)
+        g_mb = intra.with_batch(self.graph, job.mb)
         layer = g_mb.structural_hash([g_mb.op_index[n] for n in job.ops])
         return (self.prefix, job.mb, job.count, layer, job.mesh, job.recompute, job.cap, job.inflight, job.share,
                 job.cutoff, job.time_floor, _restriction_key(g_mb, job))
@@ -279,7 +260,7 @@ class Pricer:
     def _here(self, jobs: list[Job]) -> Iterator[Priced]:
         for job in jobs:
             began = time.perf_counter()
-            cost = _price_in(self.graph, self.options, job, self.views)
+            cost = price_job(self.graph, self.options, job)
             self.local_s += time.perf_counter() - began
             yield cost
 

@@ -209,3 +209,18 @@ def test_memoized_hashes_and_views_follow_the_sizes():
     assert g.resized(dict(reversed(list(view.dims.items())))) is view  # one view per sizes, whatever the order
     copied = pickle.loads(pickle.dumps(view))  # a worker's copy: no memo carried, the same answers
     assert copied.structural_hash() == fresh.structural_hash() and copied.dims == view.dims
+
+
+def test_batch_scaled_dims_follow_the_reshapes_and_views_are_memoized():
+    """GShard MoE flattens (b, s) into tokens `bs` (a whole with a scaled part scales) and splits `bs` into groups
+    (g, gs) (an outermost part of a scaled whole scales): {b, bs, g}, by hand; a GPT's only scaled dim is b. A
+    microbatch view is the graph's memoized one, and its own scaled dims are the graph's."""
+    from partopt import intra, models
+
+    moe = models.generate("moe", hidden=64, layers=2, heads=4, experts=4, seq=32, vocab=128, batch=8, group_size=64)
+    assert moe.batch_scaled_dims() == {"b", "bs", "g"}
+    assert models.generate("gpt", hidden=64, layers=2, heads=4, seq=32, vocab=128, batch=8).batch_scaled_dims() == {"b"}
+    view = intra.with_batch(moe, 2)
+    assert (view.dims["b"], view.dims["bs"], view.dims["g"]) == (2, 64, 1) and view.dims["gs"] == 64
+    assert intra.with_batch(moe, 2) is view and view.batch_scaled_dims() == moe.batch_scaled_dims()
+    assert intra.with_batch(view, 8).dims == moe.dims

@@ -127,7 +127,7 @@ def test_no_row_of_an_option_undercuts_its_relaxed_row(monkeypatch):
 
     def recording(space, pricer, state, best, stats, running):
         found = close(space, pricer, state, best, stats, running)
-        view = pricer.views[graph.dims[graph.batch_dim] // state.count]
+        view = intra.with_batch(graph, graph.dims[graph.batch_dim] // state.count)
         closed.append((space, state, view, [[view.op_index[name] for name in names] for names in state.names]))
         return found
 

@@ -443,7 +443,6 @@ def test_a_layer_holds_at_least_its_share_of_the_state_and_kept_activations():
     prints = footprints(view, base, modes, cluster.device)
     checked = 0
     with Pricer(graph, Options(workers=1)) as pricer:
-        pricer.views[16 // count] = view
         for sub, shape in [((1, 1), (1, 1)), ((1, 2), (1, 2)), ((1, 2), (2, 1)), ((1, 4), (2, 2)), ((1, 8), (1, 8))]:
             mesh, n = cluster.logical_mesh(sub, shape), sub[0] * sub[1]
             for m, mode in enumerate(modes):
@@ -476,7 +475,6 @@ def test_a_layer_under_a_mode_costs_at_least_its_roofline_work_and_rerun_over_it
     prints = footprints(view, base, modes, cluster.device)
     margins = []
     with Pricer(graph, Options(workers=1)) as pricer:
-        pricer.views[16 // count] = view
         for sub, shape in [((1, 1), (1, 1)), ((1, 2), (2, 1)), ((1, 4), (2, 2)), ((1, 8), (1, 8))]:
             mesh, n = cluster.logical_mesh(sub, shape), sub[0] * sub[1]
             for m, mode in enumerate(modes):
