@@ -66,8 +66,9 @@ def _check_meshes(cluster: Cluster, specs: list[StageSpec], where: str) -> None:
 
 
 def _pinned(op_entries: dict[str, OpStrategy], param_entries: dict[str, ParamPlacement], layering: Layering,
-            first: int, last: int, where: str) -> intra.Restriction:
-    """The restriction that keeps each listed op's recorded axes and each listed parameter's placement.
+            first: int, last: int, where: str, uneven_params: bool = False) -> intra.Restriction:
+    """The restriction that keeps each listed op's recorded axes and each listed parameter's placement
+    (`uneven_params`: stored padded where its split does not divide its dim, as a plan of ZeRO-3's layout may).
 
     A parameter read in two priced layers of the stage (a tied embedding) is priced in each with
     its own placement, of which the plan records one: it is left to the ILP in both."""
@@ -88,7 +89,8 @@ def _pinned(op_entries: dict[str, OpStrategy], param_entries: dict[str, ParamPla
     def param_ok(tensor: str, s: ParamStrategy) -> bool:
         return tensor not in params or ParamPlacement(s.placement, s.zero_axes) == params[tensor]
 
-    return intra.Restriction(op_ok, param_ok, f"the plan ({where}; a split must divide its dim on the mesh)")
+    return intra.Restriction(op_ok, param_ok, f"the plan ({where}; a split must divide its dim on the mesh)",
+                             uneven_params=uneven_params)
 
 
 def _features(graph: Graph, op: Op) -> set[str]:
@@ -139,9 +141,8 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
     With `sequence_parallel` (Korthikanti et al. 2022) the norms split their sequence, and the residual stream's
     other ops may too (the all-reduce becomes a reduce-scatter and an all-gather). With `shard_weights` axis 0 holds
     each parameter split instead (ZeRO-3, FSDP: gathered for each use, its gradient reduce-scattered, so weights,
-    gradients and optimizer state are all split dp ways); a parameter none of whose dims dp divides (a bias of 96
-    heads over 384 ranks), which ZeRO-3 splits flattened, stays a copy with its optimizer state split: the nearest
-    its placements come."""
+    gradients and optimizer state are all split dp ways), along a dim dp divides where it has one, else padded as
+    ZeRO-3 and FSDP pad their shards (a bias of 96 heads over 384 ranks; every weight of h 20480 over 1,120)."""
     batch = batch_dims(graph)
     split, residual = tensor_parallel_dims(graph), residual_dims(graph)
     sequence = {d for op in graph.ops if op.kind in NORM_KINDS for d in sequence_dims(graph, op)}
@@ -172,8 +173,9 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
     def param_ok(tensor: str, s: ParamStrategy) -> bool:
         if tp > 1 and not held_as_megatron_does(tensor, s):
             return False
-        if shard_weights and dp > 1 and any(graph.dims[d] % dp == 0 for d in graph.tensors[tensor].dims):
-            return isinstance(s.placement[0], Shard) and not s.zero_axes
+        if shard_weights and dp > 1:  # split along a dim dp divides where one does, else padded
+            even = [d for d in graph.tensors[tensor].dims if graph.dims[d] % dp == 0]
+            return isinstance(s.placement[0], Shard) and (not even or s.placement[0].dim in even) and not s.zero_axes
         copies = dp == 1 or isinstance(s.placement[0], Replicate)
         return copies and (0 in s.zero_axes) == ((zero or shard_weights) and dp > 1) and 1 not in s.zero_axes
 
@@ -181,7 +183,7 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
                                               f"{', sequence parallel' if sequence_parallel else ''}"
                                               f"{', weights sharded' if shard_weights and dp > 1 else ''})",
                              ("megatron", dp, tp, zero and dp > 1, sequence_parallel and tp > 1,
-                              shard_weights and dp > 1))
+                              shard_weights and dp > 1), uneven_params=shard_weights and dp > 1)
 
 
 def _price_layers(pricer: Pricer, cluster: Cluster, pipe: Pipeline, count: int, spec: StageSpec,
@@ -358,7 +360,8 @@ def evaluate(graph: Graph, cluster: Cluster, plan: Plan, where: str = "plan", **
     specs = [StageSpec(s.layers[0], s.layers[1], tuple(s.submesh), tuple(s.logical_mesh),
                        inflight(i % S, S, count, plan.schedule, v), s.recompute) for i, s in enumerate(plan.stages)]
     _check_meshes(cluster, specs[:S], where)
-    restrictions = [_pinned(s.ops, s.params, layering, s.layers[0], s.layers[1], f"{where}.stages[{i}]")
+    padded = plan.options.get("megatron", {}).get("shard_weights", False)  # ZeRO-3's layout stores weights padded
+    restrictions = [_pinned(s.ops, s.params, layering, s.layers[0], s.layers[1], f"{where}.stages[{i}]", padded)
                     for i, s in enumerate(plan.stages)]
     return price(graph, cluster, layering, count, specs, restrictions, options, where,
                  schedule=plan.schedule, virtual_stages=v)

@@ -28,7 +28,8 @@ UNSUPPORTED_BY_MEGATRON = ("conv2d", "pool")  # Megatron-LM trains transformers
 
 
 class NotExpressibleError(PartoptError):
-    """A plan that Megatron-LM's uniform (tp, pp, dp) form cannot express; the cause names why."""
+    """A plan a target cannot express (Megatron-LM's uniform (tp, pp, dp) form, JAX's even shardings); the cause
+    names why."""
 
 
 # ---------------------------------------------------------------- a stage's tensors and their placements
@@ -232,6 +233,19 @@ def _jax_entry(t: TensorPlacement, mesh: Sequence[int]) -> dict[str, Any]:
     return entry
 
 
+def _check_even(t: TensorPlacement, mesh: Sequence[int], where: str) -> None:
+    """NotExpressibleError for a tensor split along a dim its mesh axes do not divide (a parameter ZeRO-3's layout
+    stores padded): a JAX sharding must divide every dim it splits."""
+    for d, axes in zip(t.dims, dim_axes(t)):
+        ways = math.prod(mesh[k] for k in axes)
+        size = t.shape[t.dims.index(d)]
+        if size % ways:
+            raise _not_expressible(f"{t.name} is split {fmt(t.placement)}: {size} along {d!r} over {ways} devices, "
+                                   "stored padded as ZeRO-3 stores it, and a JAX sharding must divide the dims it "
+                                   "splits", where, "export it with --to dtensor (DTensor shards unevenly), or plan "
+                                   "a data-parallel size that divides it")
+
+
 def to_jax(plan: Plan) -> dict[str, Any]:
     """Per stage: the JAX Mesh (axis names, shape, device ids) and a PartitionSpec per parameter and
     per op output, with pending sums and optimizer-state sharding reported separately."""
@@ -241,6 +255,8 @@ def to_jax(plan: Plan) -> dict[str, Any]:
         params: dict[str, Any] = {}
         activations: dict[str, Any] = {}
         for t in stage_tensors(plan, i):
+            if t.role == "param":
+                _check_even(t, mesh, f"stages[{i}].params.{t.name}")
             (params if t.role == "param" else activations)[t.name] = _jax_entry(t, mesh)
         stages.append({"stage": i, "mesh": {"axis_names": list(AXIS_NAMES), "shape": list(mesh),
                                             "devices": _devices_grid(stage)},

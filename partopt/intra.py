@@ -470,6 +470,9 @@ class Restriction:
     # names: layers that hash alike under one key are allowed the same strategies and share a solve without
     # listing them (`pricing`); () for no restriction at all. None: the allowed strategies are the key.
     key: tuple | None = None
+    # parameters may also be stored split along dims the mesh axes do not divide, padded: ZeRO-3's and FSDP's
+    # storage of the weights they gather for each use (`sharding.param_strategies`'s `uneven`)
+    uneven_params: bool = False
 
 
 UNRESTRICTED = Restriction(key=())
@@ -606,7 +609,7 @@ def build(graph: Graph, mesh: LogicalMesh, ops: Sequence[Op] | None = None, micr
             elif graph.tensors[tensor].role == "param":
                 if tensor not in node_of_param:
                     options = _kept(param_strategies(graph, graph.tensors[tensor], mesh, allow_zero, data_parallel,
-                                                     state_layout),
+                                                     state_layout, restriction.uneven_params),
                                     lambda s: restriction.param(tensor, s), tensor, restriction)
                     steps = optimizer_step_times(graph, tensor, options, mesh, state_layout)
                     sync_bound += max(steps)

@@ -179,7 +179,8 @@ def _restriction_key(g_mb: Graph, job: Job) -> tuple:
     ops = [g_mb.op_index[n] for n in job.ops]
     params = list(dict.fromkeys(t for op in ops for t in op.inputs if g_mb.tensors[t].role == "param"))
     return (tuple(tuple(s.axes) for op in ops for s in op_strategies(g_mb, op, job.mesh) if r.op(op, s)),
-            tuple(s.name for t in params for s in param_strategies(g_mb, g_mb.tensors[t], job.mesh) if r.param(t, s)))
+            tuple(s.name for t in params for s in param_strategies(g_mb, g_mb.tensors[t], job.mesh, uneven=r.uneven_params)
+                  if r.param(t, s)))
 
 
 class Expired(Exception):

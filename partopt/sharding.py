@@ -723,34 +723,47 @@ class ParamStrategy:
 
 
 def param_strategies(graph: Graph, tensor: Tensor, mesh: LogicalMesh, allow_zero: bool = True,
-                     replicated: bool = False, layout: str = "zero") -> list[ParamStrategy]:
+                     replicated: bool = False, layout: str = "zero", uneven: bool = False) -> list[ParamStrategy]:
     """Every placement of a parameter (Shard on a divisible dim or Replicate per axis) × ZeRO choice, its state
     in the runtime's `layout` (`costmodel.STATE_LAYOUTS`).
 
-    `replicated` keeps only whole copies (data parallelism; ZeRO still allowed). Kept under all they read: the
-    tensor's dims, their sizes, its dtype, the optimizer, the layout and the mesh's shape (a model's layers repeat
-    their weights).
+    `replicated` keeps only whole copies (data parallelism; ZeRO still allowed). `uneven` also stores it split
+    along dims the axes do not divide, as ZeRO-3 and FSDP store the weights they gather for each use: padded,
+    each device holding the largest shard (`stored_fraction`). Kept under all they read: the tensor's dims, their
+    sizes, its dtype, the optimizer, the layout and the mesh's shape (a model's layers repeat their weights).
     """
     key = ("param", tensor.dims, tuple(graph.dims[d] for d in tensor.dims), graph.dtype_of(tensor.name),
-           graph.optimizer, layout, mesh.shape, allow_zero, replicated)
-    return _kept_strategies(key, lambda: _param_strategies(graph, tensor, mesh, allow_zero, replicated, layout))
+           graph.optimizer, layout, mesh.shape, allow_zero, replicated, uneven)
+    return _kept_strategies(key, lambda: _param_strategies(graph, tensor, mesh, allow_zero, replicated, layout,
+                                                           uneven))
+
+
+def stored_fraction(graph: Graph, tensor: str, placement: Placement, mesh: LogicalMesh) -> float:
+    """The fraction of a tensor one device stores under `placement`: 1 / shards when the splits divide its dims,
+    else the largest shard's, each split dim rounded up (ceil(size / ways) of its size: padding, as FSDP pads)."""
+    split: dict[str, int] = {}
+    for p, size in zip(placement, mesh.shape):
+        if isinstance(p, Shard):
+            split[p.dim] = split.get(p.dim, 1) * size
+    return math.prod(-(-graph.dims[d] // n) / graph.dims[d] for d, n in split.items())
 
 
 def _param_strategies(graph: Graph, tensor: Tensor, mesh: LogicalMesh, allow_zero: bool,
-                      replicated: bool, layout: str) -> list[ParamStrategy]:
+                      replicated: bool, layout: str, uneven: bool) -> list[ParamStrategy]:
     """`param_strategies`, enumerated."""
     per_axis = [[R] + ([Shard(d) for d in tensor.dims] if size > 1 and not replicated else []) for size in mesh.shape]
     memory = costmodel.param_memory(graph.numel(tensor.name), graph.dtype_of(tensor.name), graph.optimizer, layout)
     result = []
     for placement in itertools.product(*per_axis):
         axes = [p.dim if isinstance(p, Shard) else None for p in placement]
-        if not _divisible(graph, axes, mesh):
+        even = _divisible(graph, axes, mesh)
+        if not (even or uneven):
             continue
         replicated = [i for i, p in enumerate(placement) if isinstance(p, Replicate) and mesh.shape[i] > 1]
         zero_choices = [()]
         if allow_zero:
             zero_choices = [c for k in range(len(replicated) + 1) for c in itertools.combinations(replicated, k)]
-        n = shards(placement, mesh)
+        n = shards(placement, mesh) if even else 1 / stored_fraction(graph, tensor.name, placement, mesh)
         for zero in zero_choices:
             z = math.prod(mesh.shape[i] for i in zero)
             result.append(ParamStrategy(

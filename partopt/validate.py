@@ -251,6 +251,7 @@ def check_against(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan
                             f"cover DP layers 0–{len(layering.groups) - 1}")
     g_mb = intra.with_batch(graph, plan.microbatch_size)
     _check_tensors(plan, g_mb, where)
+    padded = plan.options.get("megatron", {}).get("shard_weights", False)  # ZeRO-3's layout: weights stored padded
     for i, stage in enumerate(plan.stages):
         place = f"$.stages[{i}]"
         mesh = cluster.logical_mesh(tuple(stage.submesh), tuple(stage.logical_mesh))
@@ -280,7 +281,7 @@ def check_against(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan
             tensor = g_mb.tensors.get(name)
             if tensor is None or tensor.role != "param":
                 raise InstanceError(f"{name!r} is not a parameter of the graph", here, _REDO)
-            legal = {ParamPlacement(s.placement, s.zero_axes) for s in param_strategies(g_mb, tensor, mesh)}
+            legal = {ParamPlacement(s.placement, s.zero_axes) for s in param_strategies(g_mb, tensor, mesh, uneven=padded)}
             if info not in legal:
                 raise InstanceError(f"parameter {name} cannot be placed {fmt(info.placement)} with zero_axes "
                                     f"{list(info.zero_axes)} on mesh {stage.logical_mesh}", here,

@@ -2,16 +2,20 @@
 `shard_weights`, `partopt evaluate --shard-weights`, a points file's `shard_weights`), against closed forms."""
 
 import json
+import math
 
 import pytest
 from click.testing import CliRunner
 
 from partopt import costmodel, preset
 from partopt.calibrate import read_points
+from partopt.check import differences
 from partopt.cli import main
 from partopt.evaluate import uniform
+from partopt.export import NotExpressibleError, to_dtensor, to_jax
 from partopt.io import write_graph
 from partopt.models.gpt import gpt
+from partopt.plan import read_plan, write_plan
 from partopt.sharding import Shard
 
 
@@ -52,15 +56,37 @@ def test_weights_split_over_the_data_parallel_axis(tiny, dp):
     assert sharded.options["megatron"]["shard_weights"] and not plain.options["megatron"]["shard_weights"]
 
 
-def test_a_parameter_no_rank_count_divides_stays_a_copy_with_its_optimizer_state_split():
-    """Over 3 ranks none of the tiny GPT's dims (256, 1024, 64, 4, 128) divides: ZeRO-3 would split each parameter
-    flattened, which placements cannot say, so each stays a copy with its optimizer state split 3 ways (ZeRO-1's
-    layout): weights and gradients whole, optimizer state at 1/3."""
+def test_a_parameter_no_rank_count_divides_is_stored_padded():
+    """Over 3 ranks none of the tiny GPT's dims (256, 1024, 64, 4, 128, 1024) divides: ZeRO-3 and FSDP still split
+    each parameter, padding the shards. Each is stored split along one of its dims, each rank holding the largest
+    shard, ceil(size / 3) of the dim's size: its weights, gradient and optimizer state at that fraction, by hand over
+    the placements the plan records (before, each stayed a copy with only its optimizer state split)."""
     graph = gpt(hidden=256, layers=2, heads=4, seq=128, vocab=1024, batch=6)
     plan = uniform(graph, _devices(3), 1, 1, 3, 1, recompute="none", overlap=False, shard_weights=True)
-    stage = plan.stages[0]
-    assert all(not isinstance(p.placement[0], Shard) and tuple(p.zero_axes) == (0,) for p in stage.params.values())
-    assert stage.breakdown["param_bytes"] == pytest.approx(_state(graph, 1, 1, 1 / 3), rel=1e-12)
+    stage, state = plan.stages[0], 0.0
+    assert set(stage.params) == {t for t, info in graph.tensors.items() if info.role == "param"}
+    for name, p in stage.params.items():
+        assert isinstance(p.placement[0], Shard) and not p.zero_axes, name
+        size = graph.dims[p.placement[0].dim]
+        assert size % 3, name
+        state += costmodel.param_memory(graph.numel(name), graph.dtype_of(name), graph.optimizer).total * math.ceil(
+            size / 3) / size
+    assert stage.breakdown["param_bytes"] == pytest.approx(state, rel=1e-12)
+    assert state < _state(graph, 1 / 3, 1 / 3, 1 / 3) * 1.05  # padding, not copies
+
+
+def test_a_padded_plan_checks_and_exports_where_a_runtime_can_hold_it(tmp_path):
+    """The padded plan passes `partopt check` (valid for ZeRO-3's layout, priced again alike, from its file); DTensor
+    shards unevenly, so it exports; a JAX sharding must divide what it splits, so `--to jax` says why it cannot."""
+    graph = gpt(hidden=256, layers=2, heads=4, seq=128, vocab=1024, batch=6)
+    cluster = _devices(3)
+    write_plan(uniform(graph, cluster, 1, 1, 3, 1, recompute="none", overlap=False, shard_weights=True),
+               tmp_path / "plan.json")
+    written = read_plan(tmp_path / "plan.json")
+    assert differences(written, graph, cluster) == []
+    assert to_dtensor(written)["stages"][0]["params"]["l0.q.w"]["placements"][0]["type"] == "Shard"
+    with pytest.raises(NotExpressibleError, match="JAX sharding must divide"):
+        to_jax(written)
 
 
 def test_one_device_has_nothing_to_split(tiny):
