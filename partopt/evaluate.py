@@ -173,9 +173,14 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
     def param_ok(tensor: str, s: ParamStrategy) -> bool:
         if tp > 1 and not held_as_megatron_does(tensor, s):
             return False
-        if shard_weights and dp > 1:  # split along a dim dp divides where one does, else padded
-            even = [d for d in graph.tensors[tensor].dims if graph.dims[d] % dp == 0]
-            return isinstance(s.placement[0], Shard) and (not even or s.placement[0].dim in even) and not s.zero_axes
+        if shard_weights and dp > 1:  # split evenly where a dim dp divides allows it, else padded
+            ways: dict[str, int] = {}
+            for p, n in zip(s.placement, (dp, tp)):
+                if isinstance(p, Shard):
+                    ways[p.dim] = ways.get(p.dim, 1) * n
+            even = all(graph.dims[d] % n == 0 for d, n in ways.items())
+            return isinstance(s.placement[0], Shard) and not s.zero_axes and (
+                even or not any(graph.dims[d] % dp == 0 for d in graph.tensors[tensor].dims))
         copies = dp == 1 or isinstance(s.placement[0], Replicate)
         return copies and (0 in s.zero_axes) == ((zero or shard_weights) and dp > 1) and 1 not in s.zero_axes
 
