@@ -28,8 +28,8 @@ from partopt.pricing import Job, LayerCost, Priced, Pricer, Stats, ladder, rung
 from partopt.schedules import check_schedule, inflight, iteration_time
 from partopt.stages import End, Pipeline, StageSpec, StageTotals, chunks, combined, totals
 from partopt.layering import Layering, build_layers
-from partopt.plan import OpStrategy, ParamPlacement, Plan, records, tensor_table
-from partopt.sharding import ParamStrategy, Replicate, Shard, Strategy
+from partopt.plan import OpStrategy, ParamPlacement, Plan, records, stores_padded, tensor_table
+from partopt.sharding import ParamStrategy, Replicate, Shard, Strategy, split_ways
 from partopt.units import fmt_bytes
 
 
@@ -174,11 +174,7 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
         if tp > 1 and not held_as_megatron_does(tensor, s):
             return False
         if shard_weights and dp > 1:  # split evenly where a dim dp divides allows it, else padded
-            ways: dict[str, int] = {}
-            for p, n in zip(s.placement, (dp, tp)):
-                if isinstance(p, Shard):
-                    ways[p.dim] = ways.get(p.dim, 1) * n
-            even = all(graph.dims[d] % n == 0 for d, n in ways.items())
+            even = all(graph.dims[d] % n == 0 for d, n in split_ways(s.placement, (dp, tp)).items())
             return isinstance(s.placement[0], Shard) and not s.zero_axes and (
                 even or not any(graph.dims[d] % dp == 0 for d in graph.tensors[tensor].dims))
         copies = dp == 1 or isinstance(s.placement[0], Replicate)
@@ -365,8 +361,8 @@ def evaluate(graph: Graph, cluster: Cluster, plan: Plan, where: str = "plan", **
     specs = [StageSpec(s.layers[0], s.layers[1], tuple(s.submesh), tuple(s.logical_mesh),
                        inflight(i % S, S, count, plan.schedule, v), s.recompute) for i, s in enumerate(plan.stages)]
     _check_meshes(cluster, specs[:S], where)
-    padded = plan.options.get("megatron", {}).get("shard_weights", False)  # ZeRO-3's layout stores weights padded
-    restrictions = [_pinned(s.ops, s.params, layering, s.layers[0], s.layers[1], f"{where}.stages[{i}]", padded)
+    restrictions = [_pinned(s.ops, s.params, layering, s.layers[0], s.layers[1], f"{where}.stages[{i}]",
+                            stores_padded(plan))
                     for i, s in enumerate(plan.stages)]
     return price(graph, cluster, layering, count, specs, restrictions, options, where,
                  schedule=plan.schedule, virtual_stages=v)

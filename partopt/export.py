@@ -236,9 +236,8 @@ def _jax_entry(t: TensorPlacement, mesh: Sequence[int]) -> dict[str, Any]:
 def _check_even(t: TensorPlacement, mesh: Sequence[int], where: str) -> None:
     """NotExpressibleError for a tensor split along a dim its mesh axes do not divide (a parameter ZeRO-3's layout
     stores padded): a JAX sharding must divide every dim it splits."""
-    for d, axes in zip(t.dims, dim_axes(t)):
+    for d, size, axes in zip(t.dims, t.shape, dim_axes(t)):
         ways = math.prod(mesh[k] for k in axes)
-        size = t.shape[t.dims.index(d)]
         if size % ways:
             raise _not_expressible(f"{t.name} is split {fmt(t.placement)}: {size} along {d!r} over {ways} devices, "
                                    "stored padded as ZeRO-3 stores it, and a JAX sharding must divide the dims it "

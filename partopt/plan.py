@@ -167,6 +167,12 @@ def _stage_from_dict(data: dict[str, Any], recompute: str, where: str) -> StageP
     return StagePlan(**{"recompute": recompute, **data, "ops": ops, "params": params})
 
 
+def stores_padded(plan: Plan) -> bool:
+    """Whether `plan` may store a parameter split along a dim its split does not divide, padded: a Megatron-style
+    plan in ZeRO-3's layout (`options.megatron.shard_weights`; docs/COSTMODEL.md §5 "Padded shards")."""
+    return bool(plan.options.get("megatron", {}).get("shard_weights", False))
+
+
 # How long planning took is a fact of the run, not of the plan: kept in memory (the CLI prints it),
 # left out of the file, so the same inputs give the same file on any machine, load and worker count.
 WALL_TIMES = ("time_s", "ilp_time_s")

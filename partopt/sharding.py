@@ -125,12 +125,23 @@ def local_bytes(nbytes: float, placement: Placement, mesh: LogicalMesh) -> float
     return nbytes / shards(placement, mesh)
 
 
+def split_ways(placement: Placement, shape: Sequence[int]) -> dict[str, int]:
+    """Per dim `placement` splits on a mesh of `shape`, into how many pieces: the product of its axes' sizes."""
+    return _ways([p.dim if isinstance(p, Shard) else None for p in placement], shape)
+
+
+def _ways(axes: Sequence[str | None], shape: Sequence[int]) -> dict[str, int]:
+    """`split_ways` of the dim each mesh axis splits (`axes`: None where it splits none)."""
+    split: dict[str, int] = {}
+    for d, size in zip(axes, shape):
+        if d is not None:
+            split[d] = split.get(d, 1) * size
+    return split
+
+
 def local_shape(graph: Graph, tensor: str, placement: Placement, mesh: LogicalMesh) -> tuple[int, ...]:
     """The shape one device holds of `tensor` under `placement`: each dim divided by the mesh axes that shard it."""
-    split = {}
-    for p, size in zip(placement, mesh.shape):
-        if isinstance(p, Shard):
-            split[p.dim] = split.get(p.dim, 1) * size
+    split = split_ways(placement, mesh.shape)
     return tuple(graph.dims[d] // split.get(d, 1) for d in graph.tensors[tensor].dims)
 
 
@@ -507,11 +518,7 @@ def _axis_choices(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None
 
 
 def _divisible(graph: Graph, axes: Sequence[str | None], mesh: LogicalMesh) -> bool:
-    split: dict[str, int] = {}
-    for d, size in zip(axes, mesh.shape):
-        if d is not None:
-            split[d] = split.get(d, 1) * size
-    return all(graph.dims[d] % n == 0 for d, n in split.items())
+    return all(graph.dims[d] % n == 0 for d, n in _ways(axes, mesh.shape).items())
 
 
 def _input_placement(tensor: Tensor, axes: Sequence[str | None], rename: Mapping[str, str]) -> Placement:
@@ -741,11 +748,7 @@ def param_strategies(graph: Graph, tensor: Tensor, mesh: LogicalMesh, allow_zero
 def stored_fraction(graph: Graph, tensor: str, placement: Placement, mesh: LogicalMesh) -> float:
     """The fraction of a tensor one device stores under `placement`: 1 / shards when the splits divide its dims,
     else the largest shard's, each split dim rounded up (ceil(size / ways) of its size: padding, as FSDP pads)."""
-    split: dict[str, int] = {}
-    for p, size in zip(placement, mesh.shape):
-        if isinstance(p, Shard):
-            split[p.dim] = split.get(p.dim, 1) * size
-    return math.prod(-(-graph.dims[d] // n) / graph.dims[d] for d, n in split.items())
+    return math.prod(-(-graph.dims[d] // n) / graph.dims[d] for d, n in split_ways(placement, mesh.shape).items())
 
 
 def _param_strategies(graph: Graph, tensor: Tensor, mesh: LogicalMesh, allow_zero: bool,

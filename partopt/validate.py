@@ -22,7 +22,7 @@ from partopt.errors import InstanceError
 from partopt.graph import Graph
 from partopt.io import at
 from partopt.layering import build_layers
-from partopt.plan import ParamPlacement, Plan, StagePlan, read_plan, records, tensor_table
+from partopt.plan import ParamPlacement, Plan, StagePlan, read_plan, records, stores_padded, tensor_table
 from partopt.schedules import check_schedule, inflight, plan_iteration
 from partopt.sharding import Placement, Shard, fmt, op_strategies, param_strategies
 
@@ -251,7 +251,7 @@ def check_against(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan
                             f"cover DP layers 0–{len(layering.groups) - 1}")
     g_mb = intra.with_batch(graph, plan.microbatch_size)
     _check_tensors(plan, g_mb, where)
-    padded = plan.options.get("megatron", {}).get("shard_weights", False)  # ZeRO-3's layout: weights stored padded
+    padded = stores_padded(plan)
     for i, stage in enumerate(plan.stages):
         place = f"$.stages[{i}]"
         mesh = cluster.logical_mesh(tuple(stage.submesh), tuple(stage.logical_mesh))
