@@ -60,14 +60,15 @@ def stage_times(plan: Plan) -> list[StageTimes]:
         for name in ("param_bytes", "activation_bytes"):
             if name not in stage.breakdown:
                 raise InstanceError(f"the breakdown has no {name}", f"{where}.breakdown", "write plans with `partopt solve -o`")
-        if not 0 <= stage.send_time_s <= stage.stage_time_s:
+        slack = 1e-9 * stage.stage_time_s  # an interleaved plan's chunks, added up per device (`by_device`), round apart
+        if not 0 <= stage.send_time_s <= stage.stage_time_s + slack:
             raise InstanceError(f"send_time_s {stage.send_time_s!r} is not within [0, stage_time_s = {stage.stage_time_s!r}]",
                                 f"{where}.send_time_s", "stage_time_s includes the send; see docs/FORMAT.md")
-        if not 0 <= stage.forward_s <= stage.stage_time_s:
+        if not 0 <= stage.forward_s <= stage.stage_time_s + slack:
             raise InstanceError(f"forward_s {stage.forward_s!r} is not within [0, stage_time_s = {stage.stage_time_s!r}]",
                                 f"{where}.forward_s", "forward_s is the forward's share of stage_time_s")
-        compute = stage.stage_time_s - stage.send_time_s + stage.breakdown.get("send_hidden_s", 0.0)
-        share = stage.forward_s / stage.stage_time_s if stage.stage_time_s > 0 else 0.0
+        compute = max(0.0, stage.stage_time_s - stage.send_time_s) + stage.breakdown.get("send_hidden_s", 0.0)
+        share = min(1.0, stage.forward_s / stage.stage_time_s) if stage.stage_time_s > 0 else 0.0
         forward = compute * share
         weight = (compute - forward) * (WEIGHT_SHARE if stage.weight_s is None
                                         else stage.weight_s / max(stage.stage_time_s - stage.forward_s, 1e-300))

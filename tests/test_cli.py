@@ -224,5 +224,9 @@ def test_evaluate_prices_an_uneven_split_given_stage_by_stage(tmp_path):
     plan = json.loads(result.stdout)
     assert [stage["layers"] for stage in plan["stages"]] == [[0, 0], [1, 3]]
     assert plan["options"]["megatron"]["stage_layers"] == [1, 3]
+    written = tmp_path / "uneven.json"  # the plan file reads back: check re-derives it with its own split
+    written.write_text(result.stdout)
+    checked = run("check", str(written), "--graph", str(graph), "--cluster", "p3.16xlarge", "--nodes", "1")
+    assert checked.exit_code == 0 and "consistent" in checked.stdout, checked.output + checked.stderr
     assert_one_error_line(run(*args, "--stage-layers", "1,x"), "--stage-layers must be positive counts")
     assert_one_error_line(run(*args, "--stage-layers", "2,1"), "do not split 4 layers into 2 stages")

@@ -101,6 +101,16 @@ def test_stage_times_reject_a_send_longer_than_the_stage():
         stage_times(plan)
 
 
+def test_stage_times_take_a_stage_that_is_all_send_as_rounded():
+    """An interleaved plan's stage per device adds its chunks' times and sends apart (`plan.by_device`): a stage that
+    is all send may come out with the send a rounding above the stage. It is all send, no compute, not an error."""
+    plan = _four_stages()
+    plan.stages[1].send_time_s = plan.stages[1].stage_time_s * (1 + 1e-15)
+    second = stage_times(plan)[1]
+    assert second.forward_s == 0 and second.backward_s == 0
+    assert second.send_s == pytest.approx(plan.stages[1].stage_time_s / 2)
+
+
 def test_one_stage_simulation_is_serial():
     # one stage, B microbatches: forward and backward back to back, B (f + b) = 4 * 30 ms
     assert simulate(stage_times(_one_stage()), 4).iteration_time_s == pytest.approx(120 * MS)
