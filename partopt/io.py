@@ -372,27 +372,39 @@ def dumps(data: Mapping[str, Any], rows: tuple[str, ...] = ()) -> str:
     return "{\n" + "\n".join(lines) + "\n}\n"
 
 
+_TEMPORARY = ".partopt-"  # `write_atomic`'s temporary files: a short name in the output's directory, whatever its own
+
+
 def check_output(path: FilePath) -> None:
-    """Refuse, before any work, an output path whose directory is missing or not writable, or that is
-    a directory itself (so a long solve never ends in an unwritable path)."""
+    """Refuse, before any work, an output path whose directory is missing or refuses a new file (read-only, a
+    kernel filesystem: a probe file is made there and removed), whose name is longer than its filesystem allows, or
+    that is a directory itself (so a long solve never ends in an unwritable path)."""
     name = str(path)
-    directory = os.path.dirname(os.path.abspath(path))
+    directory, base = os.path.split(os.path.abspath(path))
     if os.path.isdir(path):
         raise InstanceError("is a directory", name, "give a file name for the output")
     if not os.path.isdir(directory):
         raise InstanceError(f"the directory {directory} does not exist", name, "create it first or write elsewhere")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise InstanceError(f"the directory {directory} is not writable", name, "write elsewhere")
+    longest = os.pathconf(directory, "PC_NAME_MAX")
+    if len(os.fsencode(base)) > longest:
+        raise InstanceError(f"the file name is longer than the {longest} bytes its filesystem allows", name,
+                            "use a shorter name")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=_TEMPORARY, suffix=".tmp", dir=directory)
+    except OSError as err:
+        raise InstanceError(f"cannot write in {directory}: {err.strerror}", name, "write elsewhere") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def write_atomic(path: FilePath, write: Callable[[str], None]) -> None:
     """Call `write(temporary path)` for a file in `path`'s directory, then rename it onto `path`, so a
     failure or Ctrl-C never leaves a partial file; OSError becomes an InstanceError."""
     check_output(path)
-    directory, base = os.path.split(os.path.abspath(path))
-    fd, temporary = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
-    os.close(fd)
+    temporary = None
     try:
+        fd, temporary = tempfile.mkstemp(prefix=_TEMPORARY, suffix=".tmp", dir=os.path.dirname(os.path.abspath(path)))
+        os.close(fd)
         write(temporary)
         mask = os.umask(0)
         os.umask(mask)
@@ -402,7 +414,7 @@ def write_atomic(path: FilePath, write: Callable[[str], None]) -> None:
         raise InstanceError(f"cannot write the file: {err.strerror}", str(path),
                             "check that the directory exists and is writable") from None
     finally:
-        if os.path.exists(temporary):
+        if temporary is not None and os.path.exists(temporary):
             os.unlink(temporary)
 
 

@@ -129,6 +129,29 @@ def test_writing_into_a_missing_directory_is_an_instance_error(tmp_path):
     assert str(tmp_path / "no") in info.value.line()
 
 
+def test_a_name_as_long_as_the_filesystem_allows_is_written(tmp_path):
+    """The temporary file beside the output has a short name of its own: the output's name may use every byte
+    its filesystem allows, and one byte more is refused before any work, with the name and the limit."""
+    import os
+
+    longest = os.pathconf(tmp_path, "PC_NAME_MAX")
+    path = tmp_path / ("g" * (longest - len(".json")) + ".json")
+    io.write_graph(chain(1), path)
+    assert io.read_graph(path).name == chain(1).name
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left behind
+    with pytest.raises(InstanceError, match=f"longer than the {longest} bytes") as info:
+        io.check_output(tmp_path / ("g" * (longest - len(".json") + 1) + ".json"))
+    assert info.value.hint == "use a shorter name"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, which refuses new files even to root")
+def test_a_directory_that_refuses_new_files_is_refused_before_any_work():
+    """Permission bits say nothing to root, so the check makes a probe file: /proc takes none."""
+    with pytest.raises(InstanceError, match="cannot write in /proc") as info:
+        io.check_output("/proc/partopt-plan.json")
+    assert info.value.where == "/proc/partopt-plan.json"
+
+
 # ---------------------------------------------------------------- the schema
 
 def enums(schema: dict) -> dict[str, list]:
