@@ -20,7 +20,7 @@ from partopt.errors import InfeasibleError
 from partopt.graph import Graph
 from partopt.plan import Plan
 from partopt.solvers import BACKENDS
-from partopt.validate import check_against, check_plan, close, mismatches
+from partopt.validate import at, check_against, check_plan, close, mismatches
 
 PLAN_FIELDS = ("num_microbatches", "microbatch_size", "iteration_time_s", "memory_peak_bytes")
 STAGE_FIELDS = ("layers", "graph_layers", "submesh", "logical_mesh", "devices", "stage_time_s", "forward_s",
@@ -34,9 +34,13 @@ class Difference:
     place: str  # JSON path in the plan file
     stored: Any
     derived: Any
+    basis: str = "re-derived"  # where `derived` comes from: pricing the plan again, or the plan's own other figures
+    note: str | None = None  # instead of two figures: why the plan cannot be priced again
 
     def line(self) -> str:
-        return f"{self.place}: the plan says {self.stored!r}, re-derived {self.derived!r}"
+        if self.note is not None:
+            return f"{self.place}: {self.note}"
+        return f"{self.place}: the plan says {self.stored!r}, {self.basis} {self.derived!r}"
 
 
 def _same(stored: Any, derived: Any) -> bool:
@@ -71,14 +75,14 @@ def differences(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan",
     `partopt.validate`); a plan whose re-derived memory does not fit is a difference, not an error."""
     check_plan(plan, where, figures=False)
     check_against(plan, graph, cluster, where)
-    found = [Difference(*mismatch) for mismatch in mismatches(plan)]
+    found = [Difference(*mismatch, basis="its other figures give") for mismatch in mismatches(plan)]
     priced_by, model = plan.options.get("cost_model", "analytical"), (cost_model or costmodel.ANALYTICAL).key
     if priced_by != model:
         return [*found, Difference("$.options.cost_model", priced_by,
                                    f"{model} (give the cost model that priced the plan: --profile FILE)")]
     reserve = plan.options.get("memory_reserve", costmodel.DEFAULT_MEMORY_RESERVE)
     budget = costmodel.memory_budget(cluster.device, reserve)
-    found += [Difference(f"$.stages[{i}].memory_bytes", stage.memory_bytes, f"over the budget of {budget!r} bytes")
+    found += [Difference(f"$.stages[{i}].memory_bytes", stage.memory_bytes, budget, "over the device's budget of")
               for i, stage in enumerate(plan.stages) if stage.memory_bytes > budget * (1 + 1e-12)]
     backend = plan.solver.get("backend")
     options = {"memory_reserve": reserve, "cost_model": cost_model, **({"backend": backend} if backend in BACKENDS else {})}
@@ -91,9 +95,10 @@ def differences(plan: Plan, graph: Graph, cluster: Cluster, where: str = "plan",
                               overlap=plan.options.get("overlap", False),
                               tp_comm_overlap=layout.get("tp_comm_overlap", False),
                               state_layout=plan.options.get("state_layout", "zero"),
-                              stage_layers=layout.get("stage_layers"), **options)
+                              stage_layers=layout.get("stage_layers"), where=at(where, "$.options.megatron"), **options)
         else:
             derived = evaluate(graph, cluster, plan, where=where, **options)
     except InfeasibleError as err:
-        return [*found, Difference(err.where or "$.stages", "fits the device memory", err.cause)]
+        place = (err.where or "$.stages").removeprefix(f"{where}: ")  # the CLI names the file
+        return [*found, Difference(place, None, None, note=f"cannot be priced again: {err.cause} (hint: {err.hint})")]
     return found + [d for d in compare(plan, derived) if d not in found]

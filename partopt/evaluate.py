@@ -389,7 +389,7 @@ def _stage_ranges(layers: int, pp: int, v: int, stage_layers: Sequence[int] | No
 def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatches: int | None = None,
             zero: bool = False, sequence_parallel: bool = False, schedule: str = "1f1b", virtual_stages: int = 1,
             shard_weights: bool = False, check_memory: bool = True, stage_layers: Sequence[int] | None = None,
-            cache: dict | None = None, bar: float = math.inf, **kwargs) -> Plan | None:
+            cache: dict | None = None, bar: float = math.inf, where: str | None = None, **kwargs) -> Plan | None:
     """Megatron's plan: `pp` stages of equally many layers, each on a (dp, tp) mesh of its devices.
 
     Axis 0 splits the batch (and ZeRO-shards optimizer state with `zero`, or every parameter with `shard_weights`:
@@ -407,8 +407,9 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     `--decoder-first/last-pipeline-num-layers`, DeepSpeed's `partition_method`). `cache` keeps the layer solutions
     across calls (`price`'s). Under 1F1B and interleaved, a microbatch count whose plans cannot cost less than `bar`
     (`_least_pipeline`) is not priced; None when no count is left (a search over layouts passes its best so far).
+    `where` names the layout in errors (default: as `partopt evaluate`'s flags; `check` names the plan's record).
     """
-    where = f"--tp {tp} --pp {pp} --dp {dp}"
+    where = where or f"--tp {tp} --pp {pp} --dp {dp}"
     if min(tp, pp, dp) < 1:
         raise InstanceError("tp, pp and dp must be at least 1", where, "give positive degrees")
     if kwargs.get("tp_comm_overlap") and not (sequence_parallel and tp > 1):

@@ -105,7 +105,38 @@ def test_memory_over_the_device_budget_is_reported(tiny, tmp_path):
     squeezed = edited(tiny, tmp_path, lambda d: d["options"].__setitem__("memory_reserve", 1 - 1e-9))
     result = check_cli(tiny, squeezed)
     assert result.exit_code == 1
-    assert "$.stages[0].memory_bytes" in result.stdout and "over the budget" in result.stdout
+    assert "$.stages[0].memory_bytes" in result.stdout and "over the device's budget of" in result.stdout
+
+
+def test_a_figure_at_odds_with_the_plan_s_own_says_so(tiny, tmp_path):
+    """A stage's memory edited alone: the peak the file keeps is then at odds with the stages it is the max of, which
+    the line says as such (not as a re-derivation), beside the edited stage's own re-derived figure."""
+    data = json.loads(Path(tiny.plan_file).read_text())
+    peak = data["memory_peak_bytes"]
+    stages = [s["memory_bytes"] for s in data["stages"]]
+    top = stages.index(max(stages))
+    result = check_cli(tiny, edited(tiny, tmp_path, lambda d: d["stages"][top].__setitem__("memory_bytes", 1.0)))
+    assert result.exit_code == 1
+    others = max([1.0, *(m for i, m in enumerate(stages) if i != top)])
+    assert f"$.memory_peak_bytes: the plan says {peak!r}, its other figures give {others!r}" in result.stdout
+    assert f"$.stages[{top}].memory_bytes: the plan says 1.0, re-derived" in result.stdout
+
+
+def test_a_megatron_layout_that_cannot_run_here_is_named_by_its_record(tiny, tmp_path):
+    """A uniform plan whose recorded degrees do not multiply to the cluster's devices cannot be priced again: the line
+    names the record and the cause, not a figure."""
+    from partopt.evaluate import uniform
+    from partopt.plan import write_plan
+
+    plan = uniform(tiny.graph, tiny.cluster, tp=2, pp=2, dp=1, microbatches=2)
+    plan.options["megatron"]["tp"] = 4
+    path = tmp_path / "megatron.json"
+    write_plan(plan, path)
+    result = check_cli(tiny, str(path))
+    assert result.exit_code == 1
+    devices = tiny.cluster.num_devices
+    assert (f"$.options.megatron: cannot be priced again: tp × pp × dp = 8 but the cluster has {devices} devices"
+            in result.stdout), result.stdout
 
 
 def test_solve_refuses_to_write_a_plan_that_does_not_re_derive(tiny, tmp_path, monkeypatch):
