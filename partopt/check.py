@@ -3,8 +3,8 @@
 The plan is first validated (`partopt.validate`), then priced again by `partopt.evaluate.evaluate`
 on the graph and cluster with its own options (backend, memory reserve, layers, recompute): the
 devices each stage gets, the graph layers it covers, its latency, forward share, sends, synchronisation, memory and in-flight
-microbatches, the iteration time, peak memory and throughput must all come back within a relative
-1e-6, every stage's memory must fit the device's budget, and every op and parameter of a stage's layers
+microbatches, its breakdown's figures, the iteration time, peak memory and throughput must all come back within a
+relative 1e-6, every stage's memory must fit the device's budget, and every op and parameter of a stage's layers
 must have its entry (pricing would fill one left out, and an export would drop it).
 """
 
@@ -49,6 +49,17 @@ def _same(stored: Any, derived: Any) -> bool:
     return stored == derived
 
 
+def _figures(record: dict[str, Any], path: str) -> dict[str, float]:
+    """The numbers of a nested record (a stage's breakdown) by their JSON paths."""
+    found = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            found.update(_figures(value, f"{path}.{key}"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            found[f"{path}.{key}"] = value
+    return found
+
+
 def compare(plan: Plan, derived: Plan) -> list[Difference]:
     """The figures of `plan` that `derived` (the same plan priced again) does not reproduce."""
     found = [Difference(f"$.{name}", getattr(plan, name), getattr(derived, name))
@@ -58,6 +69,10 @@ def compare(plan: Plan, derived: Plan) -> list[Difference]:
     for i, (mine, theirs) in enumerate(zip(plan.stages, derived.stages)):
         found += [Difference(f"$.stages[{i}].{name}", getattr(mine, name), getattr(theirs, name))
                   for name in STAGE_FIELDS if not _same(getattr(mine, name), getattr(theirs, name))]
+        # the breakdown's figures (what `explain` shows) where the re-derivation has them: older files lack some
+        stored, again = (_figures(stage.breakdown, f"$.stages[{i}].breakdown") for stage in (mine, theirs))
+        found += [Difference(path, value, again[path]) for path, value in stored.items()
+                  if path in again and not _same(value, again[path])]
         # every op and parameter of the stage's layers has its entry: pricing fills one left out, an export drops it
         found += [Difference(f"$.stages[{i}].{field}.{name}", "no entry", f"an entry: {what} has one")
                   for field, what in (("ops", "every op of the stage's layers"), ("params", "every parameter they read"))

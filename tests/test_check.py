@@ -73,6 +73,20 @@ def test_an_edited_memory_is_reported(tiny, tmp_path):
     assert "$.stages[0].memory_bytes: the plan says" in result.stdout
 
 
+@pytest.mark.parametrize("figure", [("compute_s",), ("state_bytes", "optimizer")])
+def test_an_edited_breakdown_figure_is_reported(tiny, tmp_path, figure):
+    """What `explain` shows of a stage is re-derived too: a breakdown figure edited alone (its stage's totals left
+    as they were) is a difference at its own path."""
+    def edit(d):
+        record = d["stages"][0]["breakdown"]
+        for key in figure[:-1]:
+            record = record[key]
+        record[figure[-1]] = 99.0
+    result = check_cli(tiny, edited(tiny, tmp_path, edit))
+    assert result.exit_code == 1
+    assert f"$.stages[0].breakdown.{'.'.join(figure)}: the plan says 99.0, re-derived" in result.stdout
+
+
 def test_edited_graph_layers_are_reported(tiny, tmp_path):
     """A stage's `graph_layers` (which `export --to megatron` counts layers by) must be the layers it covers."""
     stored = json.loads(Path(tiny.plan_file).read_text())["stages"][1]["graph_layers"]
