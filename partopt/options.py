@@ -57,6 +57,12 @@ class Options:
         if self.schedule not in ("auto", *SCHEDULES):
             raise InstanceError(f"unknown pipeline schedule {self.schedule!r}", "schedule",
                                 f"use auto or one of {', '.join(SCHEDULES)}")
+        if self.schedule == "interleaved" and (self.intra_only or self.data_parallel_only):
+            raise InstanceError("the interleaved schedule interleaves pipeline stages, and this search plans one stage "
+                                "on the whole cluster", "schedule", "use schedule auto or 1f1b with this search")
+        if self.ray_address is not None and self.executor != "ray":
+            raise InstanceError(f"a Ray address ({self.ray_address}) is for the ray executor, not {self.executor}",
+                                "ray_address", "add --executor ray, or drop --ray-address")
         costmodel.check_state_layout(self.state_layout)
         if self.recompute not in ("auto", *intra.RECOMPUTE_MODES):
             raise InstanceError(f"unknown recomputation mode {self.recompute!r}", "recompute",

@@ -12,6 +12,7 @@ import pytest
 
 from partopt import executors
 from partopt.errors import PartoptError, SolverError
+from partopt.options import Options
 
 
 def power_sum(base: int, job: tuple) -> int:
@@ -100,6 +101,14 @@ def test_unknown_kind_and_bad_worker_count_are_one_line_errors():
         executors.make_executor("dask", power_sum, (3,), 1)
     with pytest.raises(PartoptError, match="workers must be at least 1"):
         executors.make_executor("local", power_sum, (3,), 0)
+
+
+def test_a_ray_address_without_the_ray_executor_is_refused():
+    """Nothing would read it: the local pool has no address."""
+    with pytest.raises(PartoptError, match=r"a Ray address \(auto\) is for the ray executor, not local") as info:
+        Options(ray_address="auto")
+    assert info.value.hint == "add --executor ray, or drop --ray-address"
+    assert Options(ray_address="auto", executor="ray").ray_address == "auto"
 
 
 def test_missing_ray_says_how_to_install(monkeypatch):

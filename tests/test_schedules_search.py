@@ -209,6 +209,10 @@ def test_the_search_refuses_what_it_does_not_plan():
         optimize(GRAPH, CLUSTER, schedule="gpipe")
     with pytest.raises(InstanceError, match="unknown pipeline schedule"):
         Options(schedule="pipedream")
+    for single_stage in ("intra_only", "data_parallel_only"):  # one stage: nothing to interleave
+        with pytest.raises(InstanceError, match="interleaves pipeline stages") as info:
+            Options(schedule="interleaved", **{single_stage: True})
+        assert info.value.where == "schedule"
 
 
 @pytest.fixture(scope="module")
