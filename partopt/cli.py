@@ -599,9 +599,11 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
 
 def _graph_and_cluster(graph_file: str, cluster_source: str, nodes: int | None) -> tuple[Graph, Cluster]:
     graph = io.read_graph(graph_file)
-    cluster = load_instance(cluster_source, nodes)
+    cluster = load_instance(cluster_source)
     if not isinstance(cluster, Cluster):
-        raise InstanceError("--cluster must name a cluster file or preset, not a graph", cluster_source)
+        raise InstanceError("--cluster must name a cluster file or preset, not a graph", cluster_source,
+                            f"give a cluster file or one of the presets: {', '.join(PRESETS)}")
+    cluster = cluster if nodes is None else cluster.resized(nodes)
     warn(validate.cluster_warnings(cluster))
     return graph, cluster
 

@@ -206,6 +206,15 @@ def test_nodes_on_a_graph_is_refused():
     assert_one_error_line(run("inspect", path, "--nodes", "2"), path, "--nodes resizes a cluster")
 
 
+@pytest.mark.parametrize("nodes", [[], ["--nodes", "1"]])
+def test_a_graph_given_as_the_cluster_is_named_as_such(nodes):
+    """The cause is the swapped file, with or without --nodes (which would resize the cluster, were it one)."""
+    path = str(ROOT / "instances" / "mlp-2layer.json")
+    result = run("solve", path, "--cluster", path, *nodes)
+    assert_one_error_line(result, path, "--cluster must name a cluster file or preset, not a graph",
+                          "hint: give a cluster file or one of the presets: p3.16xlarge")
+
+
 def test_the_cli_starts_without_matplotlib():
     """matplotlib (0.3 s to import here) is loaded by the commands that draw, not by every `partopt` call."""
     code = "import sys; from partopt.cli import main; print('matplotlib' in sys.modules)"
