@@ -174,7 +174,10 @@ def _model(entry: Mapping[str, Any], base: Path, where: str) -> Graph:
     if kinds[0] == "graph":
         if args:
             raise InstanceError("a graph file takes no args", f"{where}.args", "drop \"args\" or use a generator")
-        return io.read_graph(base / entry["graph"])  # its errors name the graph file
+        try:
+            return io.read_graph(base / entry["graph"])
+        except PartoptError as err:  # it names the graph file; the point names which of them
+            raise err.located(f"{where}.graph") from None
     try:
         if kinds[0] == "preset":
             return models.preset(entry["preset"], **args)
@@ -242,7 +245,10 @@ def point_cluster(point: Point, base: Cluster) -> Cluster:
     network between nodes if it names one, at `base`'s fraction of the nominal bandwidth (inter_bus_efficiency)."""
     cluster = base.resized(point.nodes)
     if point.devices_per_node is not None:
-        cluster = cluster.narrowed(point.devices_per_node)
+        try:
+            cluster = cluster.narrowed(point.devices_per_node)
+        except PartoptError as err:
+            raise err.located(f"{point.where}.cluster.devices_per_node ({point.label})") from None
     if point.inter_node is not None:
         efficiency = cluster.inter_node.bandwidth / nominal_preset(point.preset).inter_node.bandwidth
         cluster = _link(cluster, "inter_node", bandwidth=point.inter_node.bandwidth * efficiency,
