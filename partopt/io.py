@@ -240,7 +240,7 @@ def _explain(error: ValidationError) -> tuple[list[str | int], str, str | None]:
     if error.validator == "required":
         missing = next(k for k in rule if k not in value)
         described = schema.get("properties", {}).get(missing, {}).get("description")
-        return parts, f"missing required field {missing!r}", described
+        return parts, f"missing required field {missing!r}", described or f"add {missing!r} (docs/FORMAT.md)"
     if error.validator == "enum":
         return parts, f"unknown value {value!r}", f"use one of: {', '.join(map(str, rule))}"
     if error.validator == "const":
@@ -277,7 +277,7 @@ def validate_against_schema(data: Any, schema_name: str, where: str = "") -> Non
     if error is None:
         return
     parts, cause, hint = _explain(error)
-    raise InstanceError(cause, at(where, _named_place(data, parts)), hint)
+    raise InstanceError(cause, at(where, _named_place(data, parts)), hint or "fix it as docs/FORMAT.md describes the field")
 
 
 # ---------------------------------------------------------------- graphs

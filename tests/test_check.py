@@ -87,6 +87,16 @@ def test_an_edited_breakdown_figure_is_reported(tiny, tmp_path, figure):
     assert f"$.stages[0].breakdown.{'.'.join(figure)}: the plan says 99.0, re-derived" in result.stdout
 
 
+def test_a_field_the_schema_does_not_describe_still_gets_a_hint(tiny, tmp_path):
+    """Every error line says what to do: where the schema has no description for the field, it points to the format."""
+    def bad_axis(d):
+        name = next(iter(d["stages"][0]["params"]))
+        d["stages"][0]["params"][name]["zero_axes"] = [5]
+    result = check_cli(tiny, edited(tiny, tmp_path, bad_axis))
+    assert result.exit_code == 2
+    assert "zero_axes[0]: must be at most 1, got 5 (hint: fix it as docs/FORMAT.md describes the field)" in result.stderr
+
+
 def test_edited_graph_layers_are_reported(tiny, tmp_path):
     """A stage's `graph_layers` (which `export --to megatron` counts layers by) must be the layers it covers."""
     stored = json.loads(Path(tiny.plan_file).read_text())["stages"][1]["graph_layers"]
