@@ -1002,7 +1002,12 @@ def calibrate_command(points_file: str, preset_name: str, fit_names: str | None,
     printing each point's fitted and leave-one-out error (docs/COSTMODEL.md §7)."""
     from partopt import calibrate  # numpy-heavy fitting, needed by this command only
 
-    names = None if fit_names is None else [n.strip() for n in fit_names.split(",") if n.strip()]
+    names = None if fit_names is None else [n.strip() for n in fit_names.split(",")]
+    if names is not None and "" in names:
+        if fit_names.strip():  # '' alone fits nothing; an empty name beside others is a typo
+            raise InstanceError(f"--fit {fit_names!r} names an empty parameter", "--fit",
+                                "separate parameter names by single commas, or give --fit '' to fit nothing")
+        names = []
     if output and names == []:
         raise click.UsageError("--fit '' fits nothing: there is no data file to write (drop -o)")
     if output:

@@ -328,6 +328,10 @@ def test_fit_on_the_command_line_overrides_the_files(tmp_path, monkeypatch):
                   "--workers", "1")
     assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
     assert "--fit" in result.stderr and "unknown calibration parameter 'warp_speed'" in result.stderr
+    for typo in (",", "matmul_efficiency,"):  # an empty name is no request to fit nothing
+        result = _run("calibrate", str(path), "--preset", "p3.16xlarge", "--fit", typo, "--workers", "1")
+        assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
+        assert f"--fit {typo!r} names an empty parameter" in result.stderr
 
 
 def test_a_point_is_priced_with_the_schedule_it_ran():
