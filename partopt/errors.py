@@ -10,6 +10,12 @@ def first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def short(value: object, limit: int = 40) -> str:
+    """`repr(value)`, cut to `limit` characters (a 400-digit number stays one readable line)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 class PartoptError(Exception):
     """Base of every error the CLI reports without a traceback (exit code 2).
 

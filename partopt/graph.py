@@ -16,7 +16,7 @@ from typing import Any, Iterable, Literal, Mapping, Sequence
 import networkx as nx
 
 from partopt import ops as opkinds
-from partopt.errors import InstanceError
+from partopt.errors import InstanceError, short
 
 Role = Literal["input", "param", "activation", "output"]
 ROLES: tuple[str, ...] = ("input", "param", "activation", "output")
@@ -25,6 +25,12 @@ DTYPE_BYTES: Mapping[str, int] = {
 }
 MATMUL_DTYPES: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8")  # what `Graph.matmul_dtype` may name
 OPTIMIZERS: tuple[str, ...] = ("adam", "sgd", "adafactor")  # their state bytes: costmodel.OPTIMIZER_STATE
+# Size limits (docs/FORMAT.md), far above any model (the zoo's largest: a dim of 2^20, a tensor of 2^40 elements, an op
+# of 2^51 FLOPs) and low enough that every product and sum the cost model forms stays finite in float64 (a dim of 10^160
+# made `inspect` fail with OverflowError)
+MAX_DIM = 2**53  # a dim's size: float64 holds every integer up to it exactly
+MAX_ELEMENTS = 2**63 - 1  # a tensor's elements: int64, the frameworks' size type
+MAX_OP_FLOPS = 10**30  # an op's forward FLOPs over the batch (an opaque op's `flops`, an einsum of many operands)
 
 
 @dataclass(frozen=True)
@@ -293,10 +299,28 @@ def _fail(where: str, cause: str, hint: str | None = None) -> None:
 
 
 def _check_dims(g: Graph) -> None:
-    """Every dim's size a positive integer."""
+    """Every dim's size a positive integer of at most MAX_DIM."""
     for name, size in g.dims.items():
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             _fail(f"dims.{name}", f"size must be a positive integer, got {size!r}", "give every dim a size of at least 1")
+        if size > MAX_DIM:
+            _fail(f"dims.{name}", f"size must be at most 2^53 = {MAX_DIM}, got {short(size)}",
+                  "no model's dim comes near: check the size")
+
+
+def _check_elements(g: Graph, name: str) -> None:
+    """Tensor `name` of at most MAX_ELEMENTS elements (dims each within MAX_DIM can still multiply past it)."""
+    if g.numel(name) > MAX_ELEMENTS:
+        sizes = " × ".join(f"{d} = {g.dims[d]}" for d in g.tensors[name].dims)
+        _fail(f"tensors.{name}", f"{sizes} is more than 2^63 - 1 elements",
+              "a tensor's element count must fit in int64: check its dims' sizes")
+
+
+def _check_work(g: Graph, i: int, op: Op) -> None:
+    """Op `i` of at most MAX_OP_FLOPS forward FLOPs (an opaque op's `flops`; the product of many operands' dims)."""
+    if opkinds.forward_flops(op, g) > MAX_OP_FLOPS:
+        _fail(f"ops[{i}] ({op.name})", f"{op.kind}: more than 10^30 forward FLOPs over the batch",
+              "no model's op comes near: check its dims' sizes (an opaque op: its attrs.flops)")
 
 
 def _check_shape(g: Graph, i: int, op: Op) -> None:
@@ -310,8 +334,11 @@ def _check_shape(g: Graph, i: int, op: Op) -> None:
 def _validate_sizes(g: Graph) -> None:
     """The rules of `_validate` that read dims' sizes, for a graph whose structure is known valid (`Graph.resized`)."""
     _check_dims(g)
+    for name in g.tensors:
+        _check_elements(g, name)
     for i, op in enumerate(g.ops):
         _check_shape(g, i, op)
+        _check_work(g, i, op)
 
 
 def _validate(g: Graph) -> None:
@@ -335,6 +362,7 @@ def _validate(g: Graph) -> None:
                 _fail(where, f"unknown dim {d!r}", "declare it in `dims` with its size")
         if len(set(t.dims)) != len(t.dims):
             _fail(where, f"dim repeated in {list(t.dims)}", "two axes of one tensor need two dim names")
+        _check_elements(g, name)
         if t.role not in ROLES:
             _fail(where, f"unknown role {t.role!r}", f"use one of {list(ROLES)}")
         if t.dtype is not None and t.dtype not in DTYPE_BYTES:
@@ -364,6 +392,7 @@ def _validate(g: Graph) -> None:
             _fail(where, f"op reads its own output {op.output!r}", "write the result to a new tensor")
         produced_by[op.output] = op.name
         _check_shape(g, i, op)
+        _check_work(g, i, op)
 
     read = {t for op in g.ops for t in op.inputs}
     for name, t in g.tensors.items():

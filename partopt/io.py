@@ -23,7 +23,7 @@ import jsonschema
 from jsonschema.exceptions import ValidationError, best_match
 
 from partopt.cluster import Cluster, cluster_from_dict, cluster_to_dict
-from partopt.errors import InstanceError
+from partopt.errors import InstanceError, short
 from partopt.graph import Graph, Op, Tensor
 
 GRAPH_FORMAT = "partopt.graph"
@@ -222,12 +222,6 @@ def _validator(schema_name: str) -> jsonschema.protocols.Validator:
     return _Validator(_inline_refs(schema, schema.get("$defs", {})))
 
 
-def _short(value: Any, limit: int = 40) -> str:
-    """`repr(value)`, cut to `limit` characters (a 400-digit number stays one readable line)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 1] + "…"
-
-
 def _explain(error: ValidationError) -> tuple[list[str | int], str, str | None]:
     """Path, one-line cause and hint for a schema violation (jsonschema's own wording is long)."""
     parts = list(error.absolute_path)
@@ -248,13 +242,13 @@ def _explain(error: ValidationError) -> tuple[list[str | int], str, str | None]:
     if error.validator == "type":
         return parts, f"expected {'/'.join(rule) if isinstance(rule, list) else rule}, got {_json_type(value)}", hint
     if error.validator == "exclusiveMinimum":
-        return parts, f"must be greater than {rule}, got {_short(value)}", hint
+        return parts, f"must be greater than {rule}, got {short(value)}", hint
     if error.validator == "minimum":
-        return parts, f"must be at least {rule}, got {_short(value)}", hint
+        return parts, f"must be at least {rule}, got {short(value)}", hint
     if error.validator == "maximum":
-        return parts, f"must be at most {rule}, got {_short(value)}", hint
+        return parts, f"must be at most {rule}, got {short(value)}", hint
     if error.validator == "exclusiveMaximum":
-        return parts, f"must be less than {rule}, got {_short(value)}", hint
+        return parts, f"must be less than {rule}, got {short(value)}", hint
     if error.validator in ("minItems", "maxItems"):
         return parts, f"has {len(value)} entries, expected {'at least' if error.validator == 'minItems' else 'at most'} {rule}", hint
     if error.validator == "uniqueItems":

@@ -169,6 +169,37 @@ def test_graph_rejects_a_graph_without_ops():
     assert info.value.where == "ops" and "no ops" in info.value.cause and info.value.hint
 
 
+def test_graph_refuses_a_dim_beyond_2_to_53_and_names_it():
+    tensors = {"x": (["b", "h"], "input"), "y": (["b", "h"], "output")}
+    ops = [("act", "elementwise", ["x"], "y")]
+    assert make({"b": 4, "h": 2**53}, tensors, ops).dims["h"] == 2**53
+    with pytest.raises(InstanceError) as info:
+        make({"b": 4, "h": 10**160}, tensors, ops)  # 10^160 · 10^160 FLOPs overflowed float64 in `inspect`
+    assert info.value.where == "dims.h" and "at most 2^53" in info.value.cause and info.value.hint
+    assert "\n" not in info.value.line() and len(info.value.line()) < 200
+
+
+def test_graph_refuses_a_tensor_of_more_elements_than_int64_holds():
+    # 2^40 · 2^30 = 2^70 elements, though each dim is within 2^53
+    with pytest.raises(InstanceError) as info:
+        make({"b": 2**40, "h": 2**30}, {"x": (["b", "h"], "input"), "y": (["b", "h"], "output")},
+             [("act", "elementwise", ["x"], "y")])
+    assert info.value.where == "tensors.x" and "more than 2^63 - 1 elements" in info.value.cause
+
+
+def test_graph_refuses_an_op_of_more_than_10_to_30_flops():
+    # an opaque op's own count, and an einsum of 20 operands of 2^53 elements each (2 · 2^1060 FLOPs: no float64)
+    with pytest.raises(InstanceError) as info:
+        make({"b": 4}, {"x": (["b"], "input"), "y": (["b"], "output")},
+             [("opq", "opaque", ["x"], "y", {"flops": 10**30 + 1})])
+    assert info.value.where == "ops[0] (opq)" and "more than 10^30 forward FLOPs" in info.value.cause
+    names = [f"d{k}" for k in range(20)]
+    with pytest.raises(InstanceError) as info:
+        make(dict.fromkeys(names, 2**53), {**{n: ([n], "input") for n in names}, "y": ([], "output")},
+             [("many", "einsum", names, "y")])
+    assert info.value.where == "ops[0] (many)" and "einsum" in info.value.cause
+
+
 # ---------------------------------------------------------------- resized views
 
 def _merge_graph() -> Graph:

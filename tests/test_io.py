@@ -13,7 +13,7 @@ from partopt import io
 from partopt.cluster import PRESETS, Cluster, cluster_to_dict, preset
 from partopt.errors import InstanceError
 from partopt.costmodel import OPTIMIZER_STATE
-from partopt.graph import DTYPE_BYTES, OPTIMIZERS, ROLES, Graph, Op, Tensor
+from partopt.graph import DTYPE_BYTES, MAX_DIM, MAX_OP_FLOPS, OPTIMIZERS, ROLES, Graph, Op, Tensor
 from partopt.models import preset as model_preset
 from partopt.ops import KINDS
 
@@ -168,6 +168,13 @@ def test_schema_enums_equal_the_ir_constants():
     assert found["optimizer"] == list(OPTIMIZERS) == list(OPTIMIZER_STATE)
 
 
+def test_schema_size_limits_equal_the_ir_constants():
+    """The file's bounds are the IR's (a dim of 10^400 or an opaque op of 10^400 FLOPs overflowed float64)."""
+    schema = io.load_schema("graph")
+    assert schema["properties"]["dims"]["additionalProperties"]["maximum"] == MAX_DIM == 2**53
+    assert schema["$defs"]["attrs"]["properties"]["flops"]["maximum"] == MAX_OP_FLOPS == 10**30
+
+
 def walk_fields(schema: dict, path: str = "$"):
     """Every (path, subschema) that declares a field: properties, additionalProperties, items."""
     for key in ("properties", "$defs"):
@@ -250,6 +257,8 @@ BAD_CASES = {
     "cycle.json": ("$.ops (first -> second)", "cycle"),
     "einsum-output-dim.json": ("$.ops[0] (fc)", "output dims ['g'] appear in no input"),
     "conv-3d-input.json": ("$.ops[0] (conv)", "conv2d tensors are 4-D"),
+    "dim-10-to-400.json": ("$.dims.h", "must be at most 9007199254740992, got 1000"),
+    "opaque-flops-10-to-400.json": ("$.ops[1].attrs.flops (opq)", "must be at most 1000000000000000000000000000000"),
     "negative-size.json": ("$.dims.h", "must be greater than 0, got -8"),
     "zero-size.json": ("$.dims.b", "must be greater than 0, got 0"),
     "fractional-size.json": ("$.dims.h", "expected integer, got number"),
