@@ -404,6 +404,11 @@ def _validate(g: Graph) -> None:
     if g.batch_dim is not None and not any(g.batch_dim in t.dims for t in g.tensors.values() if t.role == "input"):
         _fail("batch_dim", f"batch dim {g.batch_dim!r} is on no input tensor, so no microbatch would split the data",
               "name the dim the inputs carry samples along, or omit batch_dim")
+    for name, t in g.tensors.items():
+        if t.role == "param" and g.batch_dim in t.dims:
+            _fail(f"tensors.{name}", f"parameter carries the batch dim {g.batch_dim!r}: each microbatch would hold a "
+                  "slice of it, and its memory would be under-counted", f"a weight is shared by every sample: drop "
+                  f"{g.batch_dim!r} from its dims (or give it role 'input' if it is data)")
 
     dag = _dependency_graph(g)
     if not nx.is_directed_acyclic_graph(dag):

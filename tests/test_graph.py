@@ -169,6 +169,16 @@ def test_graph_rejects_a_graph_without_ops():
     assert info.value.where == "ops" and "no ops" in info.value.cause and info.value.hint
 
 
+def test_graph_refuses_a_parameter_over_the_batch_dim():
+    """A weight w[b, f] would be sliced per microbatch and its memory under-counted; without a batch dim it is fine."""
+    tensors = {"x": (["b", "h"], "input"), "w": (["b", "f"], "param"), "y": (["b", "h", "f"], "output")}
+    ops = [("fc", "einsum", ["x", "w"], "y")]
+    assert make({"b": 4, "h": 8, "f": 16}, tensors, ops).params[0].name == "w"
+    with pytest.raises(InstanceError) as info:
+        make({"b": 4, "h": 8, "f": 16}, tensors, ops, batch_dim="b")
+    assert info.value.where == "tensors.w" and "batch dim 'b'" in info.value.cause and "drop 'b'" in info.value.hint
+
+
 def test_graph_refuses_a_dim_beyond_2_to_53_and_names_it():
     tensors = {"x": (["b", "h"], "input"), "y": (["b", "h"], "output")}
     ops = [("act", "elementwise", ["x"], "y")]

@@ -254,6 +254,7 @@ BAD_CASES = {
     "produced-never.json": ("$.tensors.orphan", "produced by no op"),
     "param-unread.json": ("$.tensors.w_spare", "parameter is read by no op"),
     "batch-dim-on-no-input.json": ("$.batch_dim", "batch dim 'g' is on no input tensor"),
+    "param-carries-batch-dim.json": ("$.tensors.w", "parameter carries the batch dim 'b'"),
     "cycle.json": ("$.ops (first -> second)", "cycle"),
     "einsum-output-dim.json": ("$.ops[0] (fc)", "output dims ['g'] appear in no input"),
     "conv-3d-input.json": ("$.ops[0] (conv)", "conv2d tensors are 4-D"),
