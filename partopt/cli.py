@@ -946,7 +946,7 @@ def _render_verification(out: Console, stage: dict[str, Any]) -> None:
 @click.argument("plan_file", metavar="PLAN")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Image file: .svg or .png.")
 @click.option("--schedule", type=click.Choice(SCHEDULES), help="Pipeline schedule (default: the plan's).")
-@click.option("--virtual-stages", type=int,
+@click.option("--virtual-stages", type=click.IntRange(min=1),
               help="Model chunks per stage (v) of the interleaved schedule: 2 or more (default: the plan's).")
 def draw_command(plan_file: str, output: str, schedule: str | None, virtual_stages: int | None) -> None:
     """Draw PLAN's pipeline schedule of one iteration and its memory per stage."""

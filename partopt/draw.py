@@ -24,6 +24,7 @@ from partopt.cluster import PRESETS, preset
 from partopt.costmodel import DEFAULT_MEMORY_RESERVE, memory_budget
 from partopt.errors import InstanceError
 from partopt.plan import Plan, by_device
+from partopt.schedules import check_schedule
 from partopt.simulate import Simulation, StageTimes, simulate
 from partopt.units import fmt_bytes, fmt_seconds
 from partopt.validate import check_plan
@@ -39,7 +40,9 @@ _TOP, _BOTTOM, _ROW, _MIN_PANEL = 0.8, 0.9, 0.42, 1.0
 _BAR = 0.7  # bar height, in rows
 _FONT = 6.5  # microbatch numbers, points
 _DPI = 150
-MAX_MICROBATCHES = 4096  # more are not legible, and simulating them costs memory in proportion
+# blocks of each pass per stage row, microbatches × virtual stages: more are not legible, and simulating them costs
+# time and memory in proportion
+MAX_MICROBATCHES = 4096
 WEIGHT_SHARE = 0.5  # of a backward, the weight-gradient pass W that zero-bubble splits off (a matmul's dW GEMM)
 
 
@@ -102,20 +105,37 @@ def draw(plan: Plan, path: str | Path, schedule: str | None = None, memory_budge
         raise InstanceError(f"cannot draw to {suffix or 'a file without suffix'!r}", str(path),
                             "name the output *.svg or *.png")
     check_plan(plan)
-    if plan.num_microbatches > MAX_MICROBATCHES:
-        raise InstanceError(f"{plan.num_microbatches} microbatches are too many to draw (at most {MAX_MICROBATCHES})",
-                            "$.num_microbatches", "draw a plan with fewer microbatches")
-    if schedule is None:
-        schedule = plan.schedule
-        virtual_stages = virtual_stages or plan.virtual_stages
+    if virtual_stages is None:
+        virtual_stages = plan.virtual_stages if schedule is None else 1
+    schedule = plan.schedule if schedule is None else schedule
     view = by_device(plan)
+    v = _drawable_chunks(schedule, virtual_stages, len(view.stages), plan.num_microbatches)
     stages = stage_times(view)
-    simulation = simulate(stages, plan.num_microbatches, schedule, virtual_stages or 1)
+    simulation = simulate(stages, plan.num_microbatches, schedule, v)
     budget = plan_budget(plan) if memory_budget_bytes is None else memory_budget_bytes
     figure = _figure(view, stages, simulation, budget)
     with matplotlib.rc_context({"svg.hashsalt": "partopt", "svg.fonttype": "path"}):
         metadata = {"Date": None} if suffix == ".svg" else {"Software": None}
         io.write_atomic(path, lambda temporary: figure.savefig(temporary, format=suffix[1:], dpi=_DPI, metadata=metadata))
+
+
+def _drawable_chunks(schedule: str, virtual_stages: int, num_stages: int, microbatches: int) -> int:
+    """v, the model chunks per stage, once the schedule takes it (`check_schedule`) and each stage row's B·v
+    chunk-microbatches are at most MAX_MICROBATCHES (v = 10^6 never finished drawing).
+
+    The drawing re-times each stage as v equal chunks of its time, a what-if that splits no layers (a plan of one
+    layer per stage is drawn interleaved too), so a stage's layer count does not bound v; what it can simulate and
+    show does."""
+    if microbatches > MAX_MICROBATCHES:
+        raise InstanceError(f"{microbatches} microbatches are too many to draw (at most {MAX_MICROBATCHES})",
+                            "$.num_microbatches", "draw a plan with fewer microbatches")
+    v = check_schedule(schedule, virtual_stages, num_stages, microbatches)
+    if microbatches * v > MAX_MICROBATCHES:
+        raise InstanceError(f"v = {v} virtual stages make B·v = {microbatches * v} chunk-microbatches per stage, "
+                            f"too many to draw (at most {MAX_MICROBATCHES})", "virtual_stages",
+                            f"draw with at most {MAX_MICROBATCHES // microbatches} virtual stages, or a plan of fewer "
+                            "microbatches")
+    return v
 
 
 def _figure(plan: Plan, stages: list[StageTimes], simulation: Simulation, budget: float | None) -> Figure:

@@ -212,6 +212,21 @@ def test_interleaved_without_virtual_stages_is_an_instance_error(tmp_path):
     assert not (tmp_path / "t.svg").exists()
 
 
+def test_zero_virtual_stages_are_an_instance_error_not_the_plans(tmp_path):
+    with pytest.raises(InstanceError, match="integer >= 1, got 0") as info:
+        draw(_one_stage(), tmp_path / "t.svg", virtual_stages=0)  # 0 used to mean "the plan's v"
+    assert info.value.where == "virtual_stages"
+    assert not (tmp_path / "t.svg").exists()
+
+
+def test_more_chunk_microbatches_than_drawable_are_an_instance_error(tmp_path):
+    # B = 4, v = 1025: 4 · 1025 = 4100 chunk-microbatches per stage row, over 4096 (v = 10^6 never finished)
+    with pytest.raises(InstanceError, match="B·v = 4100 chunk-microbatches per stage") as info:
+        draw(_four_stages(4), tmp_path / "t.svg", schedule="interleaved", virtual_stages=1025)
+    assert info.value.where == "virtual_stages" and "at most 1024 virtual stages" in info.value.hint
+    assert not (tmp_path / "t.svg").exists()
+
+
 def test_interleaved_draws_every_chunk_and_its_extra_inflight(tmp_path):
     # 4 stages, B = 4, v = 2: each stage runs 4 microbatches x 2 chunks of forwards and of backwards.
     # B = S: Megatron warms up completely, so each stage holds all 8 chunk-microbatches = 4 stage-activations.
@@ -248,6 +263,7 @@ def plan_file(tmp_path_factory):
     (["--schedule", "zero-bubble"], 0),
     (["--schedule", "interleaved"], 2),  # v missing: one line, exit 2
     (["--schedule", "1f1b", "--virtual-stages", "2"], 2),
+    (["--schedule", "interleaved", "--virtual-stages", "513"], 2),  # B·v = 8 · 513 = 4104 > 4096: one line, exit 2
 ])
 def test_cli_draws_the_new_schedules(plan_file, tmp_path, args, code):
     result = CliRunner().invoke(main, ["draw", str(plan_file), "-o", str(tmp_path / "t.svg"), *args])
@@ -257,3 +273,13 @@ def test_cli_draws_the_new_schedules(plan_file, tmp_path, args, code):
         assert "Traceback" not in result.output and not (tmp_path / "t.svg").exists()
     else:
         assert (tmp_path / "t.svg").stat().st_size > 0
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_cli_refuses_fewer_than_one_virtual_stage(plan_file, tmp_path, value):
+    """--virtual-stages 0 drew the plan's own v and wrote the file; the option takes 1 or more, as --nodes does."""
+    result = CliRunner().invoke(main, ["draw", str(plan_file), "-o", str(tmp_path / "t.svg"),
+                                       "--virtual-stages", value])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "'--virtual-stages'" in result.stderr and f"{value} is not in the range x>=1" in result.stderr
+    assert not (tmp_path / "t.svg").exists()
