@@ -16,6 +16,7 @@ from partopt import costmodel
 from partopt.cluster import Device, Link, MeshAxis
 from partopt.errors import InstanceError
 from partopt.io import FilePath, at, load_json, validate_against_schema
+from partopt.ops import KINDS
 
 PROFILE_FORMAT = "partopt.profile"
 OpKey = tuple[str, tuple[tuple[int, ...], ...], str]  # kind, local shapes (inputs then output), dtype
@@ -66,6 +67,9 @@ def read_profile(path: FilePath) -> Profiled:
     validate_against_schema(data, "profile", str(path))
     ops: dict[OpKey, float] = {}
     for i, o in enumerate(data.get("ops", [])):
+        if o["kind"] not in KINDS:  # an entry no op would ever look up
+            raise InstanceError(f"unknown op kind {o['kind']!r}", at(str(path), f"$.ops[{i}].kind"),
+                                f"use one of the graph format's op kinds: {', '.join(KINDS)}")
         key = (o["kind"], tuple(tuple(s) for s in o["shapes"]), o["dtype"])
         _once(ops, key, float(o["time_s"]), at(str(path), f"$.ops[{i}]"))
     collectives: dict[CollectiveKey, tuple[float, float]] = {}

@@ -86,6 +86,9 @@ def test_the_profile_file_round_trips_and_bad_files_name_the_place(tmp_path):
     path.write_text(json.dumps({"format": "partopt.profile", "version": 1, "ops": [{**entry, "time_s": -1}]}))
     with pytest.raises(InstanceError, match=r"ops\[0\]"):
         read_profile(path)
+    path.write_text(json.dumps({"format": "partopt.profile", "version": 1, "ops": [{**entry, "kind": "matmul"}]}))
+    with pytest.raises(InstanceError, match=r"\$\.ops\[0\]\.kind: unknown op kind 'matmul'"):
+        read_profile(path)  # no op is of that kind: the entry would never be read
 
 
 def test_the_analytical_model_is_active_outside_a_solve():
