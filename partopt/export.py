@@ -366,7 +366,9 @@ def parallelize_plan(plan: Plan, index: int) -> dict[str, dict[str, str]]:
     placement is: ColwiseParallel when the weight is split along a dim of its matmul's (or
     lookup's) output, RowwiseParallel when along the contracted (or looked-up vocabulary) dim.
     Modules whose weights are replicated, or read by other ops, are left out (their per-parameter
-    placements say it all)."""
+    placements say it all); so is one split along a dim that is not the outermost of its side (a k_proj
+    split within each kv group's head width): the style would cut torch's flattened axis into contiguous
+    blocks, which is not the plan's split."""
     stage = plan.stages[index]
     result: dict[str, dict[str, str]] = {}
     for name, info in stage.params.items():
@@ -378,10 +380,13 @@ def parallelize_plan(plan: Plan, index: int) -> dict[str, dict[str, str]]:
         if len(readers) != 1:
             continue
         out_dims = set(_tensor_info(plan, readers[0][1].tensor, f"stages[{index}].ops.{readers[0][0]}")["dims"])
-        styles = {AXIS_NAMES[k]: "ColwiseParallel()" if p.dim in out_dims else "RowwiseParallel()"
-                  for k, p in enumerate(info.placement) if isinstance(p, Shard)}
-        if styles:
-            result[module] = styles
+        dims = _tensor_info(plan, name, f"stages[{index}].params.{name}")["dims"]
+        splits = [(k, p.dim) for k, p in enumerate(info.placement) if isinstance(p, Shard)]
+        if any(next(d for d in dims if (d in out_dims) == (dim in out_dims)) != dim for _, dim in splits):
+            continue  # not the outermost dim of its side: no contiguous block of torch's axis
+        if splits:
+            result[module] = {AXIS_NAMES[k]: "ColwiseParallel()" if dim in out_dims else "RowwiseParallel()"
+                              for k, dim in splits}
     return result
 
 

@@ -3,6 +3,7 @@ processes must reproduce the unsharded training step."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -86,6 +87,19 @@ def test_dtensor_export_names_modules_and_their_parallel_styles(split_plan):
     assert styles["model.layers.0.self_attn.o_proj"] == {"y": "RowwiseParallel()"}
     assert styles["model.layers.0.self_attn.k_proj"] == {"y": "ColwiseParallel()"}
     assert all(axis == "y" for module in styles.values() for axis in module)  # axis x splits the batch or nothing
+
+
+def test_a_weight_split_inside_its_side_gets_no_parallel_style(split_plan):
+    """k_proj split along each kv group's head width (the inner factor of torch's output axis) is no ColwiseParallel,
+    which cuts that axis into contiguous blocks: the module is left out, its placements say how it is split."""
+    plan, _ = split_plan
+    inner = copy.deepcopy(plan)
+    name = "model.layers.0.self_attn.k_proj.weight"
+    groups, width, hidden = inner.tensors[name]["dims"]  # torch's [kv groups × head width, hidden]
+    inner.stages[0].params[name] = ParamPlacement((R, Shard(width)), ())
+    styles = to_dtensor(inner)["stages"][0]["parallelize_plan"]
+    assert "model.layers.0.self_attn.k_proj" not in styles
+    assert styles["model.layers.0.mlp.up_proj"] == {"y": "ColwiseParallel()"}  # the others as before
 
 
 def test_parameters_sharded_under_replicated_ops_compute_right_but_fail_the_collectives(split_plan):
