@@ -625,6 +625,17 @@ def _model_arguments(plan: Plan, num_layers: int, tp: int) -> list[str]:
     if a["layers"] != num_layers:
         raise InstanceError(f"the stages hold {num_layers} transformer layers but the architecture records "
                             f"{a['layers']}", "architecture.layers", "re-solve the plan on its graph")
+    # Megatron-LM's TransformerConfig: each tensor-parallel rank holds whole heads, and whole query groups or a share
+    # of one (it raises otherwise)
+    if a["heads"] % tp:
+        raise _not_expressible(f"tensor-parallel size {tp} does not divide the {a['heads']} attention heads, and "
+                               "Megatron-LM gives each rank whole heads", "architecture.heads",
+                               "plan with a tensor-parallel size that divides the heads, or export with --to jax or "
+                               "--to dtensor")
+    if a["kv_heads"] % tp and tp % a["kv_heads"]:
+        raise _not_expressible(f"tensor-parallel size {tp} neither divides nor is divided by the {a['kv_heads']} "
+                               "query groups, as Megatron-LM requires", "architecture.kv_heads",
+                               "plan with another tensor-parallel size, or export with --to jax or --to dtensor")
     args = ["--hidden-size", str(a["hidden"]), "--ffn-hidden-size", str(a["ffn"]),
             "--num-attention-heads", str(a["heads"]), "--seq-length", str(a["seq"]),
             "--max-position-embeddings", str(a["seq"]), "--attention-dropout", f"{a['attention_dropout']:g}",
@@ -664,14 +675,20 @@ def _precision(plan: Plan) -> str | None:
 
 
 def megatron_warnings(plan: Plan) -> list[str]:
-    """What Megatron-LM will run differently from how `plan` was priced, one line each: a 16-bit plan priced in the
+    """What Megatron-LM will run differently from how `plan` was priced, or what its line leaves to the user, one line
+    each: a graph with no architecture record (the line holds the layout alone); a 16-bit plan priced in the
     ZeRO paper's state layout, whose gradients Megatron-LM keeps in fp32 (`costmodel.STATE_LAYOUTS`). The plan does
     not record its optimizer, and needs not: the fp32 gradients add the same bytes per parameter under any."""
+    layout_only = [] if plan.architecture is not None else [
+        "the plan's graph records no transformer architecture: these are the layout's arguments only; add the "
+        "model's own (--hidden-size, --num-attention-heads, --seq-length, --max-position-embeddings), which "
+        "Megatron-LM requires"]
     precision = _precision(plan)
     if precision not in ("fp16", "bf16") or plan.options.get("state_layout", "zero") == "megatron":
-        return []
+        return layout_only
     priced, kept = (costmodel.param_memory(1, precision, "adam", layout).total for layout in ("zero", "megatron"))
-    return [f"the plan was priced in the ZeRO paper's state layout (zero), but Megatron-LM keeps {kept - priced} more "
+    return [*layout_only,
+            f"the plan was priced in the ZeRO paper's state layout (zero), but Megatron-LM keeps {kept - priced} more "
             f"bytes per parameter in {precision} (fp32 gradients; with Adam {kept} bytes where {priced} were priced; "
             "docs/COSTMODEL.md §5): plan with --state-layout megatron to price the memory it will use"]
 

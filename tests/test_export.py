@@ -383,6 +383,25 @@ def _value(args: list[str], flag: str) -> str | None:
 LLAMA_FLAGS = {"--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"}
 
 
+@pytest.mark.parametrize("make, sizes, tp, refused", [
+    (gpt, dict(SMALL_GPT, hidden=256, heads=4), 8, "does not divide the 4 attention heads"),
+    (llama, dict(SMALL_LLAMA, hidden=768, heads=12, kv_heads=3), 4, "neither divides nor is divided by the 3 query"),
+    (llama, SMALL_LLAMA, 8, None)])  # 8 ranks over 16 heads, 2 per query group of 4: Megatron-LM takes it
+def test_megatron_gets_whole_heads_per_tensor_parallel_rank(make, sizes, tp, refused):
+    """Megatron-LM's TransformerConfig raises unless tp divides the heads, and divides or is divided by the query
+    groups: such a plan (partopt splits head widths too) is refused by name, not written as a line that fails."""
+    from partopt.evaluate import uniform
+
+    plan = uniform(make(**sizes), preset("dgx-a100", 1).narrowed(tp), tp=tp, pp=1, dp=1, microbatches=1,
+                   recompute="full", check_memory=False)
+    if refused is None:
+        assert _value(ex.to_megatron(plan), "--tensor-model-parallel-size") == str(tp)
+        return
+    with pytest.raises(ex.NotExpressibleError, match=refused) as info:
+        ex.to_megatron(plan)
+    assert info.value.where.startswith("architecture.")
+
+
 @pytest.mark.parametrize("make, sizes, flags", [
     (gpt, dict(SMALL_GPT, attention_dropout=0.1), set()),
     (llama, SMALL_LLAMA, LLAMA_FLAGS),
@@ -441,6 +460,9 @@ def test_a_graph_without_an_architecture_exports_the_layout_alone_and_a_wrong_on
     plain = optimize(dataclasses.replace(graph, architecture=None), cluster, microbatches=2, layers=2,
                      data_parallel_only=True)
     assert plain.architecture is None and "--hidden-size" not in ex.to_megatron(plain)
+    assert ex.megatron_warnings(plain)[0].startswith("the plan's graph records no transformer architecture")
+    assert not any("architecture" in line for line in ex.megatron_warnings(optimize(graph, cluster, microbatches=2,
+                                                                                    layers=2, data_parallel_only=True)))
     plan = optimize(graph, cluster, microbatches=2, layers=2, data_parallel_only=True)
     assert plan_from_dict(plan_to_dict(plan)).architecture == graph.architecture  # the plan file keeps it
     wrong = dataclasses.replace(plan, architecture={**plan.architecture, "layers": 3})
