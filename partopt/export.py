@@ -170,7 +170,7 @@ def training(plan: Plan) -> dict[str, Any]:
             "optimizer_state_sharded": any(info.zero_axes for s in plan.stages for info in s.params.values()),
             "sequence_parallel": [i for i, s in enumerate(plan.stages) if _sequence_split(plan, i, s)],
             "fused_attention": fused_attention(plan), "matmul_dtype": plan.matmul_dtype,
-            "param_dtypes": param_dtypes(plan)}
+            "param_dtypes": param_dtypes(plan), "optimizer": plan.optimizer}
 
 
 def param_dtypes(plan: Plan) -> list[str] | None:
@@ -610,7 +610,21 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
             "attention_backend": "flash" if fused_attention(plan) else None,
             # Transformer Engine's FP8 GEMMs: E4M3 forward, E5M2 gradients (Megatron's and NeMo's usual recipe)
             "fp8_format": "hybrid" if plan.matmul_dtype == "fp8" else None,
-            "precision": _precision(plan), "model": _model_arguments(plan, sum(counts), tp)}
+            "precision": _precision(plan), "optimizer": _optimizer(plan),
+            "model": _model_arguments(plan, sum(counts), tp)}
+
+
+MEGATRON_OPTIMIZERS = {"adam": None, "sgd": "sgd"}  # partopt's optimizer -> Megatron-LM's --optimizer (adam: its default)
+
+
+def _optimizer(plan: Plan) -> str | None:
+    """Megatron-LM's `--optimizer` for the optimizer whose state the plan priced (None: its default, Adam, or a plan
+    that records none); NotExpressibleError for one Megatron-LM does not offer."""
+    if plan.optimizer is None or plan.optimizer in MEGATRON_OPTIMIZERS:
+        return MEGATRON_OPTIMIZERS.get(plan.optimizer)
+    raise _not_expressible(f"the plan priced {plan.optimizer}'s state, and Megatron-LM offers no {plan.optimizer} "
+                           f"(its --optimizer takes adam, sgd and others partopt does not price)", "optimizer",
+                           "generate the graph with --optimizer adam or sgd, or export with --to jax or --to dtensor")
 
 
 def _model_arguments(plan: Plan, num_layers: int, tp: int) -> list[str]:
@@ -677,8 +691,8 @@ def _precision(plan: Plan) -> str | None:
 def megatron_warnings(plan: Plan) -> list[str]:
     """What Megatron-LM will run differently from how `plan` was priced, or what its line leaves to the user, one line
     each: a graph with no architecture record (the line holds the layout alone); a 16-bit plan priced in the
-    ZeRO paper's state layout, whose gradients Megatron-LM keeps in fp32 (`costmodel.STATE_LAYOUTS`). The plan does
-    not record its optimizer, and needs not: the fp32 gradients add the same bytes per parameter under any."""
+    ZeRO paper's state layout, whose gradients Megatron-LM keeps in fp32 (`costmodel.STATE_LAYOUTS`): the same bytes
+    more per parameter under any optimizer, the totals said with the plan's."""
     layout_only = [] if plan.architecture is not None else [
         "the plan's graph records no transformer architecture: these are the layout's arguments only; add the "
         "model's own (--hidden-size, --num-attention-heads, --seq-length, --max-position-embeddings), which "
@@ -686,11 +700,12 @@ def megatron_warnings(plan: Plan) -> list[str]:
     precision = _precision(plan)
     if precision not in ("fp16", "bf16") or plan.options.get("state_layout", "zero") == "megatron":
         return layout_only
-    priced, kept = (costmodel.param_memory(1, precision, "adam", layout).total for layout in ("zero", "megatron"))
+    optimizer = plan.optimizer or "adam"  # a plan written before the record: Megatron-LM's default
+    priced, kept = (costmodel.param_memory(1, precision, optimizer, layout).total for layout in ("zero", "megatron"))
     return [*layout_only,
             f"the plan was priced in the ZeRO paper's state layout (zero), but Megatron-LM keeps {kept - priced} more "
-            f"bytes per parameter in {precision} (fp32 gradients; with Adam {kept} bytes where {priced} were priced; "
-            "docs/COSTMODEL.md §5): plan with --state-layout megatron to price the memory it will use"]
+            f"bytes per parameter in {precision} (fp32 gradients; with {optimizer} {kept} bytes where {priced} were "
+            "priced; docs/COSTMODEL.md §5): plan with --state-layout megatron to price the memory it will use"]
 
 
 def _span(ids: Sequence[int]) -> str:
@@ -724,6 +739,8 @@ def to_megatron(plan: Plan) -> list[str]:
         args += ["--attention-backend", c["attention_backend"]]
     if c["precision"] and MEGATRON_PRECISION[c["precision"]]:
         args.append(MEGATRON_PRECISION[c["precision"]])
+    if c["optimizer"]:
+        args += ["--optimizer", c["optimizer"]]
     if c["fp8_format"]:
         args += ["--fp8-format", c["fp8_format"]]
     if c["recompute"]:

@@ -82,6 +82,7 @@ class Plan:
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"dims", "shape" (one microbatch), "role", "dtype"}
     matmul_dtype: str | None = None  # the GEMM precision priced (`Graph.matmul_dtype`); None: each op at its tensors'
     architecture: dict[str, Any] | None = None  # the graph's `architecture`, for exports; None: it has none
+    optimizer: str | None = None  # the optimizer whose state was priced (`Graph.optimizer`); None: files before it
 
 
 def _merged(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -216,6 +216,9 @@ def _check_target(plan: Plan, graph: Graph, cluster: Cluster, where: str) -> Non
         raise InstanceError(f"the plan records {key} {plan.architecture.get(key)!r}, the graph's architecture "
                             f"{graph.architecture.get(key)!r}", at(where, f"$.architecture.{key}"),
                             "re-solve the plan for this graph")
+    if plan.optimizer is not None and plan.optimizer != graph.optimizer:
+        raise InstanceError(f"the plan priced {plan.optimizer}'s state, the graph trains with {graph.optimizer}",
+                            at(where, "$.optimizer"), "re-solve the plan for this graph")
     batch = graph.dims[graph.batch_dim]
     if plan.num_microbatches * plan.microbatch_size != batch:
         raise InstanceError(f"{plan.num_microbatches} microbatches of {plan.microbatch_size} samples are not the graph's "

@@ -635,8 +635,31 @@ def test_megatron_export_warns_when_the_plan_priced_less_state_than_megatron_lm_
     result = CliRunner().invoke(main, ["export", str(path), "--to", "megatron"])
     assert result.exit_code == 0, result.output + result.stderr
     assert "--use-distributed-optimizer" in result.stdout
+    assert ("--optimizer sgd" in result.stdout) == (optimizer == "sgd")  # Megatron-LM's default is Adam
     if warned is None:
         assert "warning" not in result.stderr
     else:
         assert f"keeps {warned} more bytes per parameter in {dtype}" in result.stderr
+        priced = {"adam": 2 + 2 + 12, "sgd": 2 + 2 + 8}[optimizer]  # 16-bit weights and gradients, fp32 state
+        assert f"with {optimizer} {priced + warned} bytes where {priced} were priced" in result.stderr
         assert "--state-layout megatron" in result.stderr
+
+
+def test_the_plan_records_its_optimizer_and_the_exports_say_it():
+    """The optimizer whose state was priced travels with the plan: the training block names it, Megatron-LM gets it
+    (Adafactor, which it lacks, is refused), a graph trained otherwise does not take the plan, and a plan written
+    before the record exports as before."""
+    from partopt.evaluate import uniform
+
+    cluster = preset("dgx-a100", 1)
+    graph = dataclasses.replace(gpt(**SMALL_GPT), optimizer="adafactor")
+    plan = uniform(graph, cluster, 2, 1, 4, microbatches=2)
+    assert plan.optimizer == "adafactor" and plan_from_dict(plan_to_dict(plan)).optimizer == "adafactor"
+    assert ex.training(plan)["optimizer"] == "adafactor"
+    with pytest.raises(ex.NotExpressibleError, match="Megatron-LM offers no adafactor") as info:
+        ex.to_megatron(plan)
+    assert info.value.where == "optimizer"
+    with pytest.raises(InstanceError, match="the plan priced adafactor's state, the graph trains with adam"):
+        check_against(plan, gpt(**SMALL_GPT), cluster)
+    before = dataclasses.replace(plan, optimizer=None)
+    assert "--optimizer" not in ex.to_megatron(before) and ex.training(before)["optimizer"] is None
