@@ -99,9 +99,12 @@ def warn(lines: list[str]) -> None:
 
 
 class FiniteFloat(click.ParamType):
-    """A float that is finite and positive (`--time-limit nan` or `inf` is refused, not planned with)."""
+    """A float that is finite and positive (`--time-limit nan` or `inf` is refused, not planned with), in `unit`:
+    the metavar and the refusal name what it counts (seconds, or a count of tokens), not always seconds."""
 
-    name = "seconds"
+    def __init__(self, unit: str = "seconds", quantity: str = "number") -> None:
+        self.name = unit
+        self.quantity = quantity
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         try:
@@ -109,7 +112,7 @@ class FiniteFloat(click.ParamType):
         except (TypeError, ValueError):
             self.fail(f"{value!r} is not a number", param, ctx)
         if not (math.isfinite(number) and number > 0):
-            self.fail(f"{value!r} is not a finite positive number of seconds", param, ctx)
+            self.fail(f"{value!r} is not a finite positive {self.quantity} of {self.name}", param, ctx)
         return number
 
 
@@ -768,7 +771,8 @@ def _fmt_days(seconds: float) -> str:
 @click.argument("spec_file", metavar="SPEC")
 @click.option("-o", "--output", type=click.Path(), help="Write the table as CSV here.")
 @click.option("--plot", "plot_file", type=click.Path(), help="Plot throughput per GPU and time to train (.png, .svg).")
-@click.option("--tokens", type=FiniteFloat(), help="Training tokens for time to train and GPU-hours (overrides the spec's).")
+@click.option("--tokens", type=FiniteFloat("tokens", "count"),
+              help="Training tokens, a count (e.g. 3e11), for time to train and GPU-hours (overrides the spec's).")
 def sweep_command(spec_file: str, output: str | None, plot_file: str | None, tokens: float | None) -> None:
     """Plan every model × cluster × node count (× varied option) of a sweep SPEC file and tabulate the best
     plans: throughput per GPU, memory, time to train and GPU-hours; a point with no plan says why."""

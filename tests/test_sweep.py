@@ -157,6 +157,15 @@ def test_command_writes_csv_and_plot(tmp_path):
     assert "1 grid points, 1 planned" in result.output
 
 
+def test_tokens_are_refused_and_documented_as_a_count_not_seconds(tmp_path):
+    spec = write_files(tmp_path)
+    result = CliRunner().invoke(main, ["sweep", spec, "--tokens", "0"])
+    assert result.exit_code == 2 and "'0' is not a finite positive count of tokens" in result.stderr
+    assert "seconds" not in result.stderr.lower()
+    help_text = CliRunner().invoke(main, ["sweep", "--help"]).output
+    assert "--tokens TOKENS" in help_text and "SECONDS" not in help_text
+
+
 @pytest.mark.parametrize("change, place", [
     ({"nodes": [0]}, "$.nodes[0]"),
     ({"models": ["no-such-model"]}, "$.models[0]"),
