@@ -3,7 +3,8 @@
 `check_plan` needs only the plan: stages cover the DP layers once and in order, submeshes are
 shapes of the plan's cluster that its stages tile exactly with distinct devices, logical meshes
 factor their submesh, placements have one entry per mesh axis and split their tensor's dims (they were
-parsed when the file was read, `partopt.plan`), and the stored figures agree with each other
+parsed when the file was read, `partopt.plan`), the stages place every parameter and make every activation
+of the plan's `tensors`, and the stored figures agree with each other
 (memory = state + in-flight activations + working set, iteration = Σt + (B − 1)·max t + max sync).
 `check_against` adds the graph and the cluster: the plan was made for them, its microbatches
 divide the graph's batch, its stages cover the graph's layers, and every op and parameter it
@@ -30,6 +31,7 @@ TOLERANCE = 1e-6  # relative: stored figures are sums of the same floats in the 
 YEAR_S = 365.25 * 24 * 3600
 MESH_AXES = 2
 _REDO = "re-solve the plan with `partopt solve -o`, or fix the field"
+_REPLAN = "write the plan again by `partopt solve -o` or `partopt evaluate --tp --pp --dp -o`"
 
 
 def close(a: float, b: float, tolerance: float = TOLERANCE) -> bool:
@@ -136,6 +138,21 @@ def _check_strategies(plan: Plan, stage: StagePlan, place: str) -> None:
         _check_placement(info.placement, tensors.get(name), f"{here}.placement")
 
 
+def _check_covered(plan: Plan, where: str) -> None:
+    """Every parameter of the plan's `tensors` is placed by some stage and every tensor an op makes (activation,
+    output) is made by an op of some stage: else an export would silently leave the parameter or op out."""
+    placed = {name for stage in plan.stages for name in stage.params}
+    made = {info.tensor for stage in plan.stages for info in stage.ops.values()}
+    for name, t in (plan.tensors or {}).items():
+        role = t.get("role")
+        if role == "param" and name not in placed:
+            raise InstanceError(f"parameter {name!r} of the plan's tensors is placed by no stage (no stages[i].params "
+                                "entry)", at(where, f"$.tensors[{name!r}]"), _REPLAN)
+        if role in ("activation", "output") and name not in made:
+            raise InstanceError(f"{role} {name!r} of the plan's tensors is made by no op of any stage: the op that "
+                                "makes it is missing from stages[i].ops", at(where, f"$.tensors[{name!r}]"), _REPLAN)
+
+
 def mismatches(plan: Plan) -> list[tuple[str, float, float]]:
     """The stored figures that disagree with the others (JSON path, stored, derived from its parts):
     what `explain` and `draw` would show without re-pricing."""
@@ -173,7 +190,8 @@ def mismatches(plan: Plan) -> list[tuple[str, float, float]]:
 
 def check_plan(plan: Plan, where: str = "plan", figures: bool = True) -> None:
     """InstanceError unless `plan` is consistent on its own (see the module docstring); `figures=False`
-    leaves the stored figures' agreement to the caller (`partopt check` lists every mismatch)."""
+    leaves the stored figures' agreement and the stages' coverage of `tensors` to the caller (`partopt check`
+    lists every mismatch and every op or parameter entry left out)."""
     _check_layers(plan, where)
     _check_devices(plan, where)
     if plan.batch_dim is not None:
@@ -185,6 +203,8 @@ def check_plan(plan: Plan, where: str = "plan", figures: bool = True) -> None:
                                         f"{plan.microbatch_size}", at(where, f"$.tensors[{name!r}].shape"), _REDO)
     for i, stage in enumerate(plan.stages):
         _check_strategies(plan, stage, at(where, f"$.stages[{i}]"))
+    if figures:
+        _check_covered(plan, where)
     found = mismatches(plan) if figures else []
     if found:
         path, stored, derived = found[0]

@@ -194,6 +194,25 @@ def test_ops_and_parameters_must_exist_sit_in_their_stage_and_be_legal(tiny, tmp
         one_error_line(run("evaluate", tiny.graph_file, *where, "--plan", plan), plan, fragment)
 
 
+def test_a_parameter_or_op_no_stage_places_is_refused_everywhere_not_dropped(tiny, tmp_path):
+    """The plan's `tensors` list every parameter and op output: an export of a plan missing one in its stages
+    used to exit 0 without it."""
+    d = json.loads(Path(tiny.plan_file).read_text())
+    param = next(p for p in d["stages"][1]["params"] if p not in d["stages"][0]["params"])
+    op = first_op(d, 1)
+    made = d["stages"][1]["ops"][op]["tensor"]
+    unplaced = lambda d: d["stages"][1]["params"].pop(param)
+    unmade = lambda d: d["stages"][1]["ops"].pop(op)
+    for change, fragment in ((unplaced, f"$.tensors['{param}']: parameter '{param}' of the plan's tensors is placed "
+                                        "by no stage"),
+                             (unmade, f"$.tensors['{made}']: activation '{made}' of the plan's tensors is made by no op")):
+        plan = mutated(tiny, tmp_path, change)
+        for command in [*commands(tiny, plan, tmp_path)[:-1],  # `check` lists each entry left out (tests/test_check.py)
+                        *(["export", plan, "--to", target] for target in ("dtensor", "megatron"))]:
+            one_error_line(run(*command), plan, fragment, "partopt solve -o")
+        assert not (tmp_path / "out.svg").exists()
+
+
 def test_a_malformed_placement_is_refused_everywhere_with_its_json_path(tiny, tmp_path):
     """Placements are parsed when the file is read: every command names the op or parameter and the field."""
     d = json.loads(Path(tiny.plan_file).read_text())
