@@ -179,7 +179,7 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
                 "ilps": stats.ilps, "ilp_time_s": stats.solve_time_s, "time_s": elapsed,
                 "dp_rounds": stats.dp_rounds, "microbatch_counts": stats.counts or [count],
                 "recompute_modes": {str(c): list(m) for c, m in stats.recompute_modes.items()},
-                "dropped_options": stats.dropped},
+                "dropped_options": stats.dropped, "timeouts": stats.timeouts},
         options={"microbatches": options.microbatches if isinstance(options.microbatches, (int, str))
                  else list(options.microbatches), "layers": options.layers,
                  "logical_shapes": options.logical_shapes if isinstance(options.logical_shapes, str)

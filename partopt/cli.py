@@ -116,6 +116,12 @@ class FiniteFloat(click.ParamType):
         return number
 
 
+# `solve` and `evaluate`: both solve layer ILPs, and warn of those the limit stopped (`validate.solver_warnings`)
+TIME_LIMIT = click.option("--time-limit", type=FiniteFloat(), default=TIME_LIMIT_S, show_default=True,
+                          help="Wall-clock seconds per ILP, a safety net: each ILP stops first at its solver's "
+                          "deterministic work limit.")
+
+
 def load_instance(source: str, nodes: int | None = None) -> Graph | Cluster:
     """A graph or cluster file, or else a cluster preset by name; `nodes` resizes a cluster."""
     if Path(source).exists():
@@ -514,8 +520,7 @@ def _render_plan(plan: Plan, calibration: dict[str, Any] | None) -> list[Table]:
 @click.option("--layers", type=click.IntRange(min=1), default=DEFAULT_MAX_LAYERS, show_default=True,
               help="Most layers the stage DP cuts between (tagged layers are grouped by FLOPs).")
 @click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
-@click.option("--time-limit", type=FiniteFloat(), default=TIME_LIMIT_S, show_default=True,
-              help="Wall-clock seconds per ILP, a safety net: each ILP stops first at its solver's deterministic work limit.")
+@TIME_LIMIT
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
 @click.option("--search", type=click.Choice(["full", "intra-only", "inter-only", "data-parallel-only", "pp-dp", "megatron"]),
@@ -612,8 +617,9 @@ def _graph_and_cluster(graph_file: str, cluster_source: str, nodes: int | None) 
 
 
 def _emit(plan: Plan, output: str | None, as_json: bool, cluster_source: str) -> None:
-    """Write the plan file if asked, then print it as JSON or as the stage table and totals."""
-    warn(validate.plan_warnings(plan))
+    """Write the plan file if asked, then print it as JSON or as the stage table and totals; warn first of
+    absurd figures and of layer ILPs stopped at the time limit."""
+    warn(validate.plan_warnings(plan) + validate.solver_warnings(plan))
     if output:
         write_plan(plan, output)
     if as_json:
@@ -677,6 +683,7 @@ def _counts(text: str | None, flag: str, example: str) -> list[int] | None:
               "bytes per parameter with Adam (the default), or megatron, Megatron-LM's fp32 gradients (18 in bf16, "
               "20 in fp16). A plan file keeps its own.")
 @click.option("--solver", type=click.Choice(BACKENDS), default="highs", show_default=True, help="ILP backend.")
+@TIME_LIMIT
 @click.option("--memory-reserve", type=click.FloatRange(0, 1, max_open=True), default=0.1, show_default=True,
               help="Fraction of device memory kept free.")
 @click.option("--no-overlap", is_flag=True, help="Price every communication on the critical path: no gradient "
@@ -691,7 +698,7 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
                      microbatch_size: int | None, zero: bool, sequence_parallel: bool, shard_weights: bool,
                      tp_comm_overlap: bool, recompute: str | None,
                      schedule: str | None, virtual_stages: int | None, stage_layers: str | None,
-                     state_layout: str | None, solver: str,
+                     state_layout: str | None, solver: str, time_limit: float,
                      memory_reserve: float, no_overlap: bool, profile_file: str | None,
                      output: str | None, as_json: bool) -> None:
     """Price a plan of GRAPH under the cost model: a plan file (--plan) or a Megatron-style uniform
@@ -719,7 +726,7 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
             raise InstanceError(f"a batch of {batch} does not split into microbatches of {microbatch_size} × {dp} "
                                 f"data-parallel ranks", "--microbatch-size", f"choose m with m × {dp} dividing {batch}")
         microbatches = batch // samples
-    options = {"backend": solver, "memory_reserve": memory_reserve,
+    options = {"backend": solver, "time_limit_s": time_limit, "memory_reserve": memory_reserve,
                "cost_model": read_profile(profile_file) if profile_file else None}
     if plan_file is not None:
         plan = evaluate_plan(graph, cluster, validate.read_checked(plan_file, graph, cluster), where=plan_file,

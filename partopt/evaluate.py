@@ -24,7 +24,7 @@ from partopt.graph import Graph, Op
 from partopt.ops import NORM_KINDS
 from partopt.assemble import assemble, pipeline_of
 from partopt.options import Options, microbatch_counts
-from partopt.pricing import Job, LayerCost, Priced, Pricer, Stats, ladder, rung
+from partopt.pricing import STATUS_RANK, Job, LayerCost, Priced, Pricer, Stats, ladder, rung
 from partopt.schedules import check_schedule, inflight, iteration_time
 from partopt.stages import End, Pipeline, StageSpec, StageTotals, chunks, combined, totals
 from partopt.layering import Layering, build_layers
@@ -476,6 +476,6 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
                                 **({"stage_layers": list(stage_layers)} if stage_layers is not None else {})}
     best.solver.update(ilps=sum(p.solver["ilps"] for p in plans), ilp_time_s=sum(p.solver["ilp_time_s"] for p in plans),
                        time_s=time.perf_counter() - start, microbatch_counts=counts,
-                       status="optimal" if all(p.solver["status"] == "optimal" for p in plans) else "timeout",
-                       gap=max(p.solver["gap"] for p in plans))
+                       status=max((p.solver["status"] for p in plans), key=STATUS_RANK.get),
+                       gap=max(p.solver["gap"] for p in plans), timeouts=sum(p.solver["timeouts"] for p in plans))
     return best

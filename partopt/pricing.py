@@ -95,14 +95,15 @@ class Job:
 
 @dataclass
 class Stats:
-    """What a solve did: ILPs solved here and their time, the worst status and gap over every
-    layer it used (cached or not), options dropped, and the search's own counts."""
+    """What a solve did: ILPs solved here, their time and how many the wall clock stopped, the worst status
+    and gap over every layer it used (cached or not), options dropped, and the search's own counts."""
 
     ilps: int = 0
     solve_time_s: float = 0.0
     status: str = "optimal"
     gap: float = 0.0
     dropped: int = 0
+    timeouts: int = 0  # ILPs solved here that stopped at the wall-clock time limit: `solve` and `evaluate` warn of them
     dp_rounds: int = 0
     counts: list[int] = field(default_factory=list)
     recompute_modes: dict[int, list[str]] = field(default_factory=dict)
@@ -118,6 +119,7 @@ class Stats:
         if solved:
             self.ilps += 1
             self.solve_time_s += result.time_s
+            self.timeouts += result.status == "timeout"
         if result.status != "optimal":
             self.status = max(self.status, result.status, key=STATUS_RANK.get)
             self.gap = max(self.gap, result.gap or 0.0)
@@ -127,6 +129,7 @@ class Stats:
         self.ilps += other.ilps
         self.solve_time_s += other.solve_time_s
         self.dropped += other.dropped
+        self.timeouts += other.timeouts
         self.status = max(self.status, other.status, key=STATUS_RANK.get)
         self.gap = max(self.gap, other.gap)
 

@@ -10,11 +10,13 @@ of the plan's `tensors`, and the stored figures agree with each other
 divide the graph's batch, its stages cover the graph's layers, and every op and parameter it
 names exists, sits in its stage and has a strategy that is legal for its dims on that mesh.
 Each problem is an InstanceError naming the file, the JSON path, what is wrong and what to do.
-`cluster_warnings` and `plan_warnings` list absurd but valid magnitudes (an iteration beyond a year, a link below 1 byte/s).
+`cluster_warnings` and `plan_warnings` list absurd but valid magnitudes (an iteration beyond a year, a link below 1 byte/s),
+`solver_warnings` the layer ILPs a time limit stopped.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from partopt import intra
@@ -335,3 +337,14 @@ def plan_warnings(plan: Plan) -> list[str]:
     if plan.iteration_time_s > YEAR_S:
         return [f"one iteration of the plan takes {plan.iteration_time_s / YEAR_S:.3g} years"]
     return []
+
+
+def solver_warnings(plan: Plan) -> list[str]:
+    """Layer ILPs of a plan just solved or priced that the wall clock stopped (`solver.timeouts`): the plan may be
+    slower than the optimum, which its `timeout, gap …` cell alone does not say nor how to avoid."""
+    stopped, gap = plan.solver.get("timeouts", 0), plan.solver["gap"]
+    if not stopped:
+        return []
+    margin = f"by up to {gap:.1%}, the largest gap" if math.isfinite(gap) else "by an unknown margin (no bound proven)"
+    return [f"solver: {stopped} layer ILP{'s' if stopped > 1 else ''} stopped at the time limit before proven optimal: "
+            f"the plan may be slower than the optimum {margin} (hint: raise --time-limit)"]

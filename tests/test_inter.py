@@ -3,6 +3,7 @@
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -11,6 +12,7 @@ from partopt import costmodel
 from partopt.cli import main
 from partopt.cluster import preset
 from partopt.errors import InfeasibleError
+from partopt.evaluate import uniform
 from partopt.inter import Options, microbatch_counts, optimize
 from partopt.models.gpt import gpt
 from partopt.pricing import Dropped, Job, LayerCost, Stats, longest_stage, objectives, price
@@ -261,6 +263,31 @@ def test_a_search_goes_on_when_an_ilp_at_the_budget_finds_no_solution(monkeypatc
     plan = optimize(graph, cluster, microbatches=1, recompute="none", workers=1)
     assert plan.solver["dropped_options"] >= 1
     assert all(tuple(stage.logical_mesh) != (2, 1) for stage in plan.stages)
+
+
+def test_layer_ilps_the_wall_clock_stops_are_counted_in_the_plan(monkeypatch):
+    """Each ILP solved whose solver the time limit stopped is counted (`solver.timeouts`, which `partopt solve` warns
+    of), as is the worst status; a cached one is not counted again."""
+    from partopt import intra, solvers
+
+    solve = intra.shard_stage
+
+    def stopped_by_the_clock(*args, **kwargs):  # every layer ILP stops at its time limit with its incumbent
+        sharding = solve(*args, **kwargs)
+        result = dataclasses.replace(sharding.solution.result, status="timeout")
+        return dataclasses.replace(sharding, solution=dataclasses.replace(sharding.solution, result=result))
+
+    monkeypatch.setattr(intra, "shard_stage", stopped_by_the_clock)
+    graph, cluster = mlp(2, 64, 64), preset("p3.16xlarge", 1).narrowed(2)
+    for plan in (optimize(graph, cluster, microbatches=1, recompute="none", workers=1),
+                 uniform(graph, cluster, 1, 1, 2)):  # `evaluate --tp --pp --dp`: over the microbatch counts it prices
+        assert plan.solver["status"] == "timeout" and plan.solver["timeouts"] == plan.solver["ilps"] > 0
+    stopped = solvers.Result("timeout", [], 1.0, 0.5, 0.1, "highs")
+    cost = LayerCost(0.0, 0.0, 0.0, 0.0, 0.0, SimpleNamespace(solution=SimpleNamespace(result=stopped)))
+    stats = Stats()
+    stats.record(cost, solved=True)
+    stats.record(cost, solved=False)
+    assert (stats.timeouts, stats.ilps, stats.status) == (1, 1, "timeout")
 
 
 def test_of_the_counts_finished_the_fastest_placed_plan_is_returned():

@@ -388,6 +388,37 @@ def test_absurd_magnitudes_are_warnings(tiny, tmp_path):
     assert f"warning: one iteration of the plan takes {years:.3g} years" in result.stderr
 
 
+def timed_out(plan, timeouts: int, gap: float):
+    """`plan` as if `timeouts` of its layer ILPs had stopped at the time limit, the largest gap `gap`."""
+    return dataclasses.replace(plan, solver={**plan.solver, "status": "timeout", "gap": gap, "timeouts": timeouts})
+
+
+def test_layer_ilps_stopped_at_the_time_limit_are_one_warning_with_the_gap_and_the_hint(tiny):
+    assert validate.solver_warnings(tiny.plan) == []  # solved within its limits
+    assert validate.solver_warnings(timed_out(tiny.plan, 1, 0.25)) == [
+        "solver: 1 layer ILP stopped at the time limit before proven optimal: the plan may be slower than the "
+        "optimum by up to 25.0%, the largest gap (hint: raise --time-limit)"]
+    assert validate.solver_warnings(timed_out(tiny.plan, 3, float("inf"))) == [
+        "solver: 3 layer ILPs stopped at the time limit before proven optimal: the plan may be slower than the "
+        "optimum by an unknown margin (no bound proven) (hint: raise --time-limit)"]
+
+
+@pytest.mark.parametrize("command, planner", [("solve", "optimize"), ("evaluate", "uniform")])
+def test_solve_and_evaluate_warn_on_stderr_when_a_layer_ilp_stopped_at_the_time_limit(tiny, monkeypatch, command,
+                                                                                       planner):
+    """Their table said only `highs: timeout, gap inf`: now one warning line says how many and what to do."""
+    import partopt.cli
+
+    monkeypatch.setattr(partopt.cli, planner, lambda *args, **kwargs: timed_out(tiny.plan, 2, 0.125))
+    degrees = ["--tp", "1", "--pp", "2", "--dp", "2"] if command == "evaluate" else ["--workers", "1"]
+    result = run(command, tiny.graph_file, "--cluster", tiny.cluster_file, "--time-limit", "0.001", *degrees)
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "warning: solver: 2 layer ILPs stopped at the time limit before proven optimal: the plan may be slower than "
+        "the optimum by up to 12.5%, the largest gap (hint: raise --time-limit)"]
+    assert "highs: timeout, gap 0.12" in result.stdout
+
+
 def test_library_errors_carry_the_json_path(tiny):
     data = plan_to_dict(tiny.plan)
     broken = copy.deepcopy(data)
