@@ -8,6 +8,7 @@ from the stage accountant (`partopt.stages`), so the plan adds up as the stage D
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 from partopt import costmodel, intra
@@ -175,7 +176,8 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
         throughput={"samples_per_s": float(batch / iteration),
                     "tflops_per_device": float(flops / iteration / cluster.num_devices / 1e12),
                     "hardware_tflops_per_device": float(executed / iteration / cluster.num_devices / 1e12)},
-        solver={"backend": options.backend, "status": stats.status, "gap": stats.gap,
+        solver={"backend": options.backend, "status": stats.status,
+                "gap": stats.gap if math.isfinite(stats.gap) else None,  # None: a layer ILP proved no bound
                 "ilps": stats.ilps, "ilp_time_s": stats.solve_time_s, "time_s": elapsed,
                 "dp_rounds": stats.dp_rounds, "microbatch_counts": stats.counts or [count],
                 "recompute_modes": {str(c): list(m) for c, m in stats.recompute_modes.items()},

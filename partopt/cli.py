@@ -492,7 +492,8 @@ def _render_plan(plan: Plan, calibration: dict[str, Any] | None) -> list[Table]:
         ("efficiencies", _calibration_text(calibration_facts(calibration))),
         ("columns", "µbatch: a microbatch's forward + backward (sends included); sync: gradients and optimizer "
                     "per iteration; memory: per device, with its in-flight microbatches"),
-        ("solver", f"{plan.solver['backend']}: {plan.solver['status']}, gap {plan.solver['gap']:.2g}, "
+        ("solver", f"{plan.solver['backend']}: {plan.solver['status']}, gap "
+                   f"{'unknown' if plan.solver['gap'] is None else format(plan.solver['gap'], '.2g')}, "
                    f"{plan.solver['ilps']} ILPs"
                    + (f", planning {fmt_seconds(plan.solver['time_s'])}" if "time_s" in plan.solver else "")
                    + (f"; {plan.solver['dropped_options']} memory-capped options dropped (no solution within "

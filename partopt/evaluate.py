@@ -477,5 +477,6 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     best.solver.update(ilps=sum(p.solver["ilps"] for p in plans), ilp_time_s=sum(p.solver["ilp_time_s"] for p in plans),
                        time_s=time.perf_counter() - start, microbatch_counts=counts,
                        status=max((p.solver["status"] for p in plans), key=STATUS_RANK.get),
-                       gap=max(p.solver["gap"] for p in plans), timeouts=sum(p.solver["timeouts"] for p in plans))
+                       gap=None if any(p.solver["gap"] is None for p in plans) else max(p.solver["gap"] for p in plans),
+                       timeouts=sum(p.solver["timeouts"] for p in plans))
     return best

@@ -120,9 +120,9 @@ class Stats:
             self.ilps += 1
             self.solve_time_s += result.time_s
             self.timeouts += result.status == "timeout"
-        if result.status != "optimal":
+        if result.status != "optimal":  # a gap no bound proves is unknown: inf (a plan file writes it null)
             self.status = max(self.status, result.status, key=STATUS_RANK.get)
-            self.gap = max(self.gap, result.gap or 0.0)
+            self.gap = max(self.gap, math.inf if result.gap is None else result.gap)
 
     def merge(self, other: Stats) -> None:
         """Fold another solve's ILP statistics into this one (a search over several priced plans)."""

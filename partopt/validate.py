@@ -345,6 +345,7 @@ def solver_warnings(plan: Plan) -> list[str]:
     stopped, gap = plan.solver.get("timeouts", 0), plan.solver["gap"]
     if not stopped:
         return []
-    margin = f"by up to {gap:.1%}, the largest gap" if math.isfinite(gap) else "by an unknown margin (no bound proven)"
+    known = gap is not None and math.isfinite(gap)  # a plan file writes an unknown gap null; in memory it may be inf
+    margin = f"by up to {gap:.1%}, the largest gap" if known else "by an unknown margin (no bound proven)"
     return [f"solver: {stopped} layer ILP{'s' if stopped > 1 else ''} stopped at the time limit before proven optimal: "
             f"the plan may be slower than the optimum {margin} (hint: raise --time-limit)"]

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ from partopt.evaluate import uniform
 from partopt.inter import Options, microbatch_counts, optimize
 from partopt.models.gpt import gpt
 from partopt.pricing import Dropped, Job, LayerCost, Stats, longest_stage, objectives, price
-from partopt.plan import plan_to_dict, read_plan
+from partopt.plan import plan_from_dict, plan_text, plan_to_dict, read_plan
 from partopt.sharding import R, Shard
 from partopt.simulate import StageTimes, closed_form
 from test_intra import mlp
@@ -288,6 +289,28 @@ def test_layer_ilps_the_wall_clock_stops_are_counted_in_the_plan(monkeypatch):
     stats.record(cost, solved=True)
     stats.record(cost, solved=False)
     assert (stats.timeouts, stats.ilps, stats.status) == (1, 1, "timeout")
+    no_bound = LayerCost(0.0, 0.0, 0.0, 0.0, 0.0, SimpleNamespace(solution=SimpleNamespace(
+        result=solvers.Result("timeout", [], 1.0, None, 0.1, "highs"))))
+    stats.record(no_bound, solved=True)
+    assert stats.gap == math.inf  # unknown, not 0
+
+
+def test_a_plan_whose_layer_ilp_proved_no_bound_is_written_with_its_gap_unknown(monkeypatch):
+    """HiGHS stopped with no dual bound gives an infinite gap, which a plan file cannot hold: it writes null, and the
+    plan reads back (`partopt solve --time-limit 0.001 -o` refused to write before)."""
+    from partopt import intra, solvers
+
+    solve = intra.shard_stage
+
+    def no_bound(*args, **kwargs):
+        sharding = solve(*args, **kwargs)
+        result = dataclasses.replace(sharding.solution.result, status="timeout", bound=None)
+        return dataclasses.replace(sharding, solution=dataclasses.replace(sharding.solution, result=result))
+
+    monkeypatch.setattr(intra, "shard_stage", no_bound)
+    plan = optimize(mlp(2, 64, 64), preset("p3.16xlarge", 1).narrowed(2), microbatches=1, recompute="none", workers=1)
+    assert plan.solver["gap"] is None
+    assert plan_from_dict(json.loads(plan_text(plan))).solver == json.loads(plan_text(plan))["solver"]
 
 
 def test_of_the_counts_finished_the_fastest_placed_plan_is_returned():
