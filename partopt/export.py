@@ -247,7 +247,8 @@ def _check_even(t: TensorPlacement, mesh: Sequence[int], where: str) -> None:
 
 def to_jax(plan: Plan) -> dict[str, Any]:
     """Per stage: the JAX Mesh (axis names, shape, device ids) and a PartitionSpec per parameter and
-    per op output, with pending sums and optimizer-state sharding reported separately."""
+    per op output, with pending sums and optimizer-state sharding reported separately; and the parameters several
+    stages hold a copy of (`shared_copies`), whose gradients the runtime must sum."""
     stages = []
     for i, stage in enumerate(plan.stages):
         mesh = _mesh(stage, f"stages[{i}]")
@@ -261,7 +262,7 @@ def to_jax(plan: Plan) -> dict[str, Any]:
                                             "devices": _devices_grid(stage)},
                        "params": params, "activations": activations})
     return {"format": "partopt.export.jax", "version": 1, "graph": plan.graph, "training": training(plan),
-            "stages": stages}
+            "shared_params": shared_copies(plan), "stages": stages}
 
 
 # ---------------------------------------------------------------- PyTorch DTensor

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from partopt.cli import main
 from partopt.cluster import preset
-from partopt.export import to_dtensor
+from partopt.export import to_dtensor, to_jax
 from partopt.frontends.torch import from_hf_config, read_hf_config
 from partopt.inter import optimize
 from partopt.plan import ParamPlacement, write_plan
@@ -251,8 +251,9 @@ def test_a_tied_embedding_split_across_stages_is_summed_between_its_copies(tmp_p
     graph = from_hf_config(read_hf_config(config), batch=4, seq=8)
     cluster = preset("p3.16xlarge", 1).narrowed(2)
     plan = optimize(graph, cluster, workers=1, microbatches=[2], inter_only=True)
-    assert to_dtensor(plan)["shared_params"] == {"transformer.wte.weight": {
+    shared = {"transformer.wte.weight": {
         "stages": [0, 1], "gradients": "all_reduce between the stages' copies, once per iteration"}}
+    assert to_dtensor(plan)["shared_params"] == to_jax(plan)["shared_params"] == shared  # JAX's runtime sums them too
     report = verify_pipeline(plan, str(config))
     assert report.boundaries == ["transformer.h.1"] and report.note is None
     assert report.tied["transformer.wte.weight"][-1] == "1:lm_head.weight"
