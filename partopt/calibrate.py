@@ -206,6 +206,9 @@ def points_from_dict(data: Any, where: str = "", base: Path = Path(".")) -> Poin
             raise InstanceError(f"unknown cluster preset {cluster['preset']!r}", f"{at}.cluster.preset",
                                 f"known presets: {', '.join(PRESETS)}")
         network = cluster.get("inter_node")
+        if network is not None and cluster["nodes"] == 1:  # nothing of the run crossed it
+            raise InstanceError("inter_node is the network between nodes, and the run used 1 node",
+                                f"{at}.cluster.inter_node", "drop inter_node, or give the nodes the run used")
         points.append(Point(
             label=p["label"], source=p["source"], graph=_model(p["model"], base, f"{at}.model"),
             preset=cluster["preset"], nodes=cluster["nodes"], devices_per_node=cluster.get("devices_per_node"),

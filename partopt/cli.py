@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import click
 from rich import box
@@ -529,8 +529,8 @@ def _render_plan(plan: Plan, calibration: dict[str, Any] | None) -> list[Table]:
               help="Restrict the search (baselines); megatron: the best uniform (tp, pp, dp, microbatches) grid point, "
               "each with and without sequence parallelism, the distributed optimizer and the interleaved schedule "
               "(--schedule 1f1b or interleaved: that one alone; it searches its own "
-              "microbatches and stages: --microbatches, --layers, --logical-shapes, --submeshes and --workers do not "
-              "apply).")
+              "microbatches and stages in this process: --microbatches, --layers, --logical-shapes, --submeshes, "
+              "--workers, --executor, --ray-address and --deadline do not apply, and giving one is an error).")
 @click.option("--logical-shapes", type=click.Choice(["node_local", "all"]), default="node_local", show_default=True,
               help="Logical meshes per submesh: second axis inside a node (Alpa's space), or every factorisation.")
 @click.option("--submeshes", type=click.Choice(SUBMESH_FAMILIES), default="auto", show_default=True,
@@ -576,6 +576,9 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
     cost_model = read_profile(profile_file) if profile_file else None
     counts = None if microbatches == "auto" else _counts(microbatches, "--microbatches",
                                                          "auto, --microbatches 128 or --microbatches 64,128,256")
+    if search == "megatron":
+        _refuse_unused(GRID_IGNORES, "--search megatron prices its own grid of layouts in this process",
+                       "drop it, or plan with the default search")
     if search == "megatron" and schedule not in ("auto", "1f1b", "interleaved"):
         raise InstanceError(f"--search megatron plans 1f1b and Megatron's interleaved schedule, not {schedule}",
                             "--schedule", "use --schedule auto (both), 1f1b or interleaved, or price one Megatron "
@@ -604,6 +607,21 @@ def solve(graph_file: str, cluster_source: str, nodes: int | None, microbatches:
                    err=True)
         raise SystemExit(EXIT_INCONSISTENT)
     _emit(plan, output, as_json, cluster_source)
+
+
+# the options of `solve` that Megatron-LM's grid (`--search megatron`) does not read: it searches its own microbatch
+# counts and uniform stages, prices every layout in this process and runs to the end
+GRID_IGNORES = ("microbatches", "layers", "logical_shapes", "submeshes", "workers", "executor", "ray_address",
+                "deadline")
+
+
+def _refuse_unused(names: Sequence[str], why: str, hint: str) -> None:
+    """An option given on the command line that nothing will read is an error, not silently dropped."""
+    ctx = click.get_current_context()
+    for name in names:
+        if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            flag = next(p.opts[0] for p in ctx.command.params if p.name == name)
+            raise InstanceError(f"{why}, and does not read {flag}", flag, hint)
 
 
 def _graph_and_cluster(graph_file: str, cluster_source: str, nodes: int | None) -> tuple[Graph, Cluster]:
@@ -867,6 +885,9 @@ def explain_command(plan_file: str, ops: bool) -> None:
 def export_command(plan_file: str, target: str, source: str | None) -> None:
     """Turn PLAN into Megatron-LM arguments, JAX PartitionSpecs or PyTorch DTensor placements."""
     shapes = None
+    if source is not None and target != "dtensor":  # only DTensor placements index a torch model's axes
+        raise InstanceError(f"--model maps parameters onto a PyTorch model's axes, which --to {target} does not use",
+                            "--model", "drop --model, or export with --to dtensor")
     if source is not None:
         import os
 

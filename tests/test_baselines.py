@@ -152,3 +152,9 @@ def test_solve_search_megatron_writes_the_grid_search_plan(small, tmp_path):
                                        "--search", "megatron", "-o", str(tmp_path / "plan.json")])
     assert result.exit_code == 0, result.output
     assert read_plan(tmp_path / "plan.json").iteration_time_s == baselines.megatron(graph, cluster).iteration_time_s
+    for flag, value in (("--microbatches", "2"), ("--workers", "1"), ("--ray-address", "auto")):  # the grid reads none
+        refused = CliRunner().invoke(main, ["solve", str(tmp_path / "g.json"), "--cluster", str(tmp_path / "c.json"),
+                                            "--search", "megatron", flag, value])
+        assert refused.exit_code == 2 and refused.stderr.splitlines() == [
+            f"error: {flag}: --search megatron prices its own grid of layouts in this process, and does not read "
+            f"{flag} (hint: drop it, or plan with the default search)"]

@@ -407,6 +407,10 @@ BAD_FILES = {
     "more-devices-than-a-node": (_file(_point(cluster={"preset": "p3.16xlarge", "nodes": 1, "devices_per_node": 16}),
                                        _point(label="q")),
                                  r"\$\.points\[0\]\.cluster\.devices_per_node \(p\): .*8 devices per node, not 16"),
+    "network-on-one-node": (_file(_point(cluster={"preset": "p3.16xlarge", "nodes": 1,
+                                                   "inter_node": {"bandwidth_gbps": 5, "shared_by_node": True}})),
+                            r"\$\.points\[0\]\.cluster\.inter_node: inter_node is the network between nodes, and "
+                            r"the run used 1 node"),
     "missing-graph-file": (_file(_point(model={"graph": "nosuch.json"})),
                            r"\$\.points\[0\]\.model\.graph: .*nosuch\.json: no such file"),
     "half-a-network": (_file(_point(cluster={"preset": "p3.16xlarge", "nodes": 1, "inter_node": {"bandwidth_gbps": 5}})),

@@ -663,3 +663,21 @@ def test_the_plan_records_its_optimizer_and_the_exports_say_it():
         check_against(plan, gpt(**SMALL_GPT), cluster)
     before = dataclasses.replace(plan, optimizer=None)
     assert "--optimizer" not in ex.to_megatron(before) and ex.training(before)["optimizer"] is None
+
+
+@pytest.mark.parametrize("target", ["jax", "megatron"])
+def test_a_torch_model_given_to_an_export_that_does_not_read_it_is_refused(tmp_path, target):
+    """--model maps parameters onto a PyTorch model's axes: only the DTensor export reads it, the others refuse it
+    before loading anything (the model file need not exist)."""
+    from click.testing import CliRunner
+
+    from partopt.cli import main
+    from partopt.evaluate import uniform
+    from partopt.plan import write_plan
+
+    path = tmp_path / "plan.json"
+    write_plan(uniform(gpt(**SMALL_GPT), preset("dgx-a100", 1), 2, 1, 4, microbatches=2), path)
+    result = CliRunner().invoke(main, ["export", str(path), "--to", target, "--model", str(tmp_path / "none.json")])
+    assert result.exit_code == 2 and result.stderr.splitlines() == [
+        f"error: --model: --model maps parameters onto a PyTorch model's axes, which --to {target} does not use "
+        "(hint: drop --model, or export with --to dtensor)"]
