@@ -421,6 +421,22 @@ def test_bad_hf_config_values_are_one_line_at_the_field(tmp_path, data, place, c
     assert error.startswith(f"error: {config}{place}: ") and cause in error and "(hint: " in error
 
 
+@pytest.mark.parametrize("data, hint", [
+    ({key: value for key, value in LLAMA.items() if key != "num_hidden_layers"}, "add 'num_hidden_layers')"),
+    ({**{key: value for key, value in LLAMA.items() if key != "num_hidden_layers"}, "num_hidden_layer": 2},
+     "add 'num_hidden_layers' (is 'num_hidden_layer' it, misspelt?))")])
+def test_a_size_the_config_leaves_to_transformers_default_is_refused(tmp_path, data, hint):
+    """Without num_hidden_layers transformers builds Llama's default 32 layers: a model the file does not describe,
+    planned without a word. The error names the key, and a near miss among the file's unknown keys."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(data))
+    result = CliRunner().invoke(main, ["import", "hf", str(config), "-o", str(tmp_path / "g.json"),
+                                       "--batch", "4", "--seq", "16"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: {config}: the config gives no num_hidden_layers, and transformers "
+                                          f"would take its default 32 (hint: {hint}"]
+
+
 def test_an_hf_size_torch_refuses_names_the_config(tmp_path):
     config = tmp_path / "config.json"  # gpt2's n_inner (its MLP width) has no common name to check up front
     config.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": VOCAB,

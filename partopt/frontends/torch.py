@@ -12,6 +12,8 @@ torch is imported lazily; see docs/FRONTENDS.md for what maps to what.
 
 from __future__ import annotations
 
+import difflib
+
 import json
 import math
 import operator
@@ -1107,8 +1109,26 @@ def read_hf_config(path: str | Path) -> Any:
         raise FrontendError(f"transformers cannot build a {model_type!r} config: {err}", str(path),
                             "check model_type and the fields") from None
     _check_hf_sizes(config, data, str(path))
+    _check_hf_given(config, data, str(path))
     _check_hf_rope(config, data, str(path))
     return config
+
+
+HF_SHAPE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")  # what a model's size rests on
+
+
+def _check_hf_given(config: Any, data: dict[str, Any], where: str) -> None:
+    """Each of HF_SHAPE the config class has is in the file (under its own name or the file's alias, gpt2's n_layer):
+    transformers fills a missing one with its class default (Llama's 32 layers of 4096), so a typo'd key would plan
+    a model the file does not describe."""
+    default = type(config)()
+    unknown = [key for key in data if not hasattr(default, key)]  # keys the class does not know: typos among them
+    for size in HF_SHAPE:
+        if hasattr(config, size) and not {size, config.attribute_map.get(size, size)} & data.keys():
+            near = difflib.get_close_matches(size, unknown, n=1)
+            raise InstanceError(f"the config gives no {size}, and transformers would take its default "
+                                f"{getattr(config, size)!r}", where,
+                                f"add {size!r}" + (f" (is {near[0]!r} it, misspelt?)" if near else ""))
 
 
 def _check_hf_sizes(config: Any, data: dict[str, Any], where: str) -> None:
