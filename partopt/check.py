@@ -20,7 +20,8 @@ from partopt.errors import InfeasibleError
 from partopt.graph import Graph
 from partopt.plan import Plan
 from partopt.solvers import BACKENDS
-from partopt.validate import at, check_against, check_plan, close, mismatches
+from partopt.io import at
+from partopt.validate import check_against, check_plan, close, mismatches
 
 PLAN_FIELDS = ("num_microbatches", "microbatch_size", "iteration_time_s", "memory_peak_bytes")
 STAGE_FIELDS = ("layers", "graph_layers", "submesh", "logical_mesh", "devices", "stage_time_s", "forward_s",

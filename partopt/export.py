@@ -20,7 +20,7 @@ from partopt import costmodel
 from partopt.errors import InstanceError, PartoptError
 from partopt.ops import NORM_KINDS
 from partopt.plan import OpStrategy, Plan, StagePlan
-from partopt.sharding import Partial, Placement, Replicate, Shard, fmt
+from partopt.sharding import Partial, Placement, Replicate, Shard, fmt, split_ways
 
 AXIS_NAMES = ("x", "y")
 TARGETS = ("jax", "dtensor", "megatron")
@@ -236,10 +236,10 @@ def _jax_entry(t: TensorPlacement, mesh: Sequence[int]) -> dict[str, Any]:
 def _check_even(t: TensorPlacement, mesh: Sequence[int], where: str) -> None:
     """NotExpressibleError for a tensor split along a dim its mesh axes do not divide (a parameter ZeRO-3's layout
     stores padded): a JAX sharding must divide every dim it splits."""
-    for d, size, axes in zip(t.dims, t.shape, dim_axes(t)):
-        ways = math.prod(mesh[k] for k in axes)
-        if size % ways:
-            raise _not_expressible(f"{t.name} is split {fmt(t.placement)}: {size} along {d!r} over {ways} devices, "
+    sizes = dict(zip(t.dims, t.shape))
+    for d, ways in split_ways(t.placement, mesh).items():
+        if sizes[d] % ways:
+            raise _not_expressible(f"{t.name} is split {fmt(t.placement)}: {sizes[d]} along {d!r} over {ways} devices, "
                                    "stored padded as ZeRO-3 stores it, and a JAX sharding must divide the dims it "
                                    "splits", where, "export it with --to dtensor (DTensor shards unevenly), or plan "
                                    "a data-parallel size that divides it")

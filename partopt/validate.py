@@ -16,7 +16,6 @@ Each problem is an InstanceError naming the file, the JSON path, what is wrong a
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from partopt import intra
@@ -345,7 +344,6 @@ def solver_warnings(plan: Plan) -> list[str]:
     stopped, gap = plan.solver.get("timeouts", 0), plan.solver["gap"]
     if not stopped:
         return []
-    known = gap is not None and math.isfinite(gap)  # a plan file writes an unknown gap null; in memory it may be inf
-    margin = f"by up to {gap:.1%}, the largest gap" if known else "by an unknown margin (no bound proven)"
+    margin = f"by up to {gap:.1%}, the largest gap" if gap is not None else "by an unknown margin (no bound proven)"
     return [f"solver: {stopped} layer ILP{'s' if stopped > 1 else ''} stopped at the time limit before proven optimal: "
             f"the plan may be slower than the optimum {margin} (hint: raise --time-limit)"]

@@ -13,7 +13,6 @@ torch is imported lazily; see docs/FRONTENDS.md for what maps to what.
 from __future__ import annotations
 
 import difflib
-
 import json
 import math
 import operator
