@@ -10,7 +10,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from partopt import costmodel
+from partopt import costmodel, pricing
 from partopt.cluster import Cluster, divisors
 from partopt.errors import InfeasibleError, InstanceError
 from partopt.evaluate import uniform
@@ -82,7 +82,8 @@ def megatron(graph: Graph, cluster: Cluster, max_microbatch: int = 32,
     if best is None:
         raise last_error or InfeasibleError("no Megatron grid point fits", graph.name, "use more GPUs")
     # the grid's own account, not its best point's: every ILP it solved, its whole time, what it searched
-    best.solver.update(ilps=len(cache), time_s=time.perf_counter() - start, search=[
+    best.solver.update(ilps=len(cache), timeouts=sum(map(pricing.stopped, cache.values())),
+                       time_s=time.perf_counter() - start, search=[
         f"Megatron-LM's grid: the best of {len(points)} layouts (tp, pp, dp, features), each over its microbatch counts",
         f"features: {', '.join(features) or 'none (Megatron-LM as Alpa ran it)'}; schedule: {schedule}"])
     return best

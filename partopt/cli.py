@@ -60,12 +60,20 @@ class PartoptGroup(click.Group):
         try:
             return super().invoke(ctx)
         except PartoptError as err:
-            click.echo(f"error: {err.line()}", err=True)
+            click.echo(f"error: {_at_flag(err, ctx).line()}", err=True)
             ctx.exit(EXIT_USER_ERROR)
         except KeyboardInterrupt:
             _end_workers()
             click.echo("error: interrupted (Ctrl-C); nothing was written", err=True)
             ctx.exit(EXIT_INTERRUPTED)
+
+
+def _at_flag(err: PartoptError, ctx: click.Context) -> PartoptError:
+    """`err` placed at the command's flag when the library placed it at that option's keyword
+    ("ray_address" -> "--ray-address")."""
+    command = ctx.command.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
+    flags = {p.name: max(p.opts, key=len) for p in (command.params if command else []) if isinstance(p, click.Option)}
+    return type(err)(err.cause, flags[err.where], err.hint) if err.where in flags else err
 
 
 def _end_workers() -> None:

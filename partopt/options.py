@@ -86,10 +86,10 @@ def microbatch_counts(batch: int, requested: int | str | Sequence[int]) -> list[
     counts = [int(requested)] if isinstance(requested, (int, str)) else [int(c) for c in requested]
     for count in counts:
         if count < 1 or batch % count:
-            raise InfeasibleError(f"batch {batch} is not divisible into {count} microbatches", "--microbatches",
+            raise InfeasibleError(f"batch {batch} is not divisible into {count} microbatches", "microbatches",
                                   f"use divisors of {batch}, or auto")
     if not counts:
-        raise InstanceError("no microbatch count to search", "--microbatches", "give one or more counts, or auto")
+        raise InstanceError("no microbatch count to search", "microbatches", "give one or more counts, or auto")
     return sorted(set(counts))
 
 

@@ -119,7 +119,7 @@ class Stats:
         if solved:
             self.ilps += 1
             self.solve_time_s += result.time_s
-            self.timeouts += result.status == "timeout"
+            self.timeouts += stopped(cost)
         if result.status != "optimal":  # a gap no bound proves is unknown: inf (a plan file writes it null)
             self.status = max(self.status, result.status, key=STATUS_RANK.get)
             self.gap = max(self.gap, math.inf if result.gap is None else result.gap)
@@ -132,6 +132,11 @@ class Stats:
         self.timeouts += other.timeouts
         self.status = max(self.status, other.status, key=STATUS_RANK.get)
         self.gap = max(self.gap, other.gap)
+
+
+def stopped(cost: Priced) -> bool:
+    """Whether `cost` is a layer ILP the wall clock stopped before it was proven optimal."""
+    return isinstance(cost, LayerCost) and cost.sharding.solution.result.status == "timeout"
 
 
 def price(g_mb: Graph, job: Job, options) -> Priced:

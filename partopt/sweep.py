@@ -28,7 +28,7 @@ from matplotlib.ticker import NullLocator
 from partopt import io, models
 from partopt.cluster import PRESETS as CLUSTER_PRESETS
 from partopt.cluster import Cluster, preset
-from partopt.errors import InfeasibleError, InstanceError, SolverError
+from partopt.errors import InfeasibleError, InstanceError, PartoptError, SolverError
 from partopt.graph import Graph
 from partopt.inter import optimize
 from partopt.plan import Plan, by_device
@@ -50,6 +50,7 @@ class Spec:
     options: dict[str, Any] = field(default_factory=dict)
     vary: dict[str, list[Any]] = field(default_factory=dict)  # option -> values, further grid axes
     tokens: float | None = None
+    source: str = "sweep"  # what its errors name: the spec file
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def spec_from_dict(data: Any, where: str = "sweep", base: str | os.PathLike[str]
         raise InstanceError(f"option {both[0]!r} is both fixed and varied", io.at(where, f"$.vary.{both[0]}"),
                             "give it in options or in vary, not both")
     return Spec(graphs, clusters, data.get("nodes"), dict(options), {k: list(v) for k, v in vary.items()},
-                data.get("tokens"))
+                data.get("tokens"), where)
 
 
 def _model(entry: str | Mapping[str, Any], where: str, base: Path) -> Graph:
@@ -201,7 +202,7 @@ def _row(p: Point, spec: Spec, cache: dict, pricing: Callable[[int, int], None] 
                 options=_varied_text(p.varied), tokens_per_iteration=per_iteration, tokens=spec.tokens)
     start = time.perf_counter()
     try:
-        plan = optimize(p.graph, p.cluster, progress=pricing, cache=cache, **{**spec.options, **p.varied})
+        plan = _optimize(p, spec, cache, pricing)
     except (InfeasibleError, SolverError) as err:
         return Row(**base, plan="", recompute="", microbatches=None, iteration_time_s=None, tflops_per_gpu=None,
                    peak_memory_bytes=None, time_to_train_s=None, gpu_hours=None, ilps_solved=None,
@@ -214,6 +215,18 @@ def _row(p: Point, spec: Spec, cache: dict, pricing: Callable[[int, int], None] 
                time_to_train_s=train,
                gpu_hours=None if train is None else p.cluster.num_devices * train / SECONDS_PER_HOUR,
                ilps_solved=plan.solver["ilps"], planning_s=elapsed, no_plan="")
+
+
+def _optimize(p: Point, spec: Spec, cache: dict, pricing: Callable[[int, int], None] | None) -> Plan:
+    """Plan one point; an error an option caused (optimize names its keyword) is placed at that option in
+    the spec, `$.options.<key>` or `$.vary.<key>`."""
+    try:
+        return optimize(p.graph, p.cluster, progress=pricing, cache=cache, **{**spec.options, **p.varied})
+    except PartoptError as err:
+        section = "vary" if err.where in p.varied else "options" if err.where in spec.options else None
+        if section is None:
+            raise
+        raise type(err)(err.cause, io.at(spec.source, f"$.{section}.{err.where}"), err.hint) from None
 
 
 def _counted(items: list[str]) -> list[tuple[str, int]]:

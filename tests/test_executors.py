@@ -7,12 +7,17 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from partopt import executors
+from partopt.cli import main
 from partopt.errors import PartoptError, SolverError
 from partopt.options import Options
+
+INSTANCE = Path(__file__).parent.parent / "instances" / "mlp-2layer.json"
 
 
 def power_sum(base: int, job: tuple) -> int:
@@ -108,6 +113,9 @@ def test_a_ray_address_without_the_ray_executor_is_refused():
     with pytest.raises(PartoptError, match=r"a Ray address \(auto\) is for the ray executor, not local") as info:
         Options(ray_address="auto")
     assert info.value.hint == "add --executor ray, or drop --ray-address"
+    assert info.value.where == "ray_address"  # the library names its keyword; the CLI names the flag:
+    result = CliRunner().invoke(main, ["solve", str(INSTANCE), "--cluster", "p3.16xlarge", "--ray-address", "auto"])
+    assert result.exit_code == 2 and result.stderr.startswith("error: --ray-address: a Ray address (auto)")
     assert Options(ray_address="auto", executor="ray").ray_address == "auto"
 
 

@@ -13,6 +13,7 @@ from partopt import costmodel
 from partopt.cli import main
 from partopt.cluster import preset
 from partopt.errors import InfeasibleError
+from partopt.baselines import megatron
 from partopt.evaluate import uniform
 from partopt.inter import Options, microbatch_counts, optimize
 from partopt.models.gpt import gpt
@@ -107,6 +108,7 @@ def test_solve_with_indivisible_microbatches_is_a_one_line_error():
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2
     assert "not divisible into 3 microbatches" in result.stderr and "Traceback" not in result.output
+    assert result.stderr.startswith("error: --microbatches: ")  # the flag, not the library's keyword
     result = CliRunner().invoke(main, args[:-1] + ["2,x"])
     assert result.exit_code == 2 and "--microbatches 64,128,256" in result.stderr
 
@@ -281,7 +283,8 @@ def test_layer_ilps_the_wall_clock_stops_are_counted_in_the_plan(monkeypatch):
     monkeypatch.setattr(intra, "shard_stage", stopped_by_the_clock)
     graph, cluster = mlp(2, 64, 64), preset("p3.16xlarge", 1).narrowed(2)
     for plan in (optimize(graph, cluster, microbatches=1, recompute="none", workers=1),
-                 uniform(graph, cluster, 1, 1, 2)):  # `evaluate --tp --pp --dp`: over the microbatch counts it prices
+                 uniform(graph, cluster, 1, 1, 2),  # `evaluate --tp --pp --dp`: over the microbatch counts it prices
+                 megatron(graph, cluster)):  # `solve --search megatron`: over its grid, not its best point alone
         assert plan.solver["status"] == "timeout" and plan.solver["timeouts"] == plan.solver["ilps"] > 0
     stopped = solvers.Result("timeout", [], 1.0, 0.5, 0.1, "highs")
     cost = LayerCost(0.0, 0.0, 0.0, 0.0, 0.0, SimpleNamespace(solution=SimpleNamespace(result=stopped)))

@@ -185,6 +185,18 @@ def test_bad_spec_exits_2_with_one_line(tmp_path, change, place):
     assert not (tmp_path / "t.csv").exists()
 
 
+@pytest.mark.parametrize("change, place", [
+    ({"options": {"microbatches": 3, "layers": 2, "workers": 1}}, "$.options.microbatches"),
+    ({"options": {"layers": 2, "workers": 1}, "vary": {"microbatches": [2, 3]}}, "$.vary.microbatches"),
+])
+def test_an_option_no_point_can_take_is_placed_in_the_spec(tmp_path, change, place):
+    """The tiny GPT's batch of 8 does not split into 3 microbatches: the row names the spec's option, not
+    solve's --microbatches flag."""
+    spec = write_files(tmp_path, **change)
+    bad = sweep.sweep(sweep.read_spec(spec))[-1]
+    assert bad.no_plan.startswith(f"{spec}: {place}: batch 8 is not divisible into 3 microbatches"), bad.no_plan
+
+
 def test_bad_outputs_are_refused_before_the_work(tmp_path):
     spec = write_files(tmp_path)
     for args in (["--plot", str(tmp_path / "p.pdf")], ["-o", str(tmp_path / "missing" / "t.csv")]):
