@@ -414,3 +414,24 @@ def _validate(g: Graph) -> None:
     if not nx.is_directed_acyclic_graph(dag):
         cycle = [edge[0] for edge in nx.find_cycle(dag)]
         _fail(f"ops ({' -> '.join(cycle)})", "the ops form a cycle", "a graph must be acyclic")
+    _check_layer_order(g)
+
+
+def _check_layer_order(g: Graph) -> None:
+    """Layers follow the data flow: an op reads only what its own layer or an earlier one writes. Layers run in
+    `Graph.layers`' order, and a pipeline's stages send data forward only, so a layer reading a later one has no
+    schedule."""
+    rank = {tag: k for k, tag in enumerate(g.layers)}
+    for i, op in enumerate(g.ops):
+        for t in op.inputs:
+            producer = g.producers.get(t)
+            if producer is not None and rank[producer.layer] > rank[op.layer]:
+                _fail(f"ops[{i}] ({op.name})", f"layer {_tag(op.layer)} reads {t!r} from {producer.name!r} of layer "
+                      f"{_tag(producer.layer)}, which runs after it (layers run in the order of their first ops)",
+                      f"tag the ops so that each layer reads only its own and earlier layers' tensors (e.g. give "
+                      f"{op.name!r} {'no layer tag' if producer.layer is None else f'layer {producer.layer}'})")
+
+
+def _tag(layer: int | None) -> str:
+    """A layer tag as errors name it ("untagged": the untagged ops form one layer)."""
+    return "untagged" if layer is None else str(layer)

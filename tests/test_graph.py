@@ -179,6 +179,27 @@ def test_graph_refuses_a_parameter_over_the_batch_dim():
     assert info.value.where == "tensors.w" and "batch dim 'b'" in info.value.cause and "drop 'b'" in info.value.hint
 
 
+def chain(*layers):
+    """x -> a -> b -> c by three elementwise ops, the i-th tagged layers[i]."""
+    ts = {"x": Tensor("x", ("h",), "input"), "a": Tensor("a", ("h",)), "b": Tensor("b", ("h",)),
+          "c": Tensor("c", ("h",), "output")}
+    wiring = [("f", "x", "a"), ("g", "a", "b"), ("k", "b", "c")]
+    return Graph("g", {"h": 8}, ts, [Op(n, "elementwise", (i,), o, layer=t) for (n, i, o), t in zip(wiring, layers)])
+
+
+def test_graph_refuses_layer_tags_against_the_data_flow():
+    """Layers run in the order their first ops take (f, g, k here): a layer reading a later layer's tensor has no
+    pipeline schedule. Tags need not be ascending numbers, and one layer may hold consecutive ops."""
+    assert chain(5, 3, 1).layers == [5, 3, 1] and chain(0, 0, 1).layers == [0, 1]
+    with pytest.raises(InstanceError) as info:
+        chain(0, 1, 0)  # layers [0, 1]: k (layer 0) reads b from g of layer 1, which runs after it
+    assert info.value.where == "ops[2] (k)"
+    assert info.value.cause.startswith("layer 0 reads 'b' from 'g' of layer 1, which runs after it")
+    assert "give 'k' layer 1" in info.value.hint
+    with pytest.raises(InstanceError, match="layer untagged reads 'b' from 'g' of layer 1"):
+        chain(None, 1, None)  # the untagged ops form one layer, first in the order
+
+
 def test_graph_refuses_a_dim_beyond_2_to_53_and_names_it():
     tensors = {"x": (["b", "h"], "input"), "y": (["b", "h"], "output")}
     ops = [("act", "elementwise", ["x"], "y")]
