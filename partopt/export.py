@@ -670,6 +670,8 @@ def _model_arguments(plan: Plan, num_layers: int, tp: int) -> list[str]:
         args.append("--untie-embeddings-and-output-weights")
     if not a["bias"]:
         args.append("--disable-bias-linear")
+    if a.get("qkv_bias"):
+        args.append("--add-qkv-bias")
     return args
 
 

@@ -14,14 +14,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from partopt import io, models
 from partopt.cli import main
 from partopt.cluster import preset
 from partopt.errors import InstanceError, PartoptError
+from partopt.export import export
 from partopt.costmodel import training_flops
 from partopt.frontends.torch import FrontendError, _Atoms, from_hf_config, from_module, read_hf_config
+from partopt.evaluate import uniform
 from partopt.inter import optimize
 from partopt.ops import Behaviour, behaviours, is_matmul
 
@@ -259,9 +261,38 @@ def test_an_imported_llama_with_wider_heads_records_its_head_size_as_the_generat
     assert imported.architecture == generated.architecture and imported.architecture["head_dim"] == 32
 
 
+def qwen2_config(**over) -> Qwen2Config:
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, tie_word_embeddings=True)
+    return Qwen2Config(**{**sizes, **over})
+
+
+def test_an_imported_qwen2_records_its_query_key_value_biases_and_megatron_adds_them():
+    """Qwen2 is a Llama whose q, k and v projections alone have biases: h·(h + 2·g·d) + (h + 2·g·d) for them, h² for
+    o, 3·h·f for the MLP and 2h for the norms per layer, V·h tied and h for the final norm. Megatron-LM builds it with
+    --disable-bias-linear --add-qkv-bias (its examples/post_training/modelopt/conf/Qwen/Qwen2.5-7B-Instruct.sh)."""
+    h, f, layers, g, d = 64, 128, 2, 2, 16
+    qkv = h + 2 * g * d
+    imported = from_hf_config(qwen2_config(), batch=4, seq=16, dtype="bf16")
+    assert imported.num_params == VOCAB * h + layers * (h * qkv + qkv + h * h + 3 * h * f + 2 * h) + h
+    assert imported.architecture == {**models.llama(hidden=h, layers=layers, heads=4, kv_heads=g, ffn=f, seq=16,
+                                                    vocab=VOCAB, batch=4).architecture, "tied": True, "qkv_bias": True}
+    line = export(uniform(imported, preset("dgx-a100", 1).narrowed(2), tp=2, pp=1, dp=1), "megatron")
+    assert "--disable-bias-linear" in line and "--add-qkv-bias" in line
+
+
+def test_an_imported_mistral_is_a_llama_unless_its_window_is_narrower_than_the_sequence():
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16)
+    llama_record = from_hf_config(llama_config(), batch=4, seq=16).architecture
+    assert from_hf_config(MistralConfig(**sizes, sliding_window=None), batch=4, seq=16).architecture == llama_record
+    assert from_hf_config(MistralConfig(**sizes, sliding_window=16), batch=4, seq=16).architecture == llama_record
+    assert from_hf_config(MistralConfig(**sizes, sliding_window=8), batch=4, seq=16).architecture is None
+
+
 def test_an_imported_llama_records_its_architecture_only_where_the_record_can_say_it():
-    """Attention biased but not the MLP (Qwen2's way) has no one `bias`; a GPT-2 config is not a Llama: neither records
-    an architecture, and its Megatron export gives the layout alone."""
+    """Llama's attention_bias without mlp_bias biases four of the seven linear layers, which no one `bias` says; a
+    GPT-2 config is not a Llama: neither records an architecture, and its Megatron export gives the layout alone."""
     assert from_hf_config(llama_config(attention_bias=True), batch=4, seq=16).architecture is None
     assert from_hf_config(llama_config(attention_bias=True, mlp_bias=True), batch=4, seq=16).architecture["bias"]
     assert from_hf_config(gpt2_config(), batch=4, seq=16).architecture is None

@@ -1173,12 +1173,21 @@ def from_hf_config(config: Any, *, batch: int, seq: int, dtype: str | None = Non
     return graph if architecture is None else replace(graph, architecture=architecture)
 
 
+LLAMA_LIKE = ("llama", "mistral", "qwen2")  # Hugging Face model types that are Llamas up to the record's fields
+
+
 def _llama_architecture(config: Any, seq: int) -> dict[str, Any] | None:
-    """The `Graph.architecture` of a Llama config (RMSNorm, SwiGLU, rotary, grouped-query attention), or None for
-    another model type, or a Llama whose biases the record cannot say (some linear layers biased and others not).
-    Dropout 0: the graph is traced in eval mode, priced without."""
-    if getattr(config, "model_type", None) != "llama" or getattr(config, "hidden_act", "silu") != "silu":
+    """The `Graph.architecture` of a Llama-like config (RMSNorm, SwiGLU, rotary, grouped-query attention: Llama,
+    Mistral, Qwen2), or None for another model type, a sliding window narrower than the sequence (the record has
+    none), or biases the record cannot say (Llama's `attention_bias` without `mlp_bias`: four of the seven linear
+    layers). Dropout 0: the graph is traced in eval mode, priced without."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in LLAMA_LIKE or getattr(config, "hidden_act", "silu") != "silu":
         return None
+    window = getattr(config, "sliding_window", None)  # transformers sets Qwen2's None unless use_sliding_window
+    if window is not None and window < seq:
+        return None
+    qkv_bias = model_type == "qwen2"  # its q, k and v projections are built with biases, no other linear layer
     biases = {bool(getattr(config, "attention_bias", False)), bool(getattr(config, "mlp_bias", False))}
     if len(biases) > 1:
         return None
@@ -1186,7 +1195,7 @@ def _llama_architecture(config: Any, seq: int) -> dict[str, Any] | None:
     return llama_architecture(config.num_hidden_layers, config.hidden_size, heads,
                               getattr(config, "num_key_value_heads", None) or heads, config.intermediate_size, seq,
                               config.vocab_size, tied=bool(config.tie_word_embeddings), bias=biases.pop(),
-                              head_dim=getattr(config, "head_dim", None))
+                              head_dim=getattr(config, "head_dim", None), qkv_bias=qkv_bias)
 
 
 def _hf_model(config: Any, where: str) -> Any:
