@@ -400,7 +400,7 @@ def import_group() -> None:
 
 def _wrote(graph: Graph, output: str) -> None:
     io.write_graph(graph, output)
-    click.echo(f"wrote {output}: {graph.name}, {len(graph.ops)} ops, {len(graph.layers)} layers, "
+    click.echo(f"wrote {output}: {graph.name}, {graph.dtype}, {len(graph.ops)} ops, {len(graph.layers)} layers, "
                f"{graph.num_params:,} parameters, {fmt_scaled(graph.forward_flops, 'FLOP')} forward")
 
 
@@ -456,7 +456,8 @@ def import_torch(source: str, output: str, name: str | None, dtype: str | None, 
 @click.option("--batch", type=click.IntRange(min=2), required=True, help="Global batch size (sequences).")
 @click.option("--seq", type=click.IntRange(min=2), required=True, help="Sequence length.")
 @click.option("--name", help="Name of the graph (default: the config's model_type).")
-@click.option("--dtype", help="Element type of the graph (default: the parameters', fp32 from a config).")
+@click.option("--dtype", help="Element type of the graph, trained in mixed precision when 16-bit (default: the config's "
+              "torch_dtype, bf16 for most LLMs; fp32 when it names none).")
 @click.option("--opaque", is_flag=True, help="Keep ops with no mapping as opaque ops (never sharded).")
 @click.option("--attention-kernel", type=click.Choice(list(ATTENTION_KERNELS)), default="flash", show_default=True,
               help="Each scaled_dot_product_attention as one fused attention op (flash: the kernel PyTorch runs "

@@ -290,6 +290,18 @@ def test_an_imported_mistral_is_a_llama_unless_its_window_is_narrower_than_the_s
     assert from_hf_config(MistralConfig(**sizes, sliding_window=8), batch=4, seq=16).architecture is None
 
 
+def test_an_imported_config_trains_in_its_own_dtype_unless_told(tmp_path):
+    """A Llama 3 config.json says "torch_dtype": "bfloat16": its graph is bf16 (mixed precision), as the model is
+    trained, not fp32; --dtype overrides it, and a config naming none gives fp32 (the parameters' on the meta device)."""
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16)
+    (tmp_path / "bf16.json").write_text(json.dumps({"model_type": "llama", **sizes, "torch_dtype": "bfloat16"}))
+    (tmp_path / "plain.json").write_text(json.dumps({"model_type": "llama", **sizes}))
+    assert from_hf_config(read_hf_config(tmp_path / "bf16.json"), batch=4, seq=16).dtype == "bf16"
+    assert from_hf_config(read_hf_config(tmp_path / "bf16.json"), batch=4, seq=16, dtype="fp16").dtype == "fp16"
+    assert from_hf_config(read_hf_config(tmp_path / "plain.json"), batch=4, seq=16).dtype == "fp32"
+
+
 def test_an_imported_llama_records_its_architecture_only_where_the_record_can_say_it():
     """Llama's attention_bias without mlp_bias biases four of the seven linear layers, which no one `bias` says; a
     GPT-2 config is not a Llama: neither records an architecture, and its Megatron export gives the layout alone."""

@@ -1159,7 +1159,7 @@ def from_hf_config(config: Any, *, batch: int, seq: int, dtype: str | None = Non
                    opaque: bool = False, attention_kernel: str = "flash") -> Graph:
     """The training graph (with its cross-entropy loss) of AutoModelForCausalLM.from_config(config),
     built on the meta device and traced on token ids of shape [batch, seq]; attention as `from_module`'s,
-    its masks causal (a causal LM's, with no padding)."""
+    its masks causal (a causal LM's, with no padding); `dtype` by default the config's (`_config_dtype`), else fp32."""
     import torch
 
     where = f"config ({getattr(config, 'model_type', '?')})"
@@ -1167,10 +1167,19 @@ def from_hf_config(config: Any, *, batch: int, seq: int, dtype: str | None = Non
         raise FrontendError(f"batch {batch} and seq {seq} must be at least 2", where, "give --batch and --seq of 2 or more")
     model = _hf_model(config, where)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    graph = from_module(model, (ids,), name=name or getattr(config, "model_type", "hf"), dtype=dtype, loss=True,
+    graph = from_module(model, (ids,), name=name or getattr(config, "model_type", "hf"),
+                        dtype=dtype or _config_dtype(config), loss=True,
                         opaque=opaque, attention_kernel=attention_kernel, causal_mask=True)
     architecture = _llama_architecture(config, seq)
     return graph if architecture is None else replace(graph, architecture=architecture)
+
+
+def _config_dtype(config: Any) -> str | None:
+    """The floating-point type a config's checkpoint is stored in (`dtype`; `torch_dtype` before transformers 4.56),
+    as partopt names it: what the model trains in, 16-bit in mixed precision. None when the config names none."""
+    value = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
+    dtype = TORCH_DTYPES.get(str(value).removeprefix("torch.")) if value is not None else None
+    return dtype if dtype in ("fp32", "fp16", "bf16") else None
 
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")  # Hugging Face model types that are Llamas up to the record's fields
