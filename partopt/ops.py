@@ -32,6 +32,14 @@ KINDS = (
 
 NORM_KINDS = ("layernorm", "rmsnorm")  # what Megatron's sequence parallelism splits along the sequence
 
+# The attrs each kind reads, then those it records for a reader (informational, docs/FORMAT.md): graph validation
+# refuses any other, which would be silently ignored (an attribute meant for another kind).
+KIND_ATTRS: Mapping[str, tuple[str, ...]] = {
+    "einsum": (), "elementwise": ("fn",), "softmax": ("axes",), "layernorm": ("axes",), "rmsnorm": ("axes",),
+    "reduce": ("fn",), "embedding": (), "cross_entropy": (), "conv2d": ("stride",), "pool": ("kernel", "stride", "fn"),
+    "reshape": ("split", "merge"), "opaque": ("flops", "primitive"), "attention": ("causal",),
+}
+
 # Forward FLOPs per output (or input) element of the cheap kinds; documented in COSTMODEL.md.
 FLOPS_PER_ELEMENT = {"softmax": 5, "layernorm": 8, "rmsnorm": 4, "cross_entropy": 5}
 
