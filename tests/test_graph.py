@@ -237,6 +237,18 @@ def test_each_kind_accepts_the_attributes_it_reads():
     assert make(dims, img, [("op", "pool", ["x"], "y", {"kernel": [2, 2], "stride": 2, "fn": "max"})])
 
 
+def test_graph_refuses_an_op_with_more_or_fewer_inputs_than_its_kind_reads():
+    """One rule for every kind (`ops.INPUTS`, which profiles check their shape counts by): a layernorm reads x and at
+    most a scale and a shift, an attention q, k and v, a reduce one tensor."""
+    tensors = {"x": (["b", "h"], "input"), "y": (["b", "h"], "output")}
+    for kind, inputs, words in (("layernorm", ["x"] * 4, "layernorm takes 1 to 3 inputs, got 4"),
+                                ("attention", ["x", "x"], "attention takes 3 inputs, got 2"),
+                                ("reduce", ["x", "x"], "reduce takes 1 input, got 2")):
+        with pytest.raises(InstanceError) as info:
+            make({"b": 4, "h": 8}, tensors, [("n", kind, inputs, "y")])
+        assert info.value.where == "ops[0] (n)" and info.value.cause == f"{kind}: {words}"
+
+
 def test_graph_refuses_normalised_axes_that_are_not_dims_of_the_input():
     """softmax/layernorm/rmsnorm read `axes`: a declared dim the input lacks, or one never declared, is refused."""
     tensors = {"x": (["b", "h"], "input"), "y": (["b", "h"], "output")}
