@@ -323,6 +323,17 @@ def _check_work(g: Graph, i: int, op: Op) -> None:
               "no model's op comes near: check its dims' sizes (an opaque op: its attrs.flops)")
 
 
+def _check_attrs(i: int, op: Op) -> None:
+    """Op `i` carries only attributes its kind reads (`ops.KIND_ATTRS`): another one, meant for another kind, would be
+    ignored."""
+    known = opkinds.KIND_ATTRS[op.kind]
+    for name in op.attrs:
+        if name not in known:
+            reads = f"reads only {', '.join(known)}" if known else "reads no attribute"
+            _fail(f"ops[{i}].attrs.{name} ({op.name})", f"{op.kind} does not read attribute {name!r}",
+                  f"{op.kind} {reads}: remove {name!r}, or give the op the kind it is meant for")
+
+
 def _check_shape(g: Graph, i: int, op: Op) -> None:
     """The tensor rules of op `i`'s kind (`ops.check`), at the graph's sizes."""
     try:
@@ -391,6 +402,7 @@ def _validate(g: Graph) -> None:
         if op.output in op.inputs:
             _fail(where, f"op reads its own output {op.output!r}", "write the result to a new tensor")
         produced_by[op.output] = op.name
+        _check_attrs(i, op)
         _check_shape(g, i, op)
         _check_work(g, i, op)
 

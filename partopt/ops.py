@@ -32,6 +32,24 @@ KINDS = (
 
 NORM_KINDS = ("layernorm", "rmsnorm")  # what Megatron's sequence parallelism splits along the sequence
 
+# The attrs each kind reads, then those it records for a reader (informational, docs/FORMAT.md): graph validation
+# refuses any other, which would be silently ignored (an attribute meant for another kind).
+KIND_ATTRS: Mapping[str, tuple[str, ...]] = {
+    "einsum": (), "elementwise": ("fn",), "softmax": ("axes",), "layernorm": ("axes",), "rmsnorm": ("axes",),
+    "reduce": ("fn",), "embedding": (), "cross_entropy": (), "conv2d": ("stride",), "pool": ("kernel", "stride", "fn"),
+    "reshape": ("split", "merge"), "opaque": ("flops", "primitive"), "attention": ("causal",),
+}
+
+# How many inputs each kind reads (fewest, most; None: no bound), in the order its tensor rules below expect them.
+INPUTS: Mapping[str, tuple[int, int | None]] = {
+    "einsum": (1, None), "elementwise": (1, None), "softmax": (1, 1), "layernorm": (1, 3), "rmsnorm": (1, 2),
+    "reduce": (1, 1), "embedding": (2, 2), "cross_entropy": (2, 2), "conv2d": (2, 2), "pool": (1, 1),
+    "reshape": (1, 1), "opaque": (0, None), "attention": (3, 3),
+}
+
+# Kinds whose compute is 0 s (a view): no cost model is asked their time.
+UNPRICED_KINDS = frozenset({"reshape"})
+
 # Forward FLOPs per output (or input) element of the cheap kinds; documented in COSTMODEL.md.
 FLOPS_PER_ELEMENT = {"softmax": 5, "layernorm": 8, "rmsnorm": 4, "cross_entropy": 5}
 
@@ -51,6 +69,20 @@ def _prod(graph: "Graph", dims: Sequence[str]) -> int:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise OpShapeError(message)
+
+
+def takes(kind: str, count: int) -> bool:
+    """Whether an op of `kind` may read `count` inputs (`INPUTS`)."""
+    fewest, most = INPUTS[kind]
+    return fewest <= count and (most is None or count <= most)
+
+
+def input_count(kind: str) -> str:
+    """How many inputs `kind` reads, in words: "2 inputs", "1 to 3 inputs", "at least 1 input"."""
+    fewest, most = INPUTS[kind]
+    if most is None:
+        return f"at least {fewest} input{'s' * (fewest != 1)}"
+    return f"{fewest}{f' to {most}' * (most != fewest)} input{'s' * (most != 1)}"
 
 
 def norm_axes(op: "Op", graph: "Graph") -> tuple[str, ...]:
@@ -73,14 +105,12 @@ def _reshape_pairs(op: "Op") -> list[tuple[str, tuple[str, ...], str]]:
 # ---------------------------------------------------------------- per-kind checks
 
 def _check_einsum(op: "Op", graph: "Graph") -> None:
-    _require(len(op.inputs) >= 1, "einsum needs at least one input")
     seen = {d for t in op.inputs for d in _dims(graph, t)}
     missing = [d for d in _dims(graph, op.output) if d not in seen]
     _require(not missing, f"output dims {missing} appear in no input of the einsum")
 
 
 def _check_elementwise(op: "Op", graph: "Graph") -> None:
-    _require(len(op.inputs) >= 1, "elementwise needs at least one input")
     out = set(_dims(graph, op.output))
     for t in op.inputs:
         extra = [d for d in _dims(graph, t) if d not in out]
@@ -91,8 +121,6 @@ def _check_normalising(op: "Op", graph: "Graph") -> None:
     x, params = op.inputs[0], op.inputs[1:]
     _require(set(_dims(graph, x)) == set(_dims(graph, op.output)),
              f"output dims {list(_dims(graph, op.output))} differ from input dims {list(_dims(graph, x))}")
-    limit = {"softmax": 0, "rmsnorm": 1, "layernorm": 2}[op.kind]
-    _require(len(params) <= limit, f"{op.kind} takes at most {limit} parameter inputs after x, got {len(params)}")
     axes = norm_axes(op, graph)
     _require(len(axes) > 0, "normalised axes are empty")
     bad = [a for a in axes if a not in _dims(graph, x)]
@@ -103,13 +131,11 @@ def _check_normalising(op: "Op", graph: "Graph") -> None:
 
 
 def _check_reduce(op: "Op", graph: "Graph") -> None:
-    _require(len(op.inputs) == 1, f"reduce takes one input, got {len(op.inputs)}")
     extra = [d for d in _dims(graph, op.output) if d not in _dims(graph, op.inputs[0])]
     _require(not extra, f"output dims {extra} are not in the input")
 
 
 def _check_embedding(op: "Op", graph: "Graph") -> None:
-    _require(len(op.inputs) == 2, "embedding takes (ids, table)")
     ids, table = (_dims(graph, t) for t in op.inputs)
     gathered = [d for d in table if d not in _dims(graph, op.output)]
     _require(len(gathered) == 1, f"the table {op.inputs[1]!r} must have exactly one dim (the vocabulary) absent from the output, found {gathered}")
@@ -119,7 +145,6 @@ def _check_embedding(op: "Op", graph: "Graph") -> None:
 
 
 def _check_cross_entropy(op: "Op", graph: "Graph") -> None:
-    _require(len(op.inputs) == 2, "cross_entropy takes (logits, labels)")
     logits, labels = (_dims(graph, t) for t in op.inputs)
     vocab = [d for d in logits if d not in labels]
     _require(len(vocab) == 1, f"logits must have exactly one dim (the vocabulary) beyond the labels' dims, found {vocab}")
@@ -128,7 +153,6 @@ def _check_cross_entropy(op: "Op", graph: "Graph") -> None:
 
 
 def _check_conv2d(op: "Op", graph: "Graph") -> None:
-    _require(len(op.inputs) == 2, "conv2d takes (x[N,C,H,W], w[O,C,KH,KW])")
     x, w, out = _dims(graph, op.inputs[0]), _dims(graph, op.inputs[1]), _dims(graph, op.output)
     _require(len(x) == 4 and len(w) == 4 and len(out) == 4, "conv2d tensors are 4-D: x[N,C,H,W], w[O,C,KH,KW], out[N,O,HO,WO]")
     _require(x[1] == w[1], f"input channels differ: x has {x[1]!r}, w has {w[1]!r}")
@@ -136,7 +160,6 @@ def _check_conv2d(op: "Op", graph: "Graph") -> None:
 
 
 def _check_pool(op: "Op", graph: "Graph") -> None:
-    _require(len(op.inputs) == 1, "pool takes one input x[N,C,H,W]")
     x, out = _dims(graph, op.inputs[0]), _dims(graph, op.output)
     _require(len(x) == 4 and len(out) == 4, "pool tensors are 4-D: x[N,C,H,W] -> out[N,C,HO,WO]")
     _require(out[:2] == x[:2], "pool keeps N and C")
@@ -145,7 +168,6 @@ def _check_pool(op: "Op", graph: "Graph") -> None:
 
 
 def _check_reshape(op: "Op", graph: "Graph") -> None:
-    _require(len(op.inputs) == 1, "reshape takes one input")
     pairs = _reshape_pairs(op)
     _require(bool(pairs), "reshape needs a `split` or `merge` attribute")
     src, dst = list(_dims(graph, op.inputs[0])), list(_dims(graph, op.output))
@@ -175,7 +197,6 @@ def attention_dims(op: "Op", graph: "Graph") -> tuple[str, str, str]:
 
 
 def _check_attention(op: "Op", graph: "Graph") -> None:
-    _require(len(op.inputs) == 3, f"attention takes (q, k, v), got {len(op.inputs)} inputs")
     q, k, v = (_dims(graph, t) for t in op.inputs)
     _require(all(len(x) >= 2 for x in (q, k, v)), "q, k and v need a position dim and a head dim (last)")
     _require(q[-1] == k[-1], f"q and k must end with the same head dim, got {q[-1]!r} and {k[-1]!r}")
@@ -212,7 +233,8 @@ CHECKS: Mapping[str, Callable[["Op", "Graph"], None]] = {
 
 
 def check(op: "Op", graph: "Graph") -> None:
-    """Raise OpShapeError when op's tensors do not fit its kind."""
+    """Raise OpShapeError when op's tensors do not fit its kind: first their count, then the kind's own rules."""
+    _require(takes(op.kind, len(op.inputs)), f"{op.kind} takes {input_count(op.kind)}, got {len(op.inputs)}")
     CHECKS[op.kind](op, graph)
 
 

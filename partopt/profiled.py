@@ -16,7 +16,7 @@ from partopt import costmodel
 from partopt.cluster import Device, Link, MeshAxis
 from partopt.errors import InstanceError
 from partopt.io import FilePath, at, load_json, validate_against_schema
-from partopt.ops import KINDS
+from partopt.ops import KINDS, UNPRICED_KINDS, input_count, takes
 
 PROFILE_FORMAT = "partopt.profile"
 OpKey = tuple[str, tuple[tuple[int, ...], ...], str]  # kind, local shapes (inputs then output), dtype
@@ -67,9 +67,7 @@ def read_profile(path: FilePath) -> Profiled:
     validate_against_schema(data, "profile", str(path))
     ops: dict[OpKey, float] = {}
     for i, o in enumerate(data.get("ops", [])):
-        if o["kind"] not in KINDS:  # an entry no op would ever look up
-            raise InstanceError(f"unknown op kind {o['kind']!r}", at(str(path), f"$.ops[{i}].kind"),
-                                f"use one of the graph format's op kinds: {', '.join(KINDS)}")
+        _check_lookup(o, at(str(path), f"$.ops[{i}]"))
         key = (o["kind"], tuple(tuple(s) for s in o["shapes"]), o["dtype"])
         _once(ops, key, float(o["time_s"]), at(str(path), f"$.ops[{i}]"))
     collectives: dict[CollectiveKey, tuple[float, float]] = {}
@@ -78,6 +76,22 @@ def read_profile(path: FilePath) -> Profiled:
         _once(collectives, key, (float(c["bus_bandwidth"]), float(c.get("latency_s", 0.0))),
               at(str(path), f"$.collectives[{i}]"))
     return Profiled(ops, collectives)
+
+
+def _check_lookup(entry: dict, where: str) -> None:
+    """An op entry some op of some graph would look up: a known kind that is priced, as many shapes as such an op
+    has tensors (its inputs, then its output). Another entry would never be read, whatever the graph."""
+    kind, shapes = entry["kind"], len(entry["shapes"])
+    if kind not in KINDS:
+        raise InstanceError(f"unknown op kind {kind!r}", f"{where}.kind",
+                            f"use one of the graph format's op kinds: {', '.join(KINDS)}")
+    if kind in UNPRICED_KINDS:
+        raise InstanceError(f"kind {kind!r} is never looked up: its compute is 0 s (a view)", f"{where}.kind",
+                            "remove the entry: no op of that kind is priced from a profile")
+    if not takes(kind, shapes - 1):
+        raise InstanceError(f"{shapes} shape{'s' * (shapes != 1)}, but an op of kind {kind!r} has {input_count(kind)} "
+                            "and an output: no op would look the entry up", f"{where}.shapes",
+                            "list the local shape of each of the op's inputs, in their order, then of its output")
 
 
 def _once(table: dict, key: tuple, value, where: str) -> None:

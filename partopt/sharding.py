@@ -602,7 +602,7 @@ def _strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None) 
         moved = sum(moved_bytes(graph, op, [local_bytes(b, p, mesh) for b, p in zip(in_bytes, inputs)],
                                 local_bytes(out_bytes, output_t, mesh)))
         shapes = tuple(local_shape(graph, t, p, mesh) for t, p in zip((*op.inputs, op.output), (*inputs, output_t)))
-        compute = 0.0 if op.kind == "reshape" else model.op_time(
+        compute = 0.0 if op.kind in opkinds.UNPRICED_KINDS else model.op_time(
             op.kind, shapes, dtype, flops / split, moved, mesh.device, matmul)
         strategies.append(Strategy(
             axes=tuple(axes), inputs=inputs, output=output_t, compute_s=compute, comm=comm,

@@ -24,7 +24,7 @@ from partopt.errors import InstanceError
 from partopt.graph import Graph
 from partopt.io import at
 from partopt.layering import build_layers
-from partopt.plan import ParamPlacement, Plan, StagePlan, read_plan, records, stores_padded, tensor_table
+from partopt.plan import OpStrategy, ParamPlacement, Plan, StagePlan, read_plan, records, stores_padded, tensor_table
 from partopt.schedules import check_schedule, inflight, plan_iteration
 from partopt.sharding import Placement, Shard, fmt, op_strategies, param_strategies
 
@@ -120,6 +120,19 @@ def _check_placement(placement: Placement, tensor: dict[str, Any] | None, place:
                                     "lacks", place, "split only the tensor's own dims")
 
 
+def _check_axes(op: str, info: OpStrategy, here: str) -> None:
+    """Each dim the op's axes name is split on that mesh axis by an input or the output: a strategy splits every
+    tensor of the op that has the dim, so a dim none of them is split along is one the op lacks (the plan does not
+    name the op's inputs: which dims they have takes the graph, `check_against`)."""
+    for k, d in enumerate(info.axes):
+        if d is not None and Shard(d) not in (info.output[k], *(p[k] for p in info.inputs)):
+            placed = f"inputs {', '.join(fmt(p) for p in info.inputs)}; output {fmt(info.output)}"
+            raise InstanceError(f"op {op} splits {d!r} on mesh axis {k}, but none of its tensors is split along it "
+                                f"there ({placed}): a dim the op lacks, or placements that do not follow from its axes",
+                                f"{here}.axes",
+                                f"name one of the op's own dims (or null) per mesh axis; {_REDO}")
+
+
 def _check_strategies(plan: Plan, stage: StagePlan, place: str) -> None:
     tensors = plan.tensors or {}
     for op, info in stage.ops.items():
@@ -132,6 +145,7 @@ def _check_strategies(plan: Plan, stage: StagePlan, place: str) -> None:
         _check_placement(info.output, tensors.get(info.tensor), f"{here}.output")
         for j, placement in enumerate(info.inputs):
             _check_placement(placement, None, f"{here}.inputs[{j}]")
+        _check_axes(op, info, here)
     for name, info in stage.params.items():
         here = f"{place}.params[{name!r}]"
         if tensors and name not in tensors:

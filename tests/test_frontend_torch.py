@@ -528,3 +528,26 @@ def test_cli_import_torch_opaque(tmp_path):
 def test_help_does_not_import_torch():
     code = "import sys; from partopt.cli import main; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+class Chunks(torch.nn.Module):
+    """Chunks of an activation (not of a projection's output): one `select` reduce per chunk, multiplied."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        p, q = torch.relu(self.fc(x)).chunk(2, dim=-1)
+        return p * q
+
+
+def test_chunks_of_an_activation_write_a_graph_that_reads_back(tmp_path):
+    """A chunk's op carried `index`, an attribute no kind reads: the written graph did not load."""
+    with torch.device("meta"):
+        module, x = Chunks(), torch.empty(4, 8)
+    graph = from_module(module, (x,))
+    chunks = [op for op in graph.ops if op.kind == "reduce"]
+    assert [op.attrs for op in chunks] == [{"fn": "select"}, {"fn": "select"}]
+    io.write_graph(graph, tmp_path / "g.json")
+    assert io.read_graph(tmp_path / "g.json").num_params == 8 * 8 + 8

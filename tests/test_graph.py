@@ -231,6 +231,55 @@ def test_graph_refuses_an_op_of_more_than_10_to_30_flops():
     assert info.value.where == "ops[0] (many)" and "einsum" in info.value.cause
 
 
+def test_graph_refuses_an_attribute_its_kind_does_not_read_and_says_what_it_reads():
+    """A pool's `kernel` on an einsum, an elementwise `fn` on a softmax and `axes` (naming no declared dim) on an
+    elementwise op were ignored: each is refused at its JSON path, the hint listing what the kind reads."""
+    tensors = {"x": (["b", "h"], "input"), "y": (["b", "h"], "output")}
+    cases = [("einsum", {"kernel": [3, 3]}, "kernel", "einsum reads no attribute: remove 'kernel'"),
+             ("softmax", {"axes": ["h"], "fn": "exp"}, "fn", "softmax reads only axes: remove 'fn'"),
+             ("elementwise", {"fn": "gelu", "axes": ["zz"]}, "axes", "elementwise reads only fn: remove 'axes'"),
+             ("pool", {"causal": True}, "causal", "pool reads only kernel, stride, fn: remove 'causal'")]
+    for kind, attrs, name, hint in cases:
+        with pytest.raises(InstanceError) as info:
+            make({"b": 4, "h": 8}, tensors, [("op", kind, ["x"], "y", attrs)])
+        assert info.value.where == f"ops[0].attrs.{name} (op)"
+        assert info.value.cause == f"{kind} does not read attribute {name!r}"
+        assert info.value.hint.startswith(hint)
+
+
+def test_each_kind_accepts_the_attributes_it_reads():
+    """The attributes docs/FORMAT.md lists for a kind pass (a frontend's informational `primitive`, `stride`, pool `fn`)."""
+    x = {"x": (["b", "h"], "input"), "y": (["b", "h"], "output")}
+    assert make({"b": 4, "h": 8}, x, [("op", "opaque", ["x"], "y", {"flops": 7, "primitive": "aten.sort"})])
+    assert make({"b": 4, "h": 8}, x, [("op", "reduce", ["x"], "y", {"fn": "max"})])
+    assert make({"b": 4, "h": 8}, x, [("op", "layernorm", ["x"], "y", {"axes": ["b", "h"]})])
+    img = {"x": (["n", "c", "h", "w"], "input"), "y": (["n", "c", "ho", "wo"], "output")}
+    dims = {"n": 2, "c": 3, "h": 8, "w": 8, "ho": 4, "wo": 4}
+    assert make(dims, img, [("op", "pool", ["x"], "y", {"kernel": [2, 2], "stride": 2, "fn": "max"})])
+
+
+def test_graph_refuses_an_op_with_more_or_fewer_inputs_than_its_kind_reads():
+    """One rule for every kind (`ops.INPUTS`, which profiles check their shape counts by): a layernorm reads x and at
+    most a scale and a shift, an attention q, k and v, a reduce one tensor."""
+    tensors = {"x": (["b", "h"], "input"), "y": (["b", "h"], "output")}
+    for kind, inputs, words in (("layernorm", ["x"] * 4, "layernorm takes 1 to 3 inputs, got 4"),
+                                ("attention", ["x", "x"], "attention takes 3 inputs, got 2"),
+                                ("reduce", ["x", "x"], "reduce takes 1 input, got 2")):
+        with pytest.raises(InstanceError) as info:
+            make({"b": 4, "h": 8}, tensors, [("n", kind, inputs, "y")])
+        assert info.value.where == "ops[0] (n)" and info.value.cause == f"{kind}: {words}"
+
+
+def test_graph_refuses_normalised_axes_that_are_not_dims_of_the_input():
+    """softmax/layernorm/rmsnorm read `axes`: a declared dim the input lacks, or one never declared, is refused."""
+    tensors = {"x": (["b", "h"], "input"), "y": (["b", "h"], "output")}
+    for kind, axes, bad in (("softmax", ["f"], "['f']"), ("rmsnorm", ["zz"], "['zz']"), ("layernorm", ["h", "f"], "['f']")):
+        with pytest.raises(InstanceError) as info:
+            make({"b": 4, "h": 8, "f": 2}, tensors, [("n", kind, ["x"], "y", {"axes": axes})])
+        assert info.value.where == "ops[0] (n)"
+        assert info.value.cause == f"{kind}: normalised axes {bad} are not dims of input 'x'"
+
+
 # ---------------------------------------------------------------- resized views
 
 def _merge_graph() -> Graph:

@@ -258,6 +258,7 @@ BAD_CASES = {
     "cycle.json": ("$.ops (first -> second)", "cycle"),
     "einsum-output-dim.json": ("$.ops[0] (fc)", "output dims ['g'] appear in no input"),
     "conv-3d-input.json": ("$.ops[0] (conv)", "conv2d tensors are 4-D"),
+    "attr-of-another-kind.json": ("$.ops[0].attrs.kernel (fc)", "einsum does not read attribute 'kernel'"),
     "dim-10-to-400.json": ("$.dims.h", "must be at most 9007199254740992, got 1000"),
     "opaque-flops-10-to-400.json": ("$.ops[1].attrs.flops (opq)", "must be at most 1000000000000000000000000000000"),
     "negative-size.json": ("$.dims.h", "must be greater than 0, got -8"),

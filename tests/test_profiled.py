@@ -91,6 +91,33 @@ def test_the_profile_file_round_trips_and_bad_files_name_the_place(tmp_path):
         read_profile(path)  # no op is of that kind: the entry would never be read
 
 
+def test_an_op_entry_no_op_of_any_graph_would_look_up_is_refused(tmp_path):
+    """An entry's shapes are its op's inputs then its output: an attention reads q, k, v (4 shapes), a layernorm x and
+    up to two parameters (2 to 4), an einsum at least one operand (2 or more). A count no op of the kind has, or a
+    reshape (compute 0 s, never priced), would never be read, for any graph: refused, not silently unused."""
+    path = tmp_path / "profile.json"
+
+    def read(kind: str, shapes: int):
+        entry = {"kind": kind, "shapes": [[4, 8]] * shapes, "dtype": "fp32", "time_s": 0.125}
+        einsum = {"kind": "einsum", "shapes": [[2, 4], [4, 8], [2, 8]], "dtype": "fp32", "time_s": 0.5}  # a good one
+        path.write_text(json.dumps({"format": "partopt.profile", "version": 1, "ops": [einsum, entry]}))
+        return read_profile(path)
+
+    for kind, shapes, words in (("attention", 3, "3 shapes, but an op of kind 'attention' has 3 inputs and an output"),
+                                ("attention", 5, "5 shapes, but an op of kind 'attention' has 3 inputs"),
+                                ("layernorm", 5, "5 shapes, but an op of kind 'layernorm' has 1 to 3 inputs"),
+                                ("einsum", 1, "1 shape, but an op of kind 'einsum' has at least 1 input")):
+        with pytest.raises(InstanceError) as info:
+            read(kind, shapes)
+        assert info.value.where == f"{path}: $.ops[1].shapes" and info.value.cause.startswith(words)
+        assert "then of its output" in info.value.hint
+    with pytest.raises(InstanceError) as info:
+        read("reshape", 2)
+    assert info.value.where == f"{path}: $.ops[1].kind" and "'reshape' is never looked up" in info.value.cause
+    for kind, shapes in (("attention", 4), ("layernorm", 2), ("layernorm", 4), ("einsum", 5), ("opaque", 1)):
+        assert len(read(kind, shapes).ops) == 2
+
+
 def test_the_analytical_model_is_active_outside_a_solve():
     with costmodel.using(Profiled()):
         assert isinstance(costmodel.active(), Profiled)

@@ -227,12 +227,42 @@ def test_a_malformed_placement_is_refused_everywhere_with_its_json_path(tiny, tm
                               "like [S(b), R]")
 
 
-def test_a_split_of_a_foreign_dim_is_illegal(tiny, tmp_path):
+def test_an_op_splitting_a_dim_it_lacks_is_refused_everywhere(tiny, tmp_path):
+    """explain, draw and export read the plan alone: an einsum's axes naming a dim none of its tensors is split
+    along ('zz', never declared; 'v', the vocabulary, a dim of another op) were accepted."""
     d = json.loads(Path(tiny.plan_file).read_text())
-    name = next(n for n, o in d["stages"][0]["ops"].items() if o["kind"] == "einsum")
-    foreign = mutated(tiny, tmp_path, lambda d: d["stages"][0]["ops"][name].__setitem__("axes", ["zz", None]))
-    one_error_line(run("check", foreign, "--graph", tiny.graph_file, "--cluster", tiny.cluster_file),
-                   f"$.stages[0].ops['{name}'].axes: op {name} cannot split ['zz', None] on mesh [2, 1]")
+    name, op = next((n, o) for n, o in d["stages"][0]["ops"].items() if o["kind"] == "einsum")
+    assert op["axes"] == ["b", None] and op["output"] == "[S(b), R]"  # the tiny plan: data parallel over 2
+    for dim in ("zz", "v"):
+        foreign = lambda d: d["stages"][0]["ops"][name].__setitem__("axes", [dim, None])
+        assert_refused_everywhere(tiny, tmp_path, foreign,
+                                  f"$.stages[0].ops['{name}'].axes: op {name} splits '{dim}' on mesh axis 0, but none "
+                                  "of its tensors is split along it there", "a dim the op lacks", "partopt solve -o")
+
+
+def test_a_split_of_a_foreign_dim_is_illegal_against_the_graph(tiny):
+    """A dim the op lacks, though its placements split it as the axes say: only the graph can tell."""
+    data = plan_to_dict(tiny.plan)
+    name, op = next((n, o) for n, o in data["stages"][0]["ops"].items() if o["kind"] == "einsum")
+    op.update(axes=["zz", None], inputs=["[S(zz), R]", *op["inputs"][1:]], output="[R, R]")
+    plan = plan_from_dict(data, "p.json")
+    validate.check_plan(plan, "p.json", figures=False)
+    with pytest.raises(InstanceError) as info:
+        validate.check_against(plan, tiny.graph, tiny.cluster, "p.json")
+    assert info.value.where == f"p.json: $.stages[0].ops['{name}'].axes"
+    assert info.value.cause.startswith(f"op {name} cannot split ['zz', None] on mesh [2, 1]")
+
+
+def test_library_check_plan_refuses_an_op_splitting_a_dim_it_lacks(tiny):
+    data = plan_to_dict(tiny.plan)
+    name = next(n for n, o in data["stages"][1]["ops"].items() if o["kind"] == "einsum")
+    for axes, dim, k in ((["zz", None], "zz", 0), ([None, "b"], "b", 1)):  # its placements split 'b' on axis 0
+        data["stages"][1]["ops"][name]["axes"] = axes
+        with pytest.raises(InstanceError) as info:
+            validate.check_plan(plan_from_dict(data, "p.json"), "p.json")
+        assert info.value.where == f"p.json: $.stages[1].ops['{name}'].axes"
+        assert info.value.cause.startswith(f"op {name} splits '{dim}' on mesh axis {k}, but none of its tensors is "
+                                           "split along it there")
 
 
 def test_a_plan_priced_at_another_gemm_precision_is_refused(tiny, tmp_path):

@@ -804,7 +804,7 @@ class _Importer:
         if fused is not None:
             return _Val("tuple", items=[self.projection_chunk(*fused, chunk, i, n // size, out_axes, out_shape)
                                         for i in range(n // size)])
-        return _Val("tuple", items=[self.emit("reduce", [v], out_axes, out_shape, f"chunk{i}", fn="select", index=i)
+        return _Val("tuple", items=[self.emit("reduce", [v], out_axes, out_shape, f"chunk{i}", fn="select")
                                     for i in range(n // size)])
 
     def fused_projection(self, node: Any, v: _Val, chunk: int) -> tuple[_RawOp, _RawOp | None] | None:
