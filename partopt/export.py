@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from partopt import costmodel
+from partopt.cluster import PRESETS, Device, nominal_preset
 from partopt.errors import InstanceError, PartoptError
 from partopt.ops import NORM_KINDS
 from partopt.plan import OpStrategy, Plan, StagePlan
@@ -28,8 +29,8 @@ UNSUPPORTED_BY_MEGATRON = ("conv2d", "pool")  # Megatron-LM trains transformers
 
 
 class NotExpressibleError(PartoptError):
-    """A plan a target cannot express (Megatron-LM's uniform (tp, pp, dp) form, JAX's even shardings); the cause
-    names why."""
+    """A plan a target cannot express (Megatron-LM's uniform (tp, pp, dp) form, JAX's even shardings, a runtime the
+    plan's devices do not run); the cause names why."""
 
 
 # ---------------------------------------------------------------- a stage's tensors and their placements
@@ -130,6 +131,14 @@ def optimizer_placement(t: TensorPlacement, mesh: Sequence[int]) -> tuple[Placem
 def _devices_grid(stage: StagePlan) -> list[list[int]]:
     a, b = stage.logical_mesh
     return [stage.devices[i * b:(i + 1) * b] for i in range(a)]
+
+
+def platform(plan: Plan) -> str:
+    """What the plan's devices run (`cluster.PLATFORMS`): its record, else (a plan written before it) its cluster
+    preset's; a cluster file that names no platform holds GPUs (`Device.platform`)."""
+    if plan.platform is not None:
+        return plan.platform
+    return nominal_preset(plan.cluster).device.platform if plan.cluster in PRESETS else Device.platform
 
 
 # ---------------------------------------------------------------- settings besides placements
@@ -323,6 +332,7 @@ def to_dtensor(plan: Plan, torch_shapes: dict[str, tuple[int, ...]] | None = Non
     With `torch_shapes` (each torch parameter's shape, for a graph the PyTorch frontend imported)
     a parameter's Shard(k) indexes its torch axes instead (Replicate, with notes, where a split is
     not the outermost factor of a torch axis)."""
+    device_type = torch_device_type(plan)
     stages = []
     for i, stage in enumerate(plan.stages):
         mesh = _mesh(stage, f"stages[{i}]")
@@ -335,13 +345,30 @@ def to_dtensor(plan: Plan, torch_shapes: dict[str, tuple[int, ...]] | None = Non
                 (params if t.role == "param" else activations)[t.name] = _dtensor_entry(t, mesh)
         first_op = module_of(next(iter(stage.ops), ""))
         entry = re.match(r"^(.*?\.\d+)(\.|$)", first_op)  # inside a ModuleList entry: the entry
-        stages.append({"stage": i, "device_mesh": {"device_type": "cuda", "shape": list(mesh),
+        stages.append({"stage": i, "device_mesh": {"device_type": device_type, "shape": list(mesh),
                                                    "mesh": _devices_grid(stage), "mesh_dim_names": list(AXIS_NAMES)},
                        "params": params, "activations": activations,
                        "parallelize_plan": parallelize_plan(plan, i),
                        "begins_at": entry.group(1) if entry else first_op})
     return {"format": "partopt.export.dtensor", "version": 1, "graph": plan.graph, "training": training(plan),
             "shared_params": shared_copies(plan), "stages": stages}
+
+
+# DeviceMesh's device_type per platform. torch names a TPU "xla" (torch_xla), but an "xla" mesh is no DTensor mesh:
+# torch/distributed/device_mesh.py documents device_type as "cpu" or "cuda/cuda-like" and builds no process groups for
+# "xla" ("Skip process group initialization if xla device"), and torch/distributed/tensor/_api.py's distribute_tensor
+# and distribute_module hand it to torch_xla's experimental SPMD, which returns an XLAShardedTensor, not a DTensor
+TORCH_DEVICE_TYPES = {"gpu": "cuda"}
+
+
+def torch_device_type(plan: Plan) -> str:
+    """The DeviceMesh device_type of the plan's devices; NotExpressibleError for devices DTensor does not run on."""
+    kind = platform(plan)
+    if kind not in TORCH_DEVICE_TYPES:
+        raise _not_expressible(f"the plan was made for {plan.cluster}'s {kind.upper()} devices, which DTensor does not "
+                               f"run on: torch's {kind.upper()} device type, xla, shards by torch_xla's SPMD, not by "
+                               "DTensor placements", "platform", "export it with --to jax")
+    return TORCH_DEVICE_TYPES[kind]
 
 
 def shared_copies(plan: Plan) -> dict[str, dict[str, Any]]:
@@ -540,6 +567,9 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
     parallelism, distributed optimizer), or NotExpressibleError naming what its uniform form cannot hold."""
     if not plan.stages:
         raise InstanceError("the plan has no stages", "stages")
+    if platform(plan) != "gpu":
+        raise _not_expressible(f"the plan was made for {plan.cluster}'s {platform(plan).upper()} devices, and "
+                               "Megatron-LM runs on NVIDIA GPUs only", "platform", "export it with --to jax")
     if plan.batch_dim is None:
         raise _not_expressible("the plan names no batch dim", "batch_dim", "re-solve with a graph that sets batch_dim")
     if plan.schedule not in ("1f1b", "interleaved"):

@@ -665,6 +665,38 @@ def test_the_plan_records_its_optimizer_and_the_exports_say_it():
     assert "--optimizer" not in ex.to_megatron(before) and ex.training(before)["optimizer"] is None
 
 
+def test_a_tpu_plan_is_refused_by_the_gpu_runtimes_and_exported_to_jax(tmp_path):
+    """A plan made for TPUs records their platform, and the GPU runtimes refuse it by its file and that field:
+    Megatron-LM runs on NVIDIA GPUs only, and DTensor has no TPU mesh (torch's xla device type hands sharding to
+    torch_xla's SPMD: torch/distributed/tensor/_api.py distribute_tensor); JAX runs it. A plan written before the
+    record is read by its cluster preset; a GPU plan's DeviceMesh is cuda, recorded or not."""
+    from click.testing import CliRunner
+
+    from partopt.cli import main
+    from partopt.evaluate import uniform
+    from partopt.plan import write_plan
+
+    tpu = uniform(gpt(**SMALL_GPT, dtype="bf16"), preset("tpu-v4", 1), 2, 1, 2, microbatches=2)
+    assert tpu.platform == "tpu" and plan_from_dict(plan_to_dict(tpu)).platform == "tpu"
+    path = tmp_path / "plan.json"
+    write_plan(tpu, path)
+    megatron = CliRunner().invoke(main, ["export", str(path), "--to", "megatron"])
+    assert megatron.exit_code == 2 and megatron.stderr.splitlines() == [
+        f"error: {path}: platform: the plan was made for tpu-v4's TPU devices, and Megatron-LM runs on NVIDIA GPUs "
+        "only (hint: export it with --to jax)"]
+    dtensor = CliRunner().invoke(main, ["export", str(path), "--to", "dtensor"])
+    assert dtensor.exit_code == 2 and len(dtensor.stderr.splitlines()) == 1
+    assert dtensor.stderr.startswith(f"error: {path}: platform: the plan was made for tpu-v4's TPU devices, which "
+                                     "DTensor does not run on") and dtensor.stderr.endswith("(hint: export it with --to jax)\n")
+    assert CliRunner().invoke(main, ["export", str(path), "--to", "jax"]).exit_code == 0
+    with pytest.raises(ex.NotExpressibleError, match="Megatron-LM runs on NVIDIA GPUs only"):
+        ex.to_megatron(dataclasses.replace(tpu, platform=None))
+    gpu = uniform(gpt(**SMALL_GPT, dtype="bf16"), preset("dgx-a100", 1), 2, 1, 4, microbatches=2)
+    for p in (gpu, dataclasses.replace(gpu, platform=None)):
+        assert {s["device_mesh"]["device_type"] for s in ex.to_dtensor(p)["stages"]} == {"cuda"}
+        assert ex.to_megatron(p)[:2] == ["--tensor-model-parallel-size", "2"]
+
+
 @pytest.mark.parametrize("target", ["jax", "megatron"])
 def test_a_torch_model_given_to_an_export_that_does_not_read_it_is_refused(tmp_path, target):
     """--model maps parameters onto a PyTorch model's axes: only the DTensor export reads it, the others refuse it
