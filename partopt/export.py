@@ -721,20 +721,46 @@ def _precision(plan: Plan) -> str | None:
 
 def megatron_warnings(plan: Plan) -> list[str]:
     """What Megatron-LM will run differently from how `plan` was priced, or what its line leaves to the user, one line
-    each: a graph with no architecture record (the line holds the layout alone); a 16-bit plan priced in the
-    ZeRO paper's state layout, whose gradients Megatron-LM keeps in fp32 (`costmodel.STATE_LAYOUTS`): the same bytes
-    more per parameter under any optimizer, the totals said with the plan's."""
+    each: a graph with no architecture record (the line holds the layout alone); GEMMs priced at another precision
+    than Megatron-LM runs (`_gemm_warnings`); a 16-bit plan priced in the ZeRO paper's state layout
+    (`_state_layout_warnings`)."""
     layout_only = [] if plan.architecture is not None else [
         "the plan's graph records no transformer architecture: these are the layout's arguments only; add the "
         "model's own (--hidden-size, --num-attention-heads, --seq-length, --max-position-embeddings), which "
         "Megatron-LM requires"]
+    return [*layout_only, *_gemm_warnings(plan), *_state_layout_warnings(plan)]
+
+
+def _gemm_warnings(plan: Plan) -> list[str]:
+    """The GEMM precision the plan priced where Megatron-LM's line runs another: it runs GEMMs in its parameters'
+    dtype (--fp16, --bf16, else fp32) or FP8 (--fp8-format), and has no TF32 argument (megatron/training/arguments.py
+    at d98e8a6 names none). Its fp32 GEMMs are TF32 only where Transformer Engine runs them (its cublaslt_gemm.cu
+    computes fp32 GEMMs in CUBLAS_COMPUTE_32F_FAST_TF32); torch's own, such as the output layer's torch.matmul
+    (megatron/core/tensor_parallel/layers.py), run in full fp32 unless TF32 is allowed, which torch's default is not
+    (aten/src/ATen/Context.h: float32_matmul_precision is HIGHEST unless TORCH_ALLOW_TF32_CUBLAS_OVERRIDE is set)."""
+    runs = "fp8" if plan.matmul_dtype == "fp8" else _precision(plan) or "fp32"
+    priced = plan.matmul_dtype or runs
+    if priced == runs:
+        return []
+    if (priced, runs) == ("tf32", "fp32"):
+        return ["the plan priced its fp32 GEMMs in TF32, which Megatron-LM has no argument for: Transformer Engine's "
+                "layers run fp32 GEMMs in TF32, but torch's own matmuls (the output layer's) run in full fp32 unless "
+                "TF32 is allowed, which torch's default is not: launch with TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, or set "
+                "torch.backends.cuda.matmul.allow_tf32 = True in the training script"]
+    return [f"the plan priced its GEMMs in {priced}, but Megatron-LM runs them in {runs}, its parameters' precision: "
+            "re-plan the graph without matmul_dtype to price the GEMMs it runs"]
+
+
+def _state_layout_warnings(plan: Plan) -> list[str]:
+    """A 16-bit plan priced in the ZeRO paper's state layout, whose gradients Megatron-LM keeps in fp32
+    (`costmodel.STATE_LAYOUTS`): the same bytes more per parameter under any optimizer, the totals said with the
+    plan's."""
     precision = _precision(plan)
     if precision not in ("fp16", "bf16") or plan.options.get("state_layout", "zero") == "megatron":
-        return layout_only
+        return []
     optimizer = plan.optimizer or "adam"  # a plan written before the record: Megatron-LM's default
     priced, kept = (costmodel.param_memory(1, precision, optimizer, layout).total for layout in ("zero", "megatron"))
-    return [*layout_only,
-            f"the plan was priced in the ZeRO paper's state layout (zero), but Megatron-LM keeps {kept - priced} more "
+    return [f"the plan was priced in the ZeRO paper's state layout (zero), but Megatron-LM keeps {kept - priced} more "
             f"bytes per parameter in {precision} (fp32 gradients; with {optimizer} {kept} bytes where {priced} were "
             "priced; docs/COSTMODEL.md §5): plan with --state-layout megatron to price the memory it will use"]
 

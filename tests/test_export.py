@@ -645,6 +645,50 @@ def test_megatron_export_warns_when_the_plan_priced_less_state_than_megatron_lm_
         assert "--state-layout megatron" in result.stderr
 
 
+TF32_SWITCHES = ("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1", "torch.backends.cuda.matmul.allow_tf32 = True")
+
+
+@pytest.mark.parametrize("dtype, matmul_dtype, gemm_warning", [
+    ("fp32", "tf32", "the plan priced its fp32 GEMMs in TF32, which Megatron-LM has no argument for"),
+    ("bf16", "tf32", "the plan priced its GEMMs in tf32, but Megatron-LM runs them in bf16"),
+    ("fp32", "bf16", "the plan priced its GEMMs in bf16, but Megatron-LM runs them in fp32"),
+    ("fp32", None, None), ("bf16", "fp8", None)])
+def test_megatron_export_warns_of_gemms_it_runs_at_another_precision_than_priced(dtype, matmul_dtype, gemm_warning):
+    """Megatron-LM runs GEMMs in its parameters' dtype (--fp16, --bf16 or fp32), or FP8 with --fp8-format, and has no
+    TF32 argument (megatron/training/arguments.py at d98e8a6 names none): a plan priced with TF32 GEMMs over fp32
+    weights is warned about with the switches that allow TF32 in torch (off by default), and one priced at another
+    GEMM precision than Megatron-LM runs is warned about; the line itself is unchanged."""
+    from partopt.evaluate import uniform
+
+    graph = dataclasses.replace(gpt(**SMALL_GPT, dtype=dtype), matmul_dtype=matmul_dtype)
+    plan = uniform(graph, preset("dgx-h100", 1), 2, 1, 4, microbatches=2, state_layout="megatron")
+    warnings = ex.megatron_warnings(plan)
+    assert [w for w in warnings if "GEMM" in w] == ([] if gemm_warning is None else warnings) and len(warnings) <= 1
+    if gemm_warning is not None:
+        assert warnings[0].startswith(gemm_warning)
+        assert all(switch in warnings[0] for switch in TF32_SWITCHES) == (matmul_dtype == "tf32" and dtype == "fp32")
+    assert ex.to_megatron(plan) == ex.to_megatron(dataclasses.replace(plan, matmul_dtype=None)) or matmul_dtype == "fp8"
+
+
+def test_torch_runs_fp32_matmuls_without_tf32_unless_a_named_switch_allows_it():
+    """The switches the TF32 warning names do what it says, in the installed torch: TF32 is off by default
+    (aten/src/ATen/Context.h: float32_matmul_precision is HIGHEST unless TORCH_ALLOW_TF32_CUBLAS_OVERRIDE is set),
+    and the environment variable or the flag turns it on."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    probe = ("import torch; print(torch.backends.cuda.matmul.allow_tf32); "
+             "torch.backends.cuda.matmul.allow_tf32 = True; print(torch.get_float32_matmul_precision())")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"}
+    default = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert default.stdout.split() == ["False", "high"]  # off, and the flag turns on TF32 ("high" precision)
+    allowed = subprocess.run([sys.executable, "-c", probe], env={**env, "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"},
+                             capture_output=True, text=True, check=True)
+    assert allowed.stdout.split()[0] == "True"
+
+
 def test_the_plan_records_its_optimizer_and_the_exports_say_it():
     """The optimizer whose state was priced travels with the plan: the training block names it, Megatron-LM gets it
     (Adafactor, which it lacks, is refused), a graph trained otherwise does not take the plan, and a plan written
