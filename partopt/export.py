@@ -422,29 +422,47 @@ def parallelize_plan(plan: Plan, index: int) -> dict[str, dict[str, str]]:
 
 @dataclass(frozen=True)
 class _StageRoles:
-    dp_axes: tuple[int, ...]  # mesh axes (size > 1) that split only the batch dim
+    dp_axes: tuple[int, ...]  # mesh axes (size > 1) that split only the batch dim and dims carrying it
     tp_axes: tuple[int, ...]  # mesh axes (size > 1) that together form the tensor-parallel group
     sequence_parallel: bool
+    experts: frozenset[str] = frozenset()  # dims the tensor-parallel axes split as expert parallelism (`_expert_dims`)
 
 
 def _not_expressible(cause: str, where: str, hint: str = "export it with --to jax or --to dtensor") -> NotExpressibleError:
     return NotExpressibleError(cause, where, hint)
 
 
-def _axis_role(plan: Plan, i: int, stage: StagePlan, axis: int) -> str:
-    """"dp" when every op splits the batch dim over `axis` (ops without it may run replicated), else "tp"."""
-    batch = plan.batch_dim
+def batch_carriers(plan: Plan) -> frozenset[str]:
+    """The batch dim and the dims reshapes carry it in as their outermost part (an MoE layer's tokens (b, s) -> bs,
+    then its groups bs -> (g, gs)): splitting one splits the samples, as data parallelism does. Read from the plan's
+    reshapes, as `evaluate.batch_dims` reads the graph's: a reshape reading its input split along x and splitting its
+    output along y ≠ x over one mesh axis pairs a dim with its outermost part, where shardings live
+    (`ops.reshape_outer`)."""
+    pairs = {(p.dim, d) for stage in plan.stages for info in stage.ops.values() if info.kind == "reshape"
+             for placement in info.inputs[:1] for p, d in zip(placement, info.axes)
+             if isinstance(p, Shard) and d not in (None, p.dim)}
+    carriers, size = {plan.batch_dim}, 0
+    while size < len(carriers):
+        size = len(carriers)
+        carriers |= {dim for pair in pairs if carriers & set(pair) for dim in pair}
+    return frozenset(carriers)
+
+
+def _axis_role(plan: Plan, i: int, stage: StagePlan, axis: int, batch: frozenset[str]) -> str:
+    """"dp" when every op splits the batch dim, or a dim carrying it (`batch_carriers`), over `axis` (ops without
+    any may run replicated), else "tp"."""
     where = f"stage {i}"
-    splits_batch = [op for op, info in stage.ops.items() if info.axes[axis] == batch]
+    splits_batch = [(op, info.axes[axis]) for op, info in stage.ops.items() if info.axes[axis] in batch]
     splits_other = [(op, info.axes[axis]) for op, info in stage.ops.items()
-                    if info.axes[axis] not in (None, batch)]
+                    if info.axes[axis] is not None and info.axes[axis] not in batch]
     if splits_batch and splits_other:
-        op, dim = splits_other[0]
+        (op, dim), (batch_op, carrier) = splits_other[0], splits_batch[0]
+        what = f"{carrier}, which carries the batch dim" if carrier != plan.batch_dim else "the batch dim"
         raise _not_expressible(f"axis {axis} mixes data and tensor parallelism: op {op} splits {dim} over it, "
-                               f"op {splits_batch[0]} splits the batch dim {batch}", where)
+                               f"op {batch_op} splits {what} {plan.batch_dim}", where)
     if splits_batch:
-        idle = [op for op, info in stage.ops.items()
-                if info.axes[axis] is None and batch in _tensor_info(plan, info.tensor, f"{where} op {op}")["dims"]]
+        idle = [op for op, info in stage.ops.items() if info.axes[axis] is None
+                and batch & set(_tensor_info(plan, info.tensor, f"{where} op {op}")["dims"])]
         if idle:
             raise _not_expressible(f"op {idle[0]} runs replicated over data-parallel axis {axis}; Megatron gives "
                                    f"every data-parallel rank its own samples", where)
@@ -506,6 +524,18 @@ def _sequence_parallel(plan: Plan, i: int, stage: StagePlan, axis: int) -> bool:
     return bool(sequence_split)
 
 
+def _expert_dims(plan: Plan, i: int, stage: StagePlan, axis: int) -> frozenset[str]:
+    """The dims the stage splits over `axis` as Megatron-LM's expert parallelism does: an einsum reads every operand
+    split along the dim and keeps its output split along it (a stack of weights, each applied to its own slice of
+    tokens), and its output lacks the batch dim (the tokens regrouped for their experts: an MoE layer's dispatched
+    groups); each rank then holds its experts whole. The attention core reads its heads alike, over the samples."""
+    return frozenset(
+        info.axes[axis] for op, info in stage.ops.items()
+        if info.kind == "einsum" and info.axes[axis] is not None and info.output[axis] == Shard(info.axes[axis])
+        and all(p[axis] == Shard(info.axes[axis]) for p in info.inputs)
+        and plan.batch_dim not in _tensor_info(plan, info.tensor, f"stage {i} op {op}")["dims"])
+
+
 def _stage_roles(plan: Plan, i: int, stage: StagePlan) -> _StageRoles:
     """Which mesh axes are data parallel and which tensor parallel, checked against Megatron's rules."""
     where = f"stage {i}"
@@ -515,7 +545,8 @@ def _stage_roles(plan: Plan, i: int, stage: StagePlan) -> _StageRoles:
         if info.kind in UNSUPPORTED_BY_MEGATRON:
             raise _not_expressible(f"op {op} is a {info.kind}: Megatron-LM trains transformers, without "
                                    f"convolution or pooling layers", where)
-    roles = {k: _axis_role(plan, i, stage, k) for k in range(len(mesh)) if mesh[k] > 1}
+    batch = batch_carriers(plan)
+    roles = {k: _axis_role(plan, i, stage, k, batch) for k in range(len(mesh)) if mesh[k] > 1}
     tp_axes = _tensor_parallel_axes(stage, mesh, [k for k, r in roles.items() if r == "tp"], where)
     dp_axes = tuple(k for k, r in roles.items() if r == "dp")
     for name, info in stage.params.items():
@@ -525,7 +556,8 @@ def _stage_roles(plan: Plan, i: int, stage: StagePlan) -> _StageRoles:
                                    f"Megatron replicates weights across data-parallel ranks (its distributed "
                                    f"optimizer shards only optimizer state)", where)
     sequence_parallel = bool(tp_axes) and _sequence_parallel(plan, i, stage, tp_axes[0])
-    return _StageRoles(dp_axes, tp_axes, sequence_parallel)
+    experts = _expert_dims(plan, i, stage, tp_axes[0]) if tp_axes else frozenset()
+    return _StageRoles(dp_axes, tp_axes, sequence_parallel, experts)
 
 
 def _layer_counts(plan: Plan) -> list[int]:
@@ -564,7 +596,8 @@ def _uneven_ends(counts: Sequence[int]) -> tuple[int | None, int | None]:
 
 def megatron_config(plan: Plan) -> dict[str, Any]:
     """Megatron-LM's numbers for `plan` (tp, pp, dp, micro/global batch, microbatches, layers, sequence
-    parallelism, distributed optimizer), or NotExpressibleError naming what its uniform form cannot hold."""
+    parallelism, expert parallelism, distributed optimizer), or NotExpressibleError naming what its uniform form
+    cannot hold."""
     if not plan.stages:
         raise InstanceError("the plan has no stages", "stages")
     if platform(plan) != "gpu":
@@ -596,6 +629,7 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
                                    f"--sequence-parallel holds for every stage", f"stage {i}")
     mesh = head.logical_mesh
     tp = math.prod(mesh[k] for k in roles[0].tp_axes)
+    _check_experts(roles)
     dp = math.prod(mesh[k] for k in roles[0].dp_axes)
     size = tp * dp
     for i, stage in enumerate(plan.stages[:S]):
@@ -635,6 +669,9 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
             "num_layers": sum(counts), "layers_per_stage": counts,
             "first_stage_layers": first, "last_stage_layers": last,
             "sequence_parallel": roles[0].sequence_parallel and tp > 1,
+            # experts split over the tensor-parallel ranks, each held whole: Megatron-LM's expert parallelism of tp
+            # ranks without expert tensor parallelism (its --expert-tensor-parallel-size defaults to tp)
+            "expert_parallel": tp if any(r.experts for r in roles) else 1, "num_experts": _num_experts(plan, roles),
             "tp_comm_overlap": bool(plan.options.get("megatron", {}).get("tp_comm_overlap")),
             "distributed_optimizer": zero, "recompute": recomputation(plan.stages[0]),
             "overlap_grad_reduce": bool(plan.options.get("overlap", False)),
@@ -643,6 +680,31 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
             "fp8_format": "hybrid" if plan.matmul_dtype == "fp8" else None,
             "precision": _precision(plan), "optimizer": _optimizer(plan),
             "model": _model_arguments(plan, sum(counts), tp)}
+
+
+def _num_experts(plan: Plan, roles: Sequence[_StageRoles]) -> int | None:
+    """The size of the dim the stages split as experts, which Megatron-LM's --expert-model-parallel-size needs as
+    --num-experts (arguments.py asserts it is set and a multiple of the expert-parallel size, which the plan's even
+    split of it guarantees); None without experts; NotExpressibleError for experts of different counts."""
+    sizes = {name: info["shape"][info["dims"].index(d)] for d in sorted(set().union(*(r.experts for r in roles)))
+             for name, info in plan.tensors.items() if d in info["dims"]}
+    if len(set(sizes.values())) > 1:
+        raise _not_expressible(f"the stages split experts of {len(set(sizes.values()))} different counts, and "
+                               "Megatron-LM's --num-experts gives every MoE layer one", "tensors")
+    return next(iter(sizes.values()), None)
+
+
+def _check_experts(roles: Sequence[_StageRoles]) -> None:
+    """NotExpressibleError for experts split over the tensor-parallel ranks without sequence parallelism: Megatron-LM's
+    MoE layer refuses to train so (megatron/core/transformer/moe/moe_layer.py, MoELayer.forward raises ValueError
+    when the attention's tensor-parallel group has more than one rank and sequence_parallel is off)."""
+    i = next((i for i, r in enumerate(roles) if r.experts), None)
+    if i is not None and not roles[i].sequence_parallel:
+        raise _not_expressible(f"the tensor-parallel axis splits the experts ({', '.join(sorted(roles[i].experts))}) "
+                               "but no norm splits the sequence, and Megatron-LM's MoE layers train with tensor "
+                               "parallelism only under --sequence-parallel", f"stage {i}",
+                               "plan with sequence parallelism (partopt evaluate --sequence-parallel), or export with "
+                               "--to jax or --to dtensor")
 
 
 MEGATRON_OPTIMIZERS = {"adam": None, "sgd": "sgd"}  # partopt's optimizer -> Megatron-LM's --optimizer (adam: its default)
@@ -786,6 +848,9 @@ def to_megatron(plan: Plan) -> list[str]:
     args += ["--micro-batch-size", str(c["micro_batch_size"]), "--global-batch-size", str(c["global_batch_size"])]
     if c["sequence_parallel"]:
         args.append("--sequence-parallel")
+    if c["expert_parallel"] > 1:
+        args += ["--num-experts", str(c["num_experts"]), "--expert-model-parallel-size", str(c["expert_parallel"]),
+                 "--expert-tensor-parallel-size", "1"]
     if c["tp_comm_overlap"]:
         args.append("--tp-comm-overlap")
     if c["distributed_optimizer"]:

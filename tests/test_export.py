@@ -645,6 +645,57 @@ def test_megatron_export_warns_when_the_plan_priced_less_state_than_megatron_lm_
         assert "--state-layout megatron" in result.stderr
 
 
+SMALL_MOE = {"hidden": 256, "layers": 2, "heads": 4, "experts": 4, "seq": 128, "vocab": 1024, "batch": 16,
+             "group_size": 128, "optimizer": "adam"}  # block 1's MLP is 4 experts; Adam, which Megatron-LM runs
+
+
+def moe_plan(tp, dp, sequence_parallel=False):
+    """SMALL_MOE in Megatron's layout on 4 GPUs, 2 microbatches of 8 samples."""
+    from partopt.evaluate import uniform
+    from partopt.models.moe import moe
+
+    return uniform(moe(**SMALL_MOE), preset("dgx-a100", 1).narrowed(4), tp, 1, dp, microbatches=2,
+                   sequence_parallel=sequence_parallel)
+
+
+def test_a_data_parallel_moe_plan_exports_its_flattened_tokens_as_data_parallel():
+    """The MoE layer flattens b·s into bs and groups bs into g: a split of either carries the samples, so the data-
+    parallel axis that splits them is data parallelism (it used to read as tensor parallelism mixed with data
+    parallelism, and was refused). By hand: 8 samples per microbatch over 4 ranks, 2 each; the experts are whole on
+    every rank, Megatron-LM's default (no expert parallelism)."""
+    plan = moe_plan(tp=1, dp=4)
+    assert ex.batch_carriers(plan) == {"b", "bs", "g"}
+    assert shlex.join(ex.to_megatron(plan)) == (
+        "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --num-layers 2 --micro-batch-size 2 "
+        "--global-batch-size 16 --overlap-grad-reduce --fp16")
+
+
+def test_experts_split_over_the_tensor_parallel_ranks_export_as_megatron_expert_parallelism():
+    """Experts split over the tensor-parallel axis, each held whole, are Megatron-LM's expert parallelism of tp ranks
+    with no expert tensor parallelism (its --expert-tensor-parallel-size defaults to tp, arguments.py). The line
+    meets validate_args and parallel_state by hand: 4 experts are a multiple of the expert-parallel size 2
+    (arguments.py: num_experts % expert_model_parallel_size == 0), and the 4 ranks a multiple of ETP 1 × EP 2 × PP 1
+    (parallel_state.initialize_model_parallel), leaving 2 expert-data-parallel ranks, the data-parallel size.
+    Without sequence parallelism it is refused: Megatron-LM's MoE layer raises when trained with tensor parallelism
+    but not sequence parallelism (megatron/core/transformer/moe/moe_layer.py). A dense model's heads, which the
+    attention core reads split on both operands too, are no experts."""
+    plan = moe_plan(tp=2, dp=2, sequence_parallel=True)
+    assert {p.placement for n, p in plan.stages[0].params.items() if n.startswith("l1.fc")} == {(R, Shard("e"))}
+    args = shlex.join(ex.to_megatron(plan))
+    assert ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --num-layers 2 --micro-batch-size 4 "
+            "--global-batch-size 16 --sequence-parallel --num-experts 4 --expert-model-parallel-size 2 "
+            "--expert-tensor-parallel-size 1 ") in args
+    with pytest.raises(ex.NotExpressibleError, match=r"the tensor-parallel axis splits the experts \(e\) but no norm "
+                       "splits the sequence, and Megatron-LM's MoE layers train with tensor parallelism only under "
+                       "--sequence-parallel") as info:
+        ex.to_megatron(moe_plan(tp=2, dp=2))
+    assert info.value.where == "stage 0" and "--sequence-parallel" in info.value.hint
+    from partopt.evaluate import uniform
+
+    dense = uniform(gpt(**SMALL_GPT), preset("dgx-a100", 1), 8, 1, 1, microbatches=2, sequence_parallel=True)
+    assert not any("expert" in a for a in ex.to_megatron(dense))
+
+
 TF32_SWITCHES = ("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1", "torch.backends.cuda.matmul.allow_tf32 = True")
 
 
