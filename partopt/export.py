@@ -119,7 +119,7 @@ def optimizer_placement(t: TensorPlacement, mesh: Sequence[int]) -> tuple[Placem
                                 f"is {placement[axis]}, not replicated", f"params.{t.name}.zero_axes")
         for i, d in enumerate(t.dims):
             splits = [k for k, p in enumerate(placement) if p == Shard(d)]
-            local = t.shape[i] // max(1, math.prod(mesh[k] for k in splits))
+            local = t.shape[i] // split_ways(placement, mesh).get(d, 1)
             if local % mesh[axis] == 0 and all(k < axis for k in splits):
                 placement[axis] = Shard(d)
                 break
