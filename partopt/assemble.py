@@ -192,4 +192,5 @@ def assemble(graph: Graph, cluster: Cluster, layering: Layering, options, count:
                  "recompute": options.recompute, "schedule": options.schedule, "overlap": options.overlap, "cost_model": (options.cost_model or costmodel.ANALYTICAL).key,
                  **({"state_layout": options.state_layout} if options.state_layout != "zero" else {})},
         schedule=schedule, virtual_stages=virtual_stages, batch_dim=graph.batch_dim, tensors=tensors,
-        matmul_dtype=graph.matmul_dtype, architecture=graph.architecture, optimizer=graph.optimizer)
+        matmul_dtype=graph.matmul_dtype, architecture=graph.architecture, optimizer=graph.optimizer,
+        platform=cluster.device.platform)

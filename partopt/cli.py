@@ -905,7 +905,10 @@ def export_command(plan_file: str, target: str, source: str | None) -> None:
 
         shapes = param_shapes(source)
     plan = validate.read_checked(plan_file)
-    text = export(plan, target, shapes)
+    try:
+        text = export(plan, target, shapes)
+    except PartoptError as err:  # a refusal names the plan file before its place in it
+        raise err.located(plan_file) from None
     if target == "megatron":
         warn(megatron_warnings(plan))
     click.echo(text)

@@ -42,6 +42,9 @@ PEAK_FALLBACK: Mapping[str, tuple[str, ...]] = {
     "int64": ("fp32",),
     "bool": ("fp32",),
 }
+# What a device runs, in JAX's words (`jax.Device.platform`): a "gpu" runs CUDA (Megatron-LM, PyTorch on "cuda"),
+# a "tpu" runs XLA; the exports read it to refuse a runtime the devices cannot run
+PLATFORMS: tuple[str, ...] = ("gpu", "tpu")
 SUBMESH_FAMILIES: tuple[str, ...] = ("auto", "alpa", "power_of_two")
 # "auto" searches Alpa's family (every node count) up to this many nodes, powers of two beyond: the stage DP's
 # table and work grow with the number of submesh shapes, and Alpa's family at 384 nodes has 387 of them
@@ -71,6 +74,7 @@ class Device:
     matmul_half_flops: float = 0.0  # GEMM size (FLOPs per call) reaching half of matmul_efficiency; 0: no curve
     fp8_matmul_efficiency: float | None = None  # fraction of the fp8 peak a large fp8 GEMM reaches; None: as 16-bit
     attention_efficiency: float | None = None  # fraction of peak a large fused-attention kernel reaches; None: as a GEMM
+    platform: str = "gpu"  # one of PLATFORMS: which runtimes the device runs (a cluster file without one: a GPU)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
@@ -92,6 +96,8 @@ class Device:
         _check(self.attention_efficiency is None or _fraction_ok(self.attention_efficiency),
                f"{who}: attention_efficiency {self.attention_efficiency} is not in (0, 1]",
                "a fraction of peak, e.g. 0.4, or omit it to use matmul_efficiency")
+        _check(self.platform in PLATFORMS, f"{who}: unknown platform {self.platform!r}",
+               f"use one of {list(PLATFORMS)}")
         _check(self.matmul_half_flops >= 0, f"{who}: matmul_half_flops {self.matmul_half_flops} is negative",
                "give the GEMM size in FLOPs at which matmuls reach half their efficiency, or 0 for none")
 
@@ -394,7 +400,8 @@ _PRESETS: dict[str, Cluster] = {
         inter_node=Link(50 * GB, INFINIBAND_LATENCY_S)),
     "tpu-v4": Cluster(
         name="tpu-v4", nodes=16, devices_per_node=4,
-        device=Device("TPU-v4", {"bf16": 275 * TERA, "int8": 275 * TERA, "fp32": 45.8 * TERA}, 32 * GIB, 1200 * GB),
+        device=Device("TPU-v4", {"bf16": 275 * TERA, "int8": 275 * TERA, "fp32": 45.8 * TERA}, 32 * GIB, 1200 * GB,
+                      platform="tpu"),
         intra_node=Link(45 * GB, ICI_LATENCY_S),
         inter_node=Link(45 * GB, ICI_LATENCY_S)),
 }
@@ -459,7 +466,8 @@ def cluster_from_dict(data: dict[str, Any], where: str = "") -> Cluster:
             memory_efficiency=dev.get("memory_efficiency", Device.memory_efficiency),
             matmul_half_flops=dev.get("matmul_half_gflop", 0.0) * GIGA,
             fp8_matmul_efficiency=dev.get("fp8_matmul_efficiency"),
-            attention_efficiency=dev.get("attention_efficiency"))
+            attention_efficiency=dev.get("attention_efficiency"),
+            platform=dev.get("platform", Device.platform))
     links = {}
     for key, default_latency in (("intra_node", NVLINK_LATENCY_S), ("inter_node", INFINIBAND_LATENCY_S)):
         link = data[key]
@@ -502,6 +510,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             **({"matmul_half_gflop": file_number(dev.matmul_half_flops / GIGA)} if dev.matmul_half_flops else {}),
             **({"fp8_matmul_efficiency": dev.fp8_matmul_efficiency} if dev.fp8_matmul_efficiency is not None else {}),
             **({"attention_efficiency": dev.attention_efficiency} if dev.attention_efficiency is not None else {}),
+            **({"platform": dev.platform} if dev.platform != Device.platform else {}),
         },
         "intra_node": link(cluster.intra_node),
         "inter_node": link(cluster.inter_node),

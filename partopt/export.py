@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from partopt import costmodel
+from partopt.cluster import PRESETS, Device, nominal_preset
 from partopt.errors import InstanceError, PartoptError
 from partopt.ops import NORM_KINDS
 from partopt.plan import OpStrategy, Plan, StagePlan
@@ -28,8 +29,8 @@ UNSUPPORTED_BY_MEGATRON = ("conv2d", "pool")  # Megatron-LM trains transformers
 
 
 class NotExpressibleError(PartoptError):
-    """A plan a target cannot express (Megatron-LM's uniform (tp, pp, dp) form, JAX's even shardings); the cause
-    names why."""
+    """A plan a target cannot express (Megatron-LM's uniform (tp, pp, dp) form, JAX's even shardings, a runtime the
+    plan's devices do not run); the cause names why."""
 
 
 # ---------------------------------------------------------------- a stage's tensors and their placements
@@ -118,7 +119,7 @@ def optimizer_placement(t: TensorPlacement, mesh: Sequence[int]) -> tuple[Placem
                                 f"is {placement[axis]}, not replicated", f"params.{t.name}.zero_axes")
         for i, d in enumerate(t.dims):
             splits = [k for k, p in enumerate(placement) if p == Shard(d)]
-            local = t.shape[i] // max(1, math.prod(mesh[k] for k in splits))
+            local = t.shape[i] // split_ways(placement, mesh).get(d, 1)
             if local % mesh[axis] == 0 and all(k < axis for k in splits):
                 placement[axis] = Shard(d)
                 break
@@ -130,6 +131,14 @@ def optimizer_placement(t: TensorPlacement, mesh: Sequence[int]) -> tuple[Placem
 def _devices_grid(stage: StagePlan) -> list[list[int]]:
     a, b = stage.logical_mesh
     return [stage.devices[i * b:(i + 1) * b] for i in range(a)]
+
+
+def platform(plan: Plan) -> str:
+    """What the plan's devices run (`cluster.PLATFORMS`): its record, else (a plan written before it) its cluster
+    preset's; a cluster file that names no platform holds GPUs (`Device.platform`)."""
+    if plan.platform is not None:
+        return plan.platform
+    return nominal_preset(plan.cluster).device.platform if plan.cluster in PRESETS else Device.platform
 
 
 # ---------------------------------------------------------------- settings besides placements
@@ -323,6 +332,7 @@ def to_dtensor(plan: Plan, torch_shapes: dict[str, tuple[int, ...]] | None = Non
     With `torch_shapes` (each torch parameter's shape, for a graph the PyTorch frontend imported)
     a parameter's Shard(k) indexes its torch axes instead (Replicate, with notes, where a split is
     not the outermost factor of a torch axis)."""
+    device_type = torch_device_type(plan)
     stages = []
     for i, stage in enumerate(plan.stages):
         mesh = _mesh(stage, f"stages[{i}]")
@@ -335,13 +345,30 @@ def to_dtensor(plan: Plan, torch_shapes: dict[str, tuple[int, ...]] | None = Non
                 (params if t.role == "param" else activations)[t.name] = _dtensor_entry(t, mesh)
         first_op = module_of(next(iter(stage.ops), ""))
         entry = re.match(r"^(.*?\.\d+)(\.|$)", first_op)  # inside a ModuleList entry: the entry
-        stages.append({"stage": i, "device_mesh": {"device_type": "cuda", "shape": list(mesh),
+        stages.append({"stage": i, "device_mesh": {"device_type": device_type, "shape": list(mesh),
                                                    "mesh": _devices_grid(stage), "mesh_dim_names": list(AXIS_NAMES)},
                        "params": params, "activations": activations,
                        "parallelize_plan": parallelize_plan(plan, i),
                        "begins_at": entry.group(1) if entry else first_op})
     return {"format": "partopt.export.dtensor", "version": 1, "graph": plan.graph, "training": training(plan),
             "shared_params": shared_copies(plan), "stages": stages}
+
+
+# DeviceMesh's device_type per platform. torch names a TPU "xla" (torch_xla), but an "xla" mesh is no DTensor mesh:
+# torch/distributed/device_mesh.py documents device_type as "cpu" or "cuda/cuda-like" and builds no process groups for
+# "xla" ("Skip process group initialization if xla device"), and torch/distributed/tensor/_api.py's distribute_tensor
+# and distribute_module hand it to torch_xla's experimental SPMD, which returns an XLAShardedTensor, not a DTensor
+TORCH_DEVICE_TYPES = {"gpu": "cuda"}
+
+
+def torch_device_type(plan: Plan) -> str:
+    """The DeviceMesh device_type of the plan's devices; NotExpressibleError for devices DTensor does not run on."""
+    kind = platform(plan)
+    if kind not in TORCH_DEVICE_TYPES:
+        raise _not_expressible(f"the plan was made for {plan.cluster}'s {kind.upper()} devices, which DTensor does not "
+                               f"run on: torch's {kind.upper()} device type, xla, shards by torch_xla's SPMD, not by "
+                               "DTensor placements", "platform", "export it with --to jax")
+    return TORCH_DEVICE_TYPES[kind]
 
 
 def shared_copies(plan: Plan) -> dict[str, dict[str, Any]]:
@@ -395,29 +422,47 @@ def parallelize_plan(plan: Plan, index: int) -> dict[str, dict[str, str]]:
 
 @dataclass(frozen=True)
 class _StageRoles:
-    dp_axes: tuple[int, ...]  # mesh axes (size > 1) that split only the batch dim
+    dp_axes: tuple[int, ...]  # mesh axes (size > 1) that split only the batch dim and dims carrying it
     tp_axes: tuple[int, ...]  # mesh axes (size > 1) that together form the tensor-parallel group
     sequence_parallel: bool
+    experts: frozenset[str] = frozenset()  # dims the tensor-parallel axes split as expert parallelism (`_expert_dims`)
 
 
 def _not_expressible(cause: str, where: str, hint: str = "export it with --to jax or --to dtensor") -> NotExpressibleError:
     return NotExpressibleError(cause, where, hint)
 
 
-def _axis_role(plan: Plan, i: int, stage: StagePlan, axis: int) -> str:
-    """"dp" when every op splits the batch dim over `axis` (ops without it may run replicated), else "tp"."""
-    batch = plan.batch_dim
+def batch_carriers(plan: Plan) -> frozenset[str]:
+    """The batch dim and the dims reshapes carry it in as their outermost part (an MoE layer's tokens (b, s) -> bs,
+    then its groups bs -> (g, gs)): splitting one splits the samples, as data parallelism does. Read from the plan's
+    reshapes, as `evaluate.batch_dims` reads the graph's: a reshape reading its input split along x and splitting its
+    output along y ≠ x over one mesh axis pairs a dim with its outermost part, where shardings live
+    (`ops.reshape_outer`)."""
+    pairs = {(p.dim, d) for stage in plan.stages for info in stage.ops.values() if info.kind == "reshape"
+             for placement in info.inputs[:1] for p, d in zip(placement, info.axes)
+             if isinstance(p, Shard) and d not in (None, p.dim)}
+    carriers, size = {plan.batch_dim}, 0
+    while size < len(carriers):
+        size = len(carriers)
+        carriers |= {dim for pair in pairs if carriers & set(pair) for dim in pair}
+    return frozenset(carriers)
+
+
+def _axis_role(plan: Plan, i: int, stage: StagePlan, axis: int, batch: frozenset[str]) -> str:
+    """"dp" when every op splits the batch dim, or a dim carrying it (`batch_carriers`), over `axis` (ops without
+    any may run replicated), else "tp"."""
     where = f"stage {i}"
-    splits_batch = [op for op, info in stage.ops.items() if info.axes[axis] == batch]
+    splits_batch = [(op, info.axes[axis]) for op, info in stage.ops.items() if info.axes[axis] in batch]
     splits_other = [(op, info.axes[axis]) for op, info in stage.ops.items()
-                    if info.axes[axis] not in (None, batch)]
+                    if info.axes[axis] is not None and info.axes[axis] not in batch]
     if splits_batch and splits_other:
-        op, dim = splits_other[0]
+        (op, dim), (batch_op, carrier) = splits_other[0], splits_batch[0]
+        what = f"{carrier}, which carries the batch dim" if carrier != plan.batch_dim else "the batch dim"
         raise _not_expressible(f"axis {axis} mixes data and tensor parallelism: op {op} splits {dim} over it, "
-                               f"op {splits_batch[0]} splits the batch dim {batch}", where)
+                               f"op {batch_op} splits {what} {plan.batch_dim}", where)
     if splits_batch:
-        idle = [op for op, info in stage.ops.items()
-                if info.axes[axis] is None and batch in _tensor_info(plan, info.tensor, f"{where} op {op}")["dims"]]
+        idle = [op for op, info in stage.ops.items() if info.axes[axis] is None
+                and batch & set(_tensor_info(plan, info.tensor, f"{where} op {op}")["dims"])]
         if idle:
             raise _not_expressible(f"op {idle[0]} runs replicated over data-parallel axis {axis}; Megatron gives "
                                    f"every data-parallel rank its own samples", where)
@@ -479,6 +524,18 @@ def _sequence_parallel(plan: Plan, i: int, stage: StagePlan, axis: int) -> bool:
     return bool(sequence_split)
 
 
+def _expert_dims(plan: Plan, i: int, stage: StagePlan, axis: int) -> frozenset[str]:
+    """The dims the stage splits over `axis` as Megatron-LM's expert parallelism does: an einsum reads every operand
+    split along the dim and keeps its output split along it (a stack of weights, each applied to its own slice of
+    tokens), and its output lacks the batch dim (the tokens regrouped for their experts: an MoE layer's dispatched
+    groups); each rank then holds its experts whole. The attention core reads its heads alike, over the samples."""
+    return frozenset(
+        info.axes[axis] for op, info in stage.ops.items()
+        if info.kind == "einsum" and info.axes[axis] is not None and info.output[axis] == Shard(info.axes[axis])
+        and all(p[axis] == Shard(info.axes[axis]) for p in info.inputs)
+        and plan.batch_dim not in _tensor_info(plan, info.tensor, f"stage {i} op {op}")["dims"])
+
+
 def _stage_roles(plan: Plan, i: int, stage: StagePlan) -> _StageRoles:
     """Which mesh axes are data parallel and which tensor parallel, checked against Megatron's rules."""
     where = f"stage {i}"
@@ -488,7 +545,8 @@ def _stage_roles(plan: Plan, i: int, stage: StagePlan) -> _StageRoles:
         if info.kind in UNSUPPORTED_BY_MEGATRON:
             raise _not_expressible(f"op {op} is a {info.kind}: Megatron-LM trains transformers, without "
                                    f"convolution or pooling layers", where)
-    roles = {k: _axis_role(plan, i, stage, k) for k in range(len(mesh)) if mesh[k] > 1}
+    batch = batch_carriers(plan)
+    roles = {k: _axis_role(plan, i, stage, k, batch) for k in range(len(mesh)) if mesh[k] > 1}
     tp_axes = _tensor_parallel_axes(stage, mesh, [k for k, r in roles.items() if r == "tp"], where)
     dp_axes = tuple(k for k, r in roles.items() if r == "dp")
     for name, info in stage.params.items():
@@ -498,7 +556,8 @@ def _stage_roles(plan: Plan, i: int, stage: StagePlan) -> _StageRoles:
                                    f"Megatron replicates weights across data-parallel ranks (its distributed "
                                    f"optimizer shards only optimizer state)", where)
     sequence_parallel = bool(tp_axes) and _sequence_parallel(plan, i, stage, tp_axes[0])
-    return _StageRoles(dp_axes, tp_axes, sequence_parallel)
+    experts = _expert_dims(plan, i, stage, tp_axes[0]) if tp_axes else frozenset()
+    return _StageRoles(dp_axes, tp_axes, sequence_parallel, experts)
 
 
 def _layer_counts(plan: Plan) -> list[int]:
@@ -537,9 +596,13 @@ def _uneven_ends(counts: Sequence[int]) -> tuple[int | None, int | None]:
 
 def megatron_config(plan: Plan) -> dict[str, Any]:
     """Megatron-LM's numbers for `plan` (tp, pp, dp, micro/global batch, microbatches, layers, sequence
-    parallelism, distributed optimizer), or NotExpressibleError naming what its uniform form cannot hold."""
+    parallelism, expert parallelism, distributed optimizer), or NotExpressibleError naming what its uniform form
+    cannot hold."""
     if not plan.stages:
         raise InstanceError("the plan has no stages", "stages")
+    if platform(plan) != "gpu":
+        raise _not_expressible(f"the plan was made for {plan.cluster}'s {platform(plan).upper()} devices, and "
+                               "Megatron-LM runs on NVIDIA GPUs only", "platform", "export it with --to jax")
     if plan.batch_dim is None:
         raise _not_expressible("the plan names no batch dim", "batch_dim", "re-solve with a graph that sets batch_dim")
     if plan.schedule not in ("1f1b", "interleaved"):
@@ -566,6 +629,7 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
                                    f"--sequence-parallel holds for every stage", f"stage {i}")
     mesh = head.logical_mesh
     tp = math.prod(mesh[k] for k in roles[0].tp_axes)
+    _check_experts(roles)
     dp = math.prod(mesh[k] for k in roles[0].dp_axes)
     size = tp * dp
     for i, stage in enumerate(plan.stages[:S]):
@@ -605,6 +669,9 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
             "num_layers": sum(counts), "layers_per_stage": counts,
             "first_stage_layers": first, "last_stage_layers": last,
             "sequence_parallel": roles[0].sequence_parallel and tp > 1,
+            # experts split over the tensor-parallel ranks, each held whole: Megatron-LM's expert parallelism of tp
+            # ranks without expert tensor parallelism (its --expert-tensor-parallel-size defaults to tp)
+            "expert_parallel": tp if any(r.experts for r in roles) else 1, "num_experts": _num_experts(plan, roles),
             "tp_comm_overlap": bool(plan.options.get("megatron", {}).get("tp_comm_overlap")),
             "distributed_optimizer": zero, "recompute": recomputation(plan.stages[0]),
             "overlap_grad_reduce": bool(plan.options.get("overlap", False)),
@@ -613,6 +680,31 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
             "fp8_format": "hybrid" if plan.matmul_dtype == "fp8" else None,
             "precision": _precision(plan), "optimizer": _optimizer(plan),
             "model": _model_arguments(plan, sum(counts), tp)}
+
+
+def _num_experts(plan: Plan, roles: Sequence[_StageRoles]) -> int | None:
+    """The size of the dim the stages split as experts, which Megatron-LM's --expert-model-parallel-size needs as
+    --num-experts (arguments.py asserts it is set and a multiple of the expert-parallel size, which the plan's even
+    split of it guarantees); None without experts; NotExpressibleError for experts of different counts."""
+    sizes = {name: info["shape"][info["dims"].index(d)] for d in sorted(set().union(*(r.experts for r in roles)))
+             for name, info in plan.tensors.items() if d in info["dims"]}
+    if len(set(sizes.values())) > 1:
+        raise _not_expressible(f"the stages split experts of {len(set(sizes.values()))} different counts, and "
+                               "Megatron-LM's --num-experts gives every MoE layer one", "tensors")
+    return next(iter(sizes.values()), None)
+
+
+def _check_experts(roles: Sequence[_StageRoles]) -> None:
+    """NotExpressibleError for experts split over the tensor-parallel ranks without sequence parallelism: Megatron-LM's
+    MoE layer refuses to train so (megatron/core/transformer/moe/moe_layer.py, MoELayer.forward raises ValueError
+    when the attention's tensor-parallel group has more than one rank and sequence_parallel is off)."""
+    i = next((i for i, r in enumerate(roles) if r.experts), None)
+    if i is not None and not roles[i].sequence_parallel:
+        raise _not_expressible(f"the tensor-parallel axis splits the experts ({', '.join(sorted(roles[i].experts))}) "
+                               "but no norm splits the sequence, and Megatron-LM's MoE layers train with tensor "
+                               "parallelism only under --sequence-parallel", f"stage {i}",
+                               "plan with sequence parallelism (partopt evaluate --sequence-parallel), or export with "
+                               "--to jax or --to dtensor")
 
 
 MEGATRON_OPTIMIZERS = {"adam": None, "sgd": "sgd"}  # partopt's optimizer -> Megatron-LM's --optimizer (adam: its default)
@@ -693,20 +785,46 @@ def _precision(plan: Plan) -> str | None:
 
 def megatron_warnings(plan: Plan) -> list[str]:
     """What Megatron-LM will run differently from how `plan` was priced, or what its line leaves to the user, one line
-    each: a graph with no architecture record (the line holds the layout alone); a 16-bit plan priced in the
-    ZeRO paper's state layout, whose gradients Megatron-LM keeps in fp32 (`costmodel.STATE_LAYOUTS`): the same bytes
-    more per parameter under any optimizer, the totals said with the plan's."""
+    each: a graph with no architecture record (the line holds the layout alone); GEMMs priced at another precision
+    than Megatron-LM runs (`_gemm_warnings`); a 16-bit plan priced in the ZeRO paper's state layout
+    (`_state_layout_warnings`)."""
     layout_only = [] if plan.architecture is not None else [
         "the plan's graph records no transformer architecture: these are the layout's arguments only; add the "
         "model's own (--hidden-size, --num-attention-heads, --seq-length, --max-position-embeddings), which "
         "Megatron-LM requires"]
+    return [*layout_only, *_gemm_warnings(plan), *_state_layout_warnings(plan)]
+
+
+def _gemm_warnings(plan: Plan) -> list[str]:
+    """The GEMM precision the plan priced where Megatron-LM's line runs another: it runs GEMMs in its parameters'
+    dtype (--fp16, --bf16, else fp32) or FP8 (--fp8-format), and has no TF32 argument (megatron/training/arguments.py
+    at d98e8a6 names none). Its fp32 GEMMs are TF32 only where Transformer Engine runs them (its cublaslt_gemm.cu
+    computes fp32 GEMMs in CUBLAS_COMPUTE_32F_FAST_TF32); torch's own, such as the output layer's torch.matmul
+    (megatron/core/tensor_parallel/layers.py), run in full fp32 unless TF32 is allowed, which torch's default is not
+    (aten/src/ATen/Context.h: float32_matmul_precision is HIGHEST unless TORCH_ALLOW_TF32_CUBLAS_OVERRIDE is set)."""
+    runs = "fp8" if plan.matmul_dtype == "fp8" else _precision(plan) or "fp32"
+    priced = plan.matmul_dtype or runs
+    if priced == runs:
+        return []
+    if (priced, runs) == ("tf32", "fp32"):
+        return ["the plan priced its fp32 GEMMs in TF32, which Megatron-LM has no argument for: Transformer Engine's "
+                "layers run fp32 GEMMs in TF32, but torch's own matmuls (the output layer's) run in full fp32 unless "
+                "TF32 is allowed, which torch's default is not: launch with TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, or set "
+                "torch.backends.cuda.matmul.allow_tf32 = True in the training script"]
+    return [f"the plan priced its GEMMs in {priced}, but Megatron-LM runs them in {runs}, its parameters' precision: "
+            "re-plan the graph without matmul_dtype to price the GEMMs it runs"]
+
+
+def _state_layout_warnings(plan: Plan) -> list[str]:
+    """A 16-bit plan priced in the ZeRO paper's state layout, whose gradients Megatron-LM keeps in fp32
+    (`costmodel.STATE_LAYOUTS`): the same bytes more per parameter under any optimizer, the totals said with the
+    plan's."""
     precision = _precision(plan)
     if precision not in ("fp16", "bf16") or plan.options.get("state_layout", "zero") == "megatron":
-        return layout_only
+        return []
     optimizer = plan.optimizer or "adam"  # a plan written before the record: Megatron-LM's default
     priced, kept = (costmodel.param_memory(1, precision, optimizer, layout).total for layout in ("zero", "megatron"))
-    return [*layout_only,
-            f"the plan was priced in the ZeRO paper's state layout (zero), but Megatron-LM keeps {kept - priced} more "
+    return [f"the plan was priced in the ZeRO paper's state layout (zero), but Megatron-LM keeps {kept - priced} more "
             f"bytes per parameter in {precision} (fp32 gradients; with {optimizer} {kept} bytes where {priced} were "
             "priced; docs/COSTMODEL.md §5): plan with --state-layout megatron to price the memory it will use"]
 
@@ -732,6 +850,9 @@ def to_megatron(plan: Plan) -> list[str]:
     args += ["--micro-batch-size", str(c["micro_batch_size"]), "--global-batch-size", str(c["global_batch_size"])]
     if c["sequence_parallel"]:
         args.append("--sequence-parallel")
+    if c["expert_parallel"] > 1:
+        args += ["--num-experts", str(c["num_experts"]), "--expert-model-parallel-size", str(c["expert_parallel"]),
+                 "--expert-tensor-parallel-size", "1"]
     if c["tp_comm_overlap"]:
         args.append("--tp-comm-overlap")
     if c["distributed_optimizer"]:

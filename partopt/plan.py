@@ -83,6 +83,7 @@ class Plan:
     matmul_dtype: str | None = None  # the GEMM precision priced (`Graph.matmul_dtype`); None: each op at its tensors'
     architecture: dict[str, Any] | None = None  # the graph's `architecture`, for exports; None: it has none
     optimizer: str | None = None  # the optimizer whose state was priced (`Graph.optimizer`); None: files before it
+    platform: str | None = None  # what the cluster's devices run (`Device.platform`); None: files before the record
 
 
 def _merged(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -309,6 +309,22 @@ def test_cluster_from_dict_converts_units_and_fills_defaults():
                                                                          memory_efficiency=0.8))
 
 
+def test_a_device_names_its_platform_gpu_unless_told():
+    """What a device runs is read from its file (exports refuse a runtime it cannot run): the TPU preset says tpu,
+    a file that names none holds GPUs and is written back without one; a platform partopt does not know is refused."""
+    assert preset("tpu-v4").device.platform == "tpu" and preset("dgx-a100").device.platform == "gpu"
+    assert cluster_from_dict(EXAMPLE).device.platform == "gpu" and "platform" not in cluster_to_dict(preset("dgx-a100"))["device"]
+    tpu = copy.deepcopy(EXAMPLE)
+    tpu["device"]["platform"] = "tpu"
+    jsonschema.validate(tpu, SCHEMA)
+    assert cluster_to_dict(cluster_from_dict(tpu))["device"]["platform"] == "tpu"
+    tpu["device"]["platform"] = "ipu"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(tpu, SCHEMA)
+    with pytest.raises(InstanceError, match="unknown platform 'ipu'"):
+        cluster_from_dict(tpu)
+
+
 def test_latency_defaults_when_omitted():
     data = copy.deepcopy(EXAMPLE)
     del data["intra_node"]["latency_us"], data["inter_node"]["latency_us"]

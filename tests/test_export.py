@@ -645,6 +645,101 @@ def test_megatron_export_warns_when_the_plan_priced_less_state_than_megatron_lm_
         assert "--state-layout megatron" in result.stderr
 
 
+SMALL_MOE = {"hidden": 256, "layers": 2, "heads": 4, "experts": 4, "seq": 128, "vocab": 1024, "batch": 16,
+             "group_size": 128, "optimizer": "adam"}  # block 1's MLP is 4 experts; Adam, which Megatron-LM runs
+
+
+def moe_plan(tp, dp, sequence_parallel=False):
+    """SMALL_MOE in Megatron's layout on 4 GPUs, 2 microbatches of 8 samples."""
+    from partopt.evaluate import uniform
+    from partopt.models.moe import moe
+
+    return uniform(moe(**SMALL_MOE), preset("dgx-a100", 1).narrowed(4), tp, 1, dp, microbatches=2,
+                   sequence_parallel=sequence_parallel)
+
+
+def test_a_data_parallel_moe_plan_exports_its_flattened_tokens_as_data_parallel():
+    """The MoE layer flattens b·s into bs and groups bs into g: a split of either carries the samples, so the data-
+    parallel axis that splits them is data parallelism (it used to read as tensor parallelism mixed with data
+    parallelism, and was refused). By hand: 8 samples per microbatch over 4 ranks, 2 each; the experts are whole on
+    every rank, Megatron-LM's default (no expert parallelism)."""
+    plan = moe_plan(tp=1, dp=4)
+    assert ex.batch_carriers(plan) == {"b", "bs", "g"}
+    assert shlex.join(ex.to_megatron(plan)) == (
+        "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --num-layers 2 --micro-batch-size 2 "
+        "--global-batch-size 16 --overlap-grad-reduce --fp16")
+
+
+def test_experts_split_over_the_tensor_parallel_ranks_export_as_megatron_expert_parallelism():
+    """Experts split over the tensor-parallel axis, each held whole, are Megatron-LM's expert parallelism of tp ranks
+    with no expert tensor parallelism (its --expert-tensor-parallel-size defaults to tp, arguments.py). The line
+    meets validate_args and parallel_state by hand: 4 experts are a multiple of the expert-parallel size 2
+    (arguments.py: num_experts % expert_model_parallel_size == 0), and the 4 ranks a multiple of ETP 1 × EP 2 × PP 1
+    (parallel_state.initialize_model_parallel), leaving 2 expert-data-parallel ranks, the data-parallel size.
+    Without sequence parallelism it is refused: Megatron-LM's MoE layer raises when trained with tensor parallelism
+    but not sequence parallelism (megatron/core/transformer/moe/moe_layer.py). A dense model's heads, which the
+    attention core reads split on both operands too, are no experts."""
+    plan = moe_plan(tp=2, dp=2, sequence_parallel=True)
+    assert {p.placement for n, p in plan.stages[0].params.items() if n.startswith("l1.fc")} == {(R, Shard("e"))}
+    args = shlex.join(ex.to_megatron(plan))
+    assert ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --num-layers 2 --micro-batch-size 4 "
+            "--global-batch-size 16 --sequence-parallel --num-experts 4 --expert-model-parallel-size 2 "
+            "--expert-tensor-parallel-size 1 ") in args
+    with pytest.raises(ex.NotExpressibleError, match=r"the tensor-parallel axis splits the experts \(e\) but no norm "
+                       "splits the sequence, and Megatron-LM's MoE layers train with tensor parallelism only under "
+                       "--sequence-parallel") as info:
+        ex.to_megatron(moe_plan(tp=2, dp=2))
+    assert info.value.where == "stage 0" and "--sequence-parallel" in info.value.hint
+    from partopt.evaluate import uniform
+
+    dense = uniform(gpt(**SMALL_GPT), preset("dgx-a100", 1), 8, 1, 1, microbatches=2, sequence_parallel=True)
+    assert not any("expert" in a for a in ex.to_megatron(dense))
+
+
+TF32_SWITCHES = ("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1", "torch.backends.cuda.matmul.allow_tf32 = True")
+
+
+@pytest.mark.parametrize("dtype, matmul_dtype, gemm_warning", [
+    ("fp32", "tf32", "the plan priced its fp32 GEMMs in TF32, which Megatron-LM has no argument for"),
+    ("bf16", "tf32", "the plan priced its GEMMs in tf32, but Megatron-LM runs them in bf16"),
+    ("fp32", "bf16", "the plan priced its GEMMs in bf16, but Megatron-LM runs them in fp32"),
+    ("fp32", None, None), ("bf16", "fp8", None)])
+def test_megatron_export_warns_of_gemms_it_runs_at_another_precision_than_priced(dtype, matmul_dtype, gemm_warning):
+    """Megatron-LM runs GEMMs in its parameters' dtype (--fp16, --bf16 or fp32), or FP8 with --fp8-format, and has no
+    TF32 argument (megatron/training/arguments.py at d98e8a6 names none): a plan priced with TF32 GEMMs over fp32
+    weights is warned about with the switches that allow TF32 in torch (off by default), and one priced at another
+    GEMM precision than Megatron-LM runs is warned about; the line itself is unchanged."""
+    from partopt.evaluate import uniform
+
+    graph = dataclasses.replace(gpt(**SMALL_GPT, dtype=dtype), matmul_dtype=matmul_dtype)
+    plan = uniform(graph, preset("dgx-h100", 1), 2, 1, 4, microbatches=2, state_layout="megatron")
+    warnings = ex.megatron_warnings(plan)
+    assert [w for w in warnings if "GEMM" in w] == ([] if gemm_warning is None else warnings) and len(warnings) <= 1
+    if gemm_warning is not None:
+        assert warnings[0].startswith(gemm_warning)
+        assert all(switch in warnings[0] for switch in TF32_SWITCHES) == (matmul_dtype == "tf32" and dtype == "fp32")
+    assert ex.to_megatron(plan) == ex.to_megatron(dataclasses.replace(plan, matmul_dtype=None)) or matmul_dtype == "fp8"
+
+
+def test_torch_runs_fp32_matmuls_without_tf32_unless_a_named_switch_allows_it():
+    """The switches the TF32 warning names do what it says, in the installed torch: TF32 is off by default
+    (aten/src/ATen/Context.h: float32_matmul_precision is HIGHEST unless TORCH_ALLOW_TF32_CUBLAS_OVERRIDE is set),
+    and the environment variable or the flag turns it on."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    probe = ("import torch; print(torch.backends.cuda.matmul.allow_tf32); "
+             "torch.backends.cuda.matmul.allow_tf32 = True; print(torch.get_float32_matmul_precision())")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"}
+    default = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert default.stdout.split() == ["False", "high"]  # off, and the flag turns on TF32 ("high" precision)
+    allowed = subprocess.run([sys.executable, "-c", probe], env={**env, "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"},
+                             capture_output=True, text=True, check=True)
+    assert allowed.stdout.split()[0] == "True"
+
+
 def test_the_plan_records_its_optimizer_and_the_exports_say_it():
     """The optimizer whose state was priced travels with the plan: the training block names it, Megatron-LM gets it
     (Adafactor, which it lacks, is refused), a graph trained otherwise does not take the plan, and a plan written
@@ -663,6 +758,38 @@ def test_the_plan_records_its_optimizer_and_the_exports_say_it():
         check_against(plan, gpt(**SMALL_GPT), cluster)
     before = dataclasses.replace(plan, optimizer=None)
     assert "--optimizer" not in ex.to_megatron(before) and ex.training(before)["optimizer"] is None
+
+
+def test_a_tpu_plan_is_refused_by_the_gpu_runtimes_and_exported_to_jax(tmp_path):
+    """A plan made for TPUs records their platform, and the GPU runtimes refuse it by its file and that field:
+    Megatron-LM runs on NVIDIA GPUs only, and DTensor has no TPU mesh (torch's xla device type hands sharding to
+    torch_xla's SPMD: torch/distributed/tensor/_api.py distribute_tensor); JAX runs it. A plan written before the
+    record is read by its cluster preset; a GPU plan's DeviceMesh is cuda, recorded or not."""
+    from click.testing import CliRunner
+
+    from partopt.cli import main
+    from partopt.evaluate import uniform
+    from partopt.plan import write_plan
+
+    tpu = uniform(gpt(**SMALL_GPT, dtype="bf16"), preset("tpu-v4", 1), 2, 1, 2, microbatches=2)
+    assert tpu.platform == "tpu" and plan_from_dict(plan_to_dict(tpu)).platform == "tpu"
+    path = tmp_path / "plan.json"
+    write_plan(tpu, path)
+    megatron = CliRunner().invoke(main, ["export", str(path), "--to", "megatron"])
+    assert megatron.exit_code == 2 and megatron.stderr.splitlines() == [
+        f"error: {path}: platform: the plan was made for tpu-v4's TPU devices, and Megatron-LM runs on NVIDIA GPUs "
+        "only (hint: export it with --to jax)"]
+    dtensor = CliRunner().invoke(main, ["export", str(path), "--to", "dtensor"])
+    assert dtensor.exit_code == 2 and len(dtensor.stderr.splitlines()) == 1
+    assert dtensor.stderr.startswith(f"error: {path}: platform: the plan was made for tpu-v4's TPU devices, which "
+                                     "DTensor does not run on") and dtensor.stderr.endswith("(hint: export it with --to jax)\n")
+    assert CliRunner().invoke(main, ["export", str(path), "--to", "jax"]).exit_code == 0
+    with pytest.raises(ex.NotExpressibleError, match="Megatron-LM runs on NVIDIA GPUs only"):
+        ex.to_megatron(dataclasses.replace(tpu, platform=None))
+    gpu = uniform(gpt(**SMALL_GPT, dtype="bf16"), preset("dgx-a100", 1), 2, 1, 4, microbatches=2)
+    for p in (gpu, dataclasses.replace(gpu, platform=None)):
+        assert {s["device_mesh"]["device_type"] for s in ex.to_dtensor(p)["stages"]} == {"cuda"}
+        assert ex.to_megatron(p)[:2] == ["--tensor-model-parallel-size", "2"]
 
 
 @pytest.mark.parametrize("target", ["jax", "megatron"])
