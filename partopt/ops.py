@@ -71,6 +71,13 @@ def _require(condition: bool, message: str) -> None:
         raise OpShapeError(message)
 
 
+def stride_attr(strides: Sequence[int]) -> int | list[int]:
+    """A window's (height, width) stride as a conv2d or pool records it (`attrs.stride`, informational): one integer
+    when the two agree, else the pair."""
+    h, w = (int(s) for s in strides)
+    return h if h == w else [h, w]
+
+
 def takes(kind: str, count: int) -> bool:
     """Whether an op of `kind` may read `count` inputs (`INPUTS`)."""
     fewest, most = INPUTS[kind]

@@ -217,6 +217,17 @@ def test_convolutions_map_as_the_wide_resnet_generator_writes_them():
     assert graph.flops(graph.op_index["conv1.conv2d"]) == 2 * 4 * 8 * 16 * 16 * (3 * 3 * 3)  # closed form
 
 
+def test_a_convolution_of_two_strides_records_both_and_its_graph_reads_back(tmp_path):
+    """Stride (2, 1) is recorded as the pair (one integer only where the two agree), in a file the format reads."""
+    with torch.device("meta"):
+        module, x = torch.nn.Conv2d(3, 8, 3, stride=(2, 1), padding=1), torch.empty(4, 3, 16, 16)
+    graph = from_module(module, (x,))
+    conv = next(op for op in graph.ops if op.kind == "conv2d")
+    assert conv.attrs["stride"] == [2, 1] and [graph.dims[d] for d in graph.tensors[conv.output].dims[2:]] == [8, 16]
+    io.write_graph(graph, tmp_path / "conv.json")
+    assert io.read_graph(tmp_path / "conv.json").op_index[conv.name].attrs["stride"] == [2, 1]
+
+
 # ---------------------------------------------------------------- truth: FLOPs, plans
 
 @pytest.mark.parametrize("make", [llama_config, gpt2_config])

@@ -21,6 +21,7 @@ from partopt.errors import InstanceError, first_line
 from partopt.frontends.draft import INTEGER_DTYPES, UnsupportedError
 from partopt.frontends.values import NoMapping, Scope, Value, Values
 from partopt.graph import Graph
+from partopt.ops import stride_attr
 
 ELEMENTWISE = frozenset({
     "Add", "Sub", "Mul", "Div", "Pow", "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Gelu", "Erf", "Exp", "Log", "Sqrt",
@@ -229,7 +230,7 @@ class _Importer(Values):
             raise NoMapping("a convolution whose batch, channels or output map has size 1")
         strides = self.attr(node, "strides", [1, 1])
         y = self.draft.op("conv2d", f"{node.output[0]}.conv" if len(ins) > 2 else node.output[0], [x.tensor, w.tensor],
-                          list(axes), dtype, (), stride=int(strides[0]))
+                          list(axes), dtype, (), stride=stride_attr(strides))
         if len(ins) < 3:
             return Value(y, axes)
         return self.elementwise([Value(y, axes), Value(ins[2].tensor, (ins[2].axes[0], None, None))], shape, dtype,
@@ -246,7 +247,7 @@ class _Importer(Values):
         strides = self.attr(node, "strides", [1, 1])
         axes = (x.axes[0], x.axes[1], *self.axes(shape[2:]))
         y = self.draft.op("pool", node.output[0], [x.tensor], [a for a in axes if a is not None], dtype, (),
-                          kernel=kernel, stride=int(strides[0]), fn=fn)
+                          kernel=kernel, stride=stride_attr(strides), fn=fn)
         return Value(y, axes)
 
     def norm(self, node: Any, ins: list[Value], axes: Sequence[int], kind: str, name: str, dtype: str) -> Value:

@@ -28,6 +28,7 @@ from partopt.graph import Graph, Op, Tensor
 from partopt.models.builder import require_choice
 from partopt.models.gpt import llama_architecture
 from partopt.models.transformer import ATTENTION_KERNELS
+from partopt.ops import stride_attr
 
 TORCH_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "int64", "int32": "int32",
                 "int8": "int8", "bool": "bool"}
@@ -728,7 +729,7 @@ class _Importer:
             w = self.windowed(self.real(w))
             axes = [x.axes[0], w.axes[0], *(((self.atoms.new(n), False),) for n in shape[2:])]
             out = self.emit("conv2d", [x, w], axes, shape, "conv2d",
-                            stride=stride[0] if stride[0] == stride[1] else list(stride))
+                            stride=stride_attr(stride))
         if isinstance(bias, _Val) and bias.kind != "const":
             self.contract(bias.axes[0], w.axes[0])
             bias_axes = [(), *bias.axes, (), ()]
