@@ -179,6 +179,16 @@ def test_each_bad_file_is_one_error_line(path):
         assert_one_error_line(run("inspect", str(path), *extra), str(path))
 
 
+DOC_ERRORS = [line for line in (ROOT / "docs" / "FORMAT.md").read_text().splitlines() if line.startswith("tests/bad/")]
+
+
+@pytest.mark.parametrize("line", DOC_ERRORS, ids=lambda line: line.split(":")[0])
+def test_the_errors_docs_quote_are_the_ones_the_files_give(line, monkeypatch):
+    """docs/FORMAT.md quotes what `partopt inspect` says of files in tests/bad: each quote is the line it prints."""
+    monkeypatch.chdir(ROOT)
+    assert run("inspect", line.split(":")[0]).stderr == f"error: {line}\n"
+
+
 def test_unknown_preset_lists_the_presets():
     assert_one_error_line(run("inspect", "p4d.24xlarge"), "no such file or cluster preset 'p4d.24xlarge'", *PRESETS)
 
