@@ -132,6 +132,7 @@ def _check_normalising(op: "Op", graph: "Graph") -> None:
     _require(len(axes) > 0, "normalised axes are empty")
     bad = [a for a in axes if a not in _dims(graph, x)]
     _require(not bad, f"normalised axes {bad} are not dims of input {x!r}")
+    _require(len(set(axes)) == len(axes), f"normalised axes {list(axes)} name a dim twice")
     for p in params:
         extra = [d for d in _dims(graph, p) if d not in _dims(graph, x)]
         _require(not extra, f"scale/shift {p!r} has dims {extra} not in input {x!r}")

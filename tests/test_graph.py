@@ -278,6 +278,9 @@ def test_graph_refuses_normalised_axes_that_are_not_dims_of_the_input():
             make({"b": 4, "h": 8, "f": 2}, tensors, [("n", kind, ["x"], "y", {"axes": axes})])
         assert info.value.where == "ops[0] (n)"
         assert info.value.cause == f"{kind}: normalised axes {bad} are not dims of input 'x'"
+    with pytest.raises(InstanceError) as info:  # a dim named twice would count its elements twice
+        make({"b": 4, "h": 8}, tensors, [("n", "layernorm", ["x"], "y", {"axes": ["h", "h"]})])
+    assert info.value.cause == "layernorm: normalised axes ['h', 'h'] name a dim twice"
 
 
 # ---------------------------------------------------------------- resized views
