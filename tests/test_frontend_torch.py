@@ -313,6 +313,19 @@ def test_an_imported_config_trains_in_its_own_dtype_unless_told(tmp_path):
     assert from_hf_config(read_hf_config(tmp_path / "plain.json"), batch=4, seq=16).dtype == "fp32"
 
 
+def test_importing_a_config_does_not_read_its_deprecated_torch_dtype(tmp_path, monkeypatch):
+    """transformers warns on stderr at each read of `torch_dtype` (a deprecated property; most config.json files on
+    the Hub name it): the import reads the class's fields by dir(), not by getattr."""
+    def read(self):
+        raise AssertionError("torch_dtype was read")
+
+    monkeypatch.setattr(LlamaConfig, "torch_dtype", property(read))
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16)
+    (tmp_path / "c.json").write_text(json.dumps({"model_type": "llama", **sizes, "torch_dtype": "bfloat16"}))
+    assert from_hf_config(read_hf_config(tmp_path / "c.json"), batch=4, seq=16).dtype == "bf16"
+
+
 def test_an_imported_llama_records_its_architecture_only_where_the_record_can_say_it():
     """Llama's attention_bias without mlp_bias biases four of the seven linear layers, which no one `bias` says; a
     GPT-2 config is not a Llama: neither records an architecture, and its Megatron export gives the layout alone."""

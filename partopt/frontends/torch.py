@@ -1121,8 +1121,8 @@ def _check_hf_given(config: Any, data: dict[str, Any], where: str) -> None:
     """Each of HF_SHAPE the config class has is in the file (under its own name or the file's alias, gpt2's n_layer):
     transformers fills a missing one with its class default (Llama's 32 layers of 4096), so a typo'd key would plan
     a model the file does not describe."""
-    default = type(config)()
-    unknown = [key for key in data if not hasattr(default, key)]  # keys the class does not know: typos among them
+    known = set(dir(type(config)()))  # dir, not hasattr: reading a deprecated property (torch_dtype) warns
+    unknown = [key for key in data if key not in known]  # keys the class does not know: typos among them
     for size in HF_SHAPE:
         if hasattr(config, size) and not {size, config.attribute_map.get(size, size)} & data.keys():
             near = difflib.get_close_matches(size, unknown, n=1)
