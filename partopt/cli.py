@@ -27,7 +27,7 @@ from partopt import baselines, check, costmodel, io, models, validate
 from partopt.cluster import AUTO_ALPA_NODES, MAX_NODES, PRESETS, SUBMESH_FAMILIES, Cluster, Link, preset, preset_calibration
 from partopt.costmodel import training_flops
 from partopt.evaluate import evaluate as evaluate_plan, uniform
-from partopt.errors import InstanceError, PartoptError
+from partopt.errors import InfeasibleError, InstanceError, PartoptError
 from partopt.explain import explain
 from partopt.export import TARGETS, export, megatron_warnings
 from partopt.graph import MATMUL_DTYPES, OPTIMIZERS, Graph
@@ -680,7 +680,8 @@ def _counts(text: str | None, flag: str, example: str) -> list[int] | None:
 @click.option("--plan", "plan_file", type=click.Path(), help="A plan file to price as written.")
 @click.option("--tp", type=click.IntRange(min=1), help="Tensor-parallel degree of a Megatron-style plan.")
 @click.option("--pp", type=click.IntRange(min=1), help="Pipeline stages of a Megatron-style plan.")
-@click.option("--dp", type=click.IntRange(min=1), help="Data-parallel degree of a Megatron-style plan.")
+@click.option("--dp", type=click.IntRange(min=1), help="Data-parallel degree of a Megatron-style plan (default: the "
+              "devices / (tp × pp), as Megatron-LM derives it).")
 @click.option("--microbatches", type=click.IntRange(min=1),
               help="Microbatch count of a Megatron-style plan (default: searched, the fastest that fits).")
 @click.option("--microbatch-size", type=click.IntRange(min=1),
@@ -730,14 +731,16 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
                      memory_reserve: float, no_overlap: bool, profile_file: str | None,
                      output: str | None, as_json: bool) -> None:
     """Price a plan of GRAPH under the cost model: a plan file (--plan) or a Megatron-style uniform
-    plan (--tp T --pp P --dp D): P equal stages, each on a (D, T) mesh, batch over D."""
+    plan (--tp T --pp P [--dp D], D by default the devices / (T × P)): P equal stages, each on a (D, T) mesh, batch over D."""
     if output:
         io.check_output(output)
     graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
     degrees = (tp, pp, dp)
-    if (plan_file is None) == all(d is None for d in degrees) or (plan_file is None and None in degrees):
-        raise InstanceError("give either --plan FILE or all of --tp, --pp and --dp", "partopt evaluate",
-                            "for example --plan plan.json, or --tp 8 --pp 2 --dp 4")
+    if (plan_file is None) == all(d is None for d in degrees) or (plan_file is None and None in (tp, pp)):
+        raise InstanceError("give either --plan FILE or --tp and --pp (and --dp, by default the devices / (tp × pp))",
+                            "partopt evaluate", "for example --plan plan.json, or --tp 8 --pp 2")
+    if plan_file is None and dp is None:
+        dp = _data_parallel(cluster, tp, pp)
     if plan_file is not None and (microbatches is not None or microbatch_size is not None or zero or recompute
                                   or no_overlap or sequence_parallel or shard_weights or tp_comm_overlap or schedule
                                   or virtual_stages or stage_layers or state_layout):
@@ -766,6 +769,14 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
                        tp_comm_overlap=tp_comm_overlap, stage_layers=_counts(stage_layers, "--stage-layers", "5,6,6,5"),
                        state_layout=state_layout or "zero", **options)
     _emit(plan, output, as_json, cluster_source)
+
+
+def _data_parallel(cluster: Cluster, tp: int, pp: int) -> int:
+    """The data-parallel degree Megatron-LM derives from the world size: the devices / (tp × pp)."""
+    if cluster.num_devices % (tp * pp):
+        raise InfeasibleError(f"tp × pp = {tp * pp} does not divide the cluster's {cluster.num_devices} devices",
+                              "--dp", f"give --tp and --pp whose product divides {cluster.num_devices}: dp is the devices / (tp × pp)")
+    return cluster.num_devices // (tp * pp)
 
 
 # ---------------------------------------------------------------- sweep

@@ -404,7 +404,20 @@ def test_evaluate_cli_prints_the_plan_and_refuses_mixed_arguments(tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["iteration_time_s"] == read_plan(out).iteration_time_s
     mixed = CliRunner().invoke(main, ["evaluate", graph, "--cluster", "p3.16xlarge", "--plan", str(out), "--tp", "2"])
-    assert mixed.exit_code == 2 and "give either --plan FILE or all of --tp, --pp and --dp" in mixed.stderr
+    assert mixed.exit_code == 2 and "give either --plan FILE or --tp and --pp" in mixed.stderr
+
+
+def test_evaluate_cli_derives_the_data_parallel_degree_as_megatron_does():
+    """--dp defaults to the devices / (tp × pp): 8 V100s at tp 2, pp 2 are dp 2; tp 3 divides no 8."""
+    graph = str(INSTANCES / "mlp-2layer.json")
+    args = ["evaluate", graph, "--cluster", "p3.16xlarge", "--nodes", "1", "--microbatches", "2", "--json"]
+    implied = CliRunner().invoke(main, [*args, "--tp", "2", "--pp", "2"])
+    given = CliRunner().invoke(main, [*args, "--tp", "2", "--pp", "2", "--dp", "2"])
+    assert implied.exit_code == 0, implied.output
+    assert json.loads(implied.stdout) == json.loads(given.stdout)
+    assert json.loads(implied.stdout)["options"]["megatron"]["dp"] == 2
+    odd = CliRunner().invoke(main, [*args, "--tp", "3", "--pp", "1"])
+    assert odd.exit_code == 2 and "--dp: tp × pp = 3 does not divide the cluster's 8 devices" in odd.stderr
 
 
 @pytest.mark.parametrize("flags, says", [
