@@ -194,7 +194,7 @@ def _search(graph: Graph, cluster: Cluster, options: Options, progress: Progress
     if graph.batch_dim is None:
         raise InstanceError("the graph names no batch dim", "batch_dim", "set `batch_dim` to plan data parallelism and microbatches")
     if options.schedule not in ("auto", *SEARCHED):
-        raise InstanceError(f"the search does not plan the {options.schedule} schedule", "--schedule",
+        raise InstanceError(f"the search does not plan the {options.schedule} schedule", "schedule",
                             f"use auto or one of {', '.join(SEARCHED)}; `partopt evaluate --schedule` prices any "
                             "(docs/COSTMODEL.md §5b says why)")
     batch = graph.dims[graph.batch_dim]

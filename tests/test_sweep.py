@@ -14,7 +14,9 @@ from partopt.cli import main
 from partopt.cluster import SUBMESH_FAMILIES, preset
 from partopt.errors import InstanceError
 from partopt.inter import optimize
+from partopt.costmodel import STATE_LAYOUTS
 from partopt.intra import RECOMPUTE_MODES
+from partopt.schedules import SEARCHED
 from partopt.models import gpt
 from partopt.solvers import BACKENDS
 
@@ -56,6 +58,17 @@ def test_rows_equal_separate_optimize_calls(rows):
         assert row.microbatches == alone.num_microbatches
         assert row.plan == sweep.plan_summary(alone)
         assert row.recompute == sweep.recompute_summary(alone)
+
+
+def test_varied_schedules_and_state_layouts_are_the_plans_optimize_gives_them():
+    vary = {"schedule": ["1f1b", "zero-bubble"], "state_layout": ["zero", "megatron"]}
+    spec = sweep.Spec([tiny_graph()], [four_v100()], [1], OPTIONS, vary=vary)
+    rows = sweep.sweep(spec)
+    assert [r.options for r in rows] == [f"schedule={s}; state_layout={m}" for s in vary["schedule"]
+                                         for m in vary["state_layout"]]
+    for row, point in zip(rows, sweep.points(spec)):
+        alone = optimize(tiny_graph(), four_v100(), **OPTIONS, **point.varied)
+        assert (row.iteration_time_s, row.peak_memory_bytes) == (alone.iteration_time_s, alone.memory_peak_bytes)
 
 
 def test_points_share_layer_solutions(rows):
@@ -131,6 +144,8 @@ def test_schema_names_the_code_choices():
     assert defs["backend"]["enum"] == list(BACKENDS)
     assert defs["recompute"]["enum"] == ["auto", *RECOMPUTE_MODES]
     assert defs["submesh_family"]["enum"] == list(SUBMESH_FAMILIES)
+    assert defs["schedule"]["enum"] == ["auto", *SEARCHED]  # the schedules the search plans
+    assert defs["state_layout"]["enum"] == list(STATE_LAYOUTS)
 
 
 # ---------------------------------------------------------------- the command
