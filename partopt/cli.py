@@ -775,7 +775,8 @@ def _data_parallel(cluster: Cluster, tp: int, pp: int) -> int:
     """The data-parallel degree Megatron-LM derives from the world size: the devices / (tp × pp)."""
     if cluster.num_devices % (tp * pp):
         raise InfeasibleError(f"tp × pp = {tp * pp} does not divide the cluster's {cluster.num_devices} devices",
-                              "--dp", f"give --tp and --pp whose product divides {cluster.num_devices}: dp is the devices / (tp × pp)")
+                              "--dp", f"give --tp and --pp whose product divides {cluster.num_devices}: dp is the "
+                              "devices / (tp × pp)")
     return cluster.num_devices // (tp * pp)
 
 
