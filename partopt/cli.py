@@ -28,7 +28,7 @@ from partopt.cluster import AUTO_ALPA_NODES, MAX_NODES, PRESETS, SUBMESH_FAMILIE
 from partopt.costmodel import training_flops
 from partopt.evaluate import evaluate as evaluate_plan, uniform
 from partopt.errors import InfeasibleError, InstanceError, PartoptError
-from partopt.explain import explain
+from partopt.explain import OpTime, explain, op_times
 from partopt.export import TARGETS, export, megatron_warnings
 from partopt.graph import MATMUL_DTYPES, OPTIMIZERS, Graph
 from partopt.inter import DEFAULT_MAX_LAYERS, optimize
@@ -868,9 +868,28 @@ def sweep_command(spec_file: str, output: str | None, plot_file: str | None, tok
 @main.command("explain")
 @click.argument("plan_file", metavar="PLAN")
 @click.option("--ops/--no-ops", default=True, show_default=True, help="List each op's strategy line.")
-def explain_command(plan_file: str, ops: bool) -> None:
-    """Where PLAN's time and memory go, per stage, and why each op is sharded as it is."""
-    plan = validate.read_checked(plan_file)
+@click.option("--graph", "graph_file", help="The graph file the plan was made for: with --cluster, each stage's "
+              "costliest ops, priced again (compute, collectives, FLOP/s reached).")
+@click.option("--cluster", "cluster_source", help="Cluster file or preset name the plan was made for (with --graph).")
+@click.option("--nodes", type=click.IntRange(min=1, max=MAX_NODES), help="Resize the cluster to this many nodes.")
+@click.option("--profile", "profile_file", type=click.Path(),
+              help="The partopt.profile file the plan was priced with, if any.")
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Ops listed per stage with --graph and --cluster.")
+def explain_command(plan_file: str, ops: bool, graph_file: str | None, cluster_source: str | None,
+                    nodes: int | None, profile_file: str | None, top: int) -> None:
+    """Where PLAN's time and memory go, per stage, and why each op is sharded as it is; with --graph and --cluster,
+    which ops its compute goes to."""
+    if (graph_file is None) != (cluster_source is None):
+        raise InstanceError("--graph and --cluster go together: the ops are priced again on both",
+                            "--graph" if graph_file is None else "--cluster", "give both, or neither")
+    costliest = None
+    if graph_file is not None:
+        graph, cluster = _graph_and_cluster(graph_file, cluster_source, nodes)
+        plan = validate.read_checked(plan_file, graph, cluster)
+        costliest = op_times(plan, graph, cluster, read_profile(profile_file) if profile_file else None)
+    else:
+        plan = validate.read_checked(plan_file)
     warn(validate.plan_warnings(plan))
     out = console()
     for stage, account in zip(plan.stages, explain(plan)):
@@ -892,10 +911,41 @@ def explain_command(plan_file: str, ops: bool) -> None:
         memory_table.add_row("total", fmt_bytes(sum(account.memory_bytes.values())), style="bold")
         out.print(time_table)
         out.print(memory_table)
+        if costliest is not None:
+            out.print(_kinds_table(costliest[account.index]))
+            out.print(_costliest_table(costliest[account.index], top))
         if ops:
             for line in account.ops:
                 out.print(Text(line))
         out.print()
+
+
+def _kinds_table(times: list[OpTime]) -> Table:
+    """A stage's compute per microbatch by op kind, costliest first, with the FLOP/s its kernels reach together."""
+    compute = sum(t.compute_s for t in times)
+    kinds: dict[str, list[OpTime]] = {}
+    for t in times:
+        kinds.setdefault(t.kind, []).append(t)
+    table = Table(title="compute by op kind, per microbatch")
+    for column in ("kind", "ops", "compute", "share", "FLOP", "FLOP/s"):
+        table.add_column(column, justify="left" if column == "kind" else "right")
+    for kind, ts in sorted(kinds.items(), key=lambda item: -sum(t.compute_s for t in item[1])):
+        seconds, flops = sum(t.compute_s for t in ts), sum(t.flops for t in ts)
+        table.add_row(kind, str(len(ts)), fmt_seconds(seconds), f"{100 * seconds / compute:.1f} %" if compute else "—",
+                      fmt_scaled(flops, "FLOP"), fmt_scaled(flops / seconds, "FLOP/s") if seconds else "—")
+    return table
+
+
+def _costliest_table(times: list[OpTime], top: int) -> Table:
+    """A stage's `top` costliest ops per microbatch, with their share of its compute and the FLOP/s they reach."""
+    compute = sum(t.compute_s for t in times)
+    table = Table(title=f"costliest {min(top, len(times))} of {len(times)} ops, per microbatch")
+    for column in ("op", "kind", "compute", "share", "collectives", "FLOP", "FLOP/s"):
+        table.add_column(column, justify="left" if column in ("op", "kind") else "right")
+    for t in times[:top]:
+        table.add_row(t.op, t.kind, fmt_seconds(t.compute_s), f"{100 * t.compute_s / compute:.1f} %" if compute else "—",
+                      fmt_seconds(t.comm_s), fmt_scaled(t.flops, "FLOP"), fmt_scaled(t.flop_rate, "FLOP/s"))
+    return table
 
 
 @main.command("export")

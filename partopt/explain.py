@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from partopt import costmodel, intra
+from partopt.cluster import Cluster
+from partopt.errors import InstanceError
+from partopt.graph import Graph
 from partopt.plan import Plan, by_device
+from partopt.sharding import op_strategies
 from partopt.validate import check_plan
 
 
@@ -65,4 +70,45 @@ def explain(plan: Plan) -> list[StageExplanation]:
         if bd.get("working_bytes"):
             memory["recomputation working set and transient buffers"] = bd["working_bytes"]
         result.append(StageExplanation(i, time_s, memory, [op.explanation for op in stage.ops.values()]))
+    return result
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """One op of a stage priced again at the plan's strategy: per microbatch on one device, its compute (forward and
+    backward), its in-op collectives, and the FLOPs its kernels run."""
+
+    stage: int
+    op: str
+    kind: str
+    compute_s: float
+    comm_s: float
+    flops: float
+
+    @property
+    def flop_rate(self) -> float:
+        """FLOP/s its kernels reach (0 for an op with no compute time, a view)."""
+        return self.flops / self.compute_s if self.compute_s else 0.0
+
+
+def op_times(plan: Plan, graph: Graph, cluster: Cluster, cost_model: costmodel.CostModel | None = None,
+             ) -> list[list[OpTime]]:
+    """Per stage (per device group, as `explain`), each op priced again on the graph and cluster the plan was made
+    for, costliest first: where a stage's compute goes, which the plan's totals do not say. The plan must hold on
+    them (`validate.check_against`) and have been priced by `cost_model` (None: the analytical model)."""
+    priced_by, model = plan.options.get("cost_model", "analytical"), (cost_model or costmodel.ANALYTICAL).key
+    if priced_by != model:
+        raise InstanceError(f"the plan was priced by the {priced_by} cost model, not the {model} one",
+                            "$.options.cost_model", "give the profile it was priced with (--profile)")
+    g_mb = intra.with_batch(graph, graph.dims[graph.batch_dim] // plan.num_microbatches) if graph.batch_dim else graph
+    result = []
+    with costmodel.using(cost_model):
+        for i, stage in enumerate(by_device(plan).stages):
+            mesh = cluster.logical_mesh(tuple(stage.submesh), tuple(stage.logical_mesh))
+            times = []
+            for name, info in stage.ops.items():
+                op = g_mb.op_index[name]
+                chosen = next(s for s in op_strategies(g_mb, op, mesh) if s.axes == tuple(info.axes))
+                times.append(OpTime(i, name, op.kind, chosen.compute_s, chosen.comm_s, chosen.flops))
+            result.append(sorted(times, key=lambda t: -(t.compute_s + t.comm_s)))
     return result

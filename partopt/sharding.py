@@ -490,6 +490,7 @@ class Strategy:
     output: Placement
     compute_s: float  # forward + backward compute per microbatch
     comm: Mapping[str, float] = field(default_factory=dict)  # in-op collectives per microbatch
+    flops: float = 0.0  # forward + backward FLOPs its kernels run on one device per microbatch (`executed_flops`)
     memory_bytes: float = 0.0  # output activation kept for backward, per device
     forward_s: float = 0.0  # the forward part of compute_s + comm_s: what recomputation runs again
 
@@ -605,7 +606,7 @@ def _strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None) 
         compute = 0.0 if op.kind in opkinds.UNPRICED_KINDS else model.op_time(
             op.kind, shapes, dtype, flops / split, moved, mesh.device, matmul)
         strategies.append(Strategy(
-            axes=tuple(axes), inputs=inputs, output=output_t, compute_s=compute, comm=comm,
+            axes=tuple(axes), inputs=inputs, output=output_t, compute_s=compute, comm=comm, flops=flops / split,
             memory_bytes=local_bytes(kept, output_t, mesh),
             forward_s=compute * share + sum(comm.values()) / 2))
     return strategies
