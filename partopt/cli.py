@@ -309,6 +309,8 @@ def _megatron_text(m: dict[str, Any]) -> str:
                  else "; norms and residual adds on every tensor-parallel rank (no --sequence-parallel)")
     if m.get("tp_comm_overlap"):
         text += "; its collectives hidden under the GEMMs (--tp-comm-overlap)"
+    if m.get("expert_parallel"):
+        text += f"; experts split over the {m['expert_parallel']} data-parallel ranks (--expert-model-parallel-size)"
     if m.get("shard_weights"):
         text += "; every weight split over the data-parallel ranks (ZeRO-3, FSDP)"
     elif m["zero"]:
@@ -696,6 +698,8 @@ def _counts(text: str | None, flag: str, example: str) -> list[int] | None:
 @click.option("--tp-comm-overlap", is_flag=True, help="Megatron-LM's --tp-comm-overlap (with --sequence-parallel): "
               "tensor-parallel all-gathers and reduce-scatters hidden under the weights' GEMMs "
               "(docs/COSTMODEL.md §5b).")
+@click.option("--expert-parallel", type=click.IntRange(min=1), help="Megatron-LM's --expert-model-parallel-size: an "
+              "MoE model's experts split over the data-parallel ranks, each rank holding its share whole (EP = dp).")
 @click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), is_flag=False, flag_value="full",
               help="Recomputation of a Megatron-style plan: auto (default: the fastest that fits), none, selective "
               "or full; --recompute alone means full. A plan file keeps its own.")
@@ -725,7 +729,7 @@ def _counts(text: str | None, flag: str, example: str) -> list[int] | None:
 def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, plan_file: str | None,
                      tp: int | None, pp: int | None, dp: int | None, microbatches: int | None,
                      microbatch_size: int | None, zero: bool, sequence_parallel: bool, shard_weights: bool,
-                     tp_comm_overlap: bool, recompute: str | None,
+                     tp_comm_overlap: bool, expert_parallel: int | None, recompute: str | None,
                      schedule: str | None, virtual_stages: int | None, stage_layers: str | None,
                      state_layout: str | None, solver: str, time_limit: float,
                      memory_reserve: float, no_overlap: bool, profile_file: str | None,
@@ -743,9 +747,9 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
         dp = _data_parallel(cluster, tp, pp)
     if plan_file is not None and (microbatches is not None or microbatch_size is not None or zero or recompute
                                   or no_overlap or sequence_parallel or shard_weights or tp_comm_overlap or schedule
-                                  or virtual_stages or stage_layers or state_layout):
+                                  or virtual_stages or stage_layers or state_layout or expert_parallel):
         raise InstanceError("--microbatches, --microbatch-size, --zero, --sequence-parallel, --shard-weights, "
-                            "--tp-comm-overlap, --recompute, --state-layout, "
+                            "--tp-comm-overlap, --expert-parallel, --recompute, --state-layout, "
                             "--schedule, --virtual-stages, --stage-layers and --no-overlap describe a Megatron-style plan, "
                             "not a plan file", "partopt evaluate", "edit the plan file instead")
     if microbatches is not None and microbatch_size is not None:
@@ -766,7 +770,8 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
         schedule = schedule or ("interleaved" if (virtual_stages or 1) > 1 else "1f1b")
         plan = uniform(graph, cluster, tp, pp, dp, microbatches, zero, sequence_parallel, schedule, virtual_stages or 1,
                        recompute=recompute or "auto", overlap=not no_overlap, shard_weights=shard_weights,
-                       tp_comm_overlap=tp_comm_overlap, stage_layers=_counts(stage_layers, "--stage-layers", "5,6,6,5"),
+                       expert_parallel=expert_parallel or 1, tp_comm_overlap=tp_comm_overlap,
+                       stage_layers=_counts(stage_layers, "--stage-layers", "5,6,6,5"),
                        state_layout=state_layout or "zero", **options)
     _emit(plan, output, as_json, cluster_source)
 

@@ -130,8 +130,32 @@ def batch_dims(graph: Graph) -> set[str]:
     return carriers
 
 
+def expert_dims(graph: Graph) -> set[str]:
+    """The dims an einsum applies a stack of weights along, each to its own slice of tokens: in a weight, in its
+    other input and in its output (an MoE layer's experts `e` in fc1 and fc2; the router's weight has `e` too, but
+    its tokens do not). Megatron-LM's expert parallelism splits them, each rank holding its experts whole."""
+    return {d for op in graph.ops if op.kind == "einsum" for w in op.inputs if graph.tensors[w].role == "param"
+            for d in graph.tensors[w].dims if d in graph.tensors[op.output].dims
+            and any(d in graph.tensors[t].dims for t in op.inputs if graph.tensors[t].role != "param")}
+
+
+def expert_ops(graph: Graph) -> dict[str, str]:
+    """Op name -> expert dim, for the ops an expert runs on its own tokens: the einsums that apply the stacked weights
+    (`expert_dims`) and the ops they feed whose every tensor holds the dim (the activation between fc1 and fc2), not
+    the router's or the dispatch's, which read the tokens as they were grouped."""
+    experts, found = expert_dims(graph), {}
+    for op in graph.order:
+        tensors = [graph.tensors[t] for t in (*op.inputs, op.output)]
+        held = experts.intersection(*(t.dims for t in tensors))
+        stacked = op.kind == "einsum" and any(t.role == "param" for t in tensors)
+        fed = any(graph.producers[t].name in found for t in op.inputs if t in graph.producers)
+        if held and (stacked or fed):
+            found[op.name] = min(held)
+    return found
+
+
 def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: bool = False,
-              shard_weights: bool = False) -> intra.Restriction:
+              shard_weights: bool = False, expert_parallel: bool = False) -> intra.Restriction:
     """Axis 0 (size dp) splits the batch and holds parameter copies; axis 1 (size tp) is Megatron's tensor
     parallelism (Shoeybi et al. 2019). An op that reads a matmul or embedding weight splits one of
     `tensor_parallel_dims`, whose shard each rank keeps: column-parallel its output, row-parallel the contraction,
@@ -142,9 +166,17 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
     other ops may too (the all-reduce becomes a reduce-scatter and an all-gather). With `shard_weights` axis 0 holds
     each parameter split instead (ZeRO-3, FSDP: gathered for each use, its gradient reduce-scattered, so weights,
     gradients and optimizer state are all split dp ways), along a dim dp divides where it has one, else padded as
-    ZeRO-3 and FSDP pad their shards (a bias of 96 heads over 384 ranks; every weight of h 20480 over 1,120)."""
+    ZeRO-3 and FSDP pad their shards (a bias of 96 heads over 384 ranks; every weight of h 20480 over 1,120).
+    With `expert_parallel` axis 0 splits the experts instead in the ops that run them (`expert_ops`), and their
+    weights, each rank holding dp-th of the experts whole with their optimizer state (Megatron-LM's
+    --expert-model-parallel-size dp, which leaves no expert-data-parallel ranks to shard that state over); axis 1
+    splits each expert's hidden units as its other weights (--expert-tensor-parallel-size tp, its default), and the
+    router's weight, which Megatron-LM holds whole, is kept whole."""
     batch = batch_dims(graph)
-    split, residual = tensor_parallel_dims(graph), residual_dims(graph)
+    experts = expert_ops(graph) if expert_parallel else {}
+    weights = {t: experts[op.name] for op in graph.ops if op.name in experts for t in op.inputs
+               if graph.tensors[t].role == "param"}
+    split, residual = tensor_parallel_dims(graph) - set(experts.values()), residual_dims(graph)
     sequence = {d for op in graph.ops if op.kind in NORM_KINDS for d in sequence_dims(graph, op)}
 
     def reads_a_split_weight(op: Op) -> bool:
@@ -154,7 +186,10 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
         return any(graph.dims[d] % tp == 0 for d in split & set(graph.behaviours(op)))
 
     def op_ok(op: Op, s: Strategy) -> bool:
-        if dp > 1 and (s.axes[0] not in batch if batch & set(graph.behaviours(op)) else s.axes[0] is not None):
+        if op.name in experts:
+            if s.axes[0] != experts[op.name]:
+                return False
+        elif dp > 1 and (s.axes[0] not in batch if batch & set(graph.behaviours(op)) else s.axes[0] is not None):
             return False
         if tp == 1:
             return True
@@ -173,6 +208,8 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
     def param_ok(tensor: str, s: ParamStrategy) -> bool:
         if tp > 1 and not held_as_megatron_does(tensor, s):
             return False
+        if tensor in weights:
+            return s.placement[0] == Shard(weights[tensor]) and not s.zero_axes
         if shard_weights and dp > 1:  # split evenly where a dim dp divides allows it, else padded
             even = all(graph.dims[d] % n == 0 for d, n in split_ways(s.placement, (dp, tp)).items())
             return isinstance(s.placement[0], Shard) and not s.zero_axes and (
@@ -182,9 +219,10 @@ def _megatron(graph: Graph, tp: int, dp: int, zero: bool, sequence_parallel: boo
 
     return intra.Restriction(op_ok, param_ok, f"Megatron's layout (data parallel {dp} × tensor parallel {tp}"
                                               f"{', sequence parallel' if sequence_parallel else ''}"
-                                              f"{', weights sharded' if shard_weights and dp > 1 else ''})",
+                                              f"{', weights sharded' if shard_weights and dp > 1 else ''}"
+                                              f"{', experts over the data-parallel ranks' if experts else ''})",
                              ("megatron", dp, tp, zero and dp > 1, sequence_parallel and tp > 1,
-                              shard_weights and dp > 1), uneven_params=shard_weights and dp > 1)
+                              shard_weights and dp > 1, bool(experts)), uneven_params=shard_weights and dp > 1)
 
 
 def _price_layers(pricer: Pricer, cluster: Cluster, pipe: Pipeline, count: int, spec: StageSpec,
@@ -386,10 +424,35 @@ def _stage_ranges(layers: int, pp: int, v: int, stage_layers: Sequence[int] | No
     return [(end - n, end - 1) for n, end in zip(counts, ends)]
 
 
+def _check_expert_parallel(graph: Graph, tp: int, dp: int, expert_parallel: int, sequence_parallel: bool,
+                           where: str) -> None:
+    """InstanceError unless `expert_parallel` is 1, or dp with experts dp splits and, when tp > 1, sequence
+    parallelism: Megatron-LM (d98e8a6) asserts its experts a multiple of --expert-model-parallel-size
+    (megatron/training/arguments.py:1655-1658), and its MoE layer raises when trained with tensor but not sequence
+    parallelism (megatron/core/transformer/moe/moe_layer.py:636-640)."""
+    if expert_parallel == 1:
+        return
+    if expert_parallel != dp:
+        raise InstanceError(f"expert parallelism {expert_parallel} is not the data-parallel degree {dp}", where,
+                            f"give --expert-parallel {dp}: the uniform layout places the experts over the whole "
+                            "data-parallel axis")
+    experts = sorted(expert_dims(graph))
+    if not experts:
+        raise InstanceError("the graph has no experts (no einsum applies a stack of weights along a dim of its "
+                            "tokens)", where, "drop --expert-parallel")
+    uneven = [d for d in experts if graph.dims[d] % dp]
+    if uneven:
+        raise InstanceError(f"{graph.dims[uneven[0]]} experts ({uneven[0]}) do not split over {dp} data-parallel "
+                            "ranks", where, "choose dp dividing the experts, as Megatron-LM asserts")
+    if tp > 1 and not sequence_parallel:
+        raise InstanceError("an MoE model with tensor parallelism trains only with sequence parallelism (Megatron-LM's "
+                            "MoE layer refuses otherwise)", where, "add --sequence-parallel")
+
+
 def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatches: int | None = None,
             zero: bool = False, sequence_parallel: bool = False, schedule: str = "1f1b", virtual_stages: int = 1,
-            shard_weights: bool = False, check_memory: bool = True, stage_layers: Sequence[int] | None = None,
-            cache: dict | None = None, bar: float = math.inf, where: str | None = None, **kwargs) -> Plan | None:
+            shard_weights: bool = False, expert_parallel: int = 1, check_memory: bool = True,
+            stage_layers: Sequence[int] | None = None, cache: dict | None = None, bar: float = math.inf, where: str | None = None, **kwargs) -> Plan | None:
     """Megatron's plan: `pp` stages of equally many layers, each on a (dp, tp) mesh of its devices.
 
     Axis 0 splits the batch (and ZeRO-shards optimizer state with `zero`, or every parameter with `shard_weights`:
@@ -408,6 +471,8 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     across calls (`price`'s). Under 1F1B and interleaved, a microbatch count whose plans cannot cost less than `bar`
     (`_least_pipeline`) is not priced; None when no count is left (a search over layouts passes its best so far).
     `where` names the layout in errors (default: as `partopt evaluate`'s flags; `check` names the plan's record).
+    `expert_parallel` = dp places an MoE model's experts over the data-parallel ranks, Megatron-LM's
+    --expert-model-parallel-size (`_megatron`, `_check_expert_parallel`).
     """
     where = where or f"--tp {tp} --pp {pp} --dp {dp}"
     if min(tp, pp, dp) < 1:
@@ -425,6 +490,7 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     submesh = (per_stage // m, m) if per_stage >= m else (1, per_stage)
     if graph.batch_dim is None:
         raise InstanceError("the graph names no batch dim", "batch_dim", "set `batch_dim` to plan data parallelism")
+    _check_expert_parallel(graph, tp, dp, expert_parallel, sequence_parallel, where)
     options = Options(layers=None, **kwargs)
     batch = graph.dims[graph.batch_dim]
     try:
@@ -452,7 +518,8 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     plans, error, cache = [], None, {} if cache is None else cache
     bounded = bar < math.inf and schedule in ("1f1b", "interleaved") and not options.tp_comm_overlap
     for count in counts:
-        restriction = _megatron(intra.with_batch(graph, batch // count), tp, dp, zero, sequence_parallel, shard_weights)
+        restriction = _megatron(intra.with_batch(graph, batch // count), tp, dp, zero, sequence_parallel, shard_weights,
+                                expert_parallel > 1)
         if bounded and _least_pipeline(graph, cluster, layering, ranges, pp, count, (submesh, (dp, tp)), restriction,
                                        options, cache) >= bar:
             continue
@@ -473,7 +540,8 @@ def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatc
     best.options["megatron"] = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "sequence_parallel": sequence_parallel,
                                 "shard_weights": shard_weights,  # how `partopt check` re-derives it
                                 "tp_comm_overlap": options.tp_comm_overlap,
-                                **({"stage_layers": list(stage_layers)} if stage_layers is not None else {})}
+                                **({"stage_layers": list(stage_layers)} if stage_layers is not None else {}),
+                                **({"expert_parallel": expert_parallel} if expert_parallel > 1 else {})}
     best.solver.update(ilps=sum(p.solver["ilps"] for p in plans), ilp_time_s=sum(p.solver["ilp_time_s"] for p in plans),
                        time_s=time.perf_counter() - start, microbatch_counts=counts,
                        status=max((p.solver["status"] for p in plans), key=STATUS_RANK.get),

@@ -425,7 +425,9 @@ class _StageRoles:
     dp_axes: tuple[int, ...]  # mesh axes (size > 1) that split only the batch dim and dims carrying it
     tp_axes: tuple[int, ...]  # mesh axes (size > 1) that together form the tensor-parallel group
     sequence_parallel: bool
-    experts: frozenset[str] = frozenset()  # dims the tensor-parallel axes split as expert parallelism (`_expert_dims`)
+    experts: frozenset[str] = frozenset()  # dims the stage splits as Megatron-LM's experts (`_expert_dims`)
+    expert_axes: tuple[int, ...] = ()  # mesh axes that split them: expert parallelism (`_expert_grid`)
+    expert_tp_axes: tuple[int, ...] = ()  # mesh axes that split each expert's weights: expert tensor parallelism
 
 
 def _not_expressible(cause: str, where: str, hint: str = "export it with --to jax or --to dtensor") -> NotExpressibleError:
@@ -448,15 +450,28 @@ def batch_carriers(plan: Plan) -> frozenset[str]:
     return frozenset(carriers)
 
 
-def _axis_role(plan: Plan, i: int, stage: StagePlan, axis: int, batch: frozenset[str]) -> str:
+def _runs_experts(info: OpStrategy, axis: int, experts: frozenset[str]) -> bool:
+    """Whether an op runs each expert on its own ranks over `axis`: it splits an expert dim there, reading every input
+    and writing its output split along it (its tokens came to it by all-to-all, as Megatron-LM's experts' do)."""
+    dim = info.axes[axis]
+    return dim in experts and info.output[axis] == Shard(dim) and all(p[axis] == Shard(dim) for p in info.inputs)
+
+
+def _axis_role(plan: Plan, i: int, stage: StagePlan, axis: int, batch: frozenset[str], experts: frozenset[str]) -> str:
     """"dp" when every op splits the batch dim, or a dim carrying it (`batch_carriers`), over `axis` (ops without
-    any may run replicated), else "tp"."""
+    any may run replicated), or runs its experts there (`_runs_experts`: Megatron-LM's expert parallelism over
+    data-parallel ranks), else "tp"."""
     where = f"stage {i}"
+    expert_ops = [op for op, info in stage.ops.items() if _runs_experts(info, axis, experts)]
     splits_batch = [(op, info.axes[axis]) for op, info in stage.ops.items() if info.axes[axis] in batch]
     splits_other = [(op, info.axes[axis]) for op, info in stage.ops.items()
-                    if info.axes[axis] is not None and info.axes[axis] not in batch]
+                    if info.axes[axis] is not None and info.axes[axis] not in batch and op not in expert_ops]
     if splits_batch and splits_other:
         (op, dim), (batch_op, carrier) = splits_other[0], splits_batch[0]
+        if dim in experts:
+            raise _not_expressible(f"op {op} splits the experts ({dim}) over data-parallel axis {axis} but reads an "
+                                   f"input whole or otherwise split; Megatron-LM runs its router on each rank's own "
+                                   f"tokens and its experts on the tokens an all-to-all brings them", where)
         what = f"{carrier}, which carries the batch dim" if carrier != plan.batch_dim else "the batch dim"
         raise _not_expressible(f"axis {axis} mixes data and tensor parallelism: op {op} splits {dim} over it, "
                                f"op {batch_op} splits {what} {plan.batch_dim}", where)
@@ -467,7 +482,7 @@ def _axis_role(plan: Plan, i: int, stage: StagePlan, axis: int, batch: frozenset
             raise _not_expressible(f"op {idle[0]} runs replicated over data-parallel axis {axis}; Megatron gives "
                                    f"every data-parallel rank its own samples", where)
         return "dp"
-    if not splits_other:
+    if not splits_other and not expert_ops:
         raise _not_expressible(f"no op splits anything over axis {axis} ({stage.logical_mesh[axis]} devices): every op "
                                f"runs replicated over it, which Megatron cannot express", where)
     return "tp"
@@ -524,16 +539,71 @@ def _sequence_parallel(plan: Plan, i: int, stage: StagePlan, axis: int) -> bool:
     return bool(sequence_split)
 
 
-def _expert_dims(plan: Plan, i: int, stage: StagePlan, axis: int) -> frozenset[str]:
+def _expert_dims(plan: Plan, i: int, stage: StagePlan, axis: int, batch: frozenset[str]) -> frozenset[str]:
     """The dims the stage splits over `axis` as Megatron-LM's expert parallelism does: an einsum reads every operand
     split along the dim and keeps its output split along it (a stack of weights, each applied to its own slice of
     tokens), and its output lacks the batch dim (the tokens regrouped for their experts: an MoE layer's dispatched
-    groups); each rank then holds its experts whole. The attention core reads its heads alike, over the samples."""
+    groups); each rank then holds its experts whole. The attention core reads its heads alike, over the samples; the
+    dispatch and combine read the groups alike, which carry the batch (`batch`), over a data-parallel axis."""
     return frozenset(
         info.axes[axis] for op, info in stage.ops.items()
-        if info.kind == "einsum" and info.axes[axis] is not None and info.output[axis] == Shard(info.axes[axis])
-        and all(p[axis] == Shard(info.axes[axis]) for p in info.inputs)
+        if info.kind == "einsum" and info.axes[axis] is not None and info.axes[axis] not in batch
+        and _runs_experts(info, axis, frozenset({info.axes[axis]}))
         and plan.batch_dim not in _tensor_info(plan, info.tensor, f"stage {i} op {op}")["dims"])
+
+
+# Megatron-LM's expert grid, innermost first (megatron/core/parallel_state.py:887-895, order tp-ep-dp: global rank
+# = etp + ETP·(ep + EP·edp) within a pipeline stage), and what a mesh axis in each place splits of an expert layer
+EXPERT_GRID = {"etp": "each expert's weights", "ep": "the experts", "edp": "their tokens"}
+
+
+def _expert_place(i: int, ops: dict[str, OpStrategy], axis: int, experts: frozenset[str],
+                  batch: frozenset[str]) -> tuple[str, str]:
+    """Where `axis` sits in Megatron-LM's expert grid (an EXPERT_GRID key) and the dim it splits, read from the ops
+    that run the experts; NotExpressibleError for one of them replicated over it (Megatron-LM gives every rank of an
+    expert layer its own share) or for two that split unlike places."""
+    places: dict[str, tuple[str, str]] = {}
+    for op, info in ops.items():
+        if info.axes[axis] is None:
+            raise _not_expressible(f"op {op} runs its experts replicated over axis {axis}; Megatron-LM gives each rank "
+                                   "of an expert layer its own share (expert tensor, expert and expert data "
+                                   "parallelism)", f"stage {i}", "split each expert's hidden units over the "
+                                   "tensor-parallel axis, or export with --to jax or --to dtensor")
+        place = "ep" if _runs_experts(info, axis, experts) else "edp" if info.axes[axis] in batch else "etp"
+        places.setdefault(place, (op, info.axes[axis]))
+    if len(places) > 1:
+        (a, (op_a, dim_a)), (b, (op_b, dim_b)) = list(places.items())[:2]
+        raise _not_expressible(f"over axis {axis} op {op_a} splits {dim_a} ({EXPERT_GRID[a]}) but op {op_b} {dim_b} "
+                               f"({EXPERT_GRID[b]}); Megatron-LM runs an expert layer's ops on one grid", f"stage {i}")
+    place, (_, dim) = next(iter(places.items()))
+    return place, dim
+
+
+def _check_expert_nesting(i: int, grid: dict[int, tuple[str, str]]) -> None:
+    """NotExpressibleError unless the mesh axes, axis 1 innermost, nest as Megatron-LM's expert grid (EXPERT_GRID)."""
+    order = list(EXPERT_GRID)
+    for outer, inner in zip(sorted(grid), sorted(grid)[1:]):
+        (o, o_dim), (n, n_dim) = grid[outer], grid[inner]
+        if order.index(o) < order.index(n):
+            raise _not_expressible(f"axis {outer} splits {EXPERT_GRID[o]} ({o_dim}) and axis {inner} "
+                                   f"{EXPERT_GRID[n]} ({n_dim}): Megatron-LM's expert grid orders ranks tp-ep-dp, "
+                                   "expert tensor parallelism innermost, then expert parallelism, then expert data "
+                                   "parallelism", f"stage {i}", f"split {EXPERT_GRID[o]} over axis {inner} and "
+                                   f"{EXPERT_GRID[n]} over axis {outer}, or export with --to jax or --to dtensor")
+
+
+def _expert_grid(i: int, stage: StagePlan, batch: frozenset[str],
+                 experts: dict[int, frozenset[str]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The mesh axes over which the ops that run the stage's experts (`_runs_experts`) split them, Megatron-LM's
+    expert parallelism, and split each expert's weights, its expert tensor parallelism; the rest split their tokens,
+    its expert data parallelism. Checked against its grid (`_expert_place`, `_check_expert_nesting`)."""
+    ops = {op: info for k, dims in experts.items() for op, info in stage.ops.items() if _runs_experts(info, k, dims)}
+    if not ops:
+        return (), ()
+    grid = {k: _expert_place(i, ops, k, dims, batch) for k, dims in experts.items()}
+    _check_expert_nesting(i, grid)
+    return (tuple(k for k, (place, _) in grid.items() if place == "ep"),
+            tuple(k for k, (place, _) in grid.items() if place == "etp"))
 
 
 def _stage_roles(plan: Plan, i: int, stage: StagePlan) -> _StageRoles:
@@ -546,18 +616,22 @@ def _stage_roles(plan: Plan, i: int, stage: StagePlan) -> _StageRoles:
             raise _not_expressible(f"op {op} is a {info.kind}: Megatron-LM trains transformers, without "
                                    f"convolution or pooling layers", where)
     batch = batch_carriers(plan)
-    roles = {k: _axis_role(plan, i, stage, k, batch) for k in range(len(mesh)) if mesh[k] > 1}
+    experts = {k: _expert_dims(plan, i, stage, k, batch) for k in range(len(mesh)) if mesh[k] > 1}
+    roles = {k: _axis_role(plan, i, stage, k, batch, dims) for k, dims in experts.items()}
     tp_axes = _tensor_parallel_axes(stage, mesh, [k for k, r in roles.items() if r == "tp"], where)
     dp_axes = tuple(k for k, r in roles.items() if r == "dp")
     for name, info in stage.params.items():
-        split = [k for k in dp_axes if not isinstance(info.placement[k], Replicate)]
+        # an expert's weights split along the experts (Megatron-LM keeps them per expert-parallel rank, their
+        # gradients reduced over its expert-data-parallel group: distributed_data_parallel.py:285-287)
+        split = [k for k in dp_axes if not isinstance(info.placement[k], Replicate)
+                 and info.placement[k] not in {Shard(d) for d in experts[k]}]
         if split:
             raise _not_expressible(f"param {name} is {fmt(info.placement)}, split over data-parallel axis {split[0]}; "
                                    f"Megatron replicates weights across data-parallel ranks (its distributed "
                                    f"optimizer shards only optimizer state)", where)
     sequence_parallel = bool(tp_axes) and _sequence_parallel(plan, i, stage, tp_axes[0])
-    experts = _expert_dims(plan, i, stage, tp_axes[0]) if tp_axes else frozenset()
-    return _StageRoles(dp_axes, tp_axes, sequence_parallel, experts)
+    return _StageRoles(dp_axes, tp_axes, sequence_parallel, frozenset().union(*experts.values()),
+                       *_expert_grid(i, stage, batch, experts))
 
 
 def _layer_counts(plan: Plan) -> list[int]:
@@ -629,7 +703,7 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
                                    f"--sequence-parallel holds for every stage", f"stage {i}")
     mesh = head.logical_mesh
     tp = math.prod(mesh[k] for k in roles[0].tp_axes)
-    _check_experts(roles)
+    expert_parallel, expert_tp = _expert_sizes(roles, mesh, tp)
     dp = math.prod(mesh[k] for k in roles[0].dp_axes)
     size = tp * dp
     for i, stage in enumerate(plan.stages[:S]):
@@ -669,9 +743,8 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
             "num_layers": sum(counts), "layers_per_stage": counts,
             "first_stage_layers": first, "last_stage_layers": last,
             "sequence_parallel": roles[0].sequence_parallel and tp > 1,
-            # experts split over the tensor-parallel ranks, each held whole: Megatron-LM's expert parallelism of tp
-            # ranks without expert tensor parallelism (its --expert-tensor-parallel-size defaults to tp)
-            "expert_parallel": tp if any(r.experts for r in roles) else 1, "num_experts": _num_experts(plan, roles),
+            "expert_parallel": expert_parallel, "expert_tensor_parallel": expert_tp,
+            "num_experts": _num_experts(plan, roles),
             "tp_comm_overlap": bool(plan.options.get("megatron", {}).get("tp_comm_overlap")),
             "distributed_optimizer": zero, "recompute": recomputation(plan.stages[0]),
             "overlap_grad_reduce": bool(plan.options.get("overlap", False)),
@@ -694,17 +767,30 @@ def _num_experts(plan: Plan, roles: Sequence[_StageRoles]) -> int | None:
     return next(iter(sizes.values()), None)
 
 
-def _check_experts(roles: Sequence[_StageRoles]) -> None:
-    """NotExpressibleError for experts split over the tensor-parallel ranks without sequence parallelism: Megatron-LM's
-    MoE layer refuses to train so (megatron/core/transformer/moe/moe_layer.py, MoELayer.forward raises ValueError
-    when the attention's tensor-parallel group has more than one rank and sequence_parallel is off)."""
-    i = next((i for i, r in enumerate(roles) if r.experts), None)
-    if i is not None and not roles[i].sequence_parallel:
-        raise _not_expressible(f"the tensor-parallel axis splits the experts ({', '.join(sorted(roles[i].experts))}) "
-                               "but no norm splits the sequence, and Megatron-LM's MoE layers train with tensor "
-                               "parallelism only under --sequence-parallel", f"stage {i}",
+def _expert_sizes(roles: Sequence[_StageRoles], mesh: Sequence[int], tp: int) -> tuple[int, int | None]:
+    """Megatron-LM's --expert-model-parallel-size and --expert-tensor-parallel-size: the products of the axes that
+    split the experts and each expert's weights (`_expert_grid`); (1, None) without experts split. With them, the
+    expert grid ETP × EP × PP divides the world (parallel_state.py:874-884) as the axes' product does, and --num-experts
+    is a multiple of EP (arguments.py:1655-1658) as the plan's even split is. NotExpressibleError for stages laid out
+    differently (one setting holds for every MoE layer), or tensor parallelism without sequence parallelism: Megatron-LM's
+    MoE layer raises when trained so (megatron/core/transformer/moe/moe_layer.py:636-640)."""
+    with_experts = [i for i, r in enumerate(roles) if r.expert_axes]
+    if not with_experts:
+        return 1, None
+    i = with_experts[0]
+    ep_axes, etp_axes = roles[i].expert_axes, roles[i].expert_tp_axes
+    for j in with_experts[1:]:
+        if (roles[j].expert_axes, roles[j].expert_tp_axes) != (ep_axes, etp_axes):
+            raise _not_expressible(f"stage {j} splits its experts over axes {list(roles[j].expert_axes)} (each expert "
+                                   f"over {list(roles[j].expert_tp_axes)}) but stage {i} over {list(ep_axes)} "
+                                   f"({list(etp_axes)}); Megatron-LM lays out every MoE layer alike", f"stage {j}")
+    if tp > 1 and not roles[i].sequence_parallel:
+        raise _not_expressible(f"the plan splits the experts ({', '.join(sorted(roles[i].experts))}) under tensor "
+                               "parallelism but no norm splits the sequence, and Megatron-LM's MoE layers train with "
+                               "tensor parallelism only under --sequence-parallel", f"stage {i}",
                                "plan with sequence parallelism (partopt evaluate --sequence-parallel), or export with "
                                "--to jax or --to dtensor")
+    return math.prod(mesh[k] for k in ep_axes), math.prod(mesh[k] for k in etp_axes)
 
 
 MEGATRON_OPTIMIZERS = {"adam": None, "sgd": "sgd"}  # partopt's optimizer -> Megatron-LM's --optimizer (adam: its default)
@@ -852,7 +938,7 @@ def to_megatron(plan: Plan) -> list[str]:
         args.append("--sequence-parallel")
     if c["expert_parallel"] > 1:
         args += ["--num-experts", str(c["num_experts"]), "--expert-model-parallel-size", str(c["expert_parallel"]),
-                 "--expert-tensor-parallel-size", "1"]
+                 "--expert-tensor-parallel-size", str(c["expert_tensor_parallel"])]
     if c["tp_comm_overlap"]:
         args.append("--tp-comm-overlap")
     if c["distributed_optimizer"]:

@@ -200,6 +200,48 @@ def test_data_parallelism_follows_the_batch_through_reshapes():
     assert {entry.axes[0] for entry in plan.stages[0].ops.values()} == {"b", "bs", "g"}
 
 
+def test_uniform_expert_parallelism_places_the_experts_over_the_data_parallel_ranks(tmp_path):
+    """expert_parallel = dp, Megatron-LM's --expert-model-parallel-size: the ops that run the experts (fc1, the
+    activation, fc2) split e over axis 0, each rank keeping its 4 / 2 = 2 experts' weights whole with their optimizer
+    state, and axis 1 splits each expert's hidden units (expert tensor parallelism of tp, Megatron-LM's default);
+    the router, the dispatch and the combine stay data parallel, the router's weight whole. Refused: another degree
+    than dp, a graph without experts, experts that dp does not divide, tensor parallelism without sequence
+    parallelism (Megatron-LM's MoE layer raises). `partopt check` prices it again alike; `partopt evaluate
+    --expert-parallel` says it."""
+    from partopt import check
+    from partopt.evaluate import expert_ops
+    from partopt.sharding import Shard
+
+    graph = models.moe(hidden=256, layers=2, heads=4, experts=4, seq=128, vocab=1024, batch=16, group_size=128)
+    assert expert_ops(graph) == {"l1.fc1": "e", "l1.relu": "e", "l1.fc2": "e"}
+    cluster = preset("dgx-a100", 1).narrowed(4)
+    plan = uniform(graph, cluster, 2, 1, 2, microbatches=2, sequence_parallel=True, zero=True, expert_parallel=2)
+    stage = plan.stages[0]
+    assert {name: stage.ops[f"l1.{name}"].axes for name in ("gate", "dispatch", "fc1", "relu", "fc2", "combine")} == {
+        "gate": ("g", None), "dispatch": ("g", None), "fc1": ("e", "f"), "relu": ("e", "f"), "fc2": ("e", "f"),
+        "combine": ("g", None)}
+    assert {name: stage.params[f"l1.{name}"] for name in ("wg", "fc1.w", "fc2.w")} == {
+        "wg": ParamPlacement((R, R), (0,)), "fc1.w": ParamPlacement((Shard("e"), Shard("f"))),
+        "fc2.w": ParamPlacement((Shard("e"), Shard("f")))}
+    assert plan.options["megatron"]["expert_parallel"] == 2 and check.differences(plan, graph, cluster) == []
+    io.write_graph(graph, tmp_path / "moe.json")
+    result = CliRunner().invoke(main, ["evaluate", str(tmp_path / "moe.json"), "--cluster", "dgx-a100", "--nodes", "1",
+                                       "--tp", "2", "--pp", "1", "--dp", "4", "--microbatches", "2",
+                                       "--sequence-parallel", "--expert-parallel", "4"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "experts split over the 4 data-parallel ranks (--expert-model-parallel-size)" in result.stdout
+    with pytest.raises(InstanceError, match="expert parallelism 2 is not the data-parallel degree 4"):
+        uniform(graph, cluster, 1, 1, 4, microbatches=2, expert_parallel=2)
+    with pytest.raises(InstanceError, match="the graph has no experts"):
+        uniform(models.gpt(hidden=256, layers=2, heads=4, seq=128, vocab=1024, batch=16), cluster, 1, 1, 4,
+                expert_parallel=4)
+    with pytest.raises(InstanceError, match=r"2 experts \(e\) do not split over 4 data-parallel ranks"):
+        uniform(models.moe(hidden=256, layers=2, heads=4, experts=2, seq=128, vocab=1024, batch=16,
+                           group_size=128), cluster, 1, 1, 4, expert_parallel=4)
+    with pytest.raises(InstanceError, match="trains only with sequence parallelism"):
+        uniform(graph, cluster, 2, 1, 2, microbatches=2, expert_parallel=2)
+
+
 def test_sequence_parallel_splits_every_norm_along_the_sequence_on_the_tensor_axis(small_gpt):
     """Megatron-LM's --sequence-parallel: the layernorms of (b, s, h) split s over the tensor-parallel
     axis, and the plan says so to `check` and to the Megatron export."""

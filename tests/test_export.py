@@ -527,7 +527,8 @@ def megatron_settings(args: list[str], devices: int) -> dict:
     if recompute == "full":  # partopt's full recomputation: every layer, in full
         assert (values["--recompute-method"], values["--recompute-num-layers"]) == ("uniform", "1")
     return {"tp": tp, "pp": pp, "dp": dp, "microbatches": total // (micro * dp),
-            "zero": "--use-distributed-optimizer" in args, "recompute": recompute}
+            "zero": "--use-distributed-optimizer" in args, "recompute": recompute,
+            "expert_parallel": int(values.get("--expert-model-parallel-size", 1))}
 
 
 @pytest.mark.parametrize("zero,recompute", [(False, "full"), (True, "full"), (True, "none"), (False, "selective")])
@@ -649,13 +650,13 @@ SMALL_MOE = {"hidden": 256, "layers": 2, "heads": 4, "experts": 4, "seq": 128, "
              "group_size": 128, "optimizer": "adam"}  # block 1's MLP is 4 experts; Adam, which Megatron-LM runs
 
 
-def moe_plan(tp, dp, sequence_parallel=False):
+def moe_plan(tp, dp, sequence_parallel=False, expert_parallel=1):
     """SMALL_MOE in Megatron's layout on 4 GPUs, 2 microbatches of 8 samples."""
     from partopt.evaluate import uniform
     from partopt.models.moe import moe
 
     return uniform(moe(**SMALL_MOE), preset("dgx-a100", 1).narrowed(4), tp, 1, dp, microbatches=2,
-                   sequence_parallel=sequence_parallel)
+                   sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
 
 
 def test_a_data_parallel_moe_plan_exports_its_flattened_tokens_as_data_parallel():
@@ -685,15 +686,120 @@ def test_experts_split_over_the_tensor_parallel_ranks_export_as_megatron_expert_
     assert ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --num-layers 2 --micro-batch-size 4 "
             "--global-batch-size 16 --sequence-parallel --num-experts 4 --expert-model-parallel-size 2 "
             "--expert-tensor-parallel-size 1 ") in args
-    with pytest.raises(ex.NotExpressibleError, match=r"the tensor-parallel axis splits the experts \(e\) but no norm "
-                       "splits the sequence, and Megatron-LM's MoE layers train with tensor parallelism only under "
-                       "--sequence-parallel") as info:
+    with pytest.raises(ex.NotExpressibleError, match=r"the plan splits the experts \(e\) under tensor parallelism but no "
+                       "norm splits the sequence, and Megatron-LM's MoE layers train with tensor parallelism only "
+                       "under --sequence-parallel") as info:
         ex.to_megatron(moe_plan(tp=2, dp=2))
     assert info.value.where == "stage 0" and "--sequence-parallel" in info.value.hint
     from partopt.evaluate import uniform
 
     dense = uniform(gpt(**SMALL_GPT), preset("dgx-a100", 1), 8, 1, 1, microbatches=2, sequence_parallel=True)
     assert not any("expert" in a for a in ex.to_megatron(dense))
+
+
+@pytest.mark.parametrize("tp, dp, line", [
+    (1, 4, "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --num-layers 2 --micro-batch-size 2 "
+           "--global-batch-size 16 --num-experts 4 --expert-model-parallel-size 4 --expert-tensor-parallel-size 1 "
+           "--overlap-grad-reduce --fp16"),
+    (2, 2, "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --num-layers 2 --micro-batch-size 4 "
+           "--global-batch-size 16 --sequence-parallel --num-experts 4 --expert-model-parallel-size 2 "
+           "--expert-tensor-parallel-size 2 --overlap-grad-reduce --fp16")])
+def test_experts_split_over_the_data_parallel_ranks_export_as_megatron_expert_parallelism(tp, dp, line):
+    """Megatron-LM's usual expert parallelism: the experts split over the data-parallel ranks, each rank holding
+    E / EP of them whole (their weights not copies: reduced over the expert-data-parallel group), the tokens sent to
+    them and back by all-to-all, attention and router data parallel. The plans are uniform's with
+    expert_parallel = dp, priced as made (used to be refused: the axis mixed data and tensor parallelism). By hand,
+    against Megatron-LM at d98e8a6:
+    * tp 1, dp 4: 2 microbatches of 8 samples, 8 / 4 = 2 per rank; the 4 experts split 4 ways, one whole per rank:
+      EP 4, a divisor of the 4 experts (arguments.py:1655-1658); each expert unsplit: ETP 1 (its default, tp, is 1
+      too); the expert grid ETP 1 × EP 4 × PP 1 divides the 4 ranks, leaving 1 expert-data-parallel rank
+      (parallel_state.py:874-884).
+    * tp 2, dp 2, sequence parallel: 8 / 2 = 4 samples per rank; the experts split 2 ways over axis 0 (EP 2) and
+      each one's hidden units over axis 1 (ETP 2, its default tp); the grid 2 × 2 × 1 divides 4, and its order
+      tp-ep-dp (parallel_state.py:887-895: global rank = etp + 2·ep) makes the expert-parallel groups {0, 2} and
+      {1, 3}, the plan's axis 0, whose devices are tp = 2 apart.
+    The line read back into uniform prices the plan it came from."""
+    from partopt.evaluate import uniform
+    from partopt.models.moe import moe
+
+    plan = moe_plan(tp=tp, dp=dp, sequence_parallel=tp > 1, expert_parallel=dp)
+    assert plan.stages[0].params["l1.fc1.w"].placement == (Shard("e"), Shard("f") if tp > 1 else R)
+    args = ex.to_megatron(plan)
+    assert shlex.join(args) == line
+    read = megatron_settings(args, 4)
+    again = uniform(moe(**SMALL_MOE), preset("dgx-a100", 1).narrowed(4), read["tp"], read["pp"], read["dp"],
+                    read["microbatches"], sequence_parallel="--sequence-parallel" in args,
+                    expert_parallel=read["expert_parallel"])
+    assert again.iteration_time_s == pytest.approx(plan.iteration_time_s, rel=1e-9)
+
+
+def repriced(plan, mesh, axes, placement):
+    """`plan` (SMALL_MOE's, one stage) priced again by `evaluate` on logical mesh `mesh`, each op pinned to
+    `axes(op, its axes)` and each parameter to `placement(name, its placement)`: a layout uniform does not make, its
+    ops' placements derived as any plan's."""
+    from partopt.models.moe import moe
+
+    stage = plan.stages[0]
+    ops = {name: dataclasses.replace(entry, axes=axes(name, entry.axes)) for name, entry in stage.ops.items()}
+    params = {name: ParamPlacement(placement(name, p.placement)) for name, p in stage.params.items()}
+    edited = dataclasses.replace(stage, logical_mesh=list(mesh), ops=ops, params=params)
+    return evaluate(moe(**SMALL_MOE), preset("dgx-a100", 1).narrowed(4), dataclasses.replace(plan, stages=[edited]))
+
+
+EXPERT_OPS = ("l1.fc1", "l1.relu", "l1.fc2")  # what runs SMALL_MOE's experts on their tokens (evaluate.expert_ops)
+
+
+def test_megatron_takes_the_expert_grids_it_runs_and_refuses_the_others():
+    """Megatron-LM orders its expert grid tp-ep-dp (parallel_state.py:887-895): expert tensor parallelism innermost,
+    then expert parallelism, then expert data parallelism, every rank doing its own share. Plans priced again with
+    their experts' ops moved (`repriced`):
+    * on a 2 × 2 all-data-parallel mesh (dp 4), experts over axis 1 and their groups over axis 0 are EP 2 over
+      consecutive ranks {0, 1} and {2, 3}, ETP 1: Megatron-LM's; experts over axis 0 and groups over axis 1 would
+      put expert-parallel ranks 2 apart, outside expert-data-parallel ones, and are refused;
+    * tp 2, dp 2 with the experts over both axes, 4 ways, each whole: EP 4 with ETP 1, one expert-parallel group of
+      global ranks 0-3 (the grid 1 × 4 × 1 divides the 4 ranks, parallel_state.py:874-884), the plan's whole mesh;
+      with the experts over axis 0 but each one whole on both tensor-parallel ranks (not split along its hidden
+      units), ETP 1 × EP 2 would make ranks {0, 1} an expert-parallel group, so it is refused.
+    On uniform's tp 1 × dp 4 layout, the router splitting the experts over the data-parallel axis (its tokens
+    gathered), or an attention projection run whole on every rank, is not Megatron-LM's either."""
+    ep4 = moe_plan(tp=1, dp=4, expert_parallel=4)
+    router = repriced(ep4, (4, 1), lambda name, kept: ("e", None) if name == "l1.gate" else kept,
+                      lambda name, kept: (Shard("e"), R) if name == "l1.wg" else kept)
+    with pytest.raises(ex.NotExpressibleError, match=r"op l1.gate splits the experts \(e\) over data-parallel axis 0 "
+                       "but reads an input whole or otherwise split; Megatron-LM runs its router on each rank's own"):
+        ex.to_megatron(router)
+    replicated = repriced(ep4, (4, 1), lambda name, kept: (None, None) if name == "l1.proj" else kept,
+                          lambda name, kept: kept)
+    with pytest.raises(ex.NotExpressibleError, match="op l1.proj runs replicated over data-parallel axis 0"):
+        ex.to_megatron(replicated)
+
+    def grid(expert_axis):
+        def axes(name, kept):
+            if name in EXPERT_OPS:
+                return ("e", "g") if expert_axis == 0 else ("g", "e")
+            return (kept[0], kept[0])  # one dim split over both axes: 4 ways
+
+        def placement(name, kept):
+            return ((Shard("e"), R) if expert_axis == 0 else (R, Shard("e"))) if name.startswith("l1.fc") else (R, R)
+
+        return repriced(ep4, (2, 2), axes, placement)
+
+    config = ex.megatron_config(grid(1))
+    assert (config["tp"], config["dp"], config["expert_parallel"], config["expert_tensor_parallel"]) == (1, 4, 2, 1)
+    assert "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1" in shlex.join(ex.to_megatron(grid(1)))
+    with pytest.raises(ex.NotExpressibleError, match=r"axis 0 splits the experts \(e\) and axis 1 their tokens \(g\): "
+                       "Megatron-LM's expert grid orders ranks tp-ep-dp"):
+        ex.to_megatron(grid(0))
+    tp2 = moe_plan(tp=2, dp=2, sequence_parallel=True, expert_parallel=2)
+    both = repriced(tp2, (2, 2), lambda name, kept: ("e", "e") if name in EXPERT_OPS else kept,
+                    lambda name, kept: (Shard("e"), Shard("e")) if name.startswith("l1.fc") else kept)
+    assert "--num-experts 4 --expert-model-parallel-size 4 --expert-tensor-parallel-size 1" in shlex.join(
+        ex.to_megatron(both))
+    whole = repriced(tp2, (2, 2), lambda name, kept: (kept[0], None) if name in EXPERT_OPS else kept,
+                     lambda name, kept: (Shard("e"), R) if name.startswith("l1.fc") else kept)
+    with pytest.raises(ex.NotExpressibleError, match="op l1.fc1 runs its experts replicated over axis 1") as info:
+        ex.to_megatron(whole)
+    assert info.value.where == "stage 0"
 
 
 TF32_SWITCHES = ("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1", "torch.backends.cuda.matmul.allow_tf32 = True")
