@@ -452,7 +452,8 @@ def _check_expert_parallel(graph: Graph, tp: int, dp: int, expert_parallel: int,
 def uniform(graph: Graph, cluster: Cluster, tp: int, pp: int, dp: int, microbatches: int | None = None,
             zero: bool = False, sequence_parallel: bool = False, schedule: str = "1f1b", virtual_stages: int = 1,
             shard_weights: bool = False, expert_parallel: int = 1, check_memory: bool = True,
-            stage_layers: Sequence[int] | None = None, cache: dict | None = None, bar: float = math.inf, where: str | None = None, **kwargs) -> Plan | None:
+            stage_layers: Sequence[int] | None = None, cache: dict | None = None, bar: float = math.inf,
+            where: str | None = None, **kwargs) -> Plan | None:
     """Megatron's plan: `pp` stages of equally many layers, each on a (dp, tp) mesh of its devices.
 
     Axis 0 splits the batch (and ZeRO-shards optimizer state with `zero`, or every parameter with `shard_weights`:
