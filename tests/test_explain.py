@@ -90,18 +90,12 @@ def test_an_ops_time_is_the_roofline_of_its_flops_and_bytes():
     assert fc1.flop_rate == pytest.approx(flops / expected, rel=1e-12)
 
 
-def test_explain_lists_the_costliest_ops_given_the_graph_and_cluster(tmp_path):
-    graph_file = str(INSTANCES / "mlp-2layer.json")
-    out = tmp_path / "plan.json"
-    solved = CliRunner().invoke(main, ["solve", graph_file, "--cluster", "p3.16xlarge", "--nodes", "1",
-                                       "--microbatches", "2", "-o", str(out)])
-    assert solved.exit_code == 0, solved.output
-    result = CliRunner().invoke(main, ["explain", str(out), "--graph", graph_file, "--cluster", "p3.16xlarge",
-                                       "--nodes", "1", "--top", "2", "--no-ops"])
+def test_explain_lists_the_costliest_ops_given_the_graph_and_cluster(tiny):
+    base = ["explain", tiny.plan_file, "--graph", tiny.graph_file]
+    result = CliRunner().invoke(main, [*base, "--cluster", tiny.cluster_file, "--top", "2", "--no-ops"])
     assert result.exit_code == 0, result.output
     assert "compute by op kind, per microbatch" in result.output and "costliest 2 of" in result.output
-    half = CliRunner().invoke(main, ["explain", str(out), "--graph", graph_file])
+    half = CliRunner().invoke(main, base)
     assert half.exit_code == 2 and "error: --cluster: --graph and --cluster go together" in half.stderr
-    profiled = CliRunner().invoke(main, ["explain", str(out), "--graph", graph_file, "--cluster", "p3.16xlarge",
-                                         "--nodes", "1", "--profile", str(INSTANCES.parent / "no-such-profile.json")])
+    profiled = CliRunner().invoke(main, [*base, "--cluster", tiny.cluster_file, "--profile", "no-such-profile.json"])
     assert profiled.exit_code == 2 and "Traceback" not in profiled.output
