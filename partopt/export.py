@@ -850,6 +850,10 @@ def _model_arguments(plan: Plan, num_layers: int, tp: int) -> list[str]:
         args.append("--disable-bias-linear")
     if a.get("qkv_bias"):
         args.append("--add-qkv-bias")
+    if "rope_base" in a:
+        args += ["--rotary-base", str(a["rope_base"])]
+    if "norm_eps" in a:
+        args += ["--norm-epsilon", f"{a['norm_eps']:g}"]
     return args
 
 

@@ -257,7 +257,8 @@ def test_imported_llama_plans_like_the_generator():
                              dtype="fp16")
     assert imported.num_params == generated.num_params
     assert _iteration(imported) == pytest.approx(_iteration(generated), rel=0.02)
-    assert imported.architecture == generated.architecture  # what exports say of it (docs/FORMAT.md)
+    # what exports say of it (docs/FORMAT.md): the generator's record, and the config's own rotary base and epsilon
+    assert imported.architecture == {**generated.architecture, "rope_base": 10000, "norm_eps": config.rms_norm_eps}
 
 
 def test_an_imported_llama_with_wider_heads_records_its_head_size_as_the_generator_does():
@@ -269,7 +270,8 @@ def test_an_imported_llama_with_wider_heads_records_its_head_size_as_the_generat
     generated = models.llama(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, seq=16, vocab=VOCAB, batch=4,
                              dtype="fp16", head_dim=32)
     assert imported.num_params == generated.num_params
-    assert imported.architecture == generated.architecture and imported.architecture["head_dim"] == 32
+    assert imported.architecture == {**generated.architecture, "rope_base": 10000, "norm_eps": config.rms_norm_eps}
+    assert imported.architecture["head_dim"] == 32
 
 
 def qwen2_config(**over) -> Qwen2Config:
@@ -287,9 +289,14 @@ def test_an_imported_qwen2_records_its_query_key_value_biases_and_megatron_adds_
     imported = from_hf_config(qwen2_config(), batch=4, seq=16, dtype="bf16")
     assert imported.num_params == VOCAB * h + layers * (h * qkv + qkv + h * h + 3 * h * f + 2 * h) + h
     assert imported.architecture == {**models.llama(hidden=h, layers=layers, heads=4, kv_heads=g, ffn=f, seq=16,
-                                                    vocab=VOCAB, batch=4).architecture, "tied": True, "qkv_bias": True}
+                                                    vocab=VOCAB, batch=4).architecture, "tied": True, "qkv_bias": True,
+                                     "rope_base": 10000, "norm_eps": 1e-6}  # Qwen2Config's defaults
     line = export(uniform(imported, preset("dgx-a100", 1).narrowed(2), tp=2, pp=1, dp=1), "megatron")
     assert "--disable-bias-linear" in line and "--add-qkv-bias" in line
+    # Qwen2.5's own rotary base and epsilon reach the line: Megatron-LM's defaults are 10000 and 1e-5
+    qwen25 = from_hf_config(qwen2_config(rope_theta=1000000.0, rms_norm_eps=1e-6), batch=4, seq=16, dtype="bf16")
+    line = export(uniform(qwen25, preset("dgx-a100", 1).narrowed(2), tp=2, pp=1, dp=1), "megatron")
+    assert "--rotary-base 1000000" in line and "--norm-epsilon 1e-06" in line
 
 
 def test_an_imported_mistral_is_a_llama_unless_its_window_is_narrower_than_the_sequence():

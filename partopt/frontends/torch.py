@@ -1205,7 +1205,15 @@ def _llama_architecture(config: Any, seq: int) -> dict[str, Any] | None:
     return llama_architecture(config.num_hidden_layers, config.hidden_size, heads,
                               getattr(config, "num_key_value_heads", None) or heads, config.intermediate_size, seq,
                               config.vocab_size, tied=bool(config.tie_word_embeddings), bias=biases.pop(),
-                              head_dim=getattr(config, "head_dim", None), qkv_bias=qkv_bias)
+                              head_dim=getattr(config, "head_dim", None), qkv_bias=qkv_bias,
+                              rope_base=_rope_base(config), norm_eps=getattr(config, "rms_norm_eps", None))
+
+
+def _rope_base(config: Any) -> int | None:
+    """The rotary embedding's theta (`rope_parameters` since transformers 5, `rope_theta` before), where it is a whole
+    number, as Megatron-LM's --rotary-base takes it; None otherwise."""
+    theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
+    return int(theta) if isinstance(theta, (int, float)) and theta > 0 and float(theta).is_integer() else None
 
 
 def _hf_model(config: Any, where: str) -> Any:
