@@ -854,6 +854,8 @@ def _model_arguments(plan: Plan, num_layers: int, tp: int) -> list[str]:
         args += ["--rotary-base", str(a["rope_base"])]
     if "norm_eps" in a:
         args += ["--norm-epsilon", f"{a['norm_eps']:g}"]
+    if a.get("rope_scaling") == "llama3":
+        args += ["--use-rope-scaling", "--rope-scaling-factor", f"{a['rope_scaling_factor']:g}"]
     return args
 
 
@@ -875,14 +877,18 @@ def _precision(plan: Plan) -> str | None:
 
 def megatron_warnings(plan: Plan) -> list[str]:
     """What Megatron-LM will run differently from how `plan` was priced, or what its line leaves to the user, one line
-    each: a graph with no architecture record (the line holds the layout alone); GEMMs priced at another precision
-    than Megatron-LM runs (`_gemm_warnings`); a 16-bit plan priced in the ZeRO paper's state layout
-    (`_state_layout_warnings`)."""
+    each: a graph with no architecture record (the line holds the layout alone); a rotary scaling Megatron-LM has no
+    argument for (any but Llama 3.1's); GEMMs priced at another precision than Megatron-LM runs (`_gemm_warnings`); a
+    16-bit plan priced in the ZeRO paper's state layout (`_state_layout_warnings`)."""
     layout_only = [] if plan.architecture is not None else [
         "the plan's graph records no transformer architecture: these are the layout's arguments only; add the "
         "model's own (--hidden-size, --num-attention-heads, --seq-length, --max-position-embeddings), which "
         "Megatron-LM requires"]
-    return [*layout_only, *_gemm_warnings(plan), *_state_layout_warnings(plan)]
+    scaling = (plan.architecture or {}).get("rope_scaling")
+    unscaled = [] if scaling in (None, "llama3") else [
+        f"the model's {scaling} rotary scaling has no Megatron-LM argument (its --use-rope-scaling applies Llama 3.1's "
+        "bands alone): the line trains unscaled rotary positions; the plan's cost is the same"]
+    return [*layout_only, *unscaled, *_gemm_warnings(plan), *_state_layout_warnings(plan)]
 
 
 def _gemm_warnings(plan: Plan) -> list[str]:

@@ -20,7 +20,7 @@ from partopt import io, models
 from partopt.cli import main
 from partopt.cluster import preset
 from partopt.errors import InstanceError, PartoptError
-from partopt.export import export
+from partopt.export import export, megatron_warnings
 from partopt.costmodel import training_flops
 from partopt.frontends.torch import FrontendError, _Atoms, from_hf_config, from_module, read_hf_config
 from partopt.evaluate import uniform
@@ -331,6 +331,26 @@ def test_importing_a_config_does_not_read_its_deprecated_torch_dtype(tmp_path, m
                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16)
     (tmp_path / "c.json").write_text(json.dumps({"model_type": "llama", **sizes, "torch_dtype": "bfloat16"}))
     assert from_hf_config(read_hf_config(tmp_path / "c.json"), batch=4, seq=16).dtype == "bf16"
+
+
+def test_llama_31s_rotary_scaling_reaches_megatron_and_another_scaling_is_warned_of():
+    """Llama 3.1 scales its rotary frequencies in the bands (1, 4, 8192) that Megatron-LM's --use-rope-scaling applies
+    (rotary_pos_embedding.py's _apply_scaling), by its factor 8; a YaRN scaling has no Megatron-LM argument."""
+    bands = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cluster = preset("dgx-a100", 1).narrowed(2)
+    llama31 = llama_config(max_position_embeddings=131072, rope_theta=500000.0,
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0, **bands})
+    graph = from_hf_config(llama31, batch=4, seq=16, dtype="bf16")
+    assert (graph.architecture["rope_scaling"], graph.architecture["rope_scaling_factor"]) == ("llama3", 8.0)
+    plan = uniform(graph, cluster, tp=2, pp=1, dp=1)
+    assert "--rotary-base 500000" in export(plan, "megatron")
+    assert "--use-rope-scaling --rope-scaling-factor 8" in export(plan, "megatron")
+    assert not [w for w in megatron_warnings(plan) if "rotary" in w]
+    yarn = llama_config(max_position_embeddings=131072,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    plan = uniform(from_hf_config(yarn, batch=4, seq=16, dtype="bf16"), cluster, tp=2, pp=1, dp=1)
+    assert "--use-rope-scaling" not in export(plan, "megatron")
+    assert [w for w in megatron_warnings(plan) if w.startswith("the model's yarn rotary scaling has no Megatron-LM")]
 
 
 def test_an_imported_llama_records_its_architecture_only_where_the_record_can_say_it():

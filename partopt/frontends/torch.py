@@ -1206,14 +1206,39 @@ def _llama_architecture(config: Any, seq: int) -> dict[str, Any] | None:
                               getattr(config, "num_key_value_heads", None) or heads, config.intermediate_size, seq,
                               config.vocab_size, tied=bool(config.tie_word_embeddings), bias=biases.pop(),
                               head_dim=getattr(config, "head_dim", None), qkv_bias=qkv_bias,
-                              rope_base=_rope_base(config), norm_eps=getattr(config, "rms_norm_eps", None))
+                              rope_base=_rope_base(config), norm_eps=getattr(config, "rms_norm_eps", None),
+                              **_rope_scaling(config))
+
+
+def _rope(config: Any) -> dict[str, Any]:
+    """A config's rotary parameters: `rope_parameters` since transformers 5, `rope_theta` and `rope_scaling` before."""
+    return getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", None),
+                                                        **(getattr(config, "rope_scaling", None) or {})}
 
 
 def _rope_base(config: Any) -> int | None:
-    """The rotary embedding's theta (`rope_parameters` since transformers 5, `rope_theta` before), where it is a whole
-    number, as Megatron-LM's --rotary-base takes it; None otherwise."""
-    theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
+    """The rotary embedding's theta where it is a whole number, as Megatron-LM's --rotary-base takes it; else None."""
+    theta = _rope(config).get("rope_theta")
     return int(theta) if isinstance(theta, (int, float)) and theta > 0 and float(theta).is_integer() else None
+
+
+# Llama 3.1's frequency bands, which Megatron-LM's --use-rope-scaling applies and does not take as arguments
+# (megatron/core/models/common/embeddings/rotary_pos_embedding.py, RotaryEmbedding._apply_scaling at d98e8a6)
+MEGATRON_LLAMA3_BANDS = {"low_freq_factor": 1, "high_freq_factor": 4, "original_max_position_embeddings": 8192}
+
+
+def _rope_scaling(config: Any) -> dict[str, Any]:
+    """`rope_scaling` and `rope_scaling_factor` of the architecture record: none for unscaled rotary positions;
+    "llama3" for Llama 3.1's scaling in the bands Megatron-LM applies, or "llama3 (other bands)"; else the config's
+    rope_type (yarn, linear, dynamic, …)."""
+    rope = _rope(config)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return {}
+    if kind == "llama3" and any(rope.get(k) != v for k, v in MEGATRON_LLAMA3_BANDS.items()):
+        kind = "llama3 (other bands)"
+    factor = rope.get("factor")
+    return {"rope_scaling": kind, **({"rope_scaling_factor": float(factor)} if factor is not None else {})}
 
 
 def _hf_model(config: Any, where: str) -> Any:

@@ -70,14 +70,16 @@ def llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, seq: in
 
 def llama_architecture(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, seq: int, vocab: int,
                        tied: bool = False, bias: bool = False, head_dim: int | None = None,
-                       qkv_bias: bool = False, rope_base: int | None = None,
-                       norm_eps: float | None = None) -> dict[str, Any]:
+                       qkv_bias: bool = False, rope_base: int | None = None, norm_eps: float | None = None,
+                       rope_scaling: str | None = None, rope_scaling_factor: float | None = None) -> dict[str, Any]:
     """A Llama's `Graph.architecture`: RMSNorm, SwiGLU, rotary positions, no dropout; the generator's is untied and
     unbiased, a Hugging Face config may say otherwise (`frontends.torch.from_hf_config`). `head_dim` is recorded
     only where it is not hidden / heads (Megatron-LM's default `--kv-channels`), `qkv_bias` only where the query,
     key and value projections alone have biases (Qwen2's, Megatron-LM's `--add-qkv-bias`); `rope_base` (the rotary
-    embedding's theta) and `norm_eps` where the model's own are known (a config's): they do not change the cost,
-    but a runtime left to its defaults would train another model."""
+    embedding's theta), `norm_eps` and a rotary scaling (`rope_scaling`, the config's rope_type: "llama3" for
+    Llama 3.1's, whose fixed frequency bands Megatron-LM's --use-rope-scaling applies; its `rope_scaling_factor`)
+    where the model's own are known (a config's): they do not change the cost, but a runtime left to its defaults
+    would train another model."""
     record = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, seq=seq, vocab=vocab,
                   norm="rmsnorm", mlp="swiglu", positions="rotary", tied=tied, bias=bias, attention_dropout=0.0)
     if head_dim is not None and head_dim * heads != hidden:
@@ -88,6 +90,10 @@ def llama_architecture(layers: int, hidden: int, heads: int, kv_heads: int, ffn:
         record["rope_base"] = rope_base
     if norm_eps is not None:
         record["norm_eps"] = norm_eps
+    if rope_scaling is not None:
+        record["rope_scaling"] = rope_scaling
+    if rope_scaling_factor is not None:
+        record["rope_scaling_factor"] = rope_scaling_factor
     return record
 
 
