@@ -855,6 +855,9 @@ def _model_arguments(plan: Plan, num_layers: int, tp: int) -> list[str]:
     if "norm_eps" in a:
         args += ["--norm-epsilon", f"{a['norm_eps']:g}"]
     if a.get("rope_scaling") == "llama3":
+        if "rope_scaling_factor" not in a:
+            raise InstanceError("the architecture records Llama 3.1's rotary scaling without its factor",
+                                "architecture.rope_scaling_factor", "give the config's rope_scaling factor (8 for Llama 3.1)")
         args += ["--use-rope-scaling", "--rope-scaling-factor", f"{a['rope_scaling_factor']:g}"]
     return args
 

@@ -3,6 +3,7 @@ against torch's own numbers (parameters, FLOPs) and against partopt's generators
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -346,6 +347,10 @@ def test_llama_31s_rotary_scaling_reaches_megatron_and_another_scaling_is_warned
     assert "--rotary-base 500000" in export(plan, "megatron")
     assert "--use-rope-scaling --rope-scaling-factor 8" in export(plan, "megatron")
     assert not [w for w in megatron_warnings(plan) if "rotary" in w]
+    unfactored = dataclasses.replace(plan, architecture={k: v for k, v in plan.architecture.items()
+                                                         if k != "rope_scaling_factor"})  # a hand-edited record
+    with pytest.raises(InstanceError, match="Llama 3.1's rotary scaling without its factor"):
+        export(unfactored, "megatron")
     yarn = llama_config(max_position_embeddings=131072,
                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
     plan = uniform(from_hf_config(yarn, batch=4, seq=16, dtype="bf16"), cluster, tp=2, pp=1, dp=1)
