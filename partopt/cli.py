@@ -72,8 +72,13 @@ def _at_flag(err: PartoptError, ctx: click.Context) -> PartoptError:
     """`err` placed at the command's flag when the library placed it at that option's keyword
     ("ray_address" -> "--ray-address")."""
     command = ctx.command.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
-    flags = {p.name: max(p.opts, key=len) for p in (command.params if command else []) if isinstance(p, click.Option)}
+    flags = {p.name: _flag(p) for p in (command.params if command else []) if isinstance(p, click.Option)}
     return type(err)(err.cause, flags[err.where], err.hint) if err.where in flags else err
+
+
+def _flag(option: click.Parameter) -> str:
+    """How messages name an option: its first long flag (--zero of --zero/--distributed-optimizer, --output of -o)."""
+    return next((o for o in option.opts if o.startswith("--")), option.opts[0])
 
 
 def _end_workers() -> None:
@@ -631,7 +636,7 @@ def _refuse_unused(names: Sequence[str], why: str, hint: str) -> None:
     ctx = click.get_current_context()
     for name in names:
         if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
-            flag = next(p.opts[0] for p in ctx.command.params if p.name == name)
+            flag = next(_flag(p) for p in ctx.command.params if p.name == name)
             raise InstanceError(f"{why}, and does not read {flag}", flag, hint)
 
 
@@ -745,13 +750,8 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
                             "partopt evaluate", "for example --plan plan.json, or --tp 8 --pp 2")
     if plan_file is None and dp is None:
         dp = _data_parallel(cluster, tp, pp)
-    if plan_file is not None and (microbatches is not None or microbatch_size is not None or zero or recompute
-                                  or no_overlap or sequence_parallel or shard_weights or tp_comm_overlap or schedule
-                                  or virtual_stages or stage_layers or state_layout or expert_parallel):
-        raise InstanceError("--microbatches, --microbatch-size, --zero, --sequence-parallel, --shard-weights, "
-                            "--tp-comm-overlap, --expert-parallel, --recompute, --state-layout, "
-                            "--schedule, --virtual-stages, --stage-layers and --no-overlap describe a Megatron-style plan, "
-                            "not a plan file", "partopt evaluate", "edit the plan file instead")
+    if plan_file is not None:
+        _refuse_unused(MEGATRON_LAYOUT, "--plan prices the plan file as written", "edit the plan file instead")
     if microbatches is not None and microbatch_size is not None:
         raise InstanceError("give --microbatches or --microbatch-size, not both", "partopt evaluate",
                             "--microbatch-size m means batch / (m × dp) microbatches")
@@ -774,6 +774,12 @@ def evaluate_command(graph_file: str, cluster_source: str, nodes: int | None, pl
                        stage_layers=_counts(stage_layers, "--stage-layers", "5,6,6,5"),
                        state_layout=state_layout or "zero", **options)
     _emit(plan, output, as_json, cluster_source)
+
+
+# the options of `evaluate` that describe a Megatron-style plan, which a plan file (--plan) holds itself
+MEGATRON_LAYOUT = ("microbatches", "microbatch_size", "zero", "sequence_parallel", "shard_weights", "tp_comm_overlap",
+                   "expert_parallel", "recompute", "state_layout", "schedule", "virtual_stages", "stage_layers",
+                   "no_overlap")
 
 
 def _data_parallel(cluster: Cluster, tp: int, pp: int) -> int:
@@ -906,7 +912,7 @@ def explain_command(plan_file: str, ops: bool, graph_file: str | None, cluster_s
         time_table.add_column("time", justify="right")
         time_table.add_column("share", justify="right")
         for cause, seconds in account.time_s.items():
-            time_table.add_row(cause, fmt_seconds(seconds), f"{100 * seconds / plan.iteration_time_s:.1f} %")
+            time_table.add_row(cause, fmt_seconds(seconds), _share(seconds, plan.iteration_time_s))
         time_table.add_row("total", fmt_seconds(sum(account.time_s.values())), "100 %", style="bold")
         memory_table = Table(title="memory per device")
         memory_table.add_column("what")
@@ -936,7 +942,7 @@ def _kinds_table(times: list[OpTime]) -> Table:
         table.add_column(column, justify="left" if column == "kind" else "right")
     for kind, ts in sorted(kinds.items(), key=lambda item: -sum(t.compute_s for t in item[1])):
         seconds, flops = sum(t.compute_s for t in ts), sum(t.flops for t in ts)
-        table.add_row(kind, str(len(ts)), fmt_seconds(seconds), f"{100 * seconds / compute:.1f} %" if compute else "—",
+        table.add_row(kind, str(len(ts)), fmt_seconds(seconds), _share(seconds, compute),
                       fmt_scaled(flops, "FLOP"), fmt_scaled(flops / seconds, "FLOP/s") if seconds else "—")
     return table
 
@@ -948,9 +954,14 @@ def _costliest_table(times: list[OpTime], top: int) -> Table:
     for column in ("op", "kind", "compute", "share", "collectives", "FLOP", "FLOP/s"):
         table.add_column(column, justify="left" if column in ("op", "kind") else "right")
     for t in times[:top]:
-        table.add_row(t.op, t.kind, fmt_seconds(t.compute_s), f"{100 * t.compute_s / compute:.1f} %" if compute else "—",
-                      fmt_seconds(t.comm_s), fmt_scaled(t.flops, "FLOP"), fmt_scaled(t.flop_rate, "FLOP/s"))
+        table.add_row(t.op, t.kind, fmt_seconds(t.compute_s), _share(t.compute_s, compute), fmt_seconds(t.comm_s),
+                      fmt_scaled(t.flops, "FLOP"), fmt_scaled(t.flop_rate, "FLOP/s"))
     return table
+
+
+def _share(part: float, whole: float) -> str:
+    """`part` as a percentage of `whole` ("—" of nothing)."""
+    return f"{100 * part / whole:.1f} %" if whole else "—"
 
 
 @main.command("export")

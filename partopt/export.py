@@ -117,9 +117,10 @@ def optimizer_placement(t: TensorPlacement, mesh: Sequence[int]) -> tuple[Placem
         if not isinstance(placement[axis], Replicate):
             raise InstanceError(f"optimizer state of {t.name!r} is sharded over axis {axis}, where the parameter "
                                 f"is {placement[axis]}, not replicated", f"params.{t.name}.zero_axes")
+        ways = split_ways(placement, mesh)
         for i, d in enumerate(t.dims):
             splits = [k for k, p in enumerate(placement) if p == Shard(d)]
-            local = t.shape[i] // split_ways(placement, mesh).get(d, 1)
+            local = t.shape[i] // ways.get(d, 1)
             if local % mesh[axis] == 0 and all(k < axis for k in splits):
                 placement[axis] = Shard(d)
                 break
@@ -462,7 +463,7 @@ def _axis_role(plan: Plan, i: int, stage: StagePlan, axis: int, batch: frozenset
     any may run replicated), or runs its experts there (`_runs_experts`: Megatron-LM's expert parallelism over
     data-parallel ranks), else "tp"."""
     where = f"stage {i}"
-    expert_ops = [op for op, info in stage.ops.items() if _runs_experts(info, axis, experts)]
+    expert_ops = {op for op, info in stage.ops.items() if _runs_experts(info, axis, experts)}
     splits_batch = [(op, info.axes[axis]) for op, info in stage.ops.items() if info.axes[axis] in batch]
     splits_other = [(op, info.axes[axis]) for op, info in stage.ops.items()
                     if info.axes[axis] is not None and info.axes[axis] not in batch and op not in expert_ops]
