@@ -165,7 +165,7 @@ def test_h100_points_run_the_schedules_their_sources_name():
     optimizer state over the data-parallel ranks (its DistributedDataParallelConfig(use_distributed_optimizer=True));
     Llama 3 and the 8B ran FSDP, which shards it too."""
     by_label = {p.label.split(",")[0] + f" {p.gpus}": p for p in calibrate.read_points(POINTS / "dgx-h100.json").points
-                if not p.label.startswith("MPT")}
+                if not p.label.startswith("Megatron-LM GPT")}
     assert {label: (p.schedule, p.virtual_stages) for label, p in by_label.items()} == {
         "Llama 3 405B 8192": ("interleaved", 8), "Llama 3 405B 16384": ("interleaved", 8),
         "NeMo Llama3 8B FP8 8": ("1f1b", 1), "NeMo Llama3 70B FP8 64": ("interleaved", 5)}
@@ -181,16 +181,54 @@ def test_h100_points_run_the_schedules_their_sources_name():
     assert all(p.zero for p in by_label.values())
 
 
+# Megatron-LM's H100 weak-scaling table (README, images/model_table.png at f2e5db4), per model size: attention heads,
+# hidden size, layers, tensor MP, pipeline MP, data-parallel size, GPUs, batch, per-GPU TFLOP/s, MFU (%), aggregate
+# PFLOP/s
+MEGATRON_H100 = {
+    "1.7B": (16, 2048, 24, 1, 1, 48, 48, 192, 408.8, 41, 19.6), "7.1B": (32, 4096, 30, 2, 1, 48, 96, 192, 465.9, 47, 44.7),
+    "16B": (48, 6144, 32, 4, 1, 48, 192, 192, 489.1, 49, 93.9), "32B": (56, 7168, 48, 8, 1, 48, 384, 192, 459.6, 46, 176.5),
+    "70B": (64, 8192, 84, 8, 2, 48, 768, 384, 419.7, 42, 322.3),
+    "119B": (80, 10240, 92, 8, 4, 48, 1536, 768, 420.5, 43, 645.9),
+    "177B": (96, 12288, 96, 8, 6, 48, 2304, 1152, 432.8, 44, 997.2),
+    "314B": (128, 16384, 96, 8, 8, 48, 3072, 1536, 474.4, 48, 1457.4),
+    "462B": (144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9, 47, 2825.6)}
+
+
+def test_megatron_h100_runs_are_the_readme_table_as_run():
+    """Megatron-LM's H100 table, transcribed: its columns agree with each other (TFLOP/s × GPUs is the aggregate,
+    over the bf16 peak the MFU), the graphs have the model sizes (untied GPT, vocabulary 131,072, sequence 4096),
+    TFLOP/s count Megatron-LM's own formula (training.py at f2e5db4: the 72 closed form with the logits), and the
+    plans are what its flags imply: --overlap-param-gather asserts the distributed optimizer and --tp-comm-overlap
+    sequence parallelism; assumed, as the table does not say: microbatch size 1 (the batch grows as 192 × pp: four
+    microbatches per stage) and Megatron-LM's default schedule, 1F1B. Every row is fitted."""
+    runs = [p for p in calibrate.read_points(POINTS / "dgx-h100.json").points if p.label.startswith("Megatron-LM GPT")]
+    assert sorted(p.label.split()[2].rstrip(",") for p in runs) == sorted(MEGATRON_H100)
+    peak = preset("dgx-h100").device.peak("bf16") / 1e12
+    for p in runs:
+        size = p.label.split()[2].rstrip(",")
+        heads, hidden, layers, tp, pp, dp, gpus, batch, tflops, mfu, aggregate = MEGATRON_H100[size]
+        assert tp * pp * dp == gpus and tflops * gpus / 1e3 == pytest.approx(aggregate, abs=0.05)
+        assert round(100 * tflops / peak) == mfu
+        # the table's sizes are rounded (its "1.7B" has 1,753,862,144 parameters); tied embeddings would miss 7.1B by 7 %
+        assert p.graph.num_params == pytest.approx(float(size[:-1]) * 1e9, rel=0.035), size
+        assert (p.graph.dims["n"], p.graph.dims["v"], p.graph.dims["s"]) == (heads, 131072, 4096)
+        assert gpt_shape(p.graph) == (batch, 4096, layers, hidden, 131072) and p.graph.dtype == "bf16"
+        assert p.tflops_per_gpu == tflops and p.flops == pytest.approx(gpt_flops(*gpt_shape(p.graph), recompute=False))
+        assert (p.tp, p.pp, p.dp, p.gpus, p.microbatches * dp) == (tp, pp, dp, gpus, batch)
+        assert p.zero and p.state_layout == "megatron" and p.overlap and p.schedule == "1f1b"
+        assert p.sequence_parallel == p.tp_comm_overlap == (tp > 1)
+
+
 # MosaicML LLM Foundry's tables (scripts/train/benchmarking/README.md), per row: (model, seq, GPUs) -> MicroBatchSize,
 # GradAccum, GlobalBatchSize, Throughput (T/s), Activation Checkpointing; NumParams by (model, seq)
 LLM_FOUNDRY = {
-    "dgx-h100.json": {  # "H100 80GB BF16"
+    "dgx-h100-unfitted.json": {  # "H100 80GB BF16", fitted until 2026-12-07 (COSTMODEL §7, "Thirty-first session")
         ("70B", 2048, 64): (8, 4, 2048, 66523, True), ("30B", 4096, 8): (1, 21, 168, 14419, True),
         ("30B", 2048, 8): (3, 21, 504, 16022, True), ("13B", 4096, 8): (10, 3, 240, 37740, True),
         ("13B", 2048, 8): (2, 1, 16, 38336, False), ("7B", 4096, 8): (16, 2, 256, 68893, True),
         ("7B", 2048, 8): (6, 1, 48, 85144, False), ("3B", 4096, 8): (5, 6, 240, 167712, False),
-        ("1B", 4096, 8): (7, 4, 224, 308282, False), ("1B", 2048, 8): (14, 1, 112, 363645, False)},
-    "dgx-h100-unfitted.json": {  # every other row of "H100 80GB BF16", and "H100 80GB FP8" (the model's " FP8")
+        ("1B", 4096, 8): (7, 4, 224, 308282, False), ("1B", 2048, 8): (14, 1, 112, 363645, False),
+        # every other row of "H100 80GB BF16", and "H100 80GB FP8" (the model's " FP8")
         ("70B", 2048, 32): (2, 16, 1024, 28242, True), ("30B", 8192, 8): (1, 21, 168, 11072, True),
         ("30B", 2048, 32): (14, 3, 1344, 73860, True), ("30B", 2048, 16): (10, 3, 480, 36209, True),
         ("30B", 1024, 8): (6, 21, 1008, 16672, True), ("13B", 32768, 8): (1, 3, 24, 15812, True),
@@ -270,8 +308,7 @@ MPT_PARAMS = {("70B", 2048): 64862437376, ("30B", 4096): 29989894144, ("30B", 20
 def test_mpt_runs_are_llm_foundry_rows_as_run(name):
     """LLM Foundry's rows, transcribed: the iteration is the global batch's tokens over the table's throughput, the
     graph has the table's NumParams, and the plan is the run's: FSDP full shard over every GPU, GradAccum
-    microbatches, activation checkpointing as full recomputation (dgx-h100.json: fitted; the unfitted files: kept
-    out, out of sample)."""
+    microbatches, activation checkpointing as full recomputation; kept out of the fits, judged out of sample."""
     table = LLM_FOUNDRY[name]
     runs = [p for p in calibrate.read_points(POINTS / name).points if p.label.startswith("MPT")]
     assert len(runs) == len(table)

@@ -21,7 +21,7 @@ CHEAP_POINTS = {
     "p3.16xlarge": ["GPT-350M, 1 GPU", "MoE-380M, 1 GPU", "Wide-ResNet-250M, 1 GPU"],
     "dgx-a100": ["22B, 8 GPUs, tp 8 × pp 1 × dp 1, batch 4, sequence parallel + selective recomputation",
                  "22B, 8 GPUs, tp 8 × pp 1 × dp 1, batch 4, full recomputation"],
-    "dgx-h100": ["NeMo Llama3 8B FP8, 8 GPUs, FSDP (dp 8, ZeRO)"],
+    "dgx-h100": ["NeMo Llama3 8B FP8, 8 GPUs, FSDP (dp 8, ZeRO)", "Megatron-LM GPT 1.7B, 48 GPUs, tp 1 × pp 1 × dp 48"],
 }
 
 
