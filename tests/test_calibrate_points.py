@@ -219,6 +219,21 @@ def test_megatron_h100_runs_are_the_readme_table_as_run():
         assert p.sequence_parallel == p.tp_comm_overlap == (tp > 1)
 
 
+def test_megatron_h100_strong_scaling_end_points_are_the_readme_text():
+    """The README's strong scaling: the table's 177B GPT from 96 to 4,608 H100s at 1,152 sequences per batch, "a
+    reduction in MFU from 47% to 42%"; priced with the table's 177B plan (tp 8 × pp 6, its text gives neither) and out of
+    sample."""
+    table = next(p for p in calibrate.read_points(POINTS / "dgx-h100.json").points if " 177B," in p.label)
+    ends = [p for p in calibrate.read_points(POINTS / "dgx-h100-unfitted.json").points if "strong scaling" in p.label]
+    peak = preset("dgx-h100").device.peak("bf16") / 1e12
+    assert [(p.gpus, round(100 * p.tflops_per_gpu / peak, 6)) for p in ends] == [(96, 47), (4608, 42)]
+    for p in ends:
+        assert gpt_shape(p.graph)[1:] == gpt_shape(table.graph)[1:] and p.graph.dims["b"] == 1152
+        assert p.flops == pytest.approx(gpt_flops(*gpt_shape(p.graph), recompute=False))
+        assert (p.tp, p.pp, p.microbatches * p.dp) == (table.tp, table.pp, 1152)  # microbatch size 1, as the table's
+        assert (p.zero, p.state_layout, p.schedule, p.sequence_parallel) == (True, "megatron", "1f1b", True)
+
+
 # MosaicML LLM Foundry's tables (scripts/train/benchmarking/README.md), per row: (model, seq, GPUs) -> MicroBatchSize,
 # GradAccum, GlobalBatchSize, Throughput (T/s), Activation Checkpointing; NumParams by (model, seq)
 LLM_FOUNDRY = {
