@@ -60,7 +60,7 @@ def explain(plan: Plan) -> list[StageExplanation]:
             time_s[f"gradient {_label(kind)} (per iteration)"] = seconds
         time_s["optimizer step"] = bd["optimizer_s"]
         if bd.get("overlapped_s"):
-            time_s["gradient reduction hidden under the backward"] = -bd["overlapped_s"]
+            time_s["gradient reductions and weight gathers hidden under compute"] = -bd["overlapped_s"]
         idle = plan.iteration_time_s - B * stage.stage_time_s - stage.sync_time_s
         time_s["pipeline bubble and waiting"] = 0.0 if abs(idle) < 1e-12 * plan.iteration_time_s else idle
         memory = {f"{part} state" if part == "optimizer" else part: size

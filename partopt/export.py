@@ -749,6 +749,8 @@ def megatron_config(plan: Plan) -> dict[str, Any]:
             "tp_comm_overlap": bool(plan.options.get("megatron", {}).get("tp_comm_overlap")),
             "distributed_optimizer": zero, "recompute": recomputation(plan.stages[0]),
             "overlap_grad_reduce": bool(plan.options.get("overlap", False)),
+            # the updated weights gathered under the next forward, as priced (docs/COSTMODEL.md §5b)
+            "overlap_param_gather": zero and bool(plan.options.get("overlap", False)),
             "attention_backend": "flash" if fused_attention(plan) else None,
             # Transformer Engine's FP8 GEMMs: E4M3 forward, E5M2 gradients (Megatron's and NeMo's usual recipe)
             "fp8_format": "hybrid" if plan.matmul_dtype == "fp8" else None,
@@ -959,6 +961,8 @@ def to_megatron(plan: Plan) -> list[str]:
         args.append("--use-distributed-optimizer")
     if c["overlap_grad_reduce"]:
         args.append("--overlap-grad-reduce")
+    if c["overlap_param_gather"]:
+        args.append("--overlap-param-gather")
     if c["attention_backend"]:
         args += ["--attention-backend", c["attention_backend"]]
     if c["precision"] and MEGATRON_PRECISION[c["precision"]]:

@@ -688,6 +688,7 @@ class Breakdown:
     backward_compute_s: float = 0.0  # per microbatch: the backward's share of compute_s
     comm_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per microbatch, by kind
     sync_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per iteration, by kind
+    gather_s: float = 0.0  # per iteration: the part of sync_s gathering updated weights over a ZeRO axis
     optimizer_s: float = 0.0  # per iteration
     param_bytes: float = 0.0  # weights + gradients + optimizer state per device
     state_bytes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATE_PARTS, 0.0))  # param_bytes by part
@@ -815,6 +816,9 @@ def decode(model: StageModel, solution: ilp.Solution) -> StageSharding:
         pay(c.per_iteration, breakdown.sync_s, calls=0)
         if use.param:
             pay(c.per_iteration, breakdown.param_sync_s.setdefault(use.tensor, defaultdict(float)), calls=0)
+            zero_axes = chosen[use.src].zero_axes
+            breakdown.gather_s += sum(prices.collective_time(kind, size, mesh.axes[axis], 0)
+                                      for kind, axis, size in c.per_iteration if kind == "all_gather" and axis in zero_axes)
             if model.prefetch:  # each side's gathers (and the backward's reduction) under that side's compute
                 covers = prefetch_cover(g, model.ops[use.dst], [chosen[use.dst]], mesh.device)
                 for steps, cover in zip((c.forward, c.backward), covers):

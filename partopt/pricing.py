@@ -43,14 +43,15 @@ class LayerCost:
     sharding: intra.StageSharding
     reduce_s: float = 0.0  # per iteration: the part of sync_s that reduces gradients (overlappable with backward)
     backward_s: float = 0.0  # per microbatch: backward compute and recomputation (what a reduction can hide behind)
-    forward_s: float = 0.0  # per microbatch: forward compute (what an interleaved chunk's gradient send hides behind)
+    forward_s: float = 0.0  # per microbatch: forward compute (what a gradient send or a weight gather hides behind)
+    gather_s: float = 0.0  # per iteration: the part of sync_s gathering updated weights (overlappable with the forward)
 
     @classmethod
     def of(cls, sharding: intra.StageSharding) -> LayerCost:
         b = sharding.breakdown
         reduce = sum(b.sync_s.get(kind, 0.0) for kind in REDUCTIONS)
         return cls(b.per_microbatch_s, b.per_iteration_s, b.param_bytes, b.activation_bytes, b.working_bytes, sharding,
-                   reduce, b.backward_compute_s + b.recompute_s, b.compute_s - b.backward_compute_s)
+                   reduce, b.backward_compute_s + b.recompute_s, b.compute_s - b.backward_compute_s, b.gather_s)
 
     def memory_bytes(self, inflight: float = 1) -> float:
         """Per device with `inflight` microbatches kept and its whole working set."""
@@ -500,8 +501,9 @@ def stage_lengths(costs: list[float | None], count: int, limit: float, work: lis
     latency, sync its per-iteration work), and no option of a layer on a mesh costs less than its
     unconstrained optimum, count · time + sync, which is what its ILP minimises: `costs[b]` is that (or a
     lower bound of it; None: the layer cannot run on the mesh). With `overlap` the gradient reductions
-    hide behind the last microbatch's backward, at most t of them (docs/COSTMODEL.md §5b: exposed ≥
-    reductions − backward), so the iteration is at least B · t + sync − t ≥ (1 − 1/B)(B · t + sync).
+    hide behind the last microbatch's backward and the updated weights' gathers behind the first's forward,
+    at most t of them together (docs/COSTMODEL.md §5b: exposed ≥ reductions − backward, gathers − forward),
+    so the iteration is at least B · t + sync − t ≥ (1 − 1/B)(B · t + sync).
     With `work` (each layer's device-seconds per microbatch, a lower bound: `bounds.roofline_work`),
     the layers outside the stage must also run under `limit` on the `spare` devices it leaves:
     their iteration is at least B · (their work) / spare, and with no device spare there must be

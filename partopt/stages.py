@@ -57,7 +57,7 @@ class Pipeline:
     batch: int
     shared: dict[str, tuple[int, ...]]
     cluster: Cluster
-    overlap: bool = False  # gradient reductions overlap the last microbatch's backward (`exposed_reduction`)
+    overlap: bool = False  # gradient reductions overlap the last backward, weight gathers the next forward (`exposed_*`)
     graph: Graph | None = None  # the model at full batch: FLOP shares of forward and weight passes (`split_table`)
     # send_s by (first, last, end, receiver, cost model): the DP's tables ask for the same stages' sends many times
     _sends: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -270,28 +270,29 @@ def boundary_bytes(graph: Graph, layering: Layering) -> list[float]:
 
 def _columns(row: Sequence[LayerCost | None], layering: Layering) -> np.ndarray:
     """Per DP layer: time, sync, parameter and kept activation bytes, working bytes (the max: layers
-    recompute one at a time), sync other than gradient reductions, gradient reductions, backward
-    time, forward compute (the rest are sums over its base layers); NaN where a base layer cannot run."""
-    out = np.full((len(layering.groups), 9), np.nan)
+    recompute one at a time), sync other than gradient reductions and weight gathers, gradient reductions,
+    backward time, forward compute, weight gathers (the rest are sums over its base layers); NaN where a base
+    layer cannot run."""
+    out = np.full((len(layering.groups), 10), np.nan)
     for j, (a, b) in enumerate(layering.groups):
         parts = row[a:b + 1]
         if any(c is None for c in parts):
             continue
         out[j] = (sum(c.time_s for c in parts), sum(c.sync_s for c in parts), sum(c.param_bytes for c in parts),
                   sum(c.activation_bytes for c in parts), max(c.working_bytes for c in parts),
-                  sum(c.sync_s - c.reduce_s for c in parts), sum(c.reduce_s for c in parts),
-                  sum(c.backward_s for c in parts), sum(c.forward_s for c in parts))
+                  sum(c.sync_s - c.reduce_s - c.gather_s for c in parts), sum(c.reduce_s for c in parts),
+                  sum(c.backward_s for c in parts), sum(c.forward_s for c in parts), sum(c.gather_s for c in parts))
     return out
 
 
-SUMMED = [0, 1, 2, 3, 5, 6, 7, 8]
+SUMMED = [0, 1, 2, 3, 5, 6, 7, 8, 9]
 
 
 def _spans(columns: np.ndarray, overlap: bool) -> np.ndarray:
     """Totals of every stage [i, j] of a row's `_columns`, as [i, j, column] (j ≥ i; the rest unused), each summed
     from layer i rightwards as a loop would: row i adds its layers to zeros (0 + x is x), so any caller gets the
     same floats for the same stage; stages past a layer that cannot run are NaN. Column 1 is the stage's sync:
-    with `overlap`, the other sync plus the exposed part of its gradient reductions."""
+    with `overlap`, the other sync plus the exposed parts of its gradient reductions and its weight gathers."""
     L = len(columns)
     upper = np.triu(np.ones((L, L), dtype=bool))[:, :, None]  # [i, j]: j ≥ i
     parts = np.where(upper, columns[None, :, :], 0.0)
@@ -299,7 +300,8 @@ def _spans(columns: np.ndarray, overlap: bool) -> np.ndarray:
     totals[..., SUMMED] = np.add.accumulate(parts[..., SUMMED], axis=1)
     totals[..., 4] = np.maximum.accumulate(np.where(upper[..., 0], parts[..., 4], -np.inf), axis=1)
     if overlap:  # the zeros before layer i add nothing, and the reductions are not negative: no max is lost to them
-        totals[..., 1] = totals[..., 5] + exposed_reduction(parts[..., 6], parts[..., 7])
+        totals[..., 1] = (totals[..., 5] + exposed_reduction(parts[..., 6], parts[..., 7])
+                          + exposed_gather(parts[..., 9], parts[..., 8]))
     return totals
 
 
@@ -316,6 +318,19 @@ def exposed_reduction(reduce_s: np.ndarray, backward_s: np.ndarray) -> np.ndarra
     done = np.add.accumulate(backward_s, axis=-1)
     before = np.concatenate((np.zeros_like(done[..., :1]), done[..., :-1]), axis=-1)
     return np.maximum.accumulate(np.add.accumulate(reduce_s, axis=-1) - before, axis=-1)
+
+
+def exposed_gather(gather_s: np.ndarray, forward_s: np.ndarray) -> np.ndarray:
+    """Seconds the next iteration's first forward waits for the updated weights' all-gathers, for the stages
+    [0, j] of these layers (the last axis), every j: g_0 + Σ_{1 ≤ k ≤ j} max(0, g_k − f_{k−1}).
+
+    Megatron-LM's `--overlap-param-gather` (its distributed optimizer) starts layer 0's gather before the
+    forward and layer k's when the forward reaches layer k − 1 (one bucket ahead, so that no gather queues in
+    front of the compute kernels): layer k's gather hides under layer k − 1's forward, and waits for the rest.
+    Zeros before a stage's first layer make its own gather the first term.
+    """
+    before = np.concatenate((np.zeros_like(forward_s[..., :1]), forward_s[..., :-1]), axis=-1)
+    return np.add.accumulate(np.maximum(0.0, gather_s - before), axis=-1)
 
 
 def totals(row: Sequence[LayerCost | None], pipe: Pipeline, first: int, last: int, end: End,
@@ -583,8 +598,8 @@ def _reader_changes(pipe: Pipeline, i: int) -> list[int]:
 
 def _fix_sync(fix: Correction, overlap: bool) -> float:
     """The per-iteration change of a shared-parameter correction. Under overlap a removed copy's
-    gradient reduction is not taken back out of the exposed part (it may have been hidden anyway):
-    an over-estimate by at most that reduction, never an under-estimate."""
+    gradient reduction and weight gather are not taken back out of the exposed part (they may have been
+    hidden anyway): an over-estimate by at most those, never an under-estimate."""
     if not overlap:
         return fix.iteration_s
-    return sum(seconds for kind, seconds in fix.sync_s.items() if kind not in REDUCTIONS)
+    return sum(seconds for kind, seconds in fix.sync_s.items() if kind not in (*REDUCTIONS, "all_gather"))

@@ -59,23 +59,11 @@ def _mlp_data_parallel_by_hand(graph, n: int, state_per_param: int = 16, overlap
     With `overlap`, layer 1's reduction (R1) runs during layer 0's backward (B0) and layer 0's (R0)
     after it: R0 + max(0, R1 − B0) stays exposed (docs/COSTMODEL.md §5b).
     """
-    cluster = preset("p3.16xlarge", 1)
-    dev, link = cluster.device, cluster.intra_node
+    dev, link = preset("p3.16xlarge", 1).device, preset("p3.16xlarge", 1).intra_node
     b, h, f = (graph.dims[d] for d in ("b", "h", "f"))
     word = costmodel.DTYPE_BYTES[graph.dtype]
     grad_word = word if grad_word is None else grad_word
-    act, out = word * b * f / n, word * b * h / n  # one device's fc1 and fc2 outputs
-    ops = [  # (layer, training FLOPs, bytes read + written by one device: forward, backward; matmul)
-        # a GEMM's backward is two GEMMs, each reading the output gradient and one operand, writing one gradient
-        (0, 3 * 2 * b * h * f / n, word * (b * h / n + h * f) + act, 2 * (word * (b * h / n + h * f) + act), True),
-        # the bias add hands the gradient on to h1; b1's gradient reduces it (read it, write f)
-        (0, 2 * b * f / n, act + word * f + act, act + word * f, False),  # bias1
-        (0, 2 * b * f / n, act + act, 3 * act, False),  # act1 (gelu): reads its input and the gradient, writes one
-        (1, 3 * 2 * b * f * h / n, act + word * f * h + out, 2 * (act + word * f * h + out), True),  # fc2
-        (1, 2 * b * h / n, out + word * h + out, out + word * h, False),  # bias2
-    ]
-    times = [(layer, costmodel.compute_time(fl, fw + bw, dev, graph.dtype, mm), bw / (fw + bw))
-             for layer, fl, fw, bw, mm in ops]
+    times = _mlp_op_times(graph, n)
     compute = sum(t for _, t, _ in times)
     params = {0: [h * f, f], 1: [f * h, h]}
     # gradients are all-reduced in buckets: only the bandwidth terms count
@@ -88,6 +76,26 @@ def _mlp_data_parallel_by_hand(graph, n: int, state_per_param: int = 16, overlap
     return compute + reduce[0] + max(0.0, reduce[1] - backward0) + optimizer
 
 
+def _mlp_op_times(graph, n: int) -> list[tuple[int, float, float]]:
+    """Per op of the 2-layer MLP data parallel over n devices of a p3 node: (layer, roofline seconds forward +
+    backward, the backward's share of them)."""
+    dev = preset("p3.16xlarge", 1).device
+    b, h, f = (graph.dims[d] for d in ("b", "h", "f"))
+    word = costmodel.DTYPE_BYTES[graph.dtype]
+    act, out = word * b * f / n, word * b * h / n  # one device's fc1 and fc2 outputs
+    ops = [  # (layer, training FLOPs, bytes read + written by one device: forward, backward; matmul)
+        # a GEMM's backward is two GEMMs, each reading the output gradient and one operand, writing one gradient
+        (0, 3 * 2 * b * h * f / n, word * (b * h / n + h * f) + act, 2 * (word * (b * h / n + h * f) + act), True),
+        # the bias add hands the gradient on to h1; b1's gradient reduces it (read it, write f)
+        (0, 2 * b * f / n, act + word * f + act, act + word * f, False),  # bias1
+        (0, 2 * b * f / n, act + act, 3 * act, False),  # act1 (gelu): reads its input and the gradient, writes one
+        (1, 3 * 2 * b * f * h / n, act + word * f * h + out, 2 * (act + word * f * h + out), True),  # fc2
+        (1, 2 * b * h / n, out + word * h + out, out + word * h, False),  # bias2
+    ]
+    return [(layer, costmodel.compute_time(fl, fw + bw, dev, graph.dtype, mm), bw / (fw + bw))
+            for layer, fl, fw, bw, mm in ops]
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_uniform_pure_data_parallel_equals_the_hand_formula(overlap):
     graph = io.read_graph(INSTANCES / "mlp-2layer.json")
@@ -97,6 +105,32 @@ def test_uniform_pure_data_parallel_equals_the_hand_formula(overlap):
     assert stage.logical_mesh == [8, 1] and stage.submesh == [1, 8]
     assert all(entry.axes[0] == "b" for entry in stage.ops.values())
     assert all(p == ParamPlacement((R, R), ()) for p in stage.params.values())
+
+
+def test_zero_under_overlap_gathers_the_updated_weights_under_the_next_forward():
+    """The MLP data parallel over 8 devices with its optimizer state split (ZeRO): each layer's gradients are
+    reduce-scattered (R) and its updated weights all-gathered (G), (n − 1)/n of their bytes each over NVLink. Additive,
+    all four are paid. Under overlap, Megatron-LM's --overlap-grad-reduce and --overlap-param-gather: R1 runs under
+    layer 0's backward B0 and R0 after it; G0 waits before the next forward and G1 runs under layer 0's forward F0
+    (docs/COSTMODEL.md §5b): R0 + max(0, R1 − B0) + G0 + max(0, G1 − F0) stay exposed."""
+    graph = io.read_graph(INSTANCES / "mlp-2layer.json")
+    cluster, n = preset("p3.16xlarge", 1), 8
+    h, f = graph.dims["h"], graph.dims["f"]
+    word = costmodel.DTYPE_BYTES[graph.dtype]
+    times = _mlp_op_times(graph, n)
+    compute = sum(t for _, t, _ in times)
+    forward0 = sum(t * (1 - share) for layer, t, share in times if layer == 0)
+    backward0 = sum(t * share for layer, t, share in times if layer == 0)
+    ring = {layer: (n - 1) / n * word * p / cluster.intra_node.bandwidth
+            for layer, p in ((0, h * f + f), (1, f * h + h))}  # a reduce-scatter and an all-gather move the same
+    plans = {overlap: uniform(graph, cluster, tp=1, pp=1, dp=n, microbatches=1, zero=True, overlap=overlap)
+             for overlap in (False, True)}
+    optimizer = plans[False].stages[0].breakdown["optimizer_s"]
+    assert plans[True].stages[0].breakdown["optimizer_s"] == optimizer
+    assert plans[False].iteration_time_s == pytest.approx(compute + 2 * (ring[0] + ring[1]) + optimizer, rel=1e-9)
+    exposed = ring[0] + max(0.0, ring[1] - backward0) + ring[0] + max(0.0, ring[1] - forward0)
+    assert plans[True].iteration_time_s == pytest.approx(compute + exposed + optimizer, rel=1e-9)
+    assert 0 < ring[1] < forward0  # the case: layer 1's gather hides in full under layer 0's forward
 
 
 @pytest.mark.parametrize("optimizer, state_per_param", [("sgd", 4 + 4 + 4), ("adafactor", 4 + 4)])

@@ -156,6 +156,20 @@ def test_pure_data_parallel_plan_is_megatron_tp1_pp1_dp8():
     assert ex.to_megatron(zero)[-1] == "--use-distributed-optimizer"
 
 
+@pytest.mark.parametrize("zero, overlap, flags", [
+    (True, True, ["--overlap-grad-reduce", "--overlap-param-gather"]), (True, False, []),
+    (False, True, ["--overlap-grad-reduce"])])
+def test_the_overlaps_a_plan_priced_are_the_megatron_flags_it_exports(zero, overlap, flags):
+    """Under overlap a plan hides its gradient reductions under the last backward and, with the distributed
+    optimizer, its updated weights' gathers under the next forward (docs/COSTMODEL.md §5b): Megatron-LM's
+    --overlap-grad-reduce and --overlap-param-gather, which needs the other two (arguments.py asserts both)."""
+    from partopt.evaluate import uniform
+    args = ex.to_megatron(uniform(gpt(**SMALL_GPT), preset("dgx-a100", 1), 1, 1, 8, microbatches=2, zero=zero,
+                                  overlap=overlap))
+    assert [a for a in args if a.startswith("--overlap")] == flags
+    assert ("--use-distributed-optimizer" in args) == zero
+
+
 def test_column_then_row_plan_is_megatron_tensor_parallel_with_sequence_parallelism():
     c = ex.megatron_config(plan([megatron_stage()], MLP_TENSORS, microbatch_size=16, num_microbatches=4))
     assert (c["tp"], c["dp"], c["pp"], c["micro_batch_size"], c["global_batch_size"]) == (4, 2, 1, 8, 64)

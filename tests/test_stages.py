@@ -1,11 +1,12 @@
-"""The stage accountant: its stage sums (`stages._spans`) and its overlap of gradient reductions with the last
-backward (`stages.exposed_reduction`)."""
+"""The stage accountant: its stage sums (`stages._spans`), its overlap of gradient reductions with the last
+backward (`stages.exposed_reduction`) and of the updated weights' gathers with the next forward
+(`stages.exposed_gather`)."""
 
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from partopt.stages import SUMMED, _spans, exposed_reduction
+from partopt.stages import SUMMED, _spans, exposed_gather, exposed_reduction
 
 
 def test_hand_examples():
@@ -14,6 +15,11 @@ def test_hand_examples():
     assert list(exposed_reduction(np.array([1.0, 5.0, 5.0]), np.array([1.0, 1.0, 1.0]))) == [1.0, 5.0, 9.0]
     # nothing to hide behind: every reduction is exposed, in full
     assert list(exposed_reduction(np.array([1.0, 2.0]), np.zeros(2))) == [1.0, 3.0]
+    # gathers 3, 1, 5 under forwards 2, 4, 1: layer 0's waits in full, layer 1's hides under layer 0's forward,
+    # layer 2's waits 5 − 4 past layer 1's
+    assert list(exposed_gather(np.array([3.0, 1.0, 5.0]), np.array([2.0, 4.0, 1.0]))) == [3.0, 3.0, 4.0]
+    # nothing to hide behind: every gather waits, in full
+    assert list(exposed_gather(np.array([1.0, 2.0]), np.zeros(2))) == [1.0, 3.0]
 
 
 def simulated(reduce: list[float], backward: list[float]) -> float:
@@ -30,6 +36,18 @@ def simulated(reduce: list[float], backward: list[float]) -> float:
     return stream - ready[0]
 
 
+def simulated_gathers(gather: list[float], forward: list[float]) -> float:
+    """Megatron-LM's `--overlap-param-gather` event by event (megatron/core/optimizer/distrib_optimizer.py at
+    r0.8.0): layer 0's gather starts with the iteration; the forward of a layer waits for its gather, and on
+    reaching it dispatches the next layer's (one bucket ahead). Returns how much longer the first forward takes
+    than its compute alone."""
+    clock = gather[0]
+    for k, compute in enumerate(forward):
+        next_done = clock + gather[k + 1] if k + 1 < len(gather) else 0.0
+        clock = max(clock + compute, next_done)
+    return clock - sum(forward)
+
+
 times = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
 
 
@@ -41,23 +59,32 @@ def test_the_closed_form_is_the_simulated_stream(pairs):
         assert exposed[j] == pytest.approx(simulated(reduce[:j + 1], backward[:j + 1]), abs=1e-9)
 
 
+@given(st.lists(st.tuples(times, times), min_size=1, max_size=8))
+def test_the_gathers_closed_form_is_the_simulated_stream(pairs):
+    gather, forward = (list(x) for x in zip(*pairs))
+    exposed = exposed_gather(np.array(gather), np.array(forward))
+    for j in range(len(gather)):  # a stage of layers 0..j
+        assert exposed[j] == pytest.approx(simulated_gathers(gather[:j + 1], forward[:j + 1]), abs=1e-9)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_spans_add_each_stage_from_its_first_layer(overlap):
     """`_spans[i, j]` is what a loop adding layers i..j in order gives, bit for bit (the DP's tables, `fits` and
     plan assembly read the same floats), the working set the largest, NaN from a layer that cannot run on, and
-    under overlap the sync the other sync plus the exposed part of the stage's own reductions."""
+    under overlap the sync the other sync plus the exposed parts of the stage's own reductions and gathers."""
     rng = np.random.default_rng(3)
-    columns = rng.uniform(0.0, 1.0, (7, 9)) * rng.choice([1e-3, 1.0, 1e9], (7, 9))
+    columns = rng.uniform(0.0, 1.0, (7, 10)) * rng.choice([1e-3, 1.0, 1e9], (7, 10))
     columns[5] = np.nan
     spans = _spans(columns, overlap)
     for i in range(7):
         for j in range(i, 7):
-            expected = np.zeros(9)
+            expected = np.zeros(10)
             for layer in columns[i:j + 1]:
                 expected[SUMMED] = expected[SUMMED] + layer[SUMMED]
             expected[4] = np.max(columns[i:j + 1, 4])
             if overlap:
-                expected[1] = expected[5] + exposed_reduction(columns[i:j + 1, 6], columns[i:j + 1, 7])[-1]
+                expected[1] = (expected[5] + exposed_reduction(columns[i:j + 1, 6], columns[i:j + 1, 7])[-1]
+                               + exposed_gather(columns[i:j + 1, 9], columns[i:j + 1, 8])[-1])
             if i <= 5 <= j:
                 assert np.isnan(spans[i, j]).all()
             else:
