@@ -23,7 +23,7 @@ from partopt.graph import Graph, Op
 from partopt.ops import is_matmul
 from partopt.pricing import LayerCost
 from partopt.shared import shared_params
-from partopt.sharding import executed_flops, forward_share, kept_bytes, moved_bytes
+from partopt.sharding import executed_flops, forward_share, kept_bytes, moved_bytes, unfused_loss_kept
 
 T = TypeVar("T")
 
@@ -89,7 +89,7 @@ def _footprint(g_mb: Graph, ops: list[Op], modes: Sequence[str], device: Device)
         also_kept = intra.kept_recomputed(g_mb, ops, rerun)
         kept = working = rerun_s = 0.0
         for op in ops:
-            size = kept_bytes(g_mb, op)
+            size = kept_bytes(g_mb, op) + unfused_loss_kept(g_mb, op)
             if op.name not in rerun or op.name in also_kept:
                 kept += size
             if op.name in rerun:

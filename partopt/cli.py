@@ -34,7 +34,7 @@ from partopt.graph import MATMUL_DTYPES, OPTIMIZERS, Graph
 from partopt.inter import DEFAULT_MAX_LAYERS, optimize
 from partopt.intra import RECOMPUTE_MODES
 from partopt.ops import KINDS, is_matmul
-from partopt.models.transformer import ATTENTION_KERNELS
+from partopt.models.transformer import ATTENTION_KERNELS, LOSS_KERNELS
 from partopt.plan import Plan, plan_text, read_plan, write_plan
 from partopt.pricing import prepare_workers
 from partopt.profiled import read_profile
@@ -385,6 +385,9 @@ def inspect(source: str, nodes: int | None, as_json: bool) -> None:
 @click.option("--matmul-dtype", type=click.Choice(list(MATMUL_DTYPES)),
               help="Run the GEMMs at this precision over the --dtype tensors (fp8 with bf16: FP8 training as "
               "Transformer Engine runs it; default: each op at its tensors' dtype).")
+@click.option("--loss-kernel", type=click.Choice(list(LOSS_KERNELS)),
+              help="The cross entropy as one pass over the logits each way (fused, the default) or as Megatron-LM "
+              "runs it: cast to fp32, five kernels forward and one backward (unfused) (gpt, llama).")
 @click.option("--attention-dropout", type=float,
               help="Drop attention probabilities with this probability, a kernel of its own on the math path "
               "(gpt; Megatron-LM's --attention-dropout, 0.1 there; default 0: no dropout op).")

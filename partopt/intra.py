@@ -36,7 +36,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 def recomputed_ops(graph: Graph, ops: Sequence[Op], mode: str) -> frozenset[str]:
     """The ops of `ops` whose forward a recomputation `mode` reruns in backward.
 
-    none: nothing. full: every op (the stage keeps only what leaves it). selective: the
+    none: nothing. full: every op but a loss (the stage keeps only what leaves it). selective: the
     attention core of Korthikanti et al. (2022) — each softmax over the product of two
     activations (the scores), that product, the one-input elementwise ops after the softmax
     (the attention dropout), and the products of their output with another activation (the
@@ -44,8 +44,8 @@ def recomputed_ops(graph: Graph, ops: Sequence[Op], mode: str) -> frozenset[str]
     """
     if mode == "none":
         return frozenset()
-    if mode == "full":
-        return frozenset(op.name for op in ops)
+    if mode == "full":  # but the loss: its backward follows its forward at once, and no runtime checkpoints it
+        return frozenset(op.name for op in ops if op.kind != "cross_entropy")
     if mode != "selective":
         raise ValueError(f"unknown recomputation mode {mode!r}")
     inside = {op.name for op in ops}

@@ -36,7 +36,7 @@ NORM_KINDS = ("layernorm", "rmsnorm")  # what Megatron's sequence parallelism sp
 # refuses any other, which would be silently ignored (an attribute meant for another kind).
 KIND_ATTRS: Mapping[str, tuple[str, ...]] = {
     "einsum": (), "elementwise": ("fn",), "softmax": ("axes",), "layernorm": ("axes",), "rmsnorm": ("axes",),
-    "reduce": ("fn",), "embedding": (), "cross_entropy": (), "conv2d": ("stride",), "pool": ("kernel", "stride", "fn"),
+    "reduce": ("fn",), "embedding": (), "cross_entropy": ("fused",), "conv2d": ("stride",), "pool": ("kernel", "stride", "fn"),
     "reshape": ("split", "merge"), "opaque": ("flops", "primitive"), "attention": ("causal",),
 }
 
@@ -153,6 +153,7 @@ def _check_embedding(op: "Op", graph: "Graph") -> None:
 
 
 def _check_cross_entropy(op: "Op", graph: "Graph") -> None:
+    _require(isinstance(op.attrs.get("fused", True), bool), "fused must be true or false")
     logits, labels = (_dims(graph, t) for t in op.inputs)
     vocab = [d for d in logits if d not in labels]
     _require(len(vocab) == 1, f"logits must have exactly one dim (the vocabulary) beyond the labels' dims, found {vocab}")
@@ -352,8 +353,8 @@ def backward_reads(op: "Op") -> tuple[tuple[bool, ...], bool]:
     """What the op's backward reads of its forward: (per input, whether it reads it; whether it reads the output).
 
     What autograd saves (docs/COSTMODEL.md §5): a product reads its operands (each one's gradient needs the
-    other), a norm its input, softmax and relu-like functions their output, a fused attention its inputs and
-    output; adds, rotations, reshapes, sums and gathers read nothing. An elementwise function not listed
+    other), a norm its input (a fused cross entropy too; an unfused one its own fp32 softmax, none of these),
+    softmax and relu-like functions their output, a fused attention its inputs and output; adds, rotations, reshapes, sums and gathers read nothing. An elementwise function not listed
     (gelu, silu, mul, a fused chain, an unknown name) and an opaque op keep all they read, the safe side.
     """
     every, none = tuple(True for _ in op.inputs), tuple(False for _ in op.inputs)
@@ -367,6 +368,8 @@ def backward_reads(op: "Op") -> tuple[tuple[bool, ...], bool]:
         return (none, True) if fn in OUTPUT_FNS else (every, False)
     if kind == "softmax":
         return none, True
+    if kind == "cross_entropy" and is_unfused_loss(op):  # its own fp32 softmax (`unfused_loss_bytes`), not x
+        return none, False
     if kind in ("layernorm", "rmsnorm", "cross_entropy", "pool"):  # x, not the parameters or labels after it
         return first, False
     if kind == "reduce":
@@ -374,6 +377,13 @@ def backward_reads(op: "Op") -> tuple[tuple[bool, ...], bool]:
     if kind in ("embedding", "reshape"):
         return none, False
     return every, True  # attention (q, k, v, its output and statistics), opaque
+
+
+def is_unfused_loss(op: "Op") -> bool:
+    """A cross entropy run as Megatron-LM runs it (attribute `fused` false; docs/COSTMODEL.md §3, "Bytes moved"):
+    the logits cast to fp32, then five kernels forward (max, subtract, exp, sum, divide) and one backward, each a
+    pass over the fp32 copy, whose softmax it keeps; by default one pass each way over the logits."""
+    return op.kind == "cross_entropy" and op.attrs.get("fused", True) is False
 
 
 def is_matmul(op: "Op") -> bool:

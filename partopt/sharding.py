@@ -575,6 +575,7 @@ def _strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None) 
     share = forward_share(graph, op, mesh.device)
     model = costmodel.active()
     in_bytes, out_bytes, kept = [graph.nbytes(t) for t in op.inputs], graph.nbytes(op.output), kept_bytes(graph, op)
+    kept_softmax = unfused_loss_kept(graph, op)
     strategies = []
     for axes in itertools.product(*_axis_choices(graph, op, mesh, force_dim)):
         if not _divisible(graph, axes, mesh):
@@ -607,7 +608,7 @@ def _strategies(graph: Graph, op: Op, mesh: LogicalMesh, force_dim: str | None) 
             op.kind, shapes, dtype, flops / split, moved, mesh.device, matmul)
         strategies.append(Strategy(
             axes=tuple(axes), inputs=inputs, output=output_t, compute_s=compute, comm=comm, flops=flops / split,
-            memory_bytes=local_bytes(kept, output_t, mesh),
+            memory_bytes=local_bytes(kept, output_t, mesh) + local_bytes(kept_softmax, inputs[0], mesh),
             forward_s=compute * share + sum(comm.values()) / 2))
     return strategies
 
@@ -640,6 +641,8 @@ def moved_bytes(graph: Graph, op: Op, in_bytes: Sequence[float] | None = None,
         out_numel = graph.numel(op.output)
         return forward, sum(out_bytes + b for t, b, grad in zip(op.inputs, in_bytes, needs_grad)
                             if grad and graph.numel(t) < out_numel)
+    if opkinds.is_unfused_loss(op):
+        return unfused_loss_bytes(graph, op, in_bytes, out_bytes)
     reads_in, reads_out = opkinds.backward_reads(op)
     backward = (out_bytes * (1 + reads_out) + sum(b for b, read in zip(in_bytes, reads_in) if read)
                 + sum(b for b, grad in zip(in_bytes, needs_grad) if grad))
@@ -650,6 +653,26 @@ def moved_bytes(graph: Graph, op: Op, in_bytes: Sequence[float] | None = None,
         forward += in_bytes[0]
         backward += out_bytes + in_bytes[0]
     return forward, backward
+
+
+def unfused_loss_bytes(graph: Graph, op: Op, in_bytes: Sequence[float], out_bytes: float) -> tuple[float, float]:
+    """(forward, backward) bytes of Megatron-LM's vocab-parallel cross entropy (`tensor_parallel/cross_entropy.py`)
+    on logits of `x` bytes, `X` as fp32: forward, the cast to fp32 (read x, write X; nothing for fp32 logits),
+    then max (read X), subtract, exp (each read and write X in place), sum (read X) and divide (read and write X),
+    and the labels and the loss; backward, the output gradient and one multiply in place (read and write X), and
+    the gradient cast back (read X, write x)."""
+    x = in_bytes[0]
+    fp32 = x * DTYPE_BYTES["fp32"] / DTYPE_BYTES[graph.dtype_of(op.inputs[0])]
+    cast = x + fp32 if fp32 != x else 0.0
+    return cast + 8 * fp32 + sum(in_bytes[1:]) + out_bytes, out_bytes + 2 * fp32 + cast
+
+
+def unfused_loss_kept(graph: Graph, op: Op) -> float:
+    """Bytes an unfused cross entropy keeps for its backward (whole batch, in its logits' layout): the fp32 softmax
+    it computed in place; 0 for any other op."""
+    if not opkinds.is_unfused_loss(op):
+        return 0.0
+    return graph.numel(op.inputs[0]) * DTYPE_BYTES["fp32"]
 
 
 def _flop_kind(op: Op) -> str:

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 UNFITTED = ROOT / "partopt" / "bench" / "points" / "dgx-a100-unfitted.json"
 SEQ, VOCAB = 2048, 51200  # every model of both tables (SC'21 §5.1)
 ATTENTION_DROPOUT = 0.1  # Megatron-LM's default (--attention-dropout), which the paper does not change
+LOSS_KERNEL = "unfused"  # Megatron-LM's cross entropy on output.float() (docs/COSTMODEL.md §3), in both tables' runs
 SOURCE = "Narayanan et al., SC'21 (arXiv 2104.04473)"
 
 
@@ -98,7 +99,7 @@ def predict(run: Run, cluster: Cluster) -> float:
     layout (fp32 gradients), no memory reserve (published as having fit); ZeRO-3's ran DeepSpeed, priced in the ZeRO
     paper's layout."""
     graph = models.generate("gpt", hidden=run.hidden, layers=run.layers, heads=run.heads, seq=SEQ, vocab=VOCAB,
-                            batch=run.batch, attention_dropout=ATTENTION_DROPOUT)
+                            batch=run.batch, attention_dropout=ATTENTION_DROPOUT, loss_kernel=LOSS_KERNEL)
     dp = run.gpus // (run.tp * run.pp)
     plan = uniform(graph, cluster.resized(run.gpus // cluster.devices_per_node), run.tp, run.pp, dp,
                    run.batch // (dp * run.microbatch), recompute="full", overlap=run.overlap, zero=run.zero3,

@@ -338,6 +338,21 @@ def test_mpt_runs_are_llm_foundry_rows_as_run(name):
         assert p.recompute == ("full" if checkpointing else "none") and p.memory_reserve == 0
 
 
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_runs_of_megatron_lms_model_code_price_its_cross_entropy(name):
+    """Megatron-LM (SC'21, Korthikanti et al., its H100 README table) and Megatron-DeepSpeed (MT-NLG, BLOOM and
+    BigScience's trials) compute the loss with vocab_parallel_cross_entropy on the logits cast to fp32, unfused unless
+    --cross-entropy-loss-fusion, which none of them sets: those points price it unfused (docs/COSTMODEL.md §3). The
+    runs of other code (Alpa's JAX, LLM Foundry, Llama 3, NeMo's recipes) keep the one-pass kernel, their loss kernel
+    unstated."""
+    data = json.loads((POINTS / name).read_text())
+    for point in data["points"]:
+        megatron = point["source"].startswith(("Megatron-LM README", "Narayanan et al., SC'21", "Korthikanti et al.",
+                                               "Smith et al., Megatron-Turing NLG", "BigScience"))
+        expected = "unfused" if megatron else None
+        assert point["model"].get("args", {}).get("loss_kernel") == expected, point["label"]
+
+
 def test_no_held_out_run_is_a_calibration_point():
     """SC'21 Tables 1 and 2 judge the model: none of their runs (shape and plan) may be fitted."""
     heldout = _heldout()

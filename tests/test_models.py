@@ -338,6 +338,7 @@ def test_unknown_and_missing_parameters_are_named():
     (dict(hidden=100, heads=3), "not divisible by heads"),
     (dict(batch=2.5), "batch must be a positive integer"),
     (dict(dtype="fp12"), "unknown dtype"),
+    (dict(loss_kernel="chunked"), "loss_kernel"),
 ])
 def test_bad_generator_arguments_are_instance_errors(kwargs, match):
     args = dict(hidden=64, layers=1, heads=4, seq=8, vocab=10, batch=1) | kwargs
@@ -361,6 +362,13 @@ def test_cli_generate_writes_a_generator_and_a_named_model(tmp_path):
     assert result.exit_code == 0, result.output
     assert graph_to_dict(read_graph(out)) == graph_to_dict(gpt(64, 2, 4, 16, 100, 2, tied=False, attention_dropout=0.1))
     assert sum(op["attrs"].get("fn") == "dropout" for op in graph_to_dict(read_graph(out))["ops"] if "attrs" in op) == 2
+    result = CliRunner().invoke(main, [*args, "--loss-kernel", "unfused"])
+    assert result.exit_code == 0, result.output
+    assert graph_to_dict(read_graph(out)) == graph_to_dict(gpt(64, 2, 4, 16, 100, 2, tied=False, loss_kernel="unfused"))
+    losses = [op for op in graph_to_dict(read_graph(out))["ops"] if op["kind"] == "cross_entropy"]
+    assert [op.get("attrs") for op in losses] == [{"fused": False}]  # Megatron-LM's loss; the default writes none
+    assert [op.get("attrs") for op in graph_to_dict(gpt(64, 2, 4, 16, 100, 2))["ops"]
+            if op["kind"] == "cross_entropy"] == [None]
 
 
 @pytest.mark.parametrize("args, words", [
@@ -369,6 +377,7 @@ def test_cli_generate_writes_a_generator_and_a_named_model(tmp_path):
     (["generate", "gpt", "--hidden", "64", "--layers", "1", "--heads", "4", "--seq", "16", "--vocab", "100", "--batch",
       "2", "--attention-dropout", "1"], ["attention_dropout 1.0 is not a probability"]),
     (["generate", "llama", "--attention-dropout", "0.1"], ["takes no parameter attention_dropout"]),
+    (["generate", "bert", "--loss-kernel", "unfused"], ["takes no parameter loss_kernel"]),
     (["generate", "wresnet", "--depth", "34", "--base-channels", "8", "--width-factor", "1", "--batch", "1"],
      ["depth 34"]),
 ])

@@ -90,3 +90,54 @@ def test_a_dropout_writes_its_mask_forward_and_reads_it_backward():
 def test_an_embedding_writes_its_tables_gradient_and_none_for_the_token_ids(graph):
     tokens, table = B * S * 4, V * H * WORD
     assert _moved(graph, "embed") == (tokens + table + N, N + table)  # backward: read dy, write d table
+
+
+def _loss_graph(dtype: str, kernel: str | None):
+    """x · W → logits[b, s, v] → cross entropy against the labels (Megatron-LM's, unfused, or the one-pass kernel)."""
+    g = GraphBuilder("loss", dtype, "b", {"b": B, "s": S, "h": H, "v": V})
+    logits = g.op("einsum", "logits", [g.input("x", ("b", "s", "h")), g.param("w", ("h", "v"))], ("b", "s", "v"))
+    attrs = {} if kernel is None else {"fused": kernel == "fused"}
+    g.mark_output(g.op("cross_entropy", "loss", [logits, g.input("labels", ("b", "s"), "int32")], (), **attrs))
+    return g.build()
+
+
+@pytest.mark.parametrize("dtype, word", [("bf16", 2), ("fp32", 4)])
+def test_an_unfused_cross_entropy_makes_megatron_lms_passes_over_the_fp32_logits(dtype, word):
+    """Megatron-LM's vocab-parallel cross entropy (megatron/core/tensor_parallel/cross_entropy.py at r0.8.0), kernel by
+    kernel over logits of x bytes, X in fp32: forward .float() (read x, write X), max (read X), subtract, exp (read
+    and write X each, in place), sum (read X), divide (read and write X), the labels read and the loss written;
+    backward the loss's gradient read, mul_ (read and write X) and the cast back to the logits' dtype (read X, write
+    x). fp32 logits need no cast. The one-pass kernel reads x and the labels forward, writes the loss; backward reads
+    the loss's gradient and x, writes dx."""
+    x, X, labels, loss = B * S * V * word, B * S * V * 4, B * S * 4, word
+    cast = x + X if word == 2 else 0
+    assert _moved(_loss_graph(dtype, "unfused"), "loss") == (cast + X + 2 * X + 2 * X + X + 2 * X + labels + loss,
+                                                             loss + 2 * X + cast)
+    assert _moved(_loss_graph(dtype, None), "loss") == (x + labels + loss, loss + x + x)
+
+
+def test_an_unfused_cross_entropy_keeps_its_fp32_softmax_in_place_of_the_logits():
+    """Its backward reads the softmax it saved (fp32), not the logits: the logits GEMM keeps nothing for it, and the
+    loss keeps B·S·V fp32 values, split as its logits are (a vocab-parallel strategy holds 1/tp of them)."""
+    from partopt.cluster import preset as cluster_preset
+    from partopt.sharding import op_strategies, unfused_loss_kept
+
+    unfused, fused = _loss_graph("bf16", "unfused"), _loss_graph("bf16", None)
+    assert kept_bytes(fused, fused.op_index["logits"]) == B * S * V * 2  # the one-pass kernel reads the logits back
+    assert kept_bytes(unfused, unfused.op_index["logits"]) == 0
+    assert unfused_loss_kept(unfused, unfused.op_index["loss"]) == B * S * V * 4
+    mesh = cluster_preset("dgx-a100", 1).logical_mesh((1, 4), (1, 4))
+    split = [s for s in op_strategies(unfused, unfused.op_index["loss"], mesh) if s.axes == (None, "v")]
+    assert kept_bytes(unfused, unfused.op_index["loss"]) == WORD  # the loss itself, the graph's output
+    assert [s.memory_bytes for s in split] == [B * S * V * 4 / 4 + WORD]
+
+
+def test_a_cross_entropy_fused_attribute_that_is_not_a_boolean_is_refused():
+    from partopt.errors import InstanceError
+    from partopt.io import graph_from_dict, graph_to_dict
+
+    data = graph_to_dict(_loss_graph("bf16", "unfused"))
+    next(op for op in data["ops"] if op["name"] == "loss")["attrs"]["fused"] = "no"
+    with pytest.raises(InstanceError, match="expected boolean") as info:
+        graph_from_dict(data)
+    assert "loss" in info.value.where

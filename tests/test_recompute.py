@@ -40,6 +40,16 @@ def test_selective_recomputes_the_attention_core_and_nothing_else():
     assert intra.recomputed_ops(graph, ops, "full") == {op.name for op in ops}
 
 
+def test_full_recomputation_reruns_the_layer_but_not_its_loss():
+    """A loss's backward follows its forward at once, and runtimes checkpoint their layers, not the loss
+    (Megatron-LM's full recomputation wraps the transformer layers; its cross entropy runs after them): full
+    recomputation of the last layer reruns the block, the final norm and the logits, not the cross entropy."""
+    graph = block_graph()  # one layer: the block, then the head
+    ops = [op for op in graph.ops if op.layer == 0]
+    assert {op.name for op in ops if op.kind == "cross_entropy"} == {"head.loss"}
+    assert intra.recomputed_ops(graph, ops, "full") == {op.name for op in ops} - {"head.loss"}
+
+
 def test_a_moe_gate_softmax_is_not_an_attention_core():
     graph = moe(hidden=128, layers=2, heads=4, seq=64, vocab=512, batch=8, experts=4, group_size=128)
     gates = [op for op in graph.ops if op.name.endswith(".gates")]

@@ -12,14 +12,17 @@ from typing import Any
 from partopt.errors import InstanceError
 from partopt.graph import Graph
 from partopt.models.builder import GraphBuilder, require_choice, require_divisible, require_positive
-from partopt.models.transformer import ATTENTION_KERNELS, attention, block, decoder, gelu_mlp, swiglu_mlp, tokens_dims
+from partopt.models.transformer import (ATTENTION_KERNELS, LOSS_KERNELS, attention, block, decoder, gelu_mlp, swiglu_mlp,
+                                        tokens_dims)
 
 
 def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, batch: int,
         dtype: str = "fp16", tied: bool = True, optimizer: str = "adam", attention_kernel: str = "math",
-        attention_dropout: float = 0.0, name: str | None = None) -> Graph:
+        attention_dropout: float = 0.0, loss_kernel: str = "fused", name: str | None = None) -> Graph:
     """GPT-3 / Megatron-LM decoder: learned positions, pre-LayerNorm blocks with biases, 4h MLP;
-    `attention_kernel` "math" (scores, softmax, context) or "flash" (one fused causal op).
+    `attention_kernel` "math" (scores, softmax, context) or "flash" (one fused causal op);
+    `loss_kernel` "fused" (one pass over the logits each way) or "unfused" (Megatron-LM's cross entropy: the
+    logits in fp32, six passes; `ops.is_unfused_loss`, docs/COSTMODEL.md §3).
     `attention_dropout`: the probability attention probabilities are dropped with (Megatron-LM's
     `--attention-dropout`, 0.1 by default there; 0 here, as partopt's other generators): above 0 the math
     path runs a dropout op between softmax and context (docs/models.md); its value does not change a price.
@@ -29,6 +32,7 @@ def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, batch: int,
     require_positive("gpt", hidden=hidden, layers=layers, heads=heads, seq=seq, vocab=vocab, batch=batch)
     require_divisible("gpt", "hidden", hidden, "heads", heads)
     require_choice("gpt", "attention_kernel", attention_kernel, ATTENTION_KERNELS)
+    require_choice("gpt", "loss_kernel", loss_kernel, LOSS_KERNELS)
     if not 0.0 <= attention_dropout < 1.0:
         raise InstanceError(f"attention_dropout {attention_dropout} is not a probability below 1",
                             "gpt(attention_dropout=...)", "give a probability in [0, 1), e.g. Megatron-LM's default 0.1")
@@ -38,14 +42,15 @@ def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, batch: int,
                    dropout=attention_dropout > 0)
     return decoder(b, layers, "layernorm", attn, lambda k: gelu_mlp, positions=True, tied=tied, architecture=dict(
         layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, seq=seq, vocab=vocab, norm="layernorm",
-        mlp="gelu", positions="learned", tied=tied, bias=True, attention_dropout=attention_dropout))
+        mlp="gelu", positions="learned", tied=tied, bias=True, attention_dropout=attention_dropout),
+        loss_kernel=loss_kernel)
 
 
 def llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, seq: int, vocab: int, batch: int,
           dtype: str = "bf16", optimizer: str = "adam", attention_kernel: str = "math", head_dim: int | None = None,
-          name: str | None = None) -> Graph:
+          loss_kernel: str = "fused", name: str | None = None) -> Graph:
     """Llama decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, no biases,
-    untied head; `attention_kernel` as gpt's; `head_dim` d, by default h / heads (Mistral-Nemo's and
+    untied head; `attention_kernel` and `loss_kernel` as gpt's; `head_dim` d, by default h / heads (Mistral-Nemo's and
     Qwen3's are wider: the attention is then heads·d wide, not h).
 
     Query heads are dims (g, r): `g` = kv_heads groups of `r` = heads / kv_heads query heads that
@@ -59,13 +64,15 @@ def llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, seq: in
         require_positive("llama", head_dim=head_dim)
     require_divisible("llama", "heads", heads, "kv_heads", kv_heads)
     require_choice("llama", "attention_kernel", attention_kernel, ATTENTION_KERNELS)
+    require_choice("llama", "loss_kernel", loss_kernel, LOSS_KERNELS)
     d = head_dim or hidden // heads
     b = GraphBuilder(name or f"llama-h{hidden}-l{layers}", dtype, "b",
                      dict(b=batch, s=seq, t=seq, h=hidden, g=kv_heads, r=heads // kv_heads, d=d, f=ffn, v=vocab),
                      optimizer)
     attn = partial(attention, q_heads=("g", "r"), kv_heads=("g",), bias=False, rotary=True, kernel=attention_kernel)
     return decoder(b, layers, "rmsnorm", attn, lambda k: swiglu_mlp, positions=False, tied=False,
-                   architecture=llama_architecture(layers, hidden, heads, kv_heads, ffn, seq, vocab, head_dim=d))
+                   architecture=llama_architecture(layers, hidden, heads, kv_heads, ffn, seq, vocab, head_dim=d),
+                   loss_kernel=loss_kernel)
 
 
 def llama_architecture(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, seq: int, vocab: int,

@@ -29,6 +29,7 @@ def norm(b: GraphBuilder, name: str, x: str, kind: str) -> str:
 
 
 ATTENTION_KERNELS = ("math", "flash")
+LOSS_KERNELS = ("fused", "unfused")  # the cross entropy's op attribute `fused` true or false (`ops.is_unfused_loss`)
 
 
 def attention(b: GraphBuilder, x: str, q_heads: Sequence[str], kv_heads: Sequence[str],
@@ -101,20 +102,23 @@ def embed_tokens(b: GraphBuilder, tokens: str, positions: bool) -> str:
     return x
 
 
-def lm_head(b: GraphBuilder, x: str, labels: str, norm_kind: str, tied_table: str | None) -> str:
+def lm_head(b: GraphBuilder, x: str, labels: str, norm_kind: str, tied_table: str | None,
+            loss_kernel: str = "fused") -> str:
     """Final norm, logits over the vocabulary (tied to the embedding table or a new w[h,v]),
-    cross entropy against the labels: the scalar loss (role output)."""
+    cross entropy against the labels: the scalar loss (role output), run as `loss_kernel` says (`LOSS_KERNELS`;
+    "unfused" writes the op's attribute `fused` false)."""
     x = norm(b, "ln", x, norm_kind)
     table = tied_table if tied_table is not None else b.param("w", ("h", "v"))
     logits = b.op("einsum", "logits", [x, table], tokens_dims(b, "v"))
-    return b.mark_output(b.op("cross_entropy", "loss", [logits, labels], ()))
+    attrs = {"fused": False} if loss_kernel == "unfused" else {}
+    return b.mark_output(b.op("cross_entropy", "loss", [logits, labels], (), **attrs))
 
 
 def decoder(b: GraphBuilder, layers: int, norm_kind: str, attn: Sublayer, ffn_of: Callable[[int], Sublayer],
-            positions: bool, tied: bool, architecture: dict[str, Any] | None = None) -> Graph:
+            positions: bool, tied: bool, architecture: dict[str, Any] | None = None, loss_kernel: str = "fused") -> Graph:
     """A language model: token (and position) embedding in layer 0, `layers` pre-norm blocks
-    (block k's feed-forward is `ffn_of(k)`), final norm, LM head and loss in the last layer; `architecture`: the
-    generator's record of it (`Graph.architecture`)."""
+    (block k's feed-forward is `ffn_of(k)`), final norm, LM head and loss (`lm_head`'s `loss_kernel`) in the last
+    layer; `architecture`: the generator's record of it (`Graph.architecture`)."""
     tokens, labels = b.input("tokens", ("b", "s"), "int32"), b.input("labels", ("b", "s"), "int32")
     with b.scope("embed", 0):
         x = embed_tokens(b, tokens, positions=positions)
@@ -122,5 +126,5 @@ def decoder(b: GraphBuilder, layers: int, norm_kind: str, attn: Sublayer, ffn_of
         with b.scope(f"l{k}", k):
             x = block(b, x, norm_kind, attn, ffn_of(k))
     with b.scope("head", layers - 1):
-        lm_head(b, x, labels, norm_kind, "embed.wte" if tied else None)
+        lm_head(b, x, labels, norm_kind, "embed.wte" if tied else None, loss_kernel)
     return b.build(architecture)
