@@ -51,20 +51,15 @@ def simulated_gathers(gather: list[float], forward: list[float]) -> float:
 times = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
 
 
-@given(st.lists(st.tuples(times, times), min_size=1, max_size=8))
-def test_the_closed_form_is_the_simulated_stream(pairs):
-    reduce, backward = (list(x) for x in zip(*pairs))
-    exposed = exposed_reduction(np.array(reduce), np.array(backward))
-    for j in range(len(reduce)):  # a stage of layers 0..j
-        assert exposed[j] == pytest.approx(simulated(reduce[:j + 1], backward[:j + 1]), abs=1e-9)
-
-
-@given(st.lists(st.tuples(times, times), min_size=1, max_size=8))
-def test_the_gathers_closed_form_is_the_simulated_stream(pairs):
-    gather, forward = (list(x) for x in zip(*pairs))
-    exposed = exposed_gather(np.array(gather), np.array(forward))
-    for j in range(len(gather)):  # a stage of layers 0..j
-        assert exposed[j] == pytest.approx(simulated_gathers(gather[:j + 1], forward[:j + 1]), abs=1e-9)
+@pytest.mark.parametrize("closed_form, simulation", [(exposed_reduction, simulated), (exposed_gather, simulated_gathers)])
+@given(pairs=st.lists(st.tuples(times, times), min_size=1, max_size=8))
+def test_the_closed_forms_are_the_simulated_streams(closed_form, simulation, pairs):
+    """The reductions against the last backward, the gathers against the next forward: (seconds of communication,
+    seconds of compute) per layer."""
+    comm, compute = (list(x) for x in zip(*pairs))
+    exposed = closed_form(np.array(comm), np.array(compute))
+    for j in range(len(comm)):  # a stage of layers 0..j
+        assert exposed[j] == pytest.approx(simulation(comm[:j + 1], compute[:j + 1]), abs=1e-9)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
