@@ -36,7 +36,8 @@ NORM_KINDS = ("layernorm", "rmsnorm")  # what Megatron's sequence parallelism sp
 # refuses any other, which would be silently ignored (an attribute meant for another kind).
 KIND_ATTRS: Mapping[str, tuple[str, ...]] = {
     "einsum": (), "elementwise": ("fn",), "softmax": ("axes",), "layernorm": ("axes",), "rmsnorm": ("axes",),
-    "reduce": ("fn",), "embedding": (), "cross_entropy": ("fused",), "conv2d": ("stride",), "pool": ("kernel", "stride", "fn"),
+    "reduce": ("fn",), "embedding": (), "cross_entropy": ("fused",), "conv2d": ("stride",),
+    "pool": ("kernel", "stride", "fn"),
     "reshape": ("split", "merge"), "opaque": ("flops", "primitive"), "attention": ("causal",),
 }
 
@@ -354,7 +355,8 @@ def backward_reads(op: "Op") -> tuple[tuple[bool, ...], bool]:
 
     What autograd saves (docs/COSTMODEL.md §5): a product reads its operands (each one's gradient needs the
     other), a norm its input (a fused cross entropy too; an unfused one its own fp32 softmax, none of these),
-    softmax and relu-like functions their output, a fused attention its inputs and output; adds, rotations, reshapes, sums and gathers read nothing. An elementwise function not listed
+    softmax and relu-like functions their output, a fused attention its inputs and output; adds, rotations,
+    reshapes, sums and gathers read nothing. An elementwise function not listed
     (gelu, silu, mul, a fused chain, an unknown name) and an opaque op keep all they read, the safe side.
     """
     every, none = tuple(True for _ in op.inputs), tuple(False for _ in op.inputs)

@@ -57,7 +57,7 @@ class Pipeline:
     batch: int
     shared: dict[str, tuple[int, ...]]
     cluster: Cluster
-    overlap: bool = False  # gradient reductions overlap the last backward, weight gathers the next forward (`exposed_*`)
+    overlap: bool = False  # reductions hide under the last backward, weight gathers the next forward (`exposed_*`)
     graph: Graph | None = None  # the model at full batch: FLOP shares of forward and weight passes (`split_table`)
     # send_s by (first, last, end, receiver, cost model): the DP's tables ask for the same stages' sends many times
     _sends: dict = field(default_factory=dict, init=False, repr=False, compare=False)
