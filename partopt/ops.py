@@ -370,7 +370,7 @@ def backward_reads(op: "Op") -> tuple[tuple[bool, ...], bool]:
         return (none, True) if fn in OUTPUT_FNS else (every, False)
     if kind == "softmax":
         return none, True
-    if kind == "cross_entropy" and is_unfused_loss(op):  # its own fp32 softmax (`unfused_loss_bytes`), not x
+    if is_unfused_loss(op):  # its own fp32 softmax (`unfused_loss_bytes`), not x
         return none, False
     if kind in ("layernorm", "rmsnorm", "cross_entropy", "pool"):  # x, not the parameters or labels after it
         return first, False

@@ -59,13 +59,12 @@ def _mlp_data_parallel_by_hand(graph, n: int, state_per_param: int = 16, overlap
     With `overlap`, layer 1's reduction (R1) runs during layer 0's backward (B0) and layer 0's (R0)
     after it: R0 + max(0, R1 − B0) stays exposed (docs/COSTMODEL.md §5b).
     """
-    dev, link = preset("p3.16xlarge", 1).device, preset("p3.16xlarge", 1).intra_node
-    b, h, f = (graph.dims[d] for d in ("b", "h", "f"))
-    word = costmodel.DTYPE_BYTES[graph.dtype]
-    grad_word = word if grad_word is None else grad_word
+    cluster = preset("p3.16xlarge", 1)
+    dev, link = cluster.device, cluster.intra_node
+    grad_word = costmodel.DTYPE_BYTES[graph.dtype] if grad_word is None else grad_word
     times = _mlp_op_times(graph, n)
     compute = sum(t for _, t, _ in times)
-    params = {0: [h * f, f], 1: [f * h, h]}
+    params = _mlp_params(graph)
     # gradients are all-reduced in buckets: only the bandwidth terms count
     reduce = {layer: sum(2 * (n - 1) / n * grad_word * p / link.bandwidth for p in ps) for layer, ps in params.items()}
     optimizer = sum(costmodel.compute_time(0.0, 2 * state_per_param * p, dev, "fp32", False)
@@ -74,6 +73,12 @@ def _mlp_data_parallel_by_hand(graph, n: int, state_per_param: int = 16, overlap
         return compute + reduce[0] + reduce[1] + optimizer
     backward0 = sum(t * share for layer, t, share in times if layer == 0)  # a GEMM's: 2 of 3; the rest: its bytes'
     return compute + reduce[0] + max(0.0, reduce[1] - backward0) + optimizer
+
+
+def _mlp_params(graph) -> dict[int, list[int]]:
+    """Per layer of the 2-layer MLP, its parameters' sizes: the weight and the bias."""
+    h, f = graph.dims["h"], graph.dims["f"]
+    return {0: [h * f, f], 1: [f * h, h]}
 
 
 def _mlp_op_times(graph, n: int) -> list[tuple[int, float, float]]:
@@ -115,14 +120,13 @@ def test_zero_under_overlap_gathers_the_updated_weights_under_the_next_forward()
     (docs/COSTMODEL.md §5b): R0 + max(0, R1 − B0) + G0 + max(0, G1 − F0) stay exposed."""
     graph = io.read_graph(INSTANCES / "mlp-2layer.json")
     cluster, n = preset("p3.16xlarge", 1), 8
-    h, f = graph.dims["h"], graph.dims["f"]
     word = costmodel.DTYPE_BYTES[graph.dtype]
     times = _mlp_op_times(graph, n)
     compute = sum(t for _, t, _ in times)
     forward0 = sum(t * (1 - share) for layer, t, share in times if layer == 0)
     backward0 = sum(t * share for layer, t, share in times if layer == 0)
-    ring = {layer: (n - 1) / n * word * p / cluster.intra_node.bandwidth
-            for layer, p in ((0, h * f + f), (1, f * h + h))}  # a reduce-scatter and an all-gather move the same
+    ring = {layer: (n - 1) / n * word * sum(ps) / cluster.intra_node.bandwidth
+            for layer, ps in _mlp_params(graph).items()}  # a reduce-scatter and an all-gather move the same
     plans = {overlap: uniform(graph, cluster, tp=1, pp=1, dp=n, microbatches=1, zero=True, overlap=overlap)
              for overlap in (False, True)}
     optimizer = plans[False].stages[0].breakdown["optimizer_s"]
